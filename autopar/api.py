@@ -1,0 +1,178 @@
+"""`parallelize`: run the passes and wrap the per-rank graph in a module that behaves like the
+original: same call signature, original parameter names (as DTensors), DTensor or plain outputs."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from passes import Grid, capture, insert_collectives, localize, propagate
+from passes.capture import Captured, flatten_inputs
+from passes.layout import REPLICATED, Layout
+from passes.ops.summa import LOWERINGS
+
+__all__ = ["parallelize", "ParallelModule", "FallbackWarning"]
+
+
+class FallbackWarning(UserWarning):
+    """Some ops run unsplit (gathered whole on every rank): correct, but slower and bigger."""
+
+
+@dataclass
+class Compiled:
+    gm: torch.fx.GraphModule
+    captured: Captured
+    out_layouts: list  # per flat output: (Layout, global shape) or None for non-tensors
+    fallbacks: list
+
+
+def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str) -> tuple:
+    cap = capture(model, args, kwargs)
+    prop = propagate(cap.gm, grid.q, indivisible=indivisible)
+    gm = insert_collectives(cap.gm, grid, lowering)
+    localize(gm, grid.q)
+    out_node = gm.graph.output_node()
+    outs = []
+    for a in pytree.tree_leaves(out_node.args[0]):
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        outs.append((a.meta["autopar_layout"], tuple(v.shape)) if isinstance(v, torch.Tensor) else None)
+    if prop.fallbacks:
+        lines = "\n".join(f"  {n.name} ({n.target}) in {path or '<top>'}: {why}" for n, path, why in prop.fallbacks)
+        warnings.warn(
+            f"autopar: {len(prop.fallbacks)} op(s) run unsplit (gathered whole, computed on every rank, "
+            f"split again):\n{lines}",
+            FallbackWarning,
+            stacklevel=3,
+        )
+    return Compiled(gm, cap, outs, prop.fallbacks), prop.param_layouts
+
+
+def _set_path(root: nn.Module, path: str, value, kind: str, persistent: bool = True) -> None:
+    *mods, leaf = path.split(".")
+    m = root
+    for name in mods:
+        if not hasattr(m, name):
+            m.add_module(name, nn.Module())
+        m = getattr(m, name)
+    if kind == "param":
+        m.register_parameter(leaf, value)
+    else:
+        m.register_buffer(leaf, value, persistent=persistent)
+
+
+class ParallelModule(nn.Module):
+    """The 2D-parallel model on one rank. Call it like the original, on every rank, with the same
+    full inputs. A call with new input shapes or a new train/eval mode is compiled once and cached."""
+
+    def __init__(self, model: nn.Module, grid: Grid, first: Compiled, key, param_layouts: dict, options: dict):
+        super().__init__()
+        object.__setattr__(self, "_source", model)  # kept to capture new shapes / modes; not a child
+        self.grid = grid
+        self._options = options
+        self._param_layouts = param_layouts
+        self._compiled = {key: first}
+        for name, p in model.named_parameters():
+            lay = param_layouts.get(name, REPLICATED)
+            dt = distribute_tensor(p.detach().clone(), grid.mesh, list(lay.placements), src_data_rank=0)
+            _set_path(self, name, nn.Parameter(dt, requires_grad=p.requires_grad), "param")
+        for name, b in first.captured.buffers.items():
+            _set_path(self, name, b.detach().clone(), "buffer", name in first.captured.persistent)
+        self.train(model.training)
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        """The compiled per-rank graph for the most recent call (for inspection)."""
+        return self._last.gm
+
+    def _key(self, flat, training):
+        return (training,) + tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
+
+    def _get(self, args, kwargs):
+        first = next(iter(self._compiled.values()))
+        flat = flatten_inputs(first.captured, args, kwargs)
+        key = self._key(flat, self.training)
+        if key not in self._compiled:
+            model = self._source
+            was = model.training
+            model.train(self.training)
+            try:
+                comp, layouts = _compile(model, args, kwargs, self.grid, **self._options)
+            finally:
+                model.train(was)
+            changed = {n: (self._param_layouts.get(n), lay) for n, lay in layouts.items()
+                       if self._param_layouts.get(n, lay) != lay}
+            if changed:
+                raise NotImplementedError(
+                    f"new input shapes {[k for k in key[1:]]} lead to other parameter layouts "
+                    f"({changed}); call the model with the shapes it was parallelized for"
+                )
+            self._compiled[key] = comp
+        return self._compiled[key], flat
+
+    def forward(self, *args, **kwargs):
+        comp, flat = self._get(args, kwargs)
+        self._last = comp
+        locals_, cache = [], {}
+        for role, key in comp.captured.sources:
+            if role == "param":
+                if key not in cache:
+                    cache[key] = self.get_parameter(key).to_local()
+                locals_.append(cache[key])
+            elif role == "buffer":
+                locals_.append(self.get_buffer(key))
+            elif role == "constant":
+                locals_.append(comp.captured.constants[key])
+            else:
+                locals_.append(flat[key])
+        outs = comp.gm(*locals_)
+        wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
+        return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
+
+    def _wrap(self, out, lay_shape):
+        if lay_shape is None or not isinstance(out, torch.Tensor):
+            return out
+        lay, shape = lay_shape
+        if lay.is_replicated:
+            return out
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(out, self.grid.mesh, list(lay.placements), run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+
+
+def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
+                lowering: str = "broadcast", indivisible: str = "error") -> ParallelModule:
+    """Compile `model` for 2D tensor parallelism on a q x q grid; call on every rank.
+
+    Args:
+        model: an unmodified nn.Module (it is not changed; its weights are copied into shards).
+        grid: (q, q); q*q must equal the world size of the default process group.
+        example_inputs / example_kwargs: one call's inputs, used to capture the graph.
+        lowering: 'broadcast' (the paper's stepwise SUMMA) or 'allgather' (gather panels, one matmul).
+        indivisible: 'error' (default) raises when a matmul or embedding dim is not divisible by q;
+            'replicate' runs such ops unsplit, with a FallbackWarning.
+    """
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering={lowering!r}: expected one of {LOWERINGS}")
+    if indivisible not in ("error", "replicate"):
+        raise ValueError(f"indivisible={indivisible!r}: expected 'error' or 'replicate'")
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) for g in grid)):
+        raise ValueError(f"grid={grid!r}: expected a pair of ints (q, q), e.g. grid=(2, 2)")
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
+            "(backend 'gloo' on CPU, 'nccl' on GPUs) on every rank first, or use autopar.launch.spawn"
+        )
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    g = Grid(*grid)
+    options = {"lowering": lowering, "indivisible": indivisible}
+    comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
+    flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)
+    pm = ParallelModule(model, g, comp, None, layouts, options)
+    pm._compiled = {pm._key(flat, model.training): comp}
+    return pm

@@ -1,0 +1,126 @@
+"""Capture: an nn.Module and example inputs -> an aten-level fx GraphModule with every input lifted.
+
+Uses `torch.export.export(strict=False)`. Parameters, buffers and constants become placeholders; the
+pass records on each placeholder what it stands for in `node.meta["autopar_role"]`
+('param' | 'buffer' | 'constant' | 'input') and, for parameters, the canonical name (the first name
+`named_parameters()` gives a tensor shared by several modules, e.g. a tied embedding) in
+`node.meta["autopar_param"]`.
+
+>>> import torch
+>>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
+>>> [n.meta["autopar_role"] for n in cap.gm.graph.find_nodes(op="placeholder")]
+['param', 'param', 'input']
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not trace the model."""
+
+
+@dataclass
+class Captured:
+    gm: torch.fx.GraphModule
+    sources: list  # per placeholder: (role, key) with key a name or a user-input index
+    in_spec: object
+    out_spec: object
+    constants: dict
+    buffers: dict  # canonical name -> tensor (full)
+    persistent: set
+
+
+def _user_frame(exc: BaseException):
+    """The innermost traceback frame outside torch: where the user's (or the model library's) code failed."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
+    here = os.path.dirname(__file__)
+    frames = [f for f in frames if not f.filename.startswith(here)]
+    return frames[-1] if frames else None
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+    kwargs = kwargs or {}
+    try:
+        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as e:  # re-raised with the user's line; the original stays chained
+        frame = _user_frame(e)
+        where = f"{frame.filename}:{frame.lineno}: `{frame.line}`" if frame else "(no frame outside torch)"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {first}\n"
+            f"  failing line: {where}\n"
+            f"  What to try: data-dependent Python control flow (`if tensor.sum() > 0:`, `.item()`, "
+            f"`.tolist()`) cannot be traced; rewrite it with torch.where / torch.cond, or move it out of "
+            f"forward(). Generation caches must be off (use_cache=False)."
+        ) from e
+
+    canonical = {}
+    for name, p in model.named_parameters():
+        canonical.setdefault(id(p), name)
+    buffers = dict(model.named_buffers())
+    sig = ep.graph_signature
+    gm = ep.graph_module
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    sources, user_i, persistent = [], 0, set()
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind == InputKind.PARAMETER:
+            name = canonical[id(model.get_parameter(spec.target))]
+            node.meta.update(autopar_role="param", autopar_param=name)
+            sources.append(("param", name))
+        elif spec.kind == InputKind.BUFFER:
+            node.meta["autopar_role"] = "buffer"
+            sources.append(("buffer", spec.target))
+            if spec.persistent:
+                persistent.add(spec.target)
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            node.meta["autopar_role"] = "constant"
+            sources.append(("constant", spec.target))
+        else:
+            node.meta["autopar_role"] = "input"
+            sources.append(("input", user_i))
+            user_i += 1
+    for node in gm.graph.nodes:  # drop export's runtime assertions on input metadata
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten._assert_tensor_metadata.default,
+        ) and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return Captured(
+        gm=gm,
+        sources=sources,
+        in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
+        constants=dict(ep.constants),
+        buffers={k: buffers[k] for k in sig.buffers},
+        persistent=persistent,
+    )
+
+
+def flatten_inputs(captured: Captured, args: tuple, kwargs: dict | None) -> list:
+    """The user inputs in placeholder order; kwargs may come in any order."""
+    kwargs = kwargs or {}
+    spec_kwargs = captured.in_spec.children_specs[1].context if captured.in_spec.num_children == 2 else []
+    unknown = set(kwargs) - set(spec_kwargs)
+    missing = set(spec_kwargs) - set(kwargs)
+    if unknown or missing:
+        raise TypeError(
+            f"the parallel model was captured with keyword arguments {sorted(spec_kwargs)} but was called "
+            f"with {sorted(kwargs)}; pass the same keywords as example_kwargs had"
+        )
+    flat, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in spec_kwargs}))
+    if spec != captured.in_spec:
+        raise TypeError(
+            f"the parallel model was captured for inputs structured as {captured.in_spec} but was called "
+            f"with {spec}; call it the way example_inputs/example_kwargs were given"
+        )
+    return flat

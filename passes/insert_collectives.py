@@ -1,0 +1,125 @@
+"""Collective insertion: make every input arrive in the layout its rule asked for, and swap the ops
+that need communication for their sharded kernels.
+
+Requires `autopar_layout` / `autopar_strategy` from `propagate`. For each consumer it inserts, as
+call_module nodes on the GraphModule:
+
+- `Redistribute(src -> dst)` where an input's layout differs from the one required (one per distinct
+  (input, layout) pair, shared by the consumers that need it);
+- `GradSync(axes)` where an input stays replicated over a mesh axis that the consumer's output is
+  split (or partial) over: each rank's backward then holds only its block's share of that input's
+  gradient, and the all-reduce makes it whole (a LayerNorm weight, a bias, a position embedding);
+- a kernel module (SUMMA, sharded norm, vocab-split embedding, vocab-parallel cross-entropy) in place
+  of the aten call, when the rule named one.
+
+New nodes carry `autopar_layout`; kernels keep the replaced node's name, meta and strategy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate
+from torch.fx import GraphModule, Node
+
+from passes.layout import Layout
+from passes.mesh import Grid
+from passes.ops import kernels
+
+aten = torch.ops.aten
+
+
+def _out_split_axes(node: Node) -> set:
+    lay = node.meta.get("autopar_layout")
+    lays = lay if isinstance(lay, tuple) else (lay,)
+    return {a for lay in lays if isinstance(lay, Layout) for a in range(2) if not isinstance(lay[a], Replicate)}
+
+
+def _wants_grad(node: Node) -> bool:
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
+def _add_module(gm: GraphModule, before: Node, name: str, module, arg: Node, layout) -> Node:
+    name = name.replace(".", "_")
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_before(before):
+        new = gm.graph.call_module(name, (arg,))
+    new.meta.update(val=arg.meta.get("val"), autopar_layout=layout, autopar_inserted=True)
+    return new
+
+
+def _kernel(node: Node, grid: Grid, lowering: str):
+    strat = node.meta["autopar_strategy"]
+    tag = node.name
+    if strat.kernel == "summa":
+        e = strat.extra
+        module = kernels.SummaLinear(grid, e["transposed"], e["flip"], tag, lowering)
+        args = (e["x"], e["w"]) + ((e["bias"],) if e["bias"] is not None else ())
+    elif strat.kernel == "norm":
+        x, shape_, w, b = (list(node.args) + [None, None])[:4]
+        eps = node.args[4] if node.target == aten.layer_norm.default and len(node.args) > 4 else (
+            node.args[3] if node.target == aten.rms_norm.default and len(node.args) > 3 else None)
+        if node.target == aten.layer_norm.default and eps is None:
+            eps = 1e-5
+        if node.target == aten.rms_norm.default:
+            b = None
+        module = kernels.ShardedNorm(grid, shape_[-1], eps, node.target == aten.layer_norm.default, tag)
+        args = (x, w, b)
+    elif strat.kernel == "embedding":
+        padding_idx = node.args[2] if len(node.args) > 2 else -1
+        module = kernels.VocabSplitEmbedding(grid, strat.extra["vocab_axis"], padding_idx, tag)
+        args = tuple(node.args[:2])
+    elif strat.kernel == "cross_entropy":
+        ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        module = kernels.VocabParallelCrossEntropy(grid, ignore, tag)
+        args = tuple(node.args[:2])
+    else:
+        raise AssertionError(f"unknown kernel {strat.kernel!r} on {node.name}")
+    return module, args
+
+
+def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast") -> GraphModule:
+    cache: dict = {}
+    replaced: dict = {}  # node swapped for a kernel -> its kernel node
+    for node in list(gm.graph.nodes):
+        strat = node.meta.get("autopar_strategy")
+        if strat is None or node.meta.get("autopar_inserted"):
+            continue
+        split_axes = _out_split_axes(node)
+        routed = {}
+        for inp, need in strat.inputs.items():
+            inp = replaced.get(inp, inp)
+            have = inp.meta["autopar_layout"]
+            new = inp
+            if have != need:
+                key = (inp, need)
+                if key not in cache:
+                    mod = kernels.Redistribute(grid, have, need, f"{inp.name}->{node.name}")
+                    cache[key] = _add_module(gm, node, f"autopar_redist_{inp.name}_{len(cache)}", mod, inp, need)
+                new = cache[key]
+            sync = tuple(a for a in sorted(split_axes) if isinstance(need[a], Replicate))
+            if sync and _wants_grad(inp) and node.op != "output":
+                key = (inp, need, sync)
+                if key not in cache:
+                    mod = kernels.GradSync(grid, sync, f"gradsync:{inp.name}")
+                    cache[key] = _add_module(gm, node, f"autopar_gradsync_{inp.name}_{len(cache)}", mod, new, need)
+                new = cache[key]
+            if new is not inp:
+                node.replace_input_with(inp, new)
+                routed[inp] = new
+        if strat.kernel is not None:
+            module, args = _kernel(node, grid, lowering)
+            args = tuple(routed.get(replaced.get(a, a), replaced.get(a, a)) if isinstance(a, Node) else a
+                         for a in args)
+            name = f"autopar_{strat.kernel}_{node.name}"
+            gm.add_submodule(name, module)
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_module(name, args)
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            new.name = node.name
+            replaced[node] = new
+    gm.graph.lint()
+    gm.recompile()
+    return gm

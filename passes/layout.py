@@ -1,0 +1,88 @@
+"""Layouts: one placement per mesh axis, using `torch.distributed.tensor` placement types.
+
+A layout is a pair (placement over axis 0, placement over axis 1); it prints compactly, e.g.
+`S(0)S(2)` for an activation [b, s, h] split batch over rows and hidden over columns, `RS(0)` for a
+bias split over columns, `P(sum)R` for a partial sum over the same-column group.
+
+>>> from torch.distributed.tensor import Shard, Replicate
+>>> lay = Layout((Shard(0), Shard(2)))
+>>> lay, local_shape((8, 16, 32), lay, q=2)
+(S(0)S(2), (4, 16, 16))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["Layout", "Partial", "Replicate", "Shard", "REPLICATED", "local_shape", "ShardingError"]
+
+
+class ShardingError(ValueError):
+    """A tensor cannot be laid out as asked (for example a dimension not divisible by q)."""
+
+
+def _short(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    return "R"
+
+
+@dataclass(frozen=True)
+class Layout:
+    placements: tuple  # (axis 0, axis 1)
+
+    def __post_init__(self):
+        dims = [p.dim for p in self.placements if isinstance(p, Shard)]
+        assert len(dims) == len(set(dims)), f"two mesh axes shard the same dim: {self}"
+
+    def __repr__(self) -> str:
+        return "".join(_short(p) for p in self.placements)
+
+    def __getitem__(self, axis: int) -> Placement:
+        return self.placements[axis]
+
+    def with_axis(self, axis: int, p: Placement) -> "Layout":
+        ps = list(self.placements)
+        ps[axis] = p
+        return Layout(tuple(ps))
+
+    def shard_axis(self, dim: int) -> int | None:
+        """The mesh axis that shards tensor `dim`, or None."""
+        for axis, p in enumerate(self.placements):
+            if isinstance(p, Shard) and p.dim == dim:
+                return axis
+        return None
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    @property
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def normalized(self, ndim: int) -> "Layout":
+        """Negative shard dims made positive."""
+        return Layout(tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in self.placements))
+
+
+REPLICATED = Layout((Replicate(), Replicate()))
+
+
+def local_shape(shape, layout: Layout, q: int, what: str = "tensor") -> tuple:
+    """The block shape a rank holds; raises ShardingError when a split dim is not divisible by q."""
+    out = list(shape)
+    for p in layout.placements:
+        if isinstance(p, Shard):
+            if out[p.dim] % q:
+                raise ShardingError(
+                    f"{what}: dim {p.dim} of shape {tuple(shape)} has size {shape[p.dim]}, which is not "
+                    f"divisible by the grid's q={q}; it cannot be split {layout}."
+                )
+            out[p.dim] //= q
+    return tuple(out)

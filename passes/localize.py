@@ -1,0 +1,33 @@
+"""Localization: rewrite the sizes baked into the graph from global to per-rank block sizes.
+
+Requires `autopar_layout` on every node (from `propagate`). view / reshape / expand carry their target
+sizes as integers (head counts, hidden sizes, batch); after this pass they hold the block's sizes,
+computed from the node's global shape and its layout. Ops that build tensors from sizes (arange,
+zeros, full) produce replicated whole tensors and keep theirs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule
+
+from passes.layout import local_shape
+
+aten = torch.ops.aten
+_SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def localize(gm: GraphModule, q: int) -> GraphModule:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SIZED:
+            size = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], q, node.name)
+            node.args = (node.args[0], list(size)) + tuple(node.args[2:])
+        elif node.op == "call_function" and node.target == aten.unflatten.int:
+            x, dim, _ = node.args
+            out = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], q, node.name)
+            n = len(node.meta["val"].shape) - len(x.meta["val"].shape) + 1
+            dim = dim % len(x.meta["val"].shape)
+            node.args = (x, dim, list(out[dim:dim + n]))
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,94 @@
+"""The q x q device grid and its two kinds of process groups.
+
+Device (r, c) has global rank r*q + c (row-major, like DeviceMesh). Mesh axis 0 is indexed by the row
+index r and axis 1 by the column index c. A collective *over axis 0* runs among the devices that share
+a column index c; DeviceMesh calls that `get_group(0)`. To keep the two readings apart, this module
+only ever says which index the group members share:
+
+    grid.same_row_group  devices (r, 0..q-1)  -- collectives over mesh axis 1
+    grid.same_col_group  devices (0..q-1, c)  -- collectives over mesh axis 0
+
+Activations [b, s, h] are split batch over axis 0 and hidden over axis 1, so the LayerNorm statistics
+are all-reduced in the same-row group and batch means in the same-column group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXIS_NAMES = ("r", "c")  # mesh axis 0 is indexed by r, axis 1 by c
+
+
+@dataclass
+class CommLog:
+    """Bytes each collective *received* on this rank, keyed by (tag, phase).
+
+    Conventions (per rank): broadcast of N bytes -> N on every non-root; reduce of N bytes -> (q-1)*N
+    on the destination; all-gather of N bytes per rank -> (q-1)*N; reduce-scatter of an N-byte input
+    -> (q-1)*N/q; all-reduce of N bytes -> 2*(q-1)*N/q (ring).
+    """
+
+    bytes: dict = field(default_factory=lambda: defaultdict(int))
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, tag: str, phase: str, nbytes: int) -> None:
+        self.bytes[(tag, phase)] += int(nbytes)
+        self.calls[(tag, phase)] += 1
+
+    def total(self, prefix: str = "") -> int:
+        return sum(v for (tag, _), v in self.bytes.items() if tag.startswith(prefix))
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+class Grid:
+    """A square q x q grid over the default process group, with counted collectives."""
+
+    def __init__(self, rows: int, cols: int, device_type: str = "cpu"):
+        if rows != cols:
+            raise ValueError(
+                f"grid=({rows}, {cols}) is not square: the SUMMA engine needs a q x q grid. "
+                f"Use grid=(q, q) with q*q processes (for example (2, 2) with 4)."
+            )
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if rows * cols != world:
+            raise ValueError(
+                f"grid=({rows}, {cols}) needs {rows * cols} processes but the default process group "
+                f"has world size {world}. Start {rows * cols} processes (torchrun --nproc-per-node "
+                f"{rows * cols}) or pick a grid whose size equals the world size."
+            )
+        self.q = rows
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.r, self.c = divmod(self.rank, self.q)
+        self.device_type = device_type
+        self.log = CommLog()
+        if dist.is_initialized():
+            self.mesh: DeviceMesh | None = init_device_mesh(
+                device_type, (rows, cols), mesh_dim_names=AXIS_NAMES
+            )
+            self.same_col_group = self.mesh.get_group(0)
+            self.same_row_group = self.mesh.get_group(1)
+        else:
+            self.mesh = None
+            self.same_col_group = self.same_row_group = None
+
+    def group(self, axis: int):
+        """Process group of a collective over mesh `axis` (0: same column, 1: same row)."""
+        return self.same_col_group if axis == 0 else self.same_row_group
+
+    def index(self, axis: int) -> int:
+        """This rank's position inside the group of `axis` (r for axis 0, c for axis 1)."""
+        return self.r if axis == 0 else self.c
+
+    def global_rank(self, axis: int, i: int) -> int:
+        """Global rank of member i of this rank's group over `axis`."""
+        return i * self.q + self.c if axis == 0 else self.r * self.q + i
+
+    def __repr__(self) -> str:
+        return f"Grid({self.q}x{self.q}, rank={self.rank}, (r, c)=({self.r}, {self.c}))"

@@ -1,0 +1,168 @@
+"""Collectives over one mesh axis that count the bytes they receive, and their autograd wrappers.
+
+Every collective the compiled graph runs goes through this module, so `Grid.log` holds the exact
+traffic of a step. Tensors are local blocks; `axis` names the mesh axis the collective runs over
+(see `passes.mesh`). The autograd wrappers keep one invariant, the one the whole engine relies on:
+the gradient of a local block is the block of the global gradient with the same placement
+(a replicated tensor's gradient is the full gradient, identical on every member of the group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from passes.mesh import Grid
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def broadcast(grid: Grid, axis: int, t: torch.Tensor, src: int, tag: str, phase: str, async_op=False):
+    """Broadcast `t` (in place) from group member `src`; returns the work handle if async."""
+    if grid.index(axis) != src:
+        grid.log.add(tag, phase, _nbytes(t))
+    return dist.broadcast(t, src=grid.global_rank(axis, src), group=grid.group(axis), async_op=async_op)
+
+
+def reduce(grid: Grid, axis: int, t: torch.Tensor, dst: int, tag: str, phase: str, async_op=False):
+    """Sum `t` (in place) onto group member `dst`; the other members' `t` is left unspecified."""
+    if grid.index(axis) == dst:
+        grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t))
+    return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
+
+
+def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
+    """Concatenate the q members' blocks along `dim`."""
+    moved = t.movedim(dim, 0).contiguous()
+    out = torch.empty((grid.q * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t))
+    dist.all_gather_into_tensor(out, moved, group=grid.group(axis))
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
+    """Sum the members' `t` and keep this member's block of `dim`."""
+    moved = t.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // grid.q,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t) // grid.q)
+    dist.reduce_scatter_tensor(out, moved, group=grid.group(axis))
+    return out.movedim(0, dim)
+
+
+def all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op=dist.ReduceOp.SUM):
+    """Sum (or `op`) of the members' `t`, as a new tensor."""
+    t = t.clone(memory_format=torch.contiguous_format)
+    grid.log.add(tag, phase, 2 * (grid.q - 1) * _nbytes(t) // grid.q)
+    dist.all_reduce(t, op=op, group=grid.group(axis))
+    return t
+
+
+def block(grid: Grid, axis: int, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """This member's block of `dim` (a view; no communication)."""
+    n = t.shape[dim] // grid.q
+    return t.narrow(dim, grid.index(axis) * n, n)
+
+
+class Gather(torch.autograd.Function):
+    """Shard(dim) -> Replicate: all-gather forward, take own block backward."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim, tag):
+        ctx.args = (grid, axis, dim)
+        return all_gather(grid, axis, x, dim, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        grid, axis, dim = ctx.args
+        return block(grid, axis, g, dim).contiguous(), None, None, None, None
+
+
+class Split(torch.autograd.Function):
+    """Replicate -> Shard(dim): take own block forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim, tag):
+        ctx.args = (grid, axis, dim, tag)
+        return block(grid, axis, x, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        grid, axis, dim, tag = ctx.args
+        return all_gather(grid, axis, g, dim, tag, "bwd"), None, None, None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """Partial -> Shard(dim): reduce-scatter forward, all-gather backward (scaled 1/q for avg)."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim, avg, tag):
+        ctx.args = (grid, axis, dim, avg, tag)
+        out = reduce_scatter(grid, axis, x, dim, tag, "fwd")
+        return out / grid.q if avg else out
+
+    @staticmethod
+    def backward(ctx, g):
+        grid, axis, dim, avg, tag = ctx.args
+        out = all_gather(grid, axis, g, dim, tag, "bwd")
+        return (out / grid.q if avg else out), None, None, None, None, None
+
+
+class AllReduce(torch.autograd.Function):
+    """Partial -> Replicate: all-reduce forward; backward passes the replicated gradient through."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, avg, tag):
+        ctx.args = (grid.q, avg)
+        out = all_reduce(grid, axis, x, tag, "fwd")
+        return out / grid.q if avg else out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, avg = ctx.args
+        return (g / q if avg else g), None, None, None, None
+
+
+class GradSync(torch.autograd.Function):
+    """A replicated tensor used by split work: identity forward, all-reduce of its gradient backward.
+
+    Each member's backward yields only its block's share of the gradient; the sum over the group is
+    the full gradient that the replicated placement promises.
+    """
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, tag):
+        ctx.args = (grid, axis, tag)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        grid, axis, tag = ctx.args
+        return all_reduce(grid, axis, g, tag, "bwd"), None, None, None
+
+
+class SyncedSum(torch.autograd.Function):
+    """Sum over the group whose result feeds split work (norm statistics): all-reduce both ways."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, tag):
+        ctx.args = (grid, axis, tag)
+        return all_reduce(grid, axis, x, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        grid, axis, tag = ctx.args
+        return all_reduce(grid, axis, g, tag, "bwd"), None, None, None
+
+
+class ToPartial(torch.autograd.Function):
+    """Replicate -> Partial: member 0 keeps the value (sum) or all keep it (avg); backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, avg):
+        return x.clone() if avg or grid.index(axis) == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None, None

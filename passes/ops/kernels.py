@@ -1,0 +1,166 @@
+"""The runtime modules the insertion pass puts in the graph: redistributions and sharded kernels.
+
+Each is a small nn.Module holding the grid and static facts (layouts, tags); `explain` reads those
+facts. All communication goes through `passes.ops.comm`, so it is counted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from passes.layout import Layout
+from passes.mesh import Grid
+from passes.ops import comm
+from passes.ops.summa import summa_matmul
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+class Redistribute(nn.Module):
+    """Move a tensor from layout `src` to `dst`: first gather the axes whose split changes, then
+    split, reduce or reduce-scatter axis by axis (never two axes on one dim in between)."""
+
+    def __init__(self, grid: Grid, src: Layout, dst: Layout, tag: str):
+        super().__init__()
+        self.grid, self.src, self.dst, self.tag = grid, src, dst, tag
+
+    def forward(self, x):
+        g, cur = self.grid, list(self.src.placements)
+        for a in range(2):
+            if isinstance(cur[a], Shard) and cur[a] != self.dst[a]:
+                x = comm.Gather.apply(x, g, a, cur[a].dim, self.tag)
+                cur[a] = Replicate()
+        for a in range(2):
+            s, d = cur[a], self.dst[a]
+            if s == d:
+                continue
+            if isinstance(s, Partial):
+                avg = s.reduce_op == "avg"
+                if isinstance(d, Shard):
+                    x = comm.ReduceScatter.apply(x, g, a, d.dim, avg, self.tag)
+                    continue
+                x = comm.AllReduce.apply(x, g, a, avg, self.tag)
+            if isinstance(d, Shard):
+                x = comm.Split.apply(x, g, a, d.dim, self.tag)
+            elif isinstance(d, Partial):
+                x = comm.ToPartial.apply(x, g, a, d.reduce_op == "avg")
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.src} -> {self.dst}"
+
+
+class GradSync(nn.Module):
+    """A replicated tensor used by split work: all-reduce its gradient over `axes` in backward."""
+
+    def __init__(self, grid: Grid, axes: tuple, tag: str):
+        super().__init__()
+        self.grid, self.axes, self.tag = grid, axes, tag
+
+    def forward(self, x):
+        for a in self.axes:
+            x = comm.GradSync.apply(x, self.grid, a, self.tag)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"axes={self.axes}"
+
+
+class SummaLinear(nn.Module):
+    """y = x W (+ b) with x [..., K/q] and a local weight block; see `passes.ops.summa`."""
+
+    def __init__(self, grid: Grid, transposed: bool, flip: bool, tag: str, lowering: str):
+        super().__init__()
+        self.grid, self.transposed, self.flip, self.tag, self.lowering = grid, transposed, flip, tag, lowering
+
+    def forward(self, x, w, b=None):
+        w = w.t() if self.flip else w
+        y = summa_matmul(self.grid, x, w, transposed=self.transposed, tag=self.tag, lowering=self.lowering)
+        return y if b is None else y + b
+
+    def extra_repr(self) -> str:
+        return f"{'ABT' if self.transposed else 'AB'}, lowering={self.lowering}"
+
+
+class ShardedNorm(nn.Module):
+    """LayerNorm (or RMSNorm) over a last dim split over the mesh columns."""
+
+    def __init__(self, grid: Grid, n: int, eps, centered: bool, tag: str):
+        super().__init__()
+        self.grid, self.n, self.eps, self.centered, self.tag = grid, n, eps, centered, tag
+
+    def _sum(self, t):
+        return comm.SyncedSum.apply(t.sum(-1, keepdim=True), self.grid, 1, self.tag)
+
+    def forward(self, x, w=None, b=None):
+        dtype = x.dtype
+        x = x.float() if dtype in HALF else x  # statistics in fp32, like torch's own norms
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        if self.centered:
+            x = x - self._sum(x) / self.n
+        y = (x * torch.rsqrt(self._sum(x * x) / self.n + eps)).to(dtype)
+        if w is not None:
+            y = y * w
+        return y if b is None else y + b
+
+    def extra_repr(self) -> str:
+        return f"{'layer' if self.centered else 'rms'}, n={self.n}"
+
+
+class VocabSplitEmbedding(nn.Module):
+    """Lookup in a table whose vocab dim is split over `vocab_axis`: ids outside this rank's block
+    give zero rows, so the result is a partial sum over that axis."""
+
+    def __init__(self, grid: Grid, vocab_axis: int, padding_idx: int, tag: str):
+        super().__init__()
+        self.grid, self.vocab_axis, self.padding_idx, self.tag = grid, vocab_axis, padding_idx, tag
+
+    def forward(self, table, ids):
+        rows = table.shape[0]  # V/q
+        start = self.grid.index(self.vocab_axis) * rows
+        local = ids - start
+        inside = (local >= 0) & (local < rows)
+        pad = self.padding_idx - start if 0 <= self.padding_idx - start < rows else -1
+        out = F.embedding(local.masked_fill(~inside, 0), table, padding_idx=None if pad < 0 else pad)
+        return out * inside.unsqueeze(-1).to(out.dtype)  # [..., h/q], partial over vocab blocks
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, target, grid, ignore_index, tag):
+        zf = z.float()  # [n/q, V/q]
+        m = comm.all_reduce(grid, 1, zf.max(-1).values, tag, "fwd", op=dist.ReduceOp.MAX)  # [n/q]
+        e = torch.exp(zf - m[:, None])
+        rows = z.shape[1]
+        local = target - grid.c * rows
+        inside = (local >= 0) & (local < rows)
+        picked = zf.gather(1, local.clamp(0, rows - 1)[:, None]).squeeze(1) * inside
+        sums = comm.all_reduce(grid, 1, torch.stack([e.sum(-1), picked]), tag, "fwd")  # [2, n/q]
+        valid = target != ignore_index
+        per_token = (torch.log(sums[0]) + m - sums[1]) * valid
+        tot = comm.all_reduce(grid, 0, torch.stack([per_token.sum(), valid.sum().to(zf.dtype)]), tag, "fwd")
+        ctx.save_for_backward(e, sums[0], local, inside, valid, tot[1])
+        ctx.dtype = z.dtype
+        return (tot[0] / tot[1]).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        e, sumexp, local, inside, valid, count = ctx.saved_tensors
+        grad = e / sumexp[:, None]
+        hit = inside.nonzero().squeeze(1)
+        grad[hit, local[hit]] -= 1.0
+        grad = grad * (valid[:, None].to(grad.dtype) * (g / count))
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    def __init__(self, grid: Grid, ignore_index: int, tag: str):
+        super().__init__()
+        self.grid, self.ignore_index, self.tag = grid, ignore_index, tag
+
+    def forward(self, logits, target):
+        return _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag)

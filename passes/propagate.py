@@ -1,0 +1,136 @@
+"""Propagation: give every node of a captured graph a layout.
+
+Requires `node.meta["val"]` (from torch.export) and `node.meta["autopar_role"]` on placeholders (from
+`capture`). Adds `node.meta["autopar_layout"]` (a Layout, or a tuple for multi-output ops) and, on
+call nodes, `node.meta["autopar_strategy"]` (the rule's Strategy).
+
+One pass in topological order. User inputs, buffers and constants start replicated; a parameter has
+no layout until its first consumer asks for one, so a weight is stored the way its matmul or lookup
+wants it. A tied parameter (one tensor, two uses) keeps the layout of its first use; the second use
+sees it already placed and adapts (an LM head on an embedding table becomes SUMMA ABT). Transposes of
+an unplaced parameter wait for their consumer and pass its request back to the parameter.
+
+>>> import torch
+>>> from passes.capture import capture
+>>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(2, 4),))
+>>> res = propagate(cap.gm, q=2)
+>>> [(n.name, n.meta["autopar_layout"]) for n in cap.gm.graph.nodes if n.op != "output"]
+[('p_weight', S(1)S(0)), ('p_bias', RS(0)), ('input', RR), ('linear', S(0)S(1))]
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import GraphModule, Node
+
+from passes.layout import REPLICATED, Layout, ShardingError
+from passes.rules import Strategy, Unsupported, is_tensor, lookup, tensor_inputs, val
+from passes.rules.fallback import creation, fallback
+
+aten = torch.ops.aten
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+@dataclass
+class Propagation:
+    param_layouts: dict = field(default_factory=dict)  # canonical name -> Layout
+    fallbacks: list = field(default_factory=list)  # (node, module path, reason)
+
+
+def module_path(node: Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    return path
+
+
+def source_line(node: Node) -> str:
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    if len(trace) >= 2:
+        return f"{trace[-2].strip()}: {trace[-1].strip()}"
+    return trace[-1].strip() if trace else ""
+
+
+def _claim(node: Node, need: Layout, layouts: dict, res: Propagation) -> None:
+    """Place an unplaced parameter (or a transpose chain of one) as its consumer asks."""
+    layouts[node] = need
+    if node.op == "placeholder":
+        res.param_layouts[node.meta["autopar_param"]] = need
+        return
+    src = node.args[0]
+    nd = len(val(node).shape)
+    if node.target == aten.permute.default:
+        perm = [d % nd for d in node.args[1]]
+    else:
+        perm = list(range(nd))
+        a, b = (node.args[1] % nd, node.args[2] % nd) if node.target == aten.transpose.int else (0, nd - 1)
+        perm[a], perm[b] = perm[b], perm[a]
+    back = Layout(tuple(Shard(perm[p.dim % nd]) if isinstance(p, Shard) else p for p in need.placements))
+    node.meta["autopar_strategy"] = Strategy({src: back}, need)
+    _claim(src, back, layouts, res)
+
+
+def _strategy(node: Node, layouts: dict, q: int, indivisible: str) -> Strategy:
+    ins = tensor_inputs(node)
+    if not isinstance(val(node), (torch.Tensor, tuple, list)):
+        return Strategy({}, REPLICATED)
+    if not ins:
+        return creation(node)
+    if node.target in _TRANSPOSES and layouts.get(node.args[0]) is None:
+        return Strategy({}, None)  # waits for its consumer (see _claim)
+    rule = lookup(node.target)
+    if rule is None:
+        return fallback(node, f"no sharding rule for {node.target}")
+    try:
+        return rule(node, layouts, q)
+    except Unsupported as e:
+        return fallback(node, str(e))
+    except ShardingError as e:
+        if indivisible == "replicate":
+            return fallback(node, str(e))
+        where = module_path(node) or "<top>"
+        raise ShardingError(
+            f"{e}\n  at node {node.name} ({node.target}) in module {where}; source: {source_line(node)}\n"
+            f"  Pick sizes divisible by q, or pass indivisible='replicate' to run such ops unsplit "
+            f"(correct, with a warning, but the weight is stored whole on every rank)."
+        ) from None
+
+
+def propagate(gm: GraphModule, q: int, indivisible: str = "error") -> Propagation:
+    res = Propagation()
+    layouts: dict = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            role = node.meta.get("autopar_role")
+            layouts[node] = res.param_layouts.get(node.meta.get("autopar_param")) if role == "param" else REPLICATED
+        elif node.op == "get_attr":
+            layouts[node] = REPLICATED
+        elif node.op == "call_function":
+            strat = _strategy(node, layouts, q, indivisible)
+            for inp, need in strat.inputs.items():
+                if layouts.get(inp) is None:
+                    _claim(inp, need, layouts, res)
+            node.meta["autopar_strategy"] = strat
+            layouts[node] = strat.output
+            if strat.fallback:
+                res.fallbacks.append((node, module_path(node), strat.note))
+        elif node.op == "output":
+            need = {}
+            for out in node.all_input_nodes:
+                lay = layouts[out]
+                if isinstance(lay, Layout) and lay.has_partial:
+                    need[out] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
+            node.meta["autopar_strategy"] = Strategy(need, None)
+        else:
+            raise NotImplementedError(f"node {node.name}: op kind {node.op} is not handled")
+    for node in gm.graph.nodes:  # parameters nobody placed (unused, or a tied twin) and waiting views
+        if layouts.get(node) is None:
+            name = node.meta.get("autopar_param")
+            layouts[node] = res.param_layouts.setdefault(name, REPLICATED) if name else REPLICATED
+        node.meta["autopar_layout"] = layouts[node]
+    return res

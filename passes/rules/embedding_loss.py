@@ -1,0 +1,64 @@
+"""Embedding lookup and cross-entropy over a split vocabulary.
+
+Embedding: the table [V, h] is stored 2D, vocab block r and hidden block c on rank (r, c) -- the
+layout an LM head tied to it uses as SUMMA ABT. Every rank looks up the ids that fall in its vocab
+block (the others give zero rows), so the result [..., h] is a partial sum over the mesh rows with the
+hidden dim split over the columns; the consumer turns it into batch blocks with one reduce-scatter.
+
+Cross-entropy: logits [N, V] with rows over mesh rows and vocab over columns. The max, the sum of
+exponentials and the target logit are all-reduced in the same-row group, the mean over tokens in the
+same-column group; the full logits are never gathered. Backward is local.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from passes.layout import REPLICATED, Layout
+from passes.rules import Strategy, Unsupported, register, shape, val
+
+aten = torch.ops.aten
+
+
+@register(aten.embedding.default)
+def embedding(node, layouts, q):
+    table, ids = node.args[:2]
+    V, h = shape(table)
+    have = layouts.get(table)
+    if have is None:
+        have = Layout((Shard(0), Shard(1))) if V % q == 0 and h % q == 0 else REPLICATED
+    vocab_axis = have.shard_axis(0)
+    hidden_axis = have.shard_axis(1)
+    nd = len(val(node).shape)
+    out = [Replicate(), Replicate()]
+    if vocab_axis is not None:
+        out[vocab_axis] = Partial("sum")
+    if hidden_axis is not None:
+        out[hidden_axis] = Shard(nd - 1)
+    return Strategy(
+        {table: have, ids: REPLICATED},
+        Layout(tuple(out)),
+        kernel="embedding" if vocab_axis is not None else None,
+        note="vocab-split lookup" if vocab_axis is not None else "",
+        extra={"vocab_axis": vocab_axis},
+    )
+
+
+@register(aten.cross_entropy_loss.default)
+def cross_entropy(node, layouts, q):
+    logits, target = node.args[:2]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    ls = shape(logits)
+    if len(ls) != 2 or weight is not None or reduction != 1 or smoothing:
+        raise Unsupported("cross_entropy other than mean over [N, V] logits without weights/smoothing")
+    if ls[0] % q or ls[1] % q:
+        raise Unsupported(f"logits {tuple(ls)} not divisible by q={q}")
+    return Strategy(
+        {logits: Layout((Shard(0), Shard(1))), target: Layout((Shard(0), Replicate()))},
+        REPLICATED,
+        kernel="cross_entropy",
+        note="vocab-parallel cross-entropy",
+    )

@@ -1,0 +1,28 @@
+"""The replicate fallback: gather every input whole, run the op on full tensors, split afterwards.
+
+Always correct, never silent: `propagate` collects every fallback node with its module path and the
+reason, `autopar.parallelize` warns once listing them, and `explain` shows the gathers they cost.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from passes.layout import REPLICATED
+from passes.rules import Strategy, tensor_inputs, val
+
+
+def fallback(node, reason: str) -> Strategy:
+    out = val(node)
+    output = tuple(REPLICATED for _ in out) if isinstance(out, (tuple, list)) else REPLICATED
+    return Strategy({n: REPLICATED for n in tensor_inputs(node)}, output, fallback=True,
+                    note=f"fallback: {reason}")
+
+
+def creation(node) -> Strategy:
+    """Ops with no tensor input (arange, zeros, full, ...) build the whole tensor on every rank."""
+    return Strategy({}, REPLICATED)
+
+
+def is_op(node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload,))

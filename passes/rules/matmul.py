@@ -1,0 +1,149 @@
+"""Matmuls. With a weight (a 2-D parameter, or a transpose of one) they become SUMMA products; between
+two activations (attention written out by hand) they run locally on the batch/head blocks.
+
+A weight W used as y = x W (math layout [K, N]) is stored either as blocks W[K-block r, N-block c]
+(SUMMA AB, the default) or as W[N-block r, K-block c] (SUMMA ABT, what a weight tied to an embedding
+table gets). nn.Linear's [out, in] = [N, K] storage is the second orientation of the same matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from passes.layout import Layout, ShardingError
+from passes.rules import Strategy, Unsupported, register, shape, val
+
+aten = torch.ops.aten
+
+
+def _param_name(node) -> str:
+    return node.meta.get("autopar_param", node.name)
+
+
+def _row_split(x, layouts, q) -> Shard:
+    """The lead dim of x that the mesh rows split: x's own row split if it has one, else the first
+    lead dim divisible by q."""
+    lay = layouts.get(x)
+    xs = shape(x)
+    if lay is not None:
+        p = lay.normalized(len(xs))[0]
+        if isinstance(p, Shard) and p.dim < len(xs) - 1:
+            return p
+    for d in range(len(xs) - 1):
+        if xs[d] % q == 0:
+            return Shard(d)
+    raise ShardingError(
+        f"no leading dim of the matmul input {x.name} {tuple(xs)} is divisible by the grid's q={q}; "
+        f"the batch (or sequence) size must be a multiple of {q}"
+    )
+
+
+def summa_strategy(node, layouts, q, x, w, bias, n_first: bool) -> Strategy:
+    """x [..., K] times weight w ([N, K] if n_first else [K, N]) plus an optional bias [N]."""
+    ws = shape(w)
+    kd, nd = (1, 0) if n_first else (0, 1)
+    K, N = ws[kd], ws[nd]
+    if K % q or N % q:
+        raise ShardingError(
+            f"weight {_param_name(w)} of shape {tuple(ws)} cannot be split 2D on a {q}x{q} grid: "
+            f"in-features {K} and out-features {N} must both be divisible by {q}"
+        )
+    ab = Layout((Shard(kd), Shard(nd)))
+    abt = Layout((Shard(nd), Shard(kd)))
+    have = layouts.get(w)
+    transposed = have == abt
+    w_lay = abt if transposed else ab
+    rows = _row_split(x, layouts, q)
+    last = len(shape(x)) - 1
+    out_rows = Shard(rows.dim if rows.dim < len(val(node).shape) - 1 else 0)
+    need = {x: Layout((rows, Shard(last))), w: w_lay}
+    if bias is not None:
+        need[bias] = Layout((Replicate(), Shard(0)))
+    flip = n_first != transposed  # the local block must be transposed to be the operand SUMMA wants
+    return Strategy(
+        need,
+        Layout((out_rows, Shard(len(val(node).shape) - 1))),
+        kernel="summa",
+        note="SUMMA ABT" if transposed else "SUMMA AB",
+        extra={"transposed": transposed, "flip": flip, "x": x, "w": w, "bias": bias},
+    )
+
+
+def _is_weight(w, layouts) -> bool:
+    """A 2-D operand that is an unplaced parameter (or a view of one), or already split 2D."""
+    if len(shape(w)) != 2:
+        return False
+    lay = layouts.get(w)
+    return lay is None or all(isinstance(p, Shard) for p in lay.placements)
+
+
+@register(aten.linear.default)
+def linear(node, layouts, q):
+    x, w = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    if not _is_weight(w, layouts):
+        raise Unsupported("linear whose weight is not a 2-D parameter")
+    return summa_strategy(node, layouts, q, x, w, bias, n_first=True)
+
+
+@register(aten.addmm.default)
+def addmm(node, layouts, q):
+    bias, x, w = node.args[:3]
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(shape(bias)) != 1:
+        raise Unsupported("addmm with beta/alpha or a 2-D bias")
+    if not _is_weight(w, layouts):
+        return batched_local(node, layouts, q, x, w)
+    return summa_strategy(node, layouts, q, x, w, bias, n_first=False)
+
+
+@register(aten.mm.default, aten.matmul.default, aten.bmm.default)
+def matmul(node, layouts, q):
+    a, b = node.args[:2]
+    if len(shape(a)) >= 2 and _is_weight(b, layouts):
+        return summa_strategy(node, layouts, q, a, b, None, n_first=False)
+    return batched_local(node, layouts, q, a, b)
+
+
+@register(aten.baddbmm.default)
+def baddbmm(node, layouts, q):
+    inp, a, b = node.args[:3]
+    strat = batched_local(node, layouts, q, a, b)
+    out_lay = strat.output
+    # the added tensor broadcasts against the [batch, m, n] output
+    off = len(val(node).shape) - len(shape(inp))
+    ps = []
+    for p in out_lay.placements:
+        d = p.dim - off if isinstance(p, Shard) else None
+        ps.append(Shard(d) if d is not None and d >= 0 and shape(inp)[d] != 1 else Replicate())
+    strat.inputs[inp] = Layout(tuple(ps))
+    return strat
+
+
+def batched_local(node, layouts, q, a, b) -> Strategy:
+    """Activation @ activation: split batch dims stay split (the same way on both), matrix dims whole."""
+    out_shape = tuple(val(node).shape)
+    nout = len(out_shape)
+    if nout < 3:
+        raise Unsupported("matmul of two activations without batch dims")
+    sa, sb = shape(a), shape(b)
+    maps = {a: {d: d + nout - len(sa) for d in range(len(sa) - 2)},
+            b: {d: d + nout - len(sb) for d in range(len(sb) - 2)}}
+    chosen = []
+    for axis in range(2):
+        pick = None
+        for n in (a, b):
+            lay = layouts.get(n)
+            p = lay.normalized(len(shape(n)))[axis] if lay is not None else None
+            if isinstance(p, Shard) and p.dim in maps[n]:
+                od = maps[n][p.dim]
+                if shape(n)[p.dim] == out_shape[od] and od not in chosen and out_shape[od] % q == 0:
+                    pick = od
+                    break
+        chosen.append(pick)
+    out = Layout(tuple(Shard(d) if d is not None else Replicate() for d in chosen))
+    need = {}
+    for n in (a, b):
+        inv = {o: i for i, o in maps[n].items() if shape(n)[i] == out_shape[o]}
+        need[n] = Layout(tuple(Shard(inv[d]) if d in inv else Replicate() for d in chosen))
+    return Strategy(need, out, note="local batched matmul")

@@ -1,0 +1,54 @@
+"""LayerNorm / RMSNorm over the last dim, which the mesh columns split.
+
+The per-token statistics are sums over the hidden dim: each rank sums its h/q slice and the sums are
+all-reduced in the same-row group (forward and backward), about 2 numbers per token each way. The
+weight and bias are split like the hidden dim and replicated over the rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from passes.layout import Layout
+from passes.rules import Strategy, Unsupported, register, shape
+
+aten = torch.ops.aten
+
+
+def _rows(lay, nd):
+    """Keep a batch-side split over mesh axis 0 (any dim but the last)."""
+    if lay is not None:
+        p = lay.normalized(nd)[0]
+        if isinstance(p, Shard) and p.dim < nd - 1:
+            return p
+    return Replicate()
+
+
+def norm_strategy(node, layouts, q, x, params, n_norm):
+    if n_norm != 1:
+        raise Unsupported("normalization over more than the last dim")
+    xs = shape(x)
+    nd = len(xs)
+    split = xs[-1] % q == 0
+    x_lay = Layout((_rows(layouts.get(x), nd), Shard(nd - 1) if split else Replicate()))
+    p_lay = Layout((Replicate(), Shard(0) if split else Replicate()))
+    need = {x: x_lay}
+    need.update({p: p_lay for p in params if p is not None})
+    return Strategy(need, x_lay, kernel="norm" if split else None,
+                    note="norm stats all-reduced over the row" if split else "")
+
+
+@register(aten.layer_norm.default)
+def layer_norm(node, layouts, q):
+    x, normalized_shape = node.args[:2]
+    w = node.args[2] if len(node.args) > 2 else None
+    b = node.args[3] if len(node.args) > 3 else None
+    return norm_strategy(node, layouts, q, x, (w, b), len(normalized_shape))
+
+
+@register(aten.rms_norm.default)
+def rms_norm(node, layouts, q):
+    x, normalized_shape = node.args[:2]
+    w = node.args[2] if len(node.args) > 2 else None
+    return norm_strategy(node, layouts, q, x, (w,), len(normalized_shape))

@@ -1,0 +1,129 @@
+"""Elementwise ops with broadcasting, and reductions over dims.
+
+Broadcasting aligns dims from the right. An output dim is split over a mesh axis when some input
+already splits the matching dim over that axis; every input that has the dim at full size must then
+arrive split the same way, and inputs that broadcast it (size 1 or missing) arrive replicated over
+that axis (the insertion pass makes their gradient sum over the axis).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from passes.layout import Layout
+from passes.rules import Strategy, Unsupported, register, shape, tensor_inputs, val
+
+aten = torch.ops.aten
+
+POINTWISE = [
+    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.rsqrt, aten.sqrt, aten.exp,
+    aten.log, aten.abs, aten.tanh, aten.sigmoid, aten.relu, aten.gelu, aten.silu, aten.erf, aten.cos,
+    aten.sin, aten.dropout, aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to,
+    aten._to_copy, aten.type_as, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.where,
+    aten.masked_fill, aten.maximum, aten.minimum, aten.clamp, aten.__and__, aten.__or__,
+    aten.bitwise_and, aten.bitwise_or, aten.bitwise_not, aten.logical_not, aten.logical_and,
+    aten.logical_or, aten.lift_fresh_copy, aten.reciprocal, aten.square, aten.rsub, aten.tril,
+    aten.triu, aten.fill_, aten.zeros_like, aten.ones_like, aten.full_like, aten.softplus,
+    aten.leaky_relu, aten.hardtanh, aten.elu, aten.mish, aten.sign, aten.floor, aten.ceil, aten.round,
+]
+
+
+def dim_map(in_shape, out_shape) -> dict:
+    """Input dim -> output dim for right-aligned broadcasting; broadcast (size-1) dims are left out."""
+    off = len(out_shape) - len(in_shape)
+    return {d: d + off for d in range(len(in_shape)) if in_shape[d] == out_shape[d + off]}
+
+
+def broadcast_strategy(node, layouts, out_shape, q, skip_dims=()) -> tuple:
+    """(input layouts, output layout) for an elementwise op over `out_shape`.
+
+    `skip_dims` are output dims that must stay whole (e.g. the last dim of tril).
+    """
+    ins = tensor_inputs(node)
+    out_ps = []
+    for axis in range(2):
+        chosen = None
+        for n in ins:
+            lay = layouts.get(n)
+            p = lay[axis] if lay is not None else None
+            if isinstance(p, Shard):
+                od = dim_map(shape(n), out_shape).get(p.dim % len(shape(n)))
+                if od is not None and od not in skip_dims and od not in out_ps and out_shape[od] % q == 0:
+                    chosen = od
+                    break
+        out_ps.append(chosen)
+    out = Layout(tuple(Shard(d) if d is not None else Replicate() for d in out_ps))
+    req = {}
+    for n in ins:
+        m = {o: i for i, o in dim_map(shape(n), out_shape).items()}
+        req[n] = Layout(tuple(Shard(m[d]) if d in m else Replicate() for d in out_ps))
+    return req, out
+
+
+@register(*POINTWISE)
+def pointwise(node, layouts, q):
+    out = val(node)
+    if not isinstance(out, torch.Tensor):
+        raise Unsupported("non-tensor output")
+    skip = (out.dim() - 1, out.dim() - 2) if node.target in (aten.tril.default, aten.triu.default) else ()
+    req, lay = broadcast_strategy(node, layouts, tuple(out.shape), q, skip)
+    return Strategy(req, lay)
+
+
+@register(operator.getitem)
+def getitem(node, layouts, q):
+    src, idx = node.args[0], node.args[1]
+    lay = layouts[src]
+    return Strategy({src: lay}, lay[idx] if isinstance(lay, tuple) else lay)
+
+
+def _reduced_dims(node) -> tuple:
+    x = node.args[0]
+    nd = len(shape(x))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or dims == []:
+        return tuple(range(nd))
+    dims = [dims] if isinstance(dims, int) else dims
+    return tuple(sorted(d % nd for d in dims))
+
+
+@register(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default)
+def reduction(node, layouts, q):
+    """A split reduced dim gives a partial result over its axis (sum, or avg for mean)."""
+    x = node.args[0]
+    lay = layouts[x]
+    if lay is None or lay.has_partial:
+        lay = Layout((Replicate(), Replicate())) if lay is None else lay
+        lay = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
+    lay = lay.normalized(len(shape(x)))
+    dims = _reduced_dims(node)
+    keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+    kind = "avg" if node.target in (aten.mean.dim, aten.mean.default) else "sum"
+    out = []
+    for p in lay.placements:
+        if not isinstance(p, Shard):
+            out.append(p)
+        elif p.dim in dims:
+            out.append(Partial(kind))
+        else:
+            out.append(Shard(p.dim if keep else p.dim - sum(d < p.dim for d in dims)))
+    return Strategy({x: lay}, Layout(tuple(out)))
+
+
+@register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+          aten.cumsum.default)
+def along_dim(node, layouts, q):
+    """Ops that mix values along one dim: that dim must be whole, the others stay as they are."""
+    x = node.args[0]
+    nd = len(shape(x))
+    dim = node.args[1] % nd
+    lay = layouts[x] or Layout((Replicate(), Replicate()))
+    lay = lay.normalized(nd)
+    ps = tuple(
+        Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == dim) else p
+        for p in lay.placements
+    )
+    return Strategy({x: Layout(ps)}, Layout(ps))

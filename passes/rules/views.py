@@ -1,0 +1,203 @@
+"""Shape ops: transpose/permute, view/reshape, unsqueeze/squeeze, expand, slice, split, cat.
+
+view/reshape sizes are baked integers in the captured graph; `localize` rewrites them from the
+output layout, so these rules only decide which dims stay split. A split dim survives a reshape when
+it is the outermost dim of its group of merged/split dims and the matching output dim is divisible
+by q (contiguous blocks stay contiguous); otherwise that axis is gathered first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from passes.layout import Layout
+from passes.rules import Strategy, register, shape, tensor_inputs, val
+
+aten = torch.ops.aten
+
+
+def _input_layout(layouts, x):
+    lay = layouts[x]
+    if lay is None:
+        return None
+    return lay.normalized(len(shape(x)))
+
+
+def _through(x_lay, mapping, out_shape, q):
+    """Keep each axis's split if `mapping` sends its dim somewhere divisible; else ask for it whole."""
+    need, out = [], []
+    for p in x_lay.placements:
+        if isinstance(p, Shard):
+            od = mapping.get(p.dim)
+            if od is not None and out_shape[od] % q == 0:
+                need.append(p)
+                out.append(Shard(od))
+                continue
+            p = Replicate()
+        need.append(p)
+        out.append(p)
+    return Layout(tuple(need)), Layout(tuple(out))
+
+
+def _perm_rule(node, layouts, q, perm):
+    x = node.args[0]
+    lay = _input_layout(layouts, x)
+    if lay is None:  # a view of an unplaced parameter: placed later by its consumer
+        return Strategy({}, None)
+    inv = {src: dst for dst, src in enumerate(perm)}
+    need, out = _through(lay, inv, tuple(val(node).shape), q)
+    return Strategy({x: need}, out)
+
+
+@register(aten.transpose.int)
+def transpose(node, layouts, q):
+    nd = len(shape(node.args[0]))
+    a, b = node.args[1] % nd, node.args[2] % nd
+    perm = list(range(nd))
+    perm[a], perm[b] = perm[b], perm[a]
+    return _perm_rule(node, layouts, q, perm)
+
+
+@register(aten.t.default)
+def t(node, layouts, q):
+    nd = len(shape(node.args[0]))
+    return _perm_rule(node, layouts, q, list(range(nd))[::-1])
+
+
+@register(aten.permute.default)
+def permute(node, layouts, q):
+    nd = len(shape(node.args[0]))
+    return _perm_rule(node, layouts, q, [d % nd for d in node.args[1]])
+
+
+def reshape_groups(src, dst) -> list:
+    """Pair up runs of input and output dims with equal products: [([in dims], [out dims]), ...]."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj, pi, pj = [], [], 1, 1
+        while True:
+            if pi == pj and gi and gj:
+                break
+            if (pi <= pj and i < len(src)) or j >= len(dst):
+                gi.append(i)
+                pi *= src[i]
+                i += 1
+            else:
+                gj.append(j)
+                pj *= dst[j]
+                j += 1
+        # size-1 dims that trail a finished group join it
+        while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            gi.append(i)
+            i += 1
+        while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            gj.append(j)
+            j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def reshape_mapping(src, dst) -> dict:
+    """Input dim -> output dim for the dims whose split survives a reshape (outermost of a group)."""
+    mapping = {}
+    for gi, gj in reshape_groups(src, dst):
+        ins = [d for d in gi if src[d] != 1]
+        outs = [d for d in gj if dst[d] != 1]
+        if ins and outs:
+            mapping[ins[0]] = outs[0]
+    return mapping
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+          aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+          aten.squeeze.default)
+def reshape(node, layouts, q):
+    x = node.args[0]
+    lay = _input_layout(layouts, x)
+    if lay is None:
+        return Strategy({}, None)
+    src, dst = shape(x), tuple(val(node).shape)
+    need, out = _through(lay, reshape_mapping(src, dst), dst, q)
+    return Strategy({x: need}, out)
+
+
+@register(aten.expand.default)
+def expand(node, layouts, q):
+    x = node.args[0]
+    lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
+    src, dst = shape(x), tuple(val(node).shape)
+    off = len(dst) - len(src)
+    mapping = {d: d + off for d in range(len(src)) if src[d] == dst[d + off]}
+    need, out = _through(lay, mapping, dst, q)
+    return Strategy({x: need}, out)
+
+
+def _whole_along(layouts, x, dim):
+    """x's layout with `dim` (and any partial axis) made whole."""
+    lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
+    ps = tuple(
+        Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == dim) else p
+        for p in lay.placements
+    )
+    return Layout(ps)
+
+
+@register(aten.slice.Tensor, aten.narrow.default)
+def slice_(node, layouts, q):
+    x = node.args[0]
+    nd = len(shape(x))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    if shape(x)[dim] == val(node).shape[dim]:  # a full slice is a no-op on any layout
+        lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
+        return Strategy({x: lay}, lay)
+    lay = _whole_along(layouts, x, dim)
+    return Strategy({x: lay}, lay)
+
+
+@register(aten.select.int)
+def select(node, layouts, q):
+    x = node.args[0]
+    dim = node.args[1] % len(shape(x))
+    lay = _whole_along(layouts, x, dim)
+    out = tuple(Shard(p.dim - (p.dim > dim)) if isinstance(p, Shard) else p for p in lay.placements)
+    return Strategy({x: lay}, Layout(out))
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+def split(node, layouts, q):
+    x = node.args[0]
+    nd = len(shape(x))
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+    if node.target == aten.unbind.int:
+        dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    lay = _whole_along(layouts, x, dim)
+    n = len(val(node))
+    if node.target == aten.unbind.int:
+        out = Layout(tuple(Shard(p.dim - (p.dim > dim)) if isinstance(p, Shard) else p for p in lay.placements))
+        return Strategy({x: lay}, (out,) * n)
+    return Strategy({x: lay}, (lay,) * n)
+
+
+@register(aten.cat.default)
+def cat(node, layouts, q):
+    xs = tensor_inputs(node)
+    nd = len(val(node).shape)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    lay = _whole_along(layouts, xs[0], dim)
+    return Strategy({x: lay for x in xs}, lay)
+
+
+@register(aten.repeat.default)
+def repeat(node, layouts, q):
+    x = node.args[0]
+    reps = list(node.args[1])
+    off = len(reps) - len(shape(x))
+    lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
+    ps = tuple(
+        Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and reps[p.dim + off] != 1) else p
+        for p in lay.placements
+    )
+    need = Layout(ps)
+    out = Layout(tuple(Shard(p.dim + off) if isinstance(p, Shard) else p for p in ps))
+    return Strategy({x: need}, out)
