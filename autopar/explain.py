@@ -1,8 +1,101 @@
-"""`explain`: what the compiler did, as a table."""
+"""`explain`: what the compiler did to a model, as a table a person can read.
+
+One row per op of the per-rank graph: its name, the aten op or inserted module, the user's module
+path, the layout of its result, the collectives it runs and the bytes each rank receives for them
+in the forward and the backward of one training step. A summary follows: bytes per step, parameter
+bytes held by this rank against the whole model, and every op that fell back to replication.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 
-def explain(pmodel) -> str:
-    gm = pmodel.graph_module if hasattr(pmodel, "_last") else next(iter(pmodel._compiled.values())).gm
-    return gm.code
+import torch
+
+from passes.cost import node_cost
+from passes.propagate import module_path
+
+
+@dataclass
+class Row:
+    node: str
+    op: str
+    module: str
+    layout: str
+    collectives: str
+    fwd_bytes: int
+    bwd_bytes: int
+    note: str
+
+
+def _op_name(gm, node) -> str:
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        extra = mod.extra_repr()
+        return f"{type(mod).__name__}({extra})" if extra else type(mod).__name__
+    return str(node.target).replace("aten.", "").replace(".default", "")
+
+
+def rows(pmodel) -> list:
+    """The table's rows for the graph of the model's most recent call (or its first compile)."""
+    comp = getattr(pmodel, "_last", None) or next(iter(pmodel._compiled.values()))
+    gm, q = comp.gm, pmodel.grid.q
+    out = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_module"):
+            continue
+        cost = node_cost(gm, node, q)
+        strat = node.meta.get("autopar_strategy")
+        lay = node.meta.get("autopar_layout")
+        out.append(Row(
+            node=node.name,
+            op=_op_name(gm, node),
+            module=module_path(node),
+            layout=repr(lay) if lay is not None else "",
+            collectives=cost.collectives if cost else "",
+            fwd_bytes=cost.fwd if cost else 0,
+            bwd_bytes=cost.bwd if cost else 0,
+            note=(strat.note if strat is not None and not node.meta.get("autopar_inserted") else ""),
+        ))
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def explain(pmodel, *, only_communicating: bool = False) -> str:
+    """A readable table of the compiled model (see the module docstring)."""
+    table = rows(pmodel)
+    if only_communicating:
+        table = [r for r in table if r.fwd_bytes or r.bwd_bytes or r.note.startswith("fallback")]
+    head = ("node", "op", "module", "layout", "collectives", "fwd/rank", "bwd/rank", "note")
+    cells = [head] + [(r.node, r.op, r.module, r.layout, r.collectives, _fmt_bytes(r.fwd_bytes) if r.fwd_bytes else "",
+                       _fmt_bytes(r.bwd_bytes) if r.bwd_bytes else "", r.note) for r in table]
+    widths = [min(max(len(c[i]) for c in cells), 60) for i in range(len(head))]
+    lines = ["  ".join(c[i][:60].ljust(widths[i]) for i in range(len(head))).rstrip() for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    fwd = sum(r.fwd_bytes for r in table)
+    bwd = sum(r.bwd_bytes for r in table)
+    held = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
+    full = sum(p.numel() * p.element_size() for p in pmodel.parameters())
+    q = pmodel.grid.q
+    comp = getattr(pmodel, "_last", None) or next(iter(pmodel._compiled.values()))
+    lines += [
+        "",
+        f"grid {q}x{q}; bytes received per rank per training step: forward {_fmt_bytes(fwd)}, "
+        f"backward {_fmt_bytes(bwd)}, total {_fmt_bytes(fwd + bwd)}",
+        f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
+        f"({held / full * q * q:.2f}/p of the model, p={q * q})" if full else "no parameters",
+    ]
+    if comp.fallbacks:
+        lines.append(f"fallbacks ({len(comp.fallbacks)}): run whole on every rank")
+        lines += [f"  {n.name} ({n.target}) in {path or '<top>'}: {why}" for n, path, why in comp.fallbacks]
+    else:
+        lines.append("fallbacks: none")
+    return "\n".join(lines)

@@ -46,7 +46,8 @@ class Attention(nn.Module):
         super().__init__()
         self.heads = cfg.heads
         self.q = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
-        self.k = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        # no key bias (as in Whisper): softmax over keys cancels it, so its gradient is zero
+        self.k = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
         self.v = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.dropout = cfg.dropout

@@ -38,7 +38,7 @@ def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((grid.q * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t))
-    dist.all_gather_into_tensor(out, moved, group=grid.group(axis))
+    dist.all_gather_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim)
 
 
@@ -47,7 +47,7 @@ def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // grid.q,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t) // grid.q)
-    dist.reduce_scatter_tensor(out, moved, group=grid.group(axis))
+    dist.reduce_scatter_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim)
 
 

@@ -1,0 +1,171 @@
+"""Checks that run on every rank of a test pool (see dist_pool.py). Each returns plain data; the
+test in the parent process asserts on it, so a failure names the parameter and the error."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.explain import rows
+from models import GPTConfig, TinyGPT
+
+ZERO = 1e-5  # a reference tensor smaller than this everywhere is compared in absolute terms
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|; absolute when `want` is ~0 (e.g. a key bias's gradient, which
+    softmax's shift invariance makes exactly zero in exact arithmetic)."""
+    diff = (got.detach().double() - want.detach().double()).abs().max().item()
+    scale = want.detach().abs().max().item()
+    return diff / scale if scale > ZERO else diff
+
+
+def _data(cfg: GPTConfig, batch: int, seq: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    return ids, tgt
+
+
+def gpt_parity(rank, q, cfg_kw, lowering="broadcast", batch=4, seq=8, steps=3):
+    """Outputs, loss, every gradient and the parameters after `steps` AdamW steps, against the
+    unmodified model on one process."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_kw)
+    model = TinyGPT(cfg)
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    ref = copy.deepcopy(model)
+    ids, tgt = _data(cfg, batch, seq)
+    pm = autopar.parallelize(model, grid=(q, q), example_inputs=(ids, tgt), lowering=lowering)
+    errs = {"model unchanged": max(rel_err(p, before[n]) for n, p in model.state_dict().items())}
+    errs["names"] = float(sorted(n for n, _ in pm.named_parameters()) != sorted(n for n, _ in ref.named_parameters()))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_params = dict(ref.named_parameters())
+    for step in range(steps):
+        ids, tgt = _data(cfg, batch, seq, seed=step + 1)
+        logits, loss = pm(ids, tgt)
+        ref_logits, ref_loss = ref(ids, tgt)
+        loss.backward()
+        ref_loss.backward()
+        if step == 0:
+            errs["logits"] = rel_err(logits.full_tensor(), ref_logits)
+            errs["loss"] = rel_err(loss, ref_loss)
+            for n, p in pm.named_parameters():
+                errs[f"grad {n}"] = rel_err(p.grad.full_tensor(), ref_params[n].grad)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for n, p in pm.named_parameters():
+        errs[f"param after {steps} steps {n}"] = rel_err(p.full_tensor(), ref_params[n])
+    return errs
+
+
+def _saved_bytes(fn):
+    """Bytes of the distinct storages autograd saves for backward while running fn()."""
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
+
+
+def gpt_memory(rank, q, cfg_kw, batch=8, seq=16):
+    """Parameter bytes per rank (each 2D weight and in total) and bytes saved for backward."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_kw)
+    model = TinyGPT(cfg)
+    ids, tgt = _data(cfg, batch, seq)
+    pm = autopar.parallelize(model, grid=(q, q), example_inputs=(ids, tgt))
+    weights = {}
+    for n, p in pm.named_parameters():
+        if p.dim() == 2:
+            weights[n] = (p.to_local().numel(), p.numel(), [str(pl) for pl in p.placements])
+    held = sum(p.to_local().numel() for p in pm.parameters())
+    full = sum(p.numel() for p in pm.parameters())
+    saved, _ = _saved_bytes(lambda: pm(ids, tgt))
+    ref_saved, _ = _saved_bytes(lambda: model(ids, tgt))
+    return {"weights": weights, "held": held, "full": full, "saved": saved, "ref_saved": ref_saved}
+
+
+def gpt_bytes(rank, q, cfg_kw, lowering, batch=4, seq=8):
+    """Bytes the collective layer counted in one training step, per SUMMA module path, and the
+    explain plan's total for the same step."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_kw)
+    model = TinyGPT(cfg)
+    ids, tgt = _data(cfg, batch, seq)
+    pm = autopar.parallelize(model, grid=(q, q), example_inputs=(ids, tgt), lowering=lowering)
+    pm.grid.log.reset()
+    _, loss = pm(ids, tgt)
+    loss.backward()
+    measured = {}
+    for r in rows(pm):
+        if r.op.startswith("SummaLinear"):
+            measured[r.module] = sum(v for (tag, _), v in pm.grid.log.bytes.items() if tag == r.node)
+    planned = sum(r.fwd_bytes + r.bwd_bytes for r in rows(pm))
+    return {"summa": measured, "planned": planned, "total": pm.grid.log.total()}
+
+
+def expect_error(rank, kind):
+    """Run a misuse and return (exception type name, message) or the warnings raised."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    ids, tgt = _data(cfg, 4, 8)
+    try:
+        if kind == "world":
+            autopar.parallelize(TinyGPT(cfg), grid=(3, 3), example_inputs=(ids,))
+        elif kind == "nonsquare":
+            autopar.parallelize(TinyGPT(cfg), grid=(4, 1), example_inputs=(ids,))
+        elif kind == "indivisible":
+            autopar.parallelize(torch.nn.Sequential(torch.nn.Linear(30, 8)), grid=(2, 2),
+                                example_inputs=(torch.randn(4, 30),))
+        elif kind == "capture":
+            autopar.parallelize(DataDependent(), grid=(2, 2), example_inputs=(torch.randn(4, 8),))
+        elif kind == "lowering":
+            autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids,), lowering="ring")
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+class DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: torch.export cannot trace this
+            return self.lin(x)
+        return x
+
+
+def indivisible_replicate(rank):
+    """A weight that q does not divide runs unsplit with a warning, and stays correct."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    x = torch.randn(4, 30)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,), indivisible="replicate")
+    out = pm(x)
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    out.sum().backward()
+    ref = model(x)
+    ref.sum().backward()
+    errs = {"out": rel_err(out, ref)}
+    for n, p in pm.named_parameters():
+        g = p.grad.full_tensor()
+        errs[n] = rel_err(g, dict(model.named_parameters())[n].grad)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, autopar.FallbackWarning)]
+    return errs, msgs

@@ -1,0 +1,39 @@
+"""Parity of the 2D engine with the unmodified model on one process, on real gloo ranks."""
+
+import pytest
+
+from tests import checks_engine as C
+
+RTOL = 1e-4  # fp32, relative to the largest reference value of each tensor
+
+SMALL = dict(vocab_size=64, max_seq=16, hidden=32, heads=4, layers=2)
+SMALL3 = dict(vocab_size=72, max_seq=16, hidden=24, heads=6, layers=2)
+
+
+def _assert_all_small(per_rank):
+    errs = per_rank[0]
+    assert errs.pop("names") == 0, "parameter names differ from the original model's"
+    bad = {k: v for k, v in errs.items() if not v < RTOL}
+    assert not bad, f"relative errors above {RTOL}: {bad}"
+    for other in per_rank[1:]:  # every rank sees the same global values
+        other.pop("names")
+        assert other.keys() == errs.keys()
+
+
+@pytest.mark.parametrize("norm,mlp,lowering", [
+    ("layernorm", "gelu", "broadcast"),
+    ("rmsnorm", "swiglu", "broadcast"),
+    ("layernorm", "gelu", "allgather"),
+])
+def test_gpt_parity_2x2(pool4, norm, mlp, lowering):
+    """Catches any wrong forward value, gradient or optimizer state on a 2x2 grid: a SUMMA block
+    taken from the wrong rank, a missing gradient all-reduce for a replicated bias or norm weight,
+    a wrong local view size, a tied weight updated twice."""
+    _assert_all_small(pool4.run(C.gpt_parity, 2, dict(SMALL, norm=norm, mlp=mlp), lowering))
+
+
+@pytest.mark.parametrize("norm,mlp", [("layernorm", "gelu"), ("rmsnorm", "swiglu")])
+def test_gpt_parity_3x3(pool9, norm, mlp):
+    """The same at q=3, where row and column groups have 3 members: catches index arithmetic that
+    only happens to work for q=2 (e.g. source rank = 1 - r)."""
+    _assert_all_small(pool9.run(C.gpt_parity, 3, dict(SMALL3, norm=norm, mlp=mlp), "broadcast", 6, 8, 3))
