@@ -109,7 +109,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
 def flatten_inputs(captured: Captured, args: tuple, kwargs: dict | None) -> list:
     """The user inputs in placeholder order; kwargs may come in any order."""
     kwargs = kwargs or {}
-    spec_kwargs = captured.in_spec.children_specs[1].context if captured.in_spec.num_children == 2 else []
+    spec_kwargs = captured.in_spec.child(1).context if captured.in_spec.num_children == 2 else []
     unknown = set(kwargs) - set(spec_kwargs)
     missing = set(spec_kwargs) - set(kwargs)
     if unknown or missing:

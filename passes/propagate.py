@@ -20,7 +20,7 @@ an unplaced parameter wait for their consumer and pass its request back to the p
 
 from __future__ import annotations
 
-import operator
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +32,7 @@ from passes.rules import Strategy, Unsupported, is_tensor, lookup, tensor_inputs
 from passes.rules.fallback import creation, fallback
 
 aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__)
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 
 
@@ -50,10 +51,13 @@ def module_path(node: Node) -> str:
 
 
 def source_line(node: Node) -> str:
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    if len(trace) >= 2:
-        return f"{trace[-2].strip()}: {trace[-1].strip()}"
-    return trace[-1].strip() if trace else ""
+    """The innermost line of the node's stack trace outside torch (the user's code), else the last."""
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frames = [(lines[i].strip(), lines[i + 1].strip()) for i in range(len(lines) - 1)
+              if lines[i].strip().startswith("File ")]
+    user = [f for f in frames if _TORCH_DIR not in f[0]]
+    pick = (user or frames or [("", "")])[-1]
+    return f"{pick[0]}: {pick[1]}" if pick[0] else ""
 
 
 def _claim(node: Node, need: Layout, layouts: dict, res: Propagation) -> None:

@@ -128,8 +128,8 @@ def expect_error(rank, kind):
         elif kind == "nonsquare":
             autopar.parallelize(TinyGPT(cfg), grid=(4, 1), example_inputs=(ids,))
         elif kind == "indivisible":
-            autopar.parallelize(torch.nn.Sequential(torch.nn.Linear(30, 8)), grid=(2, 2),
-                                example_inputs=(torch.randn(4, 30),))
+            autopar.parallelize(torch.nn.Sequential(torch.nn.Linear(16, 7)), grid=(2, 2),
+                                example_inputs=(torch.randn(4, 16),))
         elif kind == "capture":
             autopar.parallelize(DataDependent(), grid=(2, 2), example_inputs=(torch.randn(4, 8),))
         elif kind == "lowering":
@@ -153,8 +153,8 @@ class DataDependent(torch.nn.Module):
 def indivisible_replicate(rank):
     """A weight that q does not divide runs unsplit with a warning, and stays correct."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(30, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
-    x = torch.randn(4, 30)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 7), torch.nn.GELU(), torch.nn.Linear(7, 4))
+    x = torch.randn(4, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,), indivisible="replicate")

@@ -1,0 +1,48 @@
+"""Memory held and bytes moved per rank: deterministic quantities, asserted exactly or by bound."""
+
+import pytest
+
+from tests import checks_engine as C
+from tests.test_engine_parity import SMALL
+
+ELT = 4  # fp32
+
+
+def summa_volume(q, tokens, h_in, h_out):
+    """DESIGN.md section 2: bytes received per rank for one SUMMA linear in a training step."""
+    return 3 * (q - 1) * (tokens * h_in + h_in * h_out) * ELT // (q * q)
+
+
+@pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
+def test_summa_bytes_equal_analytic_volume(pool4, lowering):
+    """Catches an extra or missing broadcast/reduce in AB/ABT/ATB, a block sent at the wrong size,
+    or a lowering that moves more than the other."""
+    q, batch, seq = 2, 4, 8
+    cfg = dict(SMALL, mlp="gelu")
+    res = pool4.run(C.gpt_bytes, q, cfg, lowering, batch, seq)
+    h, V, tokens = cfg["hidden"], cfg["vocab_size"], batch * seq
+    want = {}
+    for layer in range(cfg["layers"]):
+        for proj in ("q", "k", "v", "proj"):
+            want[f"blocks.{layer}.attn.{proj}"] = summa_volume(q, tokens, h, h)
+        want[f"blocks.{layer}.mlp.up"] = summa_volume(q, tokens, h, 4 * h)
+        want[f"blocks.{layer}.mlp.down"] = summa_volume(q, tokens, 4 * h, h)
+    # the tied LM head runs ABT on the [V, h] table: the same formula with the roles of in/out swapped
+    want["head"] = 3 * (q - 1) * (tokens * V + V * h) * ELT // (q * q)
+    for rank, r in enumerate(res):
+        assert r["summa"] == want, f"rank {rank}: measured {r['summa']} != analytic {want}"
+        assert r["planned"] == r["total"], f"rank {rank}: explain plans {r['planned']} B, ran {r['total']} B"
+
+
+def test_memory_per_rank(pool4):
+    """Catches a weight stored whole (or half) on a rank, activations gathered between layers, or a
+    kernel saving full-size tensors for backward."""
+    cfg = dict(SMALL, max_seq=16)
+    res = pool4.run(C.gpt_memory, 2, cfg)
+    p = 4
+    for rank, r in enumerate(res):
+        for name, (local, full, placements) in r["weights"].items():
+            assert local * p <= full, f"rank {rank}: {name} holds {local} of {full} elements ({placements})"
+        assert r["held"] <= 1.25 * r["full"] / p, f"rank {rank}: holds {r['held']} of {r['full']} parameters"
+        ratio = r["saved"] * p / r["ref_saved"]
+        assert ratio <= 1.3, f"rank {rank}: saved-for-backward {r['saved']} B vs {r['ref_saved']} B on one process = {ratio:.2f}/p"

@@ -1,0 +1,68 @@
+"""Every user-facing error text of the engine, and the replicate fallback's warning."""
+
+import pytest
+
+from tests import checks_engine as C
+from tests.test_engine_parity import RTOL
+
+
+def _first(pool, kind):
+    res = pool.run(C.expect_error, kind)
+    assert all(r == res[0] for r in res), "ranks disagree about the error"
+    return res[0]
+
+
+def test_world_size_mismatch(pool4):
+    """A grid that does not match the number of processes must not start collectives that hang."""
+    kind, msg = _first(pool4, "world")
+    assert kind == "ValueError"
+    assert "grid=(3, 3) needs 9 processes" in msg and "world size 4" in msg
+
+
+def test_non_square_grid(pool4):
+    """Rectangular grids are not supported by the SUMMA engine yet: say so, and what to use."""
+    kind, msg = _first(pool4, "nonsquare")
+    assert kind == "ValueError"
+    assert "grid=(4, 1) is not square" in msg and "grid=(q, q)" in msg
+
+
+def test_indivisible_weight_is_an_error_by_default(pool4):
+    """A Linear(16, 7) on q=2 cannot be split 2D; the error names the weight, the sizes and the way out."""
+    kind, msg = _first(pool4, "indivisible")
+    assert kind == "ShardingError"
+    assert "weight 0.weight of shape (7, 16)" in msg
+    assert "in-features 16 and out-features 7 must both be divisible by 2" in msg
+    assert "indivisible='replicate'" in msg
+
+
+def test_indivisible_replicate_warns_and_stays_correct(pool4):
+    """With indivisible='replicate' the op runs unsplit: one warning naming it, same numbers."""
+    errs, msgs = pool4.run(C.indivisible_replicate)[0]
+    assert len(msgs) == 1, msgs
+    assert "2 op(s) run unsplit" in msgs[0]
+    assert "linear (aten.linear.default) in 0" in msgs[0] and "linear_1 (aten.linear.default) in 2" in msgs[0]
+    assert max(errs.values()) < RTOL, errs
+
+
+def test_capture_failure_points_at_user_line(pool4):
+    """torch.export's own error is long and points into torch; ours names the model and its line."""
+    kind, msg = _first(pool4, "capture")
+    assert kind == "CaptureError"
+    assert "could not capture DataDependent" in msg
+    assert "checks_engine.py" in msg and "if x.sum() > 0:" in msg
+    assert "torch.where" in msg
+
+
+def test_unknown_lowering(pool4):
+    kind, msg = _first(pool4, "lowering")
+    assert kind == "ValueError" and "lowering='ring'" in msg and "'broadcast'" in msg
+
+
+def test_needs_process_group():
+    """Called without init_process_group, parallelize says what to call instead of failing deep inside."""
+    import torch
+
+    import autopar
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        autopar.parallelize(torch.nn.Linear(4, 4), grid=(1, 1), example_inputs=(torch.randn(2, 4),))
