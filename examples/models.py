@@ -103,6 +103,8 @@ class TinyGPT(nn.Module):
         self.norm = make_norm(cfg)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied
+        for emb in (self.tok, self.pos):
+            nn.init.normal_(emb.weight, std=0.02)  # GPT-2's scale keeps the tied logits O(1)
 
     def forward(self, ids, targets=None):
         b, s = ids.shape

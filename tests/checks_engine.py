@@ -169,3 +169,34 @@ def indivisible_replicate(rank):
         errs[n] = rel_err(g, dict(model.named_parameters())[n].grad)
     msgs = [str(w.message) for w in caught if issubclass(w.category, autopar.FallbackWarning)]
     return errs, msgs
+
+
+def everyday_use(rank):
+    """Other shapes than the example, eval/train switching, clip_grad_norm_ over DTensor grads."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(dropout=0.1)
+    model = TinyGPT(cfg)
+    ids, tgt = _data(cfg, 4, 8)
+    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(ids, tgt))
+    out = {}
+    model.eval()
+    pm.eval()
+    ids2, tgt2 = _data(cfg, 8, 16, seed=5)  # other batch and sequence length, eval mode: no dropout
+    logits, loss = pm(ids2, tgt2)
+    ref_logits, ref_loss = model(ids2, tgt2)
+    out["eval other shape logits"] = rel_err(logits.full_tensor(), ref_logits)
+    out["eval loss"] = rel_err(loss, ref_loss)
+    loss.backward()
+    ref_loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm=0.5)
+    ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    out["clip norm"] = rel_err(norm, ref_norm)
+    ref_params = dict(model.named_parameters())
+    out["clipped grads"] = max(rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters())
+    pm.train()
+    model.train()
+    _, train_loss = pm(ids, tgt)  # dropout on: a different (random) loss, but finite and compiled anew
+    out["one graph per (mode, shapes)"] = float(len(pm._compiled) != 2)
+    out["train loss finite"] = float(not torch.isfinite(train_loss).item())
+    return out
