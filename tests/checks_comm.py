@@ -1,0 +1,103 @@
+"""Rank-side checks of the collective layer: groups, SUMMA products and redistributions against
+brute-force results computed from the full tensors (identical on every rank: same seed)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from passes.layout import Layout
+from passes.mesh import Grid
+from passes.ops import kernels, summa
+
+
+def block_of(full: torch.Tensor, lay: Layout, grid: Grid) -> torch.Tensor:
+    """The block rank (r, c) holds of `full` under `lay` (Partial: rank 0 of the axis holds it all)."""
+    t = full
+    for axis, p in enumerate(lay.placements):
+        if isinstance(p, Shard):
+            t = t.chunk(grid.q, dim=p.dim)[grid.index(axis)]
+        elif isinstance(p, Partial) and p.reduce_op == "sum" and grid.index(axis) != 0:
+            t = torch.zeros_like(t)
+    return t.clone(memory_format=torch.contiguous_format)  # a fresh leaf, not a view of `full`
+
+
+def groups(rank, q):
+    g = Grid(q, q)
+    return {
+        "r, c": (g.r, g.c),
+        "same_row": dist.get_process_group_ranks(g.same_row_group),
+        "same_col": dist.get_process_group_ranks(g.same_col_group),
+    }
+
+
+def summa_products(rank, q, lowering):
+    """AB, ABT, ATB forward and the gradients of SummaAB / SummaABT against torch on full matrices."""
+    g = Grid(q, q)
+    torch.manual_seed(0)
+    M, K, N = 6 * q, 4 * q, 5 * q
+    A, B, Bt, C = (torch.randn(M, K), torch.randn(K, N), torch.randn(N, K), torch.randn(M, N))
+    split = Layout((Shard(0), Shard(1)))
+    blk = lambda t: block_of(t, split, g)  # noqa: E731
+    err = {}
+    err["AB"] = (summa.ab(g, blk(A), blk(B), "t", lowering=lowering) - blk(A @ B)).abs().max().item()
+    err["ABT"] = (summa.abt(g, blk(A), blk(Bt), "t", lowering=lowering) - blk(A @ Bt.t())).abs().max().item()
+    err["ATB"] = (summa.atb(g, blk(A), blk(C), "t", lowering=lowering) - blk(A.t() @ C)).abs().max().item()
+    for name, fn, other in (("AB", summa.SummaAB, B), ("ABT", summa.SummaABT, Bt)):
+        a = blk(A).requires_grad_()
+        b = blk(other).requires_grad_()
+        out = fn.apply(a, b, g, "t", lowering)
+        Af, Of = A.clone().requires_grad_(), other.clone().requires_grad_()
+        ref = Af @ (Of if name == "AB" else Of.t())
+        W = torch.randn(ref.shape)  # a loss sum(W * out): its gradient is W
+        (blk(W) * out).sum().backward()
+        (W * ref).sum().backward()
+        err[f"{name} dA"] = (a.grad - blk(Af.grad)).abs().max().item()
+        err[f"{name} dB"] = (b.grad - blk(Of.grad)).abs().max().item()
+    return err
+
+
+LAYOUTS = [
+    Layout((Replicate(), Replicate())),
+    Layout((Shard(0), Shard(2))),
+    Layout((Shard(2), Shard(0))),
+    Layout((Shard(1), Replicate())),
+    Layout((Replicate(), Shard(1))),
+    Layout((Shard(0), Shard(1))),
+    Layout((Partial("sum"), Shard(2))),
+    Layout((Shard(0), Partial("sum"))),
+    Layout((Partial("avg"), Replicate())),
+]
+
+
+def redistributions(rank, q):
+    """Every (src, dst) pair: forward value equals dst's block of the full tensor, and the backward
+    gives src's block of the full gradient (the engine's gradient invariant)."""
+    g = Grid(q, q)
+    torch.manual_seed(0)
+    full = torch.randn(2 * q, 3 * q, 2 * q)
+    grad = torch.randn_like(full)
+    bad = []
+    for src, dst in itertools.product(LAYOUTS, LAYOUTS):
+        if any(isinstance(p, Partial) for p in dst.placements):
+            continue  # a Partial target has no unique block to compare with
+        x = block_of(full, src, g)
+        if any(isinstance(p, Partial) and p.reduce_op == "avg" for p in src.placements):
+            x = full.clone()  # every member holds the value; their average is it
+        x.requires_grad_()
+        y = kernels.Redistribute(g, src, dst, "t")(x)
+        fwd = (y - block_of(full, dst, g)).abs().max().item()
+        (y * block_of(grad, dst, g)).sum().backward()
+        want = grad.clone()
+        for axis, p in enumerate(src.placements):
+            if isinstance(p, Shard):
+                want = want.chunk(q, dim=p.dim)[g.index(axis)]
+            elif isinstance(p, Partial) and p.reduce_op == "avg":
+                want = want / q
+        bwd = (x.grad - want).abs().max().item()
+        if fwd > 1e-5 or bwd > 1e-5:
+            bad.append((repr(src), repr(dst), fwd, bwd))
+    return bad
