@@ -48,11 +48,7 @@ class Pool:
             box.put((fn, args))
         results, errors = [None] * self.world, []
         for _ in range(self.world):
-            try:
-                rank, ok, value = self.outbox.get(timeout=timeout)
-            except queue.Empty:
-                self.close(force=True)
-                raise AssertionError(f"{fn.__name__}: no answer from some rank within {timeout} s (hang?)") from None
+            rank, ok, value = self._next(fn, timeout)
             if ok:
                 results[rank] = value
             else:
@@ -64,6 +60,19 @@ class Pool:
             rank, tb = errors[0]
             raise AssertionError(f"{fn.__name__} failed on rank {rank}:\n{tb}")
         return results
+
+    def _next(self, fn, timeout: float):
+        waited = 0.0
+        while True:
+            try:
+                return self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            if dead or waited >= timeout:
+                self.close(force=True)
+                why = f"rank(s) {dead} died" if dead else f"no answer within {timeout:.0f} s (hang?)"
+                raise AssertionError(f"{fn.__name__}: {why}")
 
     def close(self, force: bool = False):
         self.broken = True

@@ -63,8 +63,14 @@ def is_tensor(node) -> bool:
     return isinstance(node, Node) and isinstance(val(node), torch.Tensor)
 
 
+def is_tensors(node) -> bool:
+    """A multi-output op's result (split, chunk, unbind, ...): a getitem takes one piece of it."""
+    v = val(node) if isinstance(node, Node) else None
+    return isinstance(v, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in v)
+
+
 def tensor_inputs(node: Node) -> list:
-    return [n for n in node.all_input_nodes if is_tensor(n)]
+    return [n for n in node.all_input_nodes if is_tensor(n) or is_tensors(n)]
 
 
 def lookup(target):

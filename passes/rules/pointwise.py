@@ -84,9 +84,11 @@ def pointwise(node, layouts, q):
 
 @register(operator.getitem)
 def getitem(node, layouts, q):
+    """One piece of a multi-output op (split, unbind, ...), laid out as that op's rule said. The tuple
+    is not listed as an input: it always arrives as it is, and is no tensor to redistribute."""
     src, idx = node.args[0], node.args[1]
     lay = layouts[src]
-    return Strategy({src: lay}, lay[idx] if isinstance(lay, tuple) else lay)
+    return Strategy({}, lay[idx] if isinstance(lay, tuple) else lay)
 
 
 def _reduced_dims(node) -> tuple:

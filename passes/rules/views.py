@@ -42,9 +42,7 @@ def _through(x_lay, mapping, out_shape, q):
 
 def _perm_rule(node, layouts, q, perm):
     x = node.args[0]
-    lay = _input_layout(layouts, x)
-    if lay is None:  # a view of an unplaced parameter: placed later by its consumer
-        return Strategy({}, None)
+    lay = _input_layout(layouts, x)  # never None: propagate defers transposes of unplaced weights
     inv = {src: dst for dst, src in enumerate(perm)}
     need, out = _through(lay, inv, tuple(val(node).shape), q)
     return Strategy({x: need}, out)
@@ -78,6 +76,8 @@ def reshape_groups(src, dst) -> list:
         gi, gj, pi, pj = [], [], 1, 1
         while True:
             if pi == pj and gi and gj:
+                break
+            if i >= len(src) and j >= len(dst):  # only size-1 dims were left (a 0-d side)
                 break
             if (pi <= pj and i < len(src)) or j >= len(dst):
                 gi.append(i)
@@ -114,9 +114,9 @@ def reshape_mapping(src, dst) -> dict:
           aten.squeeze.default)
 def reshape(node, layouts, q):
     x = node.args[0]
-    lay = _input_layout(layouts, x)
-    if lay is None:
-        return Strategy({}, None)
+    # a view of an unplaced parameter stores it whole: propagate passes a consumer's request back
+    # through transposes only, and would misread a view as one
+    lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
     src, dst = shape(x), tuple(val(node).shape)
     need, out = _through(lay, reshape_mapping(src, dst), dst, q)
     return Strategy({x: need}, out)
