@@ -39,7 +39,7 @@ def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase
     out = torch.empty((grid.q * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t))
     dist.all_gather_single(out, moved, group=grid.group(axis))
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
 
 
 def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
@@ -48,7 +48,7 @@ def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     out = torch.empty((moved.shape[0] // grid.q,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t) // grid.q)
     dist.reduce_scatter_single(out, moved, group=grid.group(axis))
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op=dist.ReduceOp.SUM):

@@ -54,14 +54,12 @@ def broadcast_strategy(node, layouts, out_shape, q, skip_dims=()) -> tuple:
                 if od is not None and od not in skip_dims and od not in out_ps and out_shape[od] % q == 0:
                     chosen = od
                     break
-        if chosen is None:  # a partial input is reduce-scattered onto its first divisible dim
-            for n in ins:
-                lay = layouts.get(n)
-                if lay is not None and isinstance(lay[axis], Partial):
-                    for od in sorted(dim_map(shape(n), out_shape).values()):
-                        if od not in skip_dims and od not in out_ps and out_shape[od] % q == 0 and od != len(out_shape) - 1:
-                            chosen = od
-                            break
+        if chosen is None:  # a partial input is reduce-scattered onto the first divisible dim it has
+            full_dims = {od for n in ins if layouts.get(n) is not None and isinstance(layouts[n][axis], Partial)
+                         for od in dim_map(shape(n), out_shape).values()}
+            for od in sorted(full_dims):
+                if od not in skip_dims and od not in out_ps and out_shape[od] % q == 0 and od != len(out_shape) - 1:
+                    chosen = od
                     break
         out_ps.append(chosen)
     out = Layout(tuple(Shard(d) if d is not None else Replicate() for d in out_ps))
