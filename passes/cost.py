@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
-from passes.layout import local_shape
+from passes.layout import local_shape, parts, split_dim
 from passes.ops import kernels
 
 
@@ -46,7 +46,7 @@ def redistribute_cost(mod: kernels.Redistribute, node: Node, q: int) -> Cost:
     fwd = bwd = 0
     steps = []
     for a in range(2):
-        if isinstance(cur[a], Shard) and cur[a] != mod.dst[a]:
+        if split_dim(cur[a]) is not None and cur[a] != mod.dst[a]:
             fwd += (q - 1) * math.prod(shape) * elt
             shape[cur[a].dim] *= q
             cur[a] = Replicate()
@@ -56,7 +56,7 @@ def redistribute_cost(mod: kernels.Redistribute, node: Node, q: int) -> Cost:
         if s == d:
             continue
         n = math.prod(shape) * elt
-        if isinstance(s, Partial) and isinstance(d, Shard):
+        if isinstance(s, Partial) and isinstance(d, Shard) and parts(d) == 1:
             fwd += (q - 1) * n // q
             shape[d.dim] //= q
             bwd += (q - 1) * math.prod(shape) * elt
@@ -65,7 +65,7 @@ def redistribute_cost(mod: kernels.Redistribute, node: Node, q: int) -> Cost:
         if isinstance(s, Partial):
             fwd += _all_reduce(n, q)
             steps.append(f"all-reduce(axis {a})")
-        if isinstance(d, Shard):
+        if split_dim(d) is not None:
             shape[d.dim] //= q
             bwd += (q - 1) * math.prod(shape) * elt if v.dtype.is_floating_point else 0
             steps.append(f"split(axis {a}; bwd all-gather)")

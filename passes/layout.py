@@ -4,6 +4,10 @@ A layout is a pair (placement over axis 0, placement over axis 1); it prints com
 `S(0)S(2)` for an activation [b, s, h] split batch over rows and hidden over columns, `RS(0)` for a
 bias split over columns, `P(sum)R` for a partial sum over the same-column group.
 
+A fused projection's output (q|k|v side by side in one dim) uses DTensor's `_StridedShard(dim, k)`,
+printed `S(2)x3`: the dim is cut into k equal parts and each rank holds its block *of every part*,
+so that splitting the local block into k gives this rank's block of q, of k and of v.
+
 >>> from torch.distributed.tensor import Shard, Replicate
 >>> lay = Layout((Shard(0), Shard(2)))
 >>> lay, local_shape((8, 16, 32), lay, q=2)
@@ -15,9 +19,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-__all__ = ["Layout", "Partial", "Replicate", "Shard", "REPLICATED", "local_shape", "ShardingError"]
+__all__ = ["Layout", "Partial", "Replicate", "Shard", "Strided", "REPLICATED", "local_shape", "ShardingError",
+           "split_dim", "parts", "moved"]
+Strided = _StridedShard
+
+
+def split_dim(p: Placement) -> int | None:
+    """The tensor dim a placement splits (Shard or Strided), else None."""
+    return p.dim if isinstance(p, (Shard, _StridedShard)) else None
+
+
+def parts(p: Placement) -> int:
+    """How many interleaved parts a split has: k for Strided(dim, k), 1 for Shard."""
+    return p.split_factor if isinstance(p, _StridedShard) else 1
+
+
+def moved(p: Placement, dim: int) -> Placement:
+    """The same kind of split, on another dim."""
+    return _StridedShard(dim, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(dim)
 
 
 class ShardingError(ValueError):
@@ -25,6 +46,8 @@ class ShardingError(ValueError):
 
 
 def _short(p: Placement) -> str:
+    if isinstance(p, _StridedShard):
+        return f"S({p.dim})x{p.split_factor}"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Partial):
@@ -37,7 +60,7 @@ class Layout:
     placements: tuple  # (axis 0, axis 1)
 
     def __post_init__(self):
-        dims = [p.dim for p in self.placements if isinstance(p, Shard)]
+        dims = [split_dim(p) for p in self.placements if split_dim(p) is not None]
         assert len(dims) == len(set(dims)), f"two mesh axes shard the same dim: {self}"
 
     def __repr__(self) -> str:
@@ -54,7 +77,7 @@ class Layout:
     def shard_axis(self, dim: int) -> int | None:
         """The mesh axis that shards tensor `dim`, or None."""
         for axis, p in enumerate(self.placements):
-            if isinstance(p, Shard) and p.dim == dim:
+            if split_dim(p) == dim:
                 return axis
         return None
 
@@ -68,7 +91,7 @@ class Layout:
 
     def normalized(self, ndim: int) -> "Layout":
         """Negative shard dims made positive."""
-        return Layout(tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in self.placements))
+        return Layout(tuple(moved(p, p.dim % ndim) if split_dim(p) is not None else p for p in self.placements))
 
 
 REPLICATED = Layout((Replicate(), Replicate()))
@@ -78,8 +101,8 @@ def local_shape(shape, layout: Layout, q: int, what: str = "tensor") -> tuple:
     """The block shape a rank holds; raises ShardingError when a split dim is not divisible by q."""
     out = list(shape)
     for p in layout.placements:
-        if isinstance(p, Shard):
-            if out[p.dim] % q:
+        if split_dim(p) is not None:
+            if out[p.dim] % (q * parts(p)):
                 raise ShardingError(
                     f"{what}: dim {p.dim} of shape {tuple(shape)} has size {shape[p.dim]}, which is not "
                     f"divisible by the grid's q={q}; it cannot be split {layout}."

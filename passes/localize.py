@@ -2,7 +2,8 @@
 
 Requires `autopar_layout` on every node (from `propagate`). view / reshape / expand carry their target
 sizes as integers (head counts, hidden sizes, batch); after this pass they hold the block's sizes,
-computed from the node's global shape and its layout. Ops that build tensors from sizes (arange,
+computed from the node's global shape and its layout; split sizes become the pieces' block sizes (a
+fused projection's output is split locally). Ops that build tensors from sizes (arange,
 zeros, full) produce replicated whole tensors and keep theirs.
 """
 
@@ -22,6 +23,13 @@ def localize(gm: GraphModule, q: int) -> GraphModule:
         if node.op == "call_function" and node.target in _SIZED:
             size = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], q, node.name)
             node.args = (node.args[0], list(size)) + tuple(node.args[2:])
+        elif node.op == "call_function" and node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            x = node.args[0]
+            dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(x.meta["val"].shape)
+            sizes = [local_shape(tuple(v.shape), lay, q, node.name)[dim]
+                     for v, lay in zip(node.meta["val"], node.meta["autopar_layout"])]
+            size_arg = sizes[0] if node.target == aten.split.Tensor else sizes
+            node.args = (x, size_arg) + tuple(node.args[2:])
         elif node.op == "call_function" and node.target == aten.unflatten.int:
             x, dim, _ = node.args
             out = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], q, node.name)

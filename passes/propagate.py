@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
-from passes.layout import REPLICATED, Layout, ShardingError
+from passes.layout import REPLICATED, Layout, ShardingError, moved, split_dim
 from passes.rules import Strategy, Unsupported, is_tensor, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
 
@@ -74,7 +74,7 @@ def _claim(node: Node, need: Layout, layouts: dict, res: Propagation) -> None:
         perm = list(range(nd))
         a, b = (node.args[1] % nd, node.args[2] % nd) if node.target == aten.transpose.int else (0, nd - 1)
         perm[a], perm[b] = perm[b], perm[a]
-    back = Layout(tuple(Shard(perm[p.dim % nd]) if isinstance(p, Shard) else p for p in need.placements))
+    back = Layout(tuple(moved(p, perm[p.dim % nd]) if split_dim(p) is not None else p for p in need.placements))
     node.meta["autopar_strategy"] = Strategy({src: back}, need)
     _claim(src, back, layouts, res)
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
+
+from passes.layout import Strided
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
@@ -55,7 +57,10 @@ def cut(full, layout, q: int, r: int, c: int):
     t = full
     for axis, p in enumerate(layout.placements):
         idx = (r, c)[axis]
-        if isinstance(p, Shard):
+        if isinstance(p, Strided):  # block idx of each of the k equal parts, side by side
+            d = p.dim % t.dim()
+            t = torch.cat([part.chunk(q, d)[idx] for part in t.chunk(p.split_factor, d)], d)
+        elif isinstance(p, Shard):
             d = p.dim % t.dim()
             assert t.shape[d] % q == 0, f"{layout} on shape {tuple(full.shape)}: dim {d} not divisible by {q}"
             t = t.chunk(q, d)[idx]
@@ -69,6 +74,10 @@ def cut(full, layout, q: int, r: int, c: int):
 
 
 def _combine(parts, p, what):
+    if isinstance(p, Strided):
+        d = p.dim % parts[0].dim()
+        subs = [part.chunk(p.split_factor, d) for part in parts]  # [rank][part]
+        return torch.cat([torch.cat([s[j] for s in subs], d) for j in range(p.split_factor)], d)
     if isinstance(p, Shard):
         return torch.cat(parts, p.dim % parts[0].dim())
     if isinstance(p, Partial):

@@ -59,38 +59,52 @@ def all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op=
     return t
 
 
-def block(grid: Grid, axis: int, t: torch.Tensor, dim: int) -> torch.Tensor:
-    """This member's block of `dim` (a view; no communication)."""
-    n = t.shape[dim] // grid.q
-    return t.narrow(dim, grid.index(axis) * n, n)
+def block(grid: Grid, axis: int, t: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
+    """This member's block of `dim`; with parts=k, its block of each of the k equal parts, side by side."""
+    i = grid.index(axis)
+    if parts == 1:
+        n = t.shape[dim] // grid.q
+        return t.narrow(dim, i * n, n)
+    m = t.movedim(dim, 0)
+    m = m.reshape(parts, grid.q, -1, *m.shape[1:])[:, i].reshape(-1, *m.shape[1:])
+    return m.movedim(0, dim)
+
+
+def _unstride(grid: Grid, t: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """Gathered blocks [c][part] (what all-gather of interleaved blocks gives) -> [part][c]."""
+    if parts == 1:
+        return t
+    m = t.movedim(dim, 0)
+    m = m.reshape(grid.q, parts, -1, *m.shape[1:]).transpose(0, 1).reshape(m.shape)
+    return m.movedim(0, dim).contiguous()
 
 
 class Gather(torch.autograd.Function):
-    """Shard(dim) -> Replicate: all-gather forward, take own block backward."""
+    """Shard(dim) (or Strided(dim, parts)) -> Replicate: all-gather forward, own block backward."""
 
     @staticmethod
-    def forward(ctx, x, grid, axis, dim, tag):
-        ctx.args = (grid, axis, dim)
-        return all_gather(grid, axis, x, dim, tag, "fwd")
+    def forward(ctx, x, grid, axis, dim, tag, parts=1):
+        ctx.args = (grid, axis, dim, parts)
+        return _unstride(grid, all_gather(grid, axis, x, dim, tag, "fwd"), dim, parts)
 
     @staticmethod
     def backward(ctx, g):
-        grid, axis, dim = ctx.args
-        return block(grid, axis, g, dim).contiguous(), None, None, None, None
+        grid, axis, dim, parts = ctx.args
+        return block(grid, axis, g, dim, parts).contiguous(), None, None, None, None, None
 
 
 class Split(torch.autograd.Function):
-    """Replicate -> Shard(dim): take own block forward, all-gather backward."""
+    """Replicate -> Shard(dim) (or Strided(dim, parts)): own block forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, grid, axis, dim, tag):
-        ctx.args = (grid, axis, dim, tag)
-        return block(grid, axis, x, dim).contiguous()
+    def forward(ctx, x, grid, axis, dim, tag, parts=1):
+        ctx.args = (grid, axis, dim, tag, parts)
+        return block(grid, axis, x, dim, parts).contiguous()
 
     @staticmethod
     def backward(ctx, g):
-        grid, axis, dim, tag = ctx.args
-        return all_gather(grid, axis, g, dim, tag, "bwd"), None, None, None, None
+        grid, axis, dim, tag, parts = ctx.args
+        return _unstride(grid, all_gather(grid, axis, g, dim, tag, "bwd"), dim, parts), None, None, None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Layout
+from passes.layout import Layout, parts, split_dim
 from passes.mesh import Grid
 from passes.ops import comm
 from passes.ops.summa import summa_matmul
@@ -31,8 +31,8 @@ class Redistribute(nn.Module):
     def forward(self, x):
         g, cur = self.grid, list(self.src.placements)
         for a in range(2):
-            if isinstance(cur[a], Shard) and cur[a] != self.dst[a]:
-                x = comm.Gather.apply(x, g, a, cur[a].dim, self.tag)
+            if split_dim(cur[a]) is not None and cur[a] != self.dst[a]:
+                x = comm.Gather.apply(x, g, a, cur[a].dim, self.tag, parts(cur[a]))
                 cur[a] = Replicate()
         for a in range(2):
             s, d = cur[a], self.dst[a]
@@ -40,12 +40,12 @@ class Redistribute(nn.Module):
                 continue
             if isinstance(s, Partial):
                 avg = s.reduce_op == "avg"
-                if isinstance(d, Shard):
+                if isinstance(d, Shard) and parts(d) == 1:
                     x = comm.ReduceScatter.apply(x, g, a, d.dim, avg, self.tag)
                     continue
                 x = comm.AllReduce.apply(x, g, a, avg, self.tag)
-            if isinstance(d, Shard):
-                x = comm.Split.apply(x, g, a, d.dim, self.tag)
+            if split_dim(d) is not None:
+                x = comm.Split.apply(x, g, a, d.dim, self.tag, parts(d))
             elif isinstance(d, Partial):
                 x = comm.ToPartial.apply(x, g, a, d.reduce_op == "avg")
         return x

@@ -4,6 +4,11 @@ two activations (attention written out by hand) they run locally on the batch/he
 A weight W used as y = x W (math layout [K, N]) is stored either as blocks W[K-block r, N-block c]
 (SUMMA AB, the default) or as W[N-block r, K-block c] (SUMMA ABT, what a weight tied to an embedding
 table gets). nn.Linear's [out, in] = [N, K] storage is the second orientation of the same matrix.
+
+A fused projection (one matmul whose output is then split into k equal parts: q|k|v, gate|up) stores
+its N dim interleaved (`Strided(dim, k)`): column block c holds block c of every part, so the local
+output splits into this rank's q, k and v blocks with no communication, while the parameter is still
+the original matrix as a DTensor (a saved state dict has the original layout).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Layout, ShardingError
+from passes.layout import Layout, ShardingError, Strided, split_dim
 from passes.rules import Strategy, Unsupported, register, shape, val
 
 aten = torch.ops.aten
@@ -53,21 +58,52 @@ def summa_strategy(node, layouts, q, x, w, bias, n_first: bool) -> Strategy:
     abt = Layout((Shard(nd), Shard(kd)))
     have = layouts.get(w)
     transposed = have == abt
+    k = fused_parts(node) if not transposed else 1
+    fused = k > 1 and N % (k * q) == 0
+    if fused:
+        ab = Layout((Shard(kd), Strided(nd, split_factor=k)))
     w_lay = abt if transposed else ab
     rows = _row_split(x, layouts, q)
     last = len(shape(x)) - 1
     out_rows = Shard(rows.dim if rows.dim < len(val(node).shape) - 1 else 0)
+    n_split = Strided(0, split_factor=k) if fused else Shard(0)
     need = {x: Layout((rows, Shard(last))), w: w_lay}
     if bias is not None:
-        need[bias] = Layout((Replicate(), Shard(0)))
+        need[bias] = Layout((Replicate(), n_split))
     flip = n_first != transposed  # the local block must be transposed to be the operand SUMMA wants
+    out_last = len(val(node).shape) - 1
     return Strategy(
         need,
-        Layout((out_rows, Shard(len(val(node).shape) - 1))),
+        Layout((out_rows, Strided(out_last, split_factor=k) if fused else Shard(out_last))),
         kernel="summa",
-        note="SUMMA ABT" if transposed else "SUMMA AB",
+        note=("SUMMA ABT" if transposed else "SUMMA AB") + (f", fused x{k}: column blocks hold matching parts" if fused else ""),
         extra={"transposed": transposed, "flip": flip, "x": x, "w": w, "bias": bias},
     )
+
+
+_KEEP_LAST = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+
+
+def fused_parts(node) -> int:
+    """k when the matmul's output (through views that keep its last dim) is split along the last dim
+    into k > 1 equal parts -- a fused q|k|v or gate|up projection -- else 1."""
+    n_out = val(node).shape[-1]
+    frontier = [node]
+    while frontier:
+        n = frontier.pop()
+        for u in n.users:
+            if u.op != "call_function":
+                continue
+            if u.target in _KEEP_LAST and val(u).shape[-1] == n_out:
+                frontier.append(u)
+            elif u.target in _SPLITS:
+                nd = len(val(n).shape)
+                dim = (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % nd
+                pieces = val(u)
+                if dim == nd - 1 and len(pieces) > 1 and len({t.shape[dim] for t in pieces}) == 1:
+                    return len(pieces)
+    return 1
 
 
 def _is_weight(w, layouts) -> bool:
@@ -75,7 +111,7 @@ def _is_weight(w, layouts) -> bool:
     if len(shape(w)) != 2:
         return False
     lay = layouts.get(w)
-    return lay is None or all(isinstance(p, Shard) for p in lay.placements)
+    return lay is None or all(split_dim(p) is not None for p in lay.placements)
 
 
 @register(aten.linear.default)

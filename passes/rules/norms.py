@@ -16,13 +16,15 @@ from passes.rules import Strategy, Unsupported, register, shape
 aten = torch.ops.aten
 
 
-def _rows(lay, nd):
-    """Keep a batch-side split over mesh axis 0 (any dim but the last)."""
+def _rows(lay, shape_, q):
+    """Keep a batch-side split over mesh axis 0 (any dim but the last), else split the batch dim:
+    a replicated input is sliced for free, a partial one reduce-scattered (cheaper than all-reduced)."""
+    nd = len(shape_)
     if lay is not None:
         p = lay.normalized(nd)[0]
         if isinstance(p, Shard) and p.dim < nd - 1:
             return p
-    return Replicate()
+    return Shard(0) if nd >= 2 and shape_[0] % q == 0 else Replicate()
 
 
 def norm_strategy(node, layouts, q, x, params, n_norm):
@@ -31,7 +33,7 @@ def norm_strategy(node, layouts, q, x, params, n_norm):
     xs = shape(x)
     nd = len(xs)
     split = xs[-1] % q == 0
-    x_lay = Layout((_rows(layouts.get(x), nd), Shard(nd - 1) if split else Replicate()))
+    x_lay = Layout((_rows(layouts.get(x), xs, q), Shard(nd - 1) if split else Replicate()))
     p_lay = Layout((Replicate(), Shard(0) if split else Replicate()))
     need = {x: x_lay}
     need.update({p: p_lay for p in params if p is not None})

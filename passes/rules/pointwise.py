@@ -13,7 +13,7 @@ import operator
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Layout
+from passes.layout import Layout, moved, parts, split_dim
 from passes.rules import Strategy, Unsupported, register, shape, tensor_inputs, val
 
 aten = torch.ops.aten
@@ -43,16 +43,16 @@ def broadcast_strategy(node, layouts, out_shape, q, skip_dims=()) -> tuple:
     `skip_dims` are output dims that must stay whole (e.g. the last dim of tril).
     """
     ins = tensor_inputs(node)
-    out_ps = []
+    out_ps, kinds = [], []
     for axis in range(2):
-        chosen = None
+        chosen, kind = None, Shard(0)
         for n in ins:
             lay = layouts.get(n)
             p = lay[axis] if lay is not None else None
-            if isinstance(p, Shard):
+            if split_dim(p) is not None:
                 od = dim_map(shape(n), out_shape).get(p.dim % len(shape(n)))
-                if od is not None and od not in skip_dims and od not in out_ps and out_shape[od] % q == 0:
-                    chosen = od
+                if od is not None and od not in skip_dims and od not in out_ps and out_shape[od] % (q * parts(p)) == 0:
+                    chosen, kind = od, p
                     break
         if chosen is None:  # a partial input is reduce-scattered onto the first divisible dim it has
             full_dims = {od for n in ins if layouts.get(n) is not None and isinstance(layouts[n][axis], Partial)
@@ -62,12 +62,29 @@ def broadcast_strategy(node, layouts, out_shape, q, skip_dims=()) -> tuple:
                     chosen = od
                     break
         out_ps.append(chosen)
-    out = Layout(tuple(Shard(d) if d is not None else Replicate() for d in out_ps))
+        kinds.append(kind)
+    out = Layout(tuple(moved(k, d) if d is not None else Replicate() for d, k in zip(out_ps, kinds)))
     req = {}
     for n in ins:
         m = {o: i for i, o in dim_map(shape(n), out_shape).items()}
-        req[n] = Layout(tuple(Shard(m[d]) if d in m else Replicate() for d in out_ps))
+        req[n] = Layout(tuple(moved(k, m[d]) if d in m else Replicate() for d, k in zip(out_ps, kinds)))
     return req, out
+
+
+# ops linear in their one tensor input: a partial sum stays a partial sum through them
+_LINEAR_UNARY = {aten.to, aten._to_copy, aten.clone, aten.contiguous, aten.alias, aten.detach, aten.neg,
+                 aten.lift_fresh_copy}
+_SUMS = {aten.add.Tensor, aten.sub.Tensor}
+
+
+def _keeps_partial(node, layouts, axis) -> bool:
+    ins = tensor_inputs(node)
+    ps = [layouts[n][axis] if layouts.get(n) is not None else None for n in ins]
+    if not ps or not all(isinstance(p, Partial) and p.reduce_op == "sum" for p in ps):
+        return False
+    if node.target.overloadpacket in _LINEAR_UNARY:
+        return len(ins) == 1
+    return node.target in _SUMS and all(isinstance(a, torch.fx.Node) for a in node.args[:2])
 
 
 @register(*POINTWISE)
@@ -77,6 +94,10 @@ def pointwise(node, layouts, q):
         raise Unsupported("non-tensor output")
     skip = (out.dim() - 1, out.dim() - 2) if node.target in (aten.tril.default, aten.triu.default) else ()
     req, lay = broadcast_strategy(node, layouts, tuple(out.shape), q, skip)
+    for axis in range(2):  # sums of partial sums, and casts/copies of one, stay partial
+        if _keeps_partial(node, layouts, axis):
+            lay = lay.with_axis(axis, Partial("sum"))
+            req = {n: r.with_axis(axis, Partial("sum")) for n, r in req.items()}
     return Strategy(req, lay)
 
 
@@ -113,12 +134,12 @@ def reduction(node, layouts, q):
     kind = "avg" if node.target in (aten.mean.dim, aten.mean.default) else "sum"
     out = []
     for p in lay.placements:
-        if not isinstance(p, Shard):
+        if split_dim(p) is None:
             out.append(p)
         elif p.dim in dims:
             out.append(Partial(kind))
         else:
-            out.append(Shard(p.dim if keep else p.dim - sum(d < p.dim for d in dims)))
+            out.append(moved(p, p.dim if keep else p.dim - sum(d < p.dim for d in dims)))
     return Strategy({x: lay}, Layout(tuple(out)))
 
 
@@ -132,7 +153,7 @@ def along_dim(node, layouts, q):
     lay = layouts[x] or Layout((Replicate(), Replicate()))
     lay = lay.normalized(nd)
     ps = tuple(
-        Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == dim) else p
+        Replicate() if isinstance(p, Partial) or split_dim(p) == dim else p
         for p in lay.placements
     )
     return Strategy({x: Layout(ps)}, Layout(ps))

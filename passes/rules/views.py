@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Layout
+from passes.layout import Layout, moved, parts, split_dim
 from passes.rules import Strategy, register, shape, tensor_inputs, val
 
 aten = torch.ops.aten
@@ -24,15 +24,17 @@ def _input_layout(layouts, x):
     return lay.normalized(len(shape(x)))
 
 
-def _through(x_lay, mapping, out_shape, q):
-    """Keep each axis's split if `mapping` sends its dim somewhere divisible; else ask for it whole."""
+def _through(x_lay, mapping, out_shape, q, in_shape=None):
+    """Keep each axis's split if `mapping` sends its dim somewhere divisible; else ask for it whole.
+    An interleaved (Strided) split survives only a dim that keeps its size."""
     need, out = [], []
     for p in x_lay.placements:
-        if isinstance(p, Shard):
+        if split_dim(p) is not None:
             od = mapping.get(p.dim)
-            if od is not None and out_shape[od] % q == 0:
+            same = parts(p) == 1 or (in_shape is not None and in_shape[p.dim] == out_shape[od if od is not None else 0])
+            if od is not None and out_shape[od] % q == 0 and same:
                 need.append(p)
-                out.append(Shard(od))
+                out.append(moved(p, od))
                 continue
             p = Replicate()
         need.append(p)
@@ -44,7 +46,7 @@ def _perm_rule(node, layouts, q, perm):
     x = node.args[0]
     lay = _input_layout(layouts, x)  # never None: propagate defers transposes of unplaced weights
     inv = {src: dst for dst, src in enumerate(perm)}
-    need, out = _through(lay, inv, tuple(val(node).shape), q)
+    need, out = _through(lay, inv, tuple(val(node).shape), q, shape(x))
     return Strategy({x: need}, out)
 
 
@@ -118,7 +120,7 @@ def reshape(node, layouts, q):
     # through transposes only, and would misread a view as one
     lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
     src, dst = shape(x), tuple(val(node).shape)
-    need, out = _through(lay, reshape_mapping(src, dst), dst, q)
+    need, out = _through(lay, reshape_mapping(src, dst), dst, q, src)
     return Strategy({x: need}, out)
 
 
@@ -129,7 +131,7 @@ def expand(node, layouts, q):
     src, dst = shape(x), tuple(val(node).shape)
     off = len(dst) - len(src)
     mapping = {d: d + off for d in range(len(src)) if src[d] == dst[d + off]}
-    need, out = _through(lay, mapping, dst, q)
+    need, out = _through(lay, mapping, dst, q, src)
     return Strategy({x: need}, out)
 
 
@@ -137,7 +139,7 @@ def _whole_along(layouts, x, dim):
     """x's layout with `dim` (and any partial axis) made whole."""
     lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
     ps = tuple(
-        Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == dim) else p
+        Replicate() if isinstance(p, Partial) or split_dim(p) == dim else p
         for p in lay.placements
     )
     return Layout(ps)
@@ -160,7 +162,7 @@ def select(node, layouts, q):
     x = node.args[0]
     dim = node.args[1] % len(shape(x))
     lay = _whole_along(layouts, x, dim)
-    out = tuple(Shard(p.dim - (p.dim > dim)) if isinstance(p, Shard) else p for p in lay.placements)
+    out = tuple(moved(p, p.dim - (p.dim > dim)) if split_dim(p) is not None else p for p in lay.placements)
     return Strategy({x: lay}, Layout(out))
 
 
@@ -171,10 +173,17 @@ def split(node, layouts, q):
     dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
     if node.target == aten.unbind.int:
         dim = (node.args[1] if len(node.args) > 1 else 0) % nd
-    lay = _whole_along(layouts, x, dim)
     n = len(val(node))
+    have = _input_layout(layouts, x)
+    sizes = {t.shape[dim] for t in val(node)}
+    if have is not None and len(sizes) == 1 and node.target != aten.unbind.int and any(
+            parts(p) == n and split_dim(p) == dim for p in have.placements):
+        # a fused projection's output split into its n parts: each rank holds its block of every part
+        out = Layout(tuple(Shard(dim) if split_dim(p) == dim else p for p in have.placements))
+        return Strategy({x: have}, (out,) * n)
+    lay = _whole_along(layouts, x, dim)
     if node.target == aten.unbind.int:
-        out = Layout(tuple(Shard(p.dim - (p.dim > dim)) if isinstance(p, Shard) else p for p in lay.placements))
+        out = Layout(tuple(moved(p, p.dim - (p.dim > dim)) if split_dim(p) is not None else p for p in lay.placements))
         return Strategy({x: lay}, (out,) * n)
     return Strategy({x: lay}, (lay,) * n)
 
@@ -195,9 +204,9 @@ def repeat(node, layouts, q):
     off = len(reps) - len(shape(x))
     lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
     ps = tuple(
-        Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and reps[p.dim + off] != 1) else p
+        Replicate() if isinstance(p, Partial) or (split_dim(p) is not None and reps[p.dim + off] != 1) else p
         for p in lay.placements
     )
     need = Layout(ps)
-    out = Layout(tuple(Shard(p.dim + off) if isinstance(p, Shard) else p for p in ps))
+    out = Layout(tuple(moved(p, p.dim + off) if split_dim(p) is not None else p for p in ps))
     return Strategy({x: need}, out)
