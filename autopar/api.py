@@ -3,6 +3,8 @@ original: same call signature, original parameter names (as DTensors), DTensor o
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -31,8 +33,44 @@ class Compiled:
     fallbacks: list
 
 
+@contextlib.contextmanager
+def _no_kv_cache(model):
+    """HF models return a KV-cache object when config.use_cache is on, which export cannot trace and the
+    2D engine does not shard: capture with it off, and put the user's setting back afterwards."""
+    config = getattr(model, "config", None)
+    had = getattr(config, "use_cache", None)
+    if had:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if had:
+            config.use_cache = had
+
+
+def _refuse_kv_cache(kwargs) -> None:
+    if kwargs and kwargs.get("use_cache"):
+        raise ValueError(
+            "use_cache=True asks for a generation KV cache, which autopar does not support: the 2D engine "
+            "compiles training/evaluation forwards only. Call the model without use_cache (autopar turns it "
+            "off) or with use_cache=False; for generation use the original model."
+        )
+
+
+def _cache_off_kwargs(model) -> dict:
+    """use_cache=False for models whose forward takes it (T5 builds a cache from the call argument even
+    when its config says no); passed on every capture and call unless the user gives it."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
 def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str) -> tuple:
-    cap = capture(model, args, kwargs)
+    _refuse_kv_cache(kwargs)
+    with _no_kv_cache(model):
+        cap = capture(model, args, kwargs)
     prop = propagate(cap.gm, grid.q, indivisible=indivisible)
     gm = insert_collectives(cap.gm, grid, lowering)
     localize(gm, grid.q)
@@ -41,11 +79,12 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str) -
     for a in pytree.tree_leaves(out_node.args[0]):
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
         outs.append((a.meta["autopar_layout"], tuple(v.shape)) if isinstance(v, torch.Tensor) else None)
-    if prop.fallbacks:
-        lines = "\n".join(f"  {n.name} ({n.target}) in {path or '<top>'}: {why}" for n, path, why in prop.fallbacks)
+    if prop.gathering_fallbacks:
+        lines = "\n".join(f"  {n.name} ({n.target}) in {path or '<top>'}: {why}"
+                          for n, path, why, _ in prop.gathering_fallbacks)
         warnings.warn(
-            f"autopar: {len(prop.fallbacks)} op(s) run unsplit (gathered whole, computed on every rank, "
-            f"split again):\n{lines}",
+            f"autopar: {len(prop.gathering_fallbacks)} op(s) run unsplit (gathered whole, computed on every "
+            f"rank, split again):\n{lines}",
             FallbackWarning,
             stacklevel=3,
         )
@@ -115,6 +154,8 @@ class ParallelModule(nn.Module):
         return self._compiled[key], flat
 
     def forward(self, *args, **kwargs):
+        _refuse_kv_cache(kwargs)
+        kwargs = {**_cache_off_kwargs(self._source), **kwargs}
         comp, flat = self._get(args, kwargs)
         self._last = comp
         locals_, cache = [], {}
@@ -145,7 +186,7 @@ class ParallelModule(nn.Module):
 
 
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
-                lowering: str = "broadcast", indivisible: str = "error") -> ParallelModule:
+                lowering: str = "broadcast", indivisible: str = "replicate") -> ParallelModule:
     """Compile `model` for 2D tensor parallelism on a q x q grid; call on every rank.
 
     Args:
@@ -153,8 +194,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         grid: (q, q); q*q must equal the world size of the default process group.
         example_inputs / example_kwargs: one call's inputs, used to capture the graph.
         lowering: 'broadcast' (the paper's stepwise SUMMA) or 'allgather' (gather panels, one matmul).
-        indivisible: 'error' (default) raises when a matmul or embedding dim is not divisible by q;
-            'replicate' runs such ops unsplit, with a FallbackWarning.
+        indivisible: 'replicate' (default) runs a matmul whose weight dims q does not divide unsplit
+            on every rank, with a FallbackWarning; 'error' raises a ShardingError instead.
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r}: expected one of {LOWERINGS}")
@@ -170,6 +211,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     g = Grid(*grid)
+    _refuse_kv_cache(example_kwargs)
+    example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
     options = {"lowering": lowering, "indivisible": indivisible}
     comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
     flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)

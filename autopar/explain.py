@@ -95,7 +95,9 @@ def explain(pmodel, *, only_communicating: bool = False) -> str:
     ]
     if comp.fallbacks:
         lines.append(f"fallbacks ({len(comp.fallbacks)}): run whole on every rank")
-        lines += [f"  {n.name} ({n.target}) in {path or '<top>'}: {why}" for n, path, why in comp.fallbacks]
+        lines += [f"  {n.name} ({n.target}) in {path or '<top>'}: {why}"
+                  + ("" if gathers else " [inputs already whole: nothing gathered]")
+                  for n, path, why, gathers in comp.fallbacks]
     else:
         lines.append("fallbacks: none")
     return "\n".join(lines)

@@ -43,7 +43,7 @@ def _user_frame(exc: BaseException):
     torch_dir = os.path.dirname(torch.__file__)
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
     here = os.path.dirname(__file__)
-    frames = [f for f in frames if not f.filename.startswith(here)]
+    frames = [f for f in frames if not f.filename.startswith(here) and not f.filename.startswith("<")]
     return frames[-1] if frames else None
 
 

@@ -39,7 +39,12 @@ _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 @dataclass
 class Propagation:
     param_layouts: dict = field(default_factory=dict)  # canonical name -> Layout
-    fallbacks: list = field(default_factory=list)  # (node, module path, reason)
+    fallbacks: list = field(default_factory=list)  # (node, module path, reason, gathers: bool)
+
+    @property
+    def gathering_fallbacks(self) -> list:
+        """Fallbacks that gather a split input; the others run on inputs that were whole anyway."""
+        return [f for f in self.fallbacks if f[3]]
 
 
 def module_path(node: Node) -> str:
@@ -105,6 +110,16 @@ def _strategy(node: Node, layouts: dict, q: int, indivisible: str) -> Strategy:
         ) from None
 
 
+def _check_inplace_fallback(node: Node, layouts: dict, gathers: bool) -> None:
+    """A replicated fallback of an in-place op would mutate a gathered copy: refuse it."""
+    if gathers and str(node.target.overloadpacket.__name__).endswith("_"):
+        raise ShardingError(
+            f"in-place op {node.target} at node {node.name} in module {module_path(node) or '<top>'} mutates "
+            f"a tensor laid out {layouts.get(node.args[0])}, which it cannot update in place once gathered; "
+            f"source: {source_line(node)}. Write it out of place (x = x + y instead of x += y)."
+        )
+
+
 def propagate(gm: GraphModule, q: int, indivisible: str = "error") -> Propagation:
     res = Propagation()
     layouts: dict = {}
@@ -122,7 +137,9 @@ def propagate(gm: GraphModule, q: int, indivisible: str = "error") -> Propagatio
             node.meta["autopar_strategy"] = strat
             layouts[node] = strat.output
             if strat.fallback:
-                res.fallbacks.append((node, module_path(node), strat.note))
+                gathers = any(layouts.get(n) != REPLICATED for n in strat.inputs)
+                _check_inplace_fallback(node, layouts, gathers)
+                res.fallbacks.append((node, module_path(node), strat.note, gathers))
         elif node.op == "output":
             need = {}
             for out in node.all_input_nodes:

@@ -133,7 +133,7 @@ def expect_error(rank, kind):
             autopar.parallelize(TinyGPT(cfg), grid=(4, 1), example_inputs=(ids,))
         elif kind == "indivisible":
             autopar.parallelize(torch.nn.Sequential(torch.nn.Linear(16, 7)), grid=(2, 2),
-                                example_inputs=(torch.randn(4, 16),))
+                                example_inputs=(torch.randn(4, 16),), indivisible="error")
         elif kind == "capture":
             autopar.parallelize(DataDependent(), grid=(2, 2), example_inputs=(torch.randn(4, 8),))
         elif kind == "lowering":
@@ -161,7 +161,7 @@ def indivisible_replicate(rank):
     x = torch.randn(4, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,), indivisible="replicate")
+        pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))  # indivisible="replicate" is the default
     out = pm(x)
     out = out.full_tensor() if hasattr(out, "full_tensor") else out
     out.sum().backward()

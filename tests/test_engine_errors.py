@@ -26,7 +26,7 @@ def test_non_square_grid(pool4):
     assert "grid=(4, 1) is not square" in msg and "grid=(q, q)" in msg
 
 
-def test_indivisible_weight_is_an_error_by_default(pool4):
+def test_indivisible_weight_is_an_error_when_asked(pool4):
     """A Linear(16, 7) on q=2 cannot be split 2D; the error names the weight, the sizes and the way out."""
     kind, msg = _first(pool4, "indivisible")
     assert kind == "ShardingError"
@@ -36,7 +36,7 @@ def test_indivisible_weight_is_an_error_by_default(pool4):
 
 
 def test_indivisible_replicate_warns_and_stays_correct(pool4):
-    """With indivisible='replicate' the op runs unsplit: one warning naming it, same numbers."""
+    """By default (indivisible='replicate') the op runs unsplit: one warning naming it, same numbers."""
     errs, msgs = pool4.run(C.indivisible_replicate)[0]
     assert len(msgs) == 1, msgs
     assert "2 op(s) run unsplit" in msgs[0]

@@ -78,4 +78,5 @@ def lookup(target):
 
 
 # importing the families registers their rules
-from passes.rules import attention, embedding_loss, matmul, norms, pointwise, views  # noqa: E402,F401
+from passes.rules import (attention, conv_inplace, embedding_loss, fallback, matmul, norms,  # noqa: E402,F401
+                          pointwise, views)

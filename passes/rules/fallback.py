@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from passes.layout import REPLICATED
-from passes.rules import Strategy, tensor_inputs, val
+from passes.rules import Strategy, register, tensor_inputs, val
+
+aten = torch.ops.aten
 
 
 def fallback(node, reason: str) -> Strategy:
@@ -21,6 +23,12 @@ def fallback(node, reason: str) -> Strategy:
 
 def creation(node) -> Strategy:
     """Ops with no tensor input (arange, zeros, full, ...) build the whole tensor on every rank."""
+    return Strategy({}, REPLICATED)
+
+
+@register(aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty, aten.scalar_tensor)
+def creation_like(node, layouts, q) -> Strategy:
+    """new_ones(x, size) and friends take only dtype and device from x: a whole tensor, x untouched."""
     return Strategy({}, REPLICATED)
 
 

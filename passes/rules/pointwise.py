@@ -26,8 +26,11 @@ POINTWISE = [
     aten.masked_fill, aten.maximum, aten.minimum, aten.clamp, aten.__and__, aten.__or__,
     aten.bitwise_and, aten.bitwise_or, aten.bitwise_not, aten.logical_not, aten.logical_and,
     aten.logical_or, aten.lift_fresh_copy, aten.reciprocal, aten.square, aten.rsub, aten.tril,
-    aten.triu, aten.fill_, aten.zeros_like, aten.ones_like, aten.full_like, aten.softplus,
+    aten.triu, aten.zeros_like, aten.ones_like, aten.full_like, aten.softplus,
     aten.leaky_relu, aten.hardtanh, aten.elu, aten.mish, aten.sign, aten.floor, aten.ceil, aten.round,
+    aten.min.other, aten.max.other, aten.isnan, aten.isinf,
+    aten.logical_xor, aten.bitwise_xor, aten.remainder, aten.fmod, aten.log1p, aten.expm1, aten.erfinv,
+    aten.log2, aten.atan,
 ]
 
 

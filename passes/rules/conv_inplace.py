@@ -1,0 +1,62 @@
+"""Convolutions (a ViT patch embedding) and in-place ops.
+
+Convolution: the batch is split over mesh rows and the output channels over mesh columns; the
+weight [C_out, C_in, k...] is split by output channel over columns and replicated over rows (its
+gradient is summed over the rows by the insertion pass). Input channels stay whole, so the op runs
+locally.
+
+In-place ops (`add_`, `copy_`, `masked_fill_`, ...) mutate their first argument, so that argument
+must be used as it is: the other operands are brought to its layout. An in-place op whose first
+argument is a partial sum is not supported (it raises; a replicated fallback would mutate a copy).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from passes.layout import REPLICATED, Layout, moved, split_dim
+from passes.rules import Strategy, Unsupported, register, shape, tensor_inputs
+from passes.rules.pointwise import dim_map
+
+aten = torch.ops.aten
+
+
+@register(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+def conv(node, layouts, q):
+    x, w = node.args[:2]
+    b = node.args[2] if len(node.args) > 2 else None
+    groups = node.args[6] if len(node.args) > 6 else 1
+    if groups != 1:
+        raise Unsupported("grouped convolution")
+    xs, ws = shape(x), shape(w)
+    if len(xs) != len(ws):
+        raise Unsupported("unbatched convolution input")
+    rows = Shard(0) if xs[0] % q == 0 else Replicate()
+    cols = Shard(0) if ws[0] % q == 0 else Replicate()
+    need = {x: Layout((rows, Replicate())), w: Layout((Replicate(), cols))}
+    if b is not None:
+        need[b] = Layout((Replicate(), cols))
+    out = Layout((rows, Shard(1) if isinstance(cols, Shard) else Replicate()))
+    return Strategy(need, out, note="local conv: batch over rows, out-channels over columns")
+
+
+INPLACE = [aten.add_, aten.sub_, aten.mul_, aten.div_, aten.masked_fill_, aten.copy_, aten.clamp_,
+           aten.fill_, aten.zero_, aten.neg_, aten.exp_, aten.tanh_, aten.relu_, aten.sigmoid_]
+
+
+@register(*INPLACE)
+def inplace(node, layouts, q):
+    target = node.args[0]
+    lay = layouts.get(target) or REPLICATED
+    if lay.has_partial:
+        raise Unsupported("in-place op on a partial sum")
+    lay = lay.normalized(len(shape(target)))
+    need = {target: lay}
+    for n in tensor_inputs(node):
+        if n is target:
+            continue
+        m = {o: i for i, o in dim_map(shape(n), shape(target)).items()}
+        need[n] = Layout(tuple(moved(p, m[p.dim]) if split_dim(p) is not None and p.dim in m else Replicate()
+                               for p in lay.placements))
+    return Strategy(need, lay)

@@ -1,0 +1,65 @@
+"""transformers models on a 2x2 grid: parity with the unmodified model on one process.
+
+Built from config classes with tiny sizes (nothing downloaded). Each family checks logits, the HF loss
+with labels and every parameter gradient (fp32, relative error < 1e-4) at the example shape and at
+another batch size and sequence length, and records the fraction of parameters each rank holds.
+"""
+
+import pytest
+
+from tests import checks_hf as C
+from tests.test_engine_parity import RTOL
+
+FAMILIES = ["gpt2", "bert", "llama", "mistral", "qwen2", "opt", "vit", "t5"]
+
+
+def _check(res, family, max_fraction=1.3):
+    r0 = res[0]
+    bad = {k: v for k, v in r0["errs"].items() if not v < RTOL}
+    assert not bad, f"{family}: relative errors above {RTOL}: {bad}"
+    assert not r0["warned"], f"{family}: ops gathered whole: {r0['warned']}"
+    assert not r0["unsplit_2d"], f"{family}: 2-D weights not split 2D: {r0['unsplit_2d']}"
+    assert r0["fraction"] <= max_fraction, f"{family}: each rank holds {r0['fraction']:.2f}/p of the parameters"
+    print(f"{family}: parameters per rank {r0['fraction']:.2f}/p")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_parity(pool4, family):
+    """Catches per-family breakage: GPT-2's Conv1D and fused c_attn, BERT's padding mask and token
+    types, Llama/Mistral/Qwen2 rotary embeddings and grouped-query attention (Mistral: 1 KV head on 2
+    columns), OPT's learned offset positions, ViT's conv patch embedding, T5's relative position bias
+    and encoder-decoder cross-attention, and in all of them the tied or untied LM head and HF's loss."""
+    _check(pool4.run(C.hf_parity, family), family)
+
+
+def test_gpt2_explain_shows_fused_qkv_and_vocab_parallel_loss(pool4):
+    """The user-visible plan: c_attn stored interleaved, the loss computed on the split vocabulary,
+    nothing on the hot path gathered whole."""
+    text = pool4.run(C.hf_parity, "gpt2")[0]["explain"]
+    assert text.count("fused x3") == 2, text  # one c_attn per layer
+    assert "VocabParallelCrossEntropy" in text and "vocab-parallel cross-entropy" in text
+    for line in text.splitlines():
+        if line.startswith(("addmm", "linear")):
+            assert "SummaLinear" in line, line
+
+
+@pytest.mark.parametrize("over,batch", [
+    (dict(n_embd=48, n_head=3), 4),  # 3 heads on 2 columns (GPT-2-XL has 25)
+    (dict(vocab_size=65), 4),  # a vocabulary not divisible by q
+    ({}, 3),  # a batch not divisible by q
+])
+def test_gpt2_indivisible_sizes_stay_correct(pool4, over, batch):
+    """Sizes q does not divide fall back to unsplit or differently split ops, never to wrong numbers."""
+    res = pool4.run(C.hf_parity, "gpt2", over, batch, 8, (batch, 6))
+    bad = {k: v for k, v in res[0]["errs"].items() if not v < RTOL}
+    assert not bad, bad
+
+
+def test_modes_and_kv_cache(pool4):
+    """Dropout on in train(), off in eval() with parity restored; a cache request is refused clearly,
+    and the user's config is left as it was."""
+    r = pool4.run(C.hf_modes_and_cache)[0]
+    assert r["train masks differ"] > 0
+    assert r["eval parity"] < RTOL
+    assert r["config use_cache kept"]
+    assert "use_cache=True asks for a generation KV cache" in r["cache error"]
