@@ -2,15 +2,15 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-0.1.0
+STAMP := $(VENV)/.installed-0.1.0-hf
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench hf-example clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -21,6 +21,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python examples/bench_lowering.py
+
+hf-example: $(STAMP)
+	$(BIN)/python examples/hf_causal_lm.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
