@@ -39,11 +39,12 @@ _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 @dataclass
 class Propagation:
     param_layouts: dict = field(default_factory=dict)  # canonical name -> Layout
-    fallbacks: list = field(default_factory=list)  # (node, module path, reason, gathers: bool)
+    fallbacks: list = field(default_factory=list)  # (node, module path, reason, costly: bool)
 
     @property
     def gathering_fallbacks(self) -> list:
-        """Fallbacks that gather a split input; the others run on inputs that were whole anyway."""
+        """Fallbacks that gather a split input or keep a weight whole; the others run on inputs that
+        were whole anyway (mask and position-id construction) and cost nothing."""
         return [f for f in self.fallbacks if f[3]]
 
 
@@ -131,15 +132,16 @@ def propagate(gm: GraphModule, q: int, indivisible: str = "error") -> Propagatio
             layouts[node] = REPLICATED
         elif node.op == "call_function":
             strat = _strategy(node, layouts, q, indivisible)
+            # a fallback costs something when it gathers a split input or keeps a weight whole
+            costly = strat.fallback and any(layouts.get(n) != REPLICATED for n in strat.inputs)
             for inp, need in strat.inputs.items():
                 if layouts.get(inp) is None:
                     _claim(inp, need, layouts, res)
             node.meta["autopar_strategy"] = strat
             layouts[node] = strat.output
             if strat.fallback:
-                gathers = any(layouts.get(n) != REPLICATED for n in strat.inputs)
-                _check_inplace_fallback(node, layouts, gathers)
-                res.fallbacks.append((node, module_path(node), strat.note, gathers))
+                _check_inplace_fallback(node, layouts, costly)
+                res.fallbacks.append((node, module_path(node), strat.note, costly))
         elif node.op == "output":
             need = {}
             for out in node.all_input_nodes:
