@@ -1,8 +1,10 @@
 """autopar: 2D (Optimus / SUMMA) tensor parallelism for unmodified PyTorch models."""
 
 from autopar.api import FallbackWarning, ParallelModule, parallelize
+from autopar.checkpoint import from_pretrained, load_safetensors, meta_init, save_pretrained
 from autopar.explain import explain
 from passes import CaptureError, ShardingError
 
-__all__ = ["parallelize", "explain", "ParallelModule", "FallbackWarning", "CaptureError", "ShardingError"]
+__all__ = ["parallelize", "explain", "ParallelModule", "FallbackWarning", "CaptureError", "ShardingError",
+           "from_pretrained", "save_pretrained", "load_safetensors", "meta_init"]
 __version__ = "0.1.0"

@@ -9,13 +9,16 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from passes import Grid, capture, insert_collectives, localize, propagate
-from passes.capture import Captured, flatten_inputs
+from passes.capture import Captured, flatten_inputs, retarget_meta
+from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
+from passes.ops import comm
 from passes.ops.summa import LOWERINGS
 
 __all__ = ["parallelize", "ParallelModule", "FallbackWarning"]
@@ -31,6 +34,21 @@ class Compiled:
     captured: Captured
     out_layouts: list  # per flat output: (Layout, global shape) or None for non-tensors
     fallbacks: list
+    random: bool = False  # the graph draws random numbers (dropout)
+
+
+_RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+           "feature_dropout", "alpha_dropout", "randint", "randperm"}
+
+
+def _draws_random(gm) -> bool:
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
+            continue
+        name = n.target.overloadpacket.__name__
+        if name in _RANDOM or (name == "scaled_dot_product_attention" and len(n.args) > 4 and n.args[4]):
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -67,11 +85,14 @@ def _cache_off_kwargs(model) -> dict:
     return {"use_cache": False} if "use_cache" in params else {}
 
 
-def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str) -> tuple:
+def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, fused: str) -> tuple:
     _refuse_kv_cache(kwargs)
     with _no_kv_cache(model):
         cap = capture(model, args, kwargs)
-    prop = propagate(cap.gm, grid.q, indivisible=indivisible)
+    cap.device = _input_device(args, kwargs)
+    if any(p.is_meta for p in model.parameters()):
+        retarget_meta(cap.gm, cap.device)
+    prop = propagate(cap.gm, grid.q, indivisible=indivisible, fused=fused)
     gm = insert_collectives(cap.gm, grid, lowering)
     localize(gm, grid.q)
     out_node = gm.graph.output_node()
@@ -88,7 +109,26 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str) -
             FallbackWarning,
             stacklevel=3,
         )
-    return Compiled(gm, cap, outs, prop.fallbacks), prop.param_layouts
+    return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm)), prop.param_layouts
+
+
+def _input_device(args, kwargs) -> torch.device:
+    for t in pytree.tree_leaves((args, kwargs or {})):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
+    """The parameter as a DTensor holding this rank's block. A meta parameter gets an uninitialized
+    block (to be filled by a checkpoint load); a real one is scattered from rank 0."""
+    placements = list(lay.placements)
+    if p.is_meta:
+        local = torch.empty(local_shape(tuple(p.shape), lay, grid.q), dtype=p.dtype, device=device)
+        dt = DTensor.from_local(local, grid.mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+    else:
+        dt = distribute_tensor(p.detach().clone(), grid.mesh, placements, src_data_rank=0)
+    return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
 def _set_path(root: nn.Module, path: str, value, kind: str, persistent: bool = True) -> None:
@@ -115,12 +155,21 @@ class ParallelModule(nn.Module):
         self._options = options
         self._param_layouts = param_layouts
         self._compiled = {key: first}
+        device = first.captured.device
         for name, p in model.named_parameters():
-            lay = param_layouts.get(name, REPLICATED)
-            dt = distribute_tensor(p.detach().clone(), grid.mesh, list(lay.placements), src_data_rank=0)
-            _set_path(self, name, nn.Parameter(dt, requires_grad=p.requires_grad), "param")
+            _set_path(self, name, _shard(p, param_layouts.get(name, REPLICATED), grid, device), "param")
         for name, b in first.captured.buffers.items():
+            if b.is_meta:
+                raise ValueError(
+                    f"buffer {name!r} is on the meta device, so its values are unknown; build the model "
+                    f"inside autopar.meta_init(), which puts only parameters on meta"
+                )
             _set_path(self, name, b.detach().clone(), "buffer", name in first.captured.persistent)
+        self._persistent_buffers = set(first.captured.persistent)
+        if grid.dp > 1:  # replicas start from replica 0's values, whatever each rank built
+            for p in self.parameters():
+                dist.broadcast(p.to_local().data, src=dist.get_global_rank(grid.dp_group, 0), group=grid.dp_group)
+        self._materialized = not any(p.is_meta for p in model.parameters())
         self.train(model.training)
 
     @property
@@ -154,6 +203,12 @@ class ParallelModule(nn.Module):
         return self._compiled[key], flat
 
     def forward(self, *args, **kwargs):
+        if not self._materialized:
+            raise RuntimeError(
+                "this model was parallelized from the meta device and its parameter blocks hold no values "
+                "yet: load them with autopar.load_safetensors(pmodel, path) or torch.distributed.checkpoint, "
+                "or build it with autopar.from_pretrained(path, ...)"
+            )
         _refuse_kv_cache(kwargs)
         kwargs = {**_cache_off_kwargs(self._source), **kwargs}
         comp, flat = self._get(args, kwargs)
@@ -162,7 +217,10 @@ class ParallelModule(nn.Module):
         for role, key in comp.captured.sources:
             if role == "param":
                 if key not in cache:
-                    cache[key] = self.get_parameter(key).to_local()
+                    local = self.get_parameter(key).to_local()
+                    if self.grid.dp > 1:
+                        local = comm.DataParallelGrad.apply(local, self.grid, f"dp:{key}")
+                    cache[key] = local
                 locals_.append(cache[key])
             elif role == "buffer":
                 locals_.append(self.get_buffer(key))
@@ -170,9 +228,21 @@ class ParallelModule(nn.Module):
                 locals_.append(comp.captured.constants[key])
             else:
                 locals_.append(flat[key])
-        outs = comp.gm(*locals_)
+        if comp.random and self.training:
+            outs = self._run_with_rank_rng(comp, locals_)
+        else:
+            outs = comp.gm(*locals_)
         wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
+
+    def _run_with_rank_rng(self, comp, locals_):
+        """Dropout masks independent per block: one number drawn from the default generator (equal on
+        ranks seeded alike, so the user's RNG advances the same everywhere) seeds this rank's stream."""
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        devices = [comp.captured.device] if comp.captured.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed((seed + 1_000_003 * (self.grid.rank + 1)) % 2**63)
+            return comp.gm(*locals_)
 
     def _wrap(self, out, lay_shape):
         if lay_shape is None or not isinstance(out, torch.Tensor):
@@ -186,7 +256,8 @@ class ParallelModule(nn.Module):
 
 
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
-                lowering: str = "broadcast", indivisible: str = "replicate") -> ParallelModule:
+                lowering: str = "broadcast", indivisible: str = "replicate",
+                fused: str = "regroup") -> ParallelModule:
     """Compile `model` for 2D tensor parallelism on a q x q grid; call on every rank.
 
     Args:
@@ -196,13 +267,22 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         lowering: 'broadcast' (the paper's stepwise SUMMA) or 'allgather' (gather panels, one matmul).
         indivisible: 'replicate' (default) runs a matmul whose weight dims q does not divide unsplit
             on every rank, with a FallbackWarning; 'error' raises a ShardingError instead.
+        fused: how a fused projection's weight (output split into q|k|v or gate|up) is stored.
+            'regroup' (default): as ordinary blocks, regrouped in the graph each step so each column
+            block holds matching parts (one all-gather of the weight block per use, forward and
+            backward); every parameter stays a plain sharded DTensor. 'interleave': stored interleaved
+            (DTensor _StridedShard), no regrouping; torch.distributed.checkpoint cannot save such
+            parameters in torch 2.13 (save_pretrained can).
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r}: expected one of {LOWERINGS}")
     if indivisible not in ("error", "replicate"):
         raise ValueError(f"indivisible={indivisible!r}: expected 'error' or 'replicate'")
-    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) for g in grid)):
-        raise ValueError(f"grid={grid!r}: expected a pair of ints (q, q), e.g. grid=(2, 2)")
+    if fused not in ("regroup", "interleave"):
+        raise ValueError(f"fused={fused!r}: expected 'regroup' or 'interleave'")
+    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(isinstance(g, int) for g in grid)):
+        raise ValueError(f"grid={grid!r}: expected (q, q), e.g. grid=(2, 2), or (dp, q, q) for dp data-parallel "
+                         f"replicas of a q x q grid")
     if not torch.distributed.is_initialized():
         raise RuntimeError(
             "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
@@ -210,10 +290,10 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         )
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    g = Grid(*grid)
+    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1)
     _refuse_kv_cache(example_kwargs)
     example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
-    options = {"lowering": lowering, "indivisible": indivisible}
+    options = {"lowering": lowering, "indivisible": indivisible, "fused": fused}
     comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
     flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)
     pm = ParallelModule(model, g, comp, None, layouts, options)

@@ -36,6 +36,7 @@ class Captured:
     constants: dict
     buffers: dict  # canonical name -> tensor (full)
     persistent: set
+    device: torch.device = torch.device("cpu")  # where the inputs (and so the shards) live
 
 
 def _user_frame(exc: BaseException):
@@ -104,6 +105,20 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         buffers={k: buffers[k] for k in sig.buffers},
         persistent=persistent,
     )
+
+
+def retarget_meta(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """A model built on the meta device bakes device='meta' into the ops that create tensors (arange,
+    to, ...); point them at the device the shards will live on."""
+    meta = torch.device("meta")
+
+    def fix(a):
+        return device if isinstance(a, torch.device) and a == meta else a
+
+    for node in gm.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, fix)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, fix)
+    gm.recompile()
 
 
 def flatten_inputs(captured: Captured, args: tuple, kwargs: dict | None) -> list:

@@ -48,34 +48,44 @@ class CommLog:
 
 
 class Grid:
-    """A square q x q grid over the default process group, with counted collectives."""
+    """A square q x q grid over the default process group, with counted collectives; with dp > 1,
+    dp such grids side by side (data parallel replicas: global rank = d*q*q + r*q + c)."""
 
-    def __init__(self, rows: int, cols: int, device_type: str = "cpu"):
+    def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu"):
+        shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"
+        if min(rows, cols, dp) < 1:
+            raise ValueError(f"grid={shape}: every entry must be a positive int")
         if rows != cols:
             raise ValueError(
-                f"grid=({rows}, {cols}) is not square: the SUMMA engine needs a q x q grid. "
+                f"grid={shape} is not square: the SUMMA engine needs a q x q grid. "
                 f"Use grid=(q, q) with q*q processes (for example (2, 2) with 4)."
             )
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if rows * cols != world:
+        if dp * rows * cols != world:
             raise ValueError(
-                f"grid=({rows}, {cols}) needs {rows * cols} processes but the default process group "
-                f"has world size {world}. Start {rows * cols} processes (torchrun --nproc-per-node "
-                f"{rows * cols}) or pick a grid whose size equals the world size."
+                f"grid={shape} needs {dp * rows * cols} processes but the default process group "
+                f"has world size {world}. Start {dp * rows * cols} processes (torchrun --nproc-per-node "
+                f"{dp * rows * cols}) or pick a grid whose size equals the world size."
             )
-        self.q = rows
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.r, self.c = divmod(self.rank, self.q)
+        self.q, self.dp = rows, dp
+        self.rank = dist.get_rank() if dist.is_initialized() else 0  # global
+        self.dp_index, local = divmod(self.rank, rows * cols)
+        self.r, self.c = divmod(local, self.q)
         self.device_type = device_type
         self.log = CommLog()
-        if dist.is_initialized():
-            self.mesh: DeviceMesh | None = init_device_mesh(
-                device_type, (rows, cols), mesh_dim_names=AXIS_NAMES
-            )
+        self.dp_group = None
+        if dp > 1:
+            full = init_device_mesh(device_type, (dp, rows, cols), mesh_dim_names=("dp",) + AXIS_NAMES)
+            self.mesh: DeviceMesh | None = full[AXIS_NAMES]
+            self.dp_group = full.get_group("dp")
+        elif dist.is_initialized():
+            self.mesh = init_device_mesh(device_type, (rows, cols), mesh_dim_names=AXIS_NAMES)
+        else:
+            self.mesh = None
+        if self.mesh is not None:
             self.same_col_group = self.mesh.get_group(0)
             self.same_row_group = self.mesh.get_group(1)
         else:
-            self.mesh = None
             self.same_col_group = self.same_row_group = None
 
     def group(self, axis: int):
@@ -88,7 +98,8 @@ class Grid:
 
     def global_rank(self, axis: int, i: int) -> int:
         """Global rank of member i of this rank's group over `axis`."""
-        return i * self.q + self.c if axis == 0 else self.r * self.q + i
+        base = self.dp_index * self.q * self.q
+        return base + (i * self.q + self.c if axis == 0 else self.r * self.q + i)
 
     def __repr__(self) -> str:
         return f"Grid({self.q}x{self.q}, rank={self.rank}, (r, c)=({self.r}, {self.c}))"

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
-from passes.layout import REPLICATED, Layout, ShardingError, moved, split_dim
+from passes.layout import REPLICATED, Layout, ShardingError, moved, parts, split_dim
 from passes.rules import Strategy, Unsupported, is_tensor, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
 
@@ -121,7 +121,17 @@ def _check_inplace_fallback(node: Node, layouts: dict, gathers: bool) -> None:
         )
 
 
-def propagate(gm: GraphModule, q: int, indivisible: str = "error") -> Propagation:
+def _storable(need: Layout, fused: str) -> Layout:
+    """The layout a parameter is stored in when a consumer asks for `need`. With fused='regroup' an
+    interleaved (Strided) request is stored as plain blocks and regrouped in the graph each step, so
+    every parameter is an ordinary sharded DTensor (torch.distributed.checkpoint cannot save Strided
+    ones); with fused='interleave' it is stored interleaved and no regrouping runs."""
+    if fused == "interleave":
+        return need
+    return Layout(tuple(Shard(p.dim) if parts(p) > 1 else p for p in need.placements))
+
+
+def propagate(gm: GraphModule, q: int, indivisible: str = "error", fused: str = "regroup") -> Propagation:
     res = Propagation()
     layouts: dict = {}
     for node in gm.graph.nodes:
@@ -136,7 +146,7 @@ def propagate(gm: GraphModule, q: int, indivisible: str = "error") -> Propagatio
             costly = strat.fallback and any(layouts.get(n) != REPLICATED for n in strat.inputs)
             for inp, need in strat.inputs.items():
                 if layouts.get(inp) is None:
-                    _claim(inp, need, layouts, res)
+                    _claim(inp, _storable(need, fused), layouts, res)
             node.meta["autopar_strategy"] = strat
             layouts[node] = strat.output
             if strat.fallback:

@@ -80,7 +80,7 @@ class SummaLinear(nn.Module):
     def forward(self, x, w, b=None):
         w = w.t() if self.flip else w
         y = summa_matmul(self.grid, x, w, transposed=self.transposed, tag=self.tag, lowering=self.lowering)
-        return y if b is None else y + b
+        return y if b is None else y + b.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"{'ABT' if self.transposed else 'AB'}, lowering={self.lowering}"
@@ -145,7 +145,7 @@ class _VocabParallelCE(torch.autograd.Function):
         tot = comm.all_reduce(grid, 0, torch.stack([per_token.sum(), valid.sum().to(zf.dtype)]), tag, "fwd")
         ctx.save_for_backward(e, sums[0], local, inside, valid, tot[1])
         ctx.dtype = z.dtype
-        return (tot[0] / tot[1]).to(z.dtype)
+        return tot[0] / tot[1]  # fp32; the module casts
 
     @staticmethod
     def backward(ctx, g):
@@ -163,4 +163,6 @@ class VocabParallelCrossEntropy(nn.Module):
         self.grid, self.ignore_index, self.tag = grid, ignore_index, tag
 
     def forward(self, logits, target):
-        return _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag)
+        loss = _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag)
+        # under autocast torch's cross_entropy runs (and returns) fp32; otherwise it keeps the logits' dtype
+        return loss if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)

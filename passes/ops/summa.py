@@ -65,10 +65,14 @@ def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcas
         a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase)  # [m, q*k]
         b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase)  # [q*k, n]
         return a_panel @ b_panel
-    out = a.new_zeros(a.shape[0], b.shape[1])  # [m, n]
+    acc = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype  # sum q steps in fp32
+    out = a.new_zeros(a.shape[0], b.shape[1], dtype=acc)  # [m, n]
     for _, (a_i, b_i) in _bcast_steps(grid, [(a, AXIS_SAME_ROW), (b, AXIS_SAME_COL)], tag, phase):
-        out.addmm_(a_i, b_i)
-    return out
+        if acc == a.dtype:
+            out.addmm_(a_i, b_i)
+        else:
+            out += a_i @ b_i
+    return out.to(a.dtype)
 
 
 def abt(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast"):
@@ -134,6 +138,10 @@ def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str)
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):  # what aten.linear does under autocast: both operands cast
+        dtype = torch.get_autocast_dtype(dev)
+        x, w = x.to(dtype), w.to(dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [m, k]
     fn = SummaABT if transposed else SummaAB

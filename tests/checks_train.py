@@ -1,0 +1,236 @@
+"""Rank-side checks for training at scale: checkpoints, optimizer parity, mixed precision, dropout,
+data parallelism. Each returns plain data for the test to assert on."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopar
+from models import GPTConfig, TinyGPT
+from tests.checks_engine import _data, rel_err
+from tests.checks_hf import build
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest storage (bytes) of a real (not fake, not meta) tensor any op returns while
+    active; views count as the storage they view."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and not t.is_meta:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def _gpt2_batch(step, batch=4, seq=8):
+    g = torch.Generator().manual_seed(step)
+    return dict(input_ids=torch.randint(1, 64, (batch, seq), generator=g),
+                labels=torch.randint(1, 64, (batch, seq), generator=g))
+
+
+def hf_checkpoint_roundtrip(rank, tmp, family="gpt2"):
+    """HF save_pretrained (index-sharded) -> autopar.from_pretrained (shard-on-read, meta init) ->
+    one training step -> autopar.save_pretrained -> transformers from_pretrained."""
+    import transformers
+
+    torch.manual_seed(0)
+    model, make = build(family)
+    model.eval()
+    src, out_dir = os.path.join(tmp, f"{family}_src"), os.path.join(tmp, f"{family}_out")
+    if rank == 0:
+        model.save_pretrained(src, max_shard_size="40KB")  # several files + index
+    dist.barrier()
+    res = {"index-sharded input": os.path.exists(os.path.join(src, "model.safetensors.index.json"))}
+    largest_param = max(p.numel() * p.element_size() for p in model.parameters())
+    with LargestAllocation() as mode:
+        pm = autopar.from_pretrained(src, grid=(2, 2), example_kwargs=make(4, 8, 0), progress=False)
+    res["largest allocation / largest parameter"] = mode.largest / largest_param
+    pm.eval()
+    kw = make(4, 8, 1)
+    res["load: loss"] = rel_err(pm(**kw).loss, model(**kw).loss)
+    res["load: logits"] = rel_err(pm(**kw).logits.full_tensor(), model(**kw).logits)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm(**kw).loss.backward()
+    opt.step()
+    after_logits = pm(**make(4, 8, 2)).logits.full_tensor()
+    autopar.save_pretrained(pm, out_dir, max_shard_bytes=30_000)
+    if rank == 0:
+        back = type(model).from_pretrained(out_dir)
+        back.eval()
+        res["save: logits after a step"] = rel_err(back(**make(4, 8, 2)).logits, after_logits)
+        res["save: files"] = sorted(os.listdir(out_dir))
+    return res
+
+
+def dcp_save_resume(rank, tmp, q=2):
+    """DCP save at 2x2 after 2 steps; a fresh model resumed from it follows the same loss trajectory."""
+    ck = os.path.join(tmp, "dcp")
+
+    def fresh():
+        torch.manual_seed(0)
+        m, _ = build("gpt2")
+        m.eval()
+        pm = autopar.parallelize(m, grid=(q, q), example_kwargs=_gpt2_batch(0))
+        pm.eval()
+        return pm, torch.optim.AdamW(pm.parameters(), lr=1e-2)
+
+    pm, opt = fresh()
+    for step in range(2):
+        pm(**_gpt2_batch(step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(pm, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ck)
+    saved = {n: p.full_tensor() for n, p in pm.named_parameters()}
+    if rank == 0:
+        torch.save(saved, os.path.join(tmp, "saved_params.pt"))
+    losses = []
+    for step in range(2, 5):
+        loss = pm(**_gpt2_batch(step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    pm2, opt2 = fresh()
+    msd2, osd2 = get_state_dict(pm2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=ck)
+    set_state_dict(pm2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    resumed = []
+    for step in range(2, 5):
+        loss = pm2(**_gpt2_batch(step)).loss
+        loss.backward()
+        opt2.step()
+        opt2.zero_grad()
+        resumed.append(loss.item())
+    return {"losses": losses, "resumed": resumed}
+
+
+def dcp_load_other_grid(rank, tmp, q):
+    """The 2x2 checkpoint loaded at another grid: every parameter equals the saved one."""
+    torch.manual_seed(1)  # other initial values: the load must overwrite all of them
+    m, _ = build("gpt2")
+    pm = autopar.parallelize(m, grid=(q, q), example_kwargs=_gpt2_batch(0))
+    msd = get_model_state_dict(pm)
+    dcp.load({"model": msd}, checkpoint_id=os.path.join(tmp, "dcp"))
+    set_state_dict(pm, [], model_state_dict=msd, optim_state_dict={})
+    saved = torch.load(os.path.join(tmp, "saved_params.pt"))
+    return {n: rel_err(p.full_tensor(), saved[n]) for n, p in pm.named_parameters()}
+
+
+def train_parity(rank, steps=5, micro=2):
+    """AdamW + clip_grad_norm_ + gradient accumulation over `micro` micro-batches, `steps` steps."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=_data(cfg, 4, 8))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)  # eps: see checks_engine.gpt_parity
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    norms = []
+    for step in range(steps):
+        for k in range(micro):
+            ids, tgt = _data(cfg, 4, 8, seed=10 * step + k)
+            (pm(ids, tgt)[1] / micro).backward()
+            (ref(ids, tgt)[1] / micro).backward()
+        n = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.5)
+        rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        norms.append(rel_err(n.full_tensor() if hasattr(n, "full_tensor") else n, rn))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    errs = {f"param {n}": rel_err(p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()}
+    errs["grad norm"] = max(norms)
+    return errs
+
+
+def bf16(rank):
+    """bf16 autocast and bf16 parameters: the error of the 2x2 model and of the single process, both
+    against the fp32 single process (loss and gradients)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    base = TinyGPT(cfg)
+    ids, tgt = _data(cfg, 4, 8)
+    fp32 = copy.deepcopy(base)
+    fp32_loss = fp32(ids, tgt)[1]
+    fp32_loss.backward()
+    want = {n: p.grad for n, p in fp32.named_parameters()}
+    out = {}
+    for mode in ("autocast", "bf16 params"):
+        model = copy.deepcopy(base)
+        if mode == "bf16 params":
+            model = model.bfloat16()
+        ref = copy.deepcopy(model)
+        pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(ids, tgt))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            loss = pm(ids, tgt)[1]
+            ref_loss = ref(ids, tgt)[1]
+        loss.backward()
+        ref_loss.backward()
+        ref_params = dict(ref.named_parameters())
+        out[mode] = {
+            "loss": (rel_err(loss.float(), fp32_loss), rel_err(ref_loss.float(), fp32_loss)),
+            "grad": (max(rel_err(p.grad.full_tensor().float(), want[n]) for n, p in pm.named_parameters()),
+                     max(rel_err(ref_params[n].grad.float(), want[n]) for n in want)),
+            "loss dtype": (str(loss.dtype), str(ref_loss.dtype)),
+        }
+    return out
+
+
+def dropout_masks(rank):
+    """In train mode each block draws its own mask; eval has none."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5))
+    x = torch.randn(8, 16)
+    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))
+    torch.manual_seed(123)  # every rank seeded alike, as training scripts do
+    y = pm(x).full_tensor()
+    zero = (y == 0)
+    blocks = [zero[r * 4:(r + 1) * 4, c * 8:(c + 1) * 8] for r in range(2) for c in range(2)]
+    same = sum(torch.equal(blocks[0], b) for b in blocks[1:])
+    pm.eval()
+    model.eval()
+    return {"zero fraction": zero.float().mean().item(), "blocks equal to block 0": same,
+            "eval parity": rel_err(pm(x).full_tensor(), model(x))}
+
+
+def dp_parity(rank, steps=2):
+    """grid=(2, 2, 2): two data-parallel replicas of a 2x2 grid, each with its own half of the batch,
+    against one process on the whole batch."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    replica = dist.get_rank() // 4
+    pm = autopar.parallelize(model, grid=(2, 2, 2), example_inputs=_data(cfg, 4, 8))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    for step in range(steps):
+        ids, tgt = _data(cfg, 8, 8, seed=step + 1)  # the global batch; replica i takes rows 4i..4i+3
+        loss = pm(ids[4 * replica:4 * replica + 4], tgt[4 * replica:4 * replica + 4])[1]
+        loss.backward()
+        ref(ids, tgt)[1].backward()
+        if step == 0:
+            grads = {n: rel_err(p.grad.full_tensor(), dict(ref.named_parameters())[n].grad)
+                     for n, p in pm.named_parameters()}
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    params = {n: rel_err(p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()}
+    return {"grads": grads, "params": params}
