@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 
-.PHONY: demo test bench hf-example clean
+.PHONY: demo test bench bench-load hf-example clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python examples/bench_lowering.py
+
+bench-load: $(STAMP)
+	$(BIN)/python examples/bench_load.py
 
 hf-example: $(STAMP)
 	$(BIN)/python examples/hf_causal_lm.py
