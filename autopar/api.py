@@ -87,11 +87,15 @@ def _cache_off_kwargs(model) -> dict:
 
 def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, fused: str) -> tuple:
     _refuse_kv_cache(kwargs)
+    device = _input_device(args, kwargs)
+    meta = any(p.is_meta for p in model.parameters())
+    if meta:  # trace all on meta (inputs too, so ops mixing them agree), then point the graph at `device`
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     with _no_kv_cache(model):
         cap = capture(model, args, kwargs)
-    cap.device = _input_device(args, kwargs)
-    if any(p.is_meta for p in model.parameters()):
-        retarget_meta(cap.gm, cap.device)
+    cap.device = device
+    if meta:
+        retarget_meta(cap.gm, device)
     prop = propagate(cap.gm, grid.q, indivisible=indivisible, fused=fused)
     gm = insert_collectives(cap.gm, grid, lowering)
     localize(gm, grid.q)

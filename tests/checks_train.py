@@ -234,3 +234,19 @@ def dp_parity(rank, steps=2):
     ref_params = dict(ref.named_parameters())
     params = {n: rel_err(p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()}
     return {"grads": grads, "params": params}
+
+
+def meta_parallelize(rank):
+    """A plain model built under meta_init: only blocks are allocated, and calling it before a load
+    says what to do."""
+    with autopar.meta_init():
+        model = TinyGPT(GPTConfig(vocab_size=256, hidden=64))
+    largest_param = max(p.numel() * p.element_size() for p in model.parameters())
+    with LargestAllocation() as mode:
+        pm = autopar.parallelize(model, grid=(2, 2), example_inputs=_data(GPTConfig(vocab_size=256), 4, 8))
+    try:
+        pm(*_data(GPTConfig(vocab_size=256), 4, 8))
+        msg = ""
+    except RuntimeError as e:
+        msg = str(e)
+    return {"largest allocation / largest parameter": mode.largest / largest_param, "call error": msg}

@@ -76,3 +76,10 @@ def test_data_parallel_2x2x2():
     r = get_pool(8).run(C.dp_parity)[0]
     assert max(r["grads"].values()) < RTOL, r["grads"]
     assert max(r["params"].values()) < RTOL, r["params"]
+
+
+def test_meta_init_allocates_blocks_only(pool4):
+    """parallelize on a meta-built model never allocates a parameter at full size."""
+    r = pool4.run(C.meta_parallelize)[0]
+    assert r["largest allocation / largest parameter"] <= 0.25, r
+    assert "parallelized from the meta device" in r["call error"] and "load_safetensors" in r["call error"]
