@@ -4,6 +4,8 @@ original: same call signature, original parameter names (as DTensors), DTensor o
 from __future__ import annotations
 
 import contextlib
+import datetime
+import hashlib
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -85,7 +87,8 @@ def _cache_off_kwargs(model) -> dict:
     return {"use_cache": False} if "use_cache" in params else {}
 
 
-def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, fused: str) -> tuple:
+def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, fused: str,
+             on_unsupported: str) -> tuple:
     _refuse_kv_cache(kwargs)
     device = _input_device(args, kwargs)
     meta = any(p.is_meta for p in model.parameters())
@@ -96,7 +99,7 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
     cap.device = device
     if meta:
         retarget_meta(cap.gm, device)
-    prop = propagate(cap.gm, grid.q, indivisible=indivisible, fused=fused)
+    prop = propagate(cap.gm, grid.q, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported)
     gm = insert_collectives(cap.gm, grid, lowering)
     localize(gm, grid.q)
     out_node = gm.graph.output_node()
@@ -114,6 +117,35 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
             stacklevel=3,
         )
     return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm)), prop.param_layouts
+
+
+def _plan_text(comp: Compiled, layouts: dict) -> str:
+    lines = comp.gm.code.splitlines()
+    lines += [f"param {n}: {lay}" for n, lay in sorted(layouts.items())]
+    return "\n".join(lines)
+
+
+def agree_on_plan(comp: Compiled, layouts: dict) -> None:
+    """Every rank must have built the same plan; otherwise their collectives would not match and the
+    job would hang later. Raises on every rank, naming the first difference."""
+    text = _plan_text(comp, layouts)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    texts = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, text)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    a, b = texts[0].splitlines(), texts[other].splitlines()
+    i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+    raise ValueError(
+        f"ranks built different plans: rank {other} differs from rank 0 at plan line {i + 1}:\n"
+        f"  rank 0:       {a[i].strip() if i < len(a) else '<end>'}\n"
+        f"  rank {other}: {b[i].strip() if i < len(b) else '<end>'}\n"
+        f"Every rank must call parallelize with the same model and example inputs of the same shapes and "
+        f"options (the inputs are full tensors, identical on every rank)."
+    )
 
 
 def _input_device(args, kwargs) -> torch.device:
@@ -217,6 +249,7 @@ class ParallelModule(nn.Module):
         kwargs = {**_cache_off_kwargs(self._source), **kwargs}
         comp, flat = self._get(args, kwargs)
         self._last = comp
+        self._validate_inputs(flat, comp)
         locals_, cache = [], {}
         for role, key in comp.captured.sources:
             if role == "param":
@@ -238,6 +271,31 @@ class ParallelModule(nn.Module):
             outs = comp.gm(*locals_)
         wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
+
+    def _validate_inputs(self, flat, comp) -> None:
+        device = comp.captured.device
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor) and t.device != device:
+                raise ValueError(
+                    f"input {i} (shape {tuple(t.shape)}) is on {t.device}, but this rank's parameter blocks are "
+                    f"on {device}; pass every input on {device} (the model was parallelized with inputs there)"
+                )
+        if not getattr(self, "_check_inputs", False):
+            return
+        sums = [(tuple(t.shape), float(t.double().sum()), float((t.double() ** 2).sum()))
+                if isinstance(t, torch.Tensor) else repr(t) for t in flat]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sums)
+        base = self.grid.dp_index * self.grid.q ** 2
+        mine = everyone[base:base + self.grid.q ** 2]
+        for i in range(len(flat)):
+            differ = [base + r for r, s in enumerate(mine) if s[i] != mine[0][i]]
+            if differ:
+                raise ValueError(
+                    f"check_inputs: input {i} differs between ranks of this grid (rank {base} vs ranks {differ}); "
+                    f"every rank of a q x q grid must pass the same full inputs (shard the data per data-parallel "
+                    f"replica, not per rank)"
+                )
 
     def _run_with_rank_rng(self, comp, locals_):
         """Dropout masks independent per block: one number drawn from the default generator (equal on
@@ -261,7 +319,8 @@ class ParallelModule(nn.Module):
 
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
                 lowering: str = "broadcast", indivisible: str = "replicate",
-                fused: str = "regroup") -> ParallelModule:
+                fused: str = "regroup", on_unsupported: str = "replicate", timeout: float | None = None,
+                check_inputs: bool = False) -> ParallelModule:
     """Compile `model` for 2D tensor parallelism on a q x q grid; call on every rank.
 
     Args:
@@ -277,6 +336,14 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             backward); every parameter stays a plain sharded DTensor. 'interleave': stored interleaved
             (DTensor _StridedShard), no regrouping; torch.distributed.checkpoint cannot save such
             parameters in torch 2.13 (save_pretrained can).
+        on_unsupported: 'replicate' (default) runs an op that has no split form whole on every rank
+            (gathering its inputs) with a FallbackWarning; 'error' raises instead, naming the op, the
+            node, the module path and the source line. Fallbacks whose inputs are already whole (mask
+            and position-id construction) cost nothing and are allowed either way.
+        timeout: seconds after which autopar's collectives give up with a CollectiveError (a peer rank
+            died or is stuck); default: the process group's timeout.
+        check_inputs: verify on every call that all ranks of a grid passed the same inputs (one small
+            all-gather per call); off by default.
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r}: expected one of {LOWERINGS}")
@@ -284,6 +351,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         raise ValueError(f"indivisible={indivisible!r}: expected 'error' or 'replicate'")
     if fused not in ("regroup", "interleave"):
         raise ValueError(f"fused={fused!r}: expected 'regroup' or 'interleave'")
+    if on_unsupported not in ("replicate", "error"):
+        raise ValueError(f"on_unsupported={on_unsupported!r}: expected 'replicate' or 'error'")
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(isinstance(g, int) for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (q, q), e.g. grid=(2, 2), or (dp, q, q) for dp data-parallel "
                          f"replicas of a q x q grid")
@@ -294,12 +363,15 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         )
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1)
+    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1,
+             timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
     _refuse_kv_cache(example_kwargs)
     example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
-    options = {"lowering": lowering, "indivisible": indivisible, "fused": fused}
+    options = {"lowering": lowering, "indivisible": indivisible, "fused": fused, "on_unsupported": on_unsupported}
     comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
     flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)
+    agree_on_plan(comp, layouts)
     pm = ParallelModule(model, g, comp, None, layouts, options)
+    pm._check_inputs = check_inputs
     pm._compiled = {pm._key(flat, model.training): comp}
     return pm

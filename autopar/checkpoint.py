@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -228,10 +229,29 @@ def save_pretrained(pmodel, path: str, max_shard_bytes: int = 2 * 2**30) -> None
         dist.barrier()
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two directory entries (Linux renameat2 RENAME_EXCHANGE); False if unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _replace_dir(new: str, path: str) -> None:
-    """Swap `new` in for `path`; the old directory is removed only after the new one is in place."""
+    """Put the complete directory `new` at `path`. With an existing `path` the two are swapped in one
+    atomic step where the OS allows (a reader sees the old or the new checkpoint, never neither);
+    elsewhere the old one is moved aside first and, if the process dies in between, is left at
+    `path.old-autopar-<time>`."""
+    if not os.path.exists(path):
+        os.replace(new, path)
+        return
+    if _exchange(new, path):
+        shutil.rmtree(new, ignore_errors=True)  # now holds the old checkpoint
+        return
     old = f"{path.rstrip('/')}.old-autopar-{int(time.time())}"
-    if os.path.exists(path):
-        os.replace(path, old)
+    os.replace(path, old)
     os.replace(new, path)
     shutil.rmtree(old, ignore_errors=True)

@@ -134,8 +134,10 @@ def flatten_inputs(captured: Captured, args: tuple, kwargs: dict | None) -> list
         )
     flat, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in spec_kwargs}))
     if spec != captured.in_spec:
+        want = captured.in_spec.child(0).num_children if captured.in_spec.num_children == 2 else "?"
         raise TypeError(
-            f"the parallel model was captured for inputs structured as {captured.in_spec} but was called "
-            f"with {spec}; call it the way example_inputs/example_kwargs were given"
+            f"the parallel model was captured with {want} positional input(s) (and keywords {sorted(spec_kwargs)}) "
+            f"but was called with {len(args)} positional input(s) of another structure; call it the way "
+            f"example_inputs / example_kwargs were given (same positions, same nesting)"
         )
     return flat

@@ -51,7 +51,7 @@ class Grid:
     """A square q x q grid over the default process group, with counted collectives; with dp > 1,
     dp such grids side by side (data parallel replicas: global rank = d*q*q + r*q + c)."""
 
-    def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu"):
+    def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"
         if min(rows, cols, dp) < 1:
             raise ValueError(f"grid={shape}: every entry must be a positive int")
@@ -82,11 +82,26 @@ class Grid:
             self.mesh = init_device_mesh(device_type, (rows, cols), mesh_dim_names=AXIS_NAMES)
         else:
             self.mesh = None
-        if self.mesh is not None:
+        if self.mesh is not None and timeout is not None:
+            self.same_row_group, self.same_col_group = self._groups_with_timeout(timeout)
+        elif self.mesh is not None:
             self.same_col_group = self.mesh.get_group(0)
             self.same_row_group = self.mesh.get_group(1)
         else:
             self.same_col_group = self.same_row_group = None
+
+    def _groups_with_timeout(self, timeout):
+        """Row and column groups of their own, whose collectives give up after `timeout`."""
+        q, mine = self.q, {}
+        for d in range(self.dp):
+            base = d * q * q
+            for kind in ("row", "col"):
+                for i in range(q):
+                    ranks = [base + (i * q + j if kind == "row" else j * q + i) for j in range(q)]
+                    group = dist.new_group(ranks, timeout=timeout)  # every rank creates every group
+                    if self.rank in ranks:
+                        mine[kind] = group
+        return mine["row"], mine["col"]
 
     def group(self, axis: int):
         """Process group of a collective over mesh `axis` (0: same column, 1: same row)."""

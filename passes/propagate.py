@@ -131,7 +131,17 @@ def _storable(need: Layout, fused: str) -> Layout:
     return Layout(tuple(Shard(p.dim) if parts(p) > 1 else p for p in need.placements))
 
 
-def propagate(gm: GraphModule, q: int, indivisible: str = "error", fused: str = "regroup") -> Propagation:
+def _refuse_fallback(node: Node, why: str) -> None:
+    raise ShardingError(
+        f"on_unsupported='error': node {node.name} ({node.target}) in module {module_path(node) or '<top>'} has "
+        f"no way to run split ({why}) and would be gathered whole on every rank; source: {source_line(node)}.\n"
+        f"  Rewrite it with supported ops (see the README's supported-ops table), or pass "
+        f"on_unsupported='replicate' to accept the replicated fallback (correct, with a warning)."
+    )
+
+
+def propagate(gm: GraphModule, q: int, indivisible: str = "error", fused: str = "regroup",
+              on_unsupported: str = "replicate") -> Propagation:
     res = Propagation()
     layouts: dict = {}
     for node in gm.graph.nodes:
@@ -150,6 +160,8 @@ def propagate(gm: GraphModule, q: int, indivisible: str = "error", fused: str = 
             node.meta["autopar_strategy"] = strat
             layouts[node] = strat.output
             if strat.fallback:
+                if costly and on_unsupported == "error":
+                    _refuse_fallback(node, strat.note.removeprefix("fallback: "))
                 _check_inplace_fallback(node, layouts, costly)
                 res.fallbacks.append((node, module_path(node), strat.note, costly))
         elif node.op == "output":

@@ -9,10 +9,38 @@ the gradient of a local block is the block of the global gradient with the same 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from passes.mesh import Grid
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer rank exited, crashed or is stuck."""
+
+
+@contextlib.contextmanager
+def guarded(grid: Grid, what: str, axis, tag: str):
+    """Turn a backend failure into an error that says which collective, where, and what it means."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CollectiveError(
+            f"autopar: {what} over mesh axis {axis} for {tag!r} failed on rank {grid.rank} "
+            f"(grid position r={grid.r}, c={grid.c}): {first}\n  A peer rank has probably exited, crashed or "
+            f"stopped calling the model (ranks must run the same steps); look at the other ranks' logs. "
+            f"parallelize(..., timeout=seconds) bounds how long a stuck collective waits."
+        ) from e
+
+
+def wait(work, grid: Grid, what: str, axis, tag: str) -> None:
+    with guarded(grid, what, axis, tag):
+        work.wait()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -23,14 +51,16 @@ def broadcast(grid: Grid, axis: int, t: torch.Tensor, src: int, tag: str, phase:
     """Broadcast `t` (in place) from group member `src`; returns the work handle if async."""
     if grid.index(axis) != src:
         grid.log.add(tag, phase, _nbytes(t))
-    return dist.broadcast(t, src=grid.global_rank(axis, src), group=grid.group(axis), async_op=async_op)
+    with guarded(grid, "broadcast", axis, tag):
+        return dist.broadcast(t, src=grid.global_rank(axis, src), group=grid.group(axis), async_op=async_op)
 
 
 def reduce(grid: Grid, axis: int, t: torch.Tensor, dst: int, tag: str, phase: str, async_op=False):
     """Sum `t` (in place) onto group member `dst`; the other members' `t` is left unspecified."""
     if grid.index(axis) == dst:
         grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t))
-    return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
+    with guarded(grid, "reduce", axis, tag):
+        return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
 
 
 def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
@@ -38,7 +68,8 @@ def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((grid.q * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t))
-    dist.all_gather_single(out, moved, group=grid.group(axis))
+    with guarded(grid, "all-gather", axis, tag):
+        dist.all_gather_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
 
 
@@ -47,7 +78,8 @@ def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // grid.q,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t) // grid.q)
-    dist.reduce_scatter_single(out, moved, group=grid.group(axis))
+    with guarded(grid, "reduce-scatter", axis, tag):
+        dist.reduce_scatter_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()
 
 
@@ -55,7 +87,8 @@ def all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op=
     """Sum (or `op`) of the members' `t`, as a new tensor."""
     t = t.clone(memory_format=torch.contiguous_format)
     grid.log.add(tag, phase, 2 * (grid.q - 1) * _nbytes(t) // grid.q)
-    dist.all_reduce(t, op=op, group=grid.group(axis))
+    with guarded(grid, "all-reduce", axis, tag):
+        dist.all_reduce(t, op=op, group=grid.group(axis))
     return t
 
 
@@ -169,7 +202,8 @@ class DataParallelGrad(torch.autograd.Function):
         grid, tag = ctx.args
         g = g.clone(memory_format=torch.contiguous_format)
         grid.log.add(tag, "bwd", 2 * (grid.dp - 1) * _nbytes(g) // grid.dp)
-        dist.all_reduce(g, group=grid.dp_group)
+        with guarded(grid, "all-reduce", "dp", tag):
+            dist.all_reduce(g, group=grid.dp_group)
         return g / grid.dp, None, None
 
 

@@ -40,8 +40,8 @@ def _bcast_steps(grid: Grid, blocks, tag, phase):
     pending = post(0)
     for i in range(grid.q):
         bufs, works = pending
-        for w in works:
-            w.wait()
+        for w, (_, axis) in zip(works, blocks):
+            comm.wait(w, grid, "broadcast", axis, tag)
         if i + 1 < grid.q:
             pending = post(i + 1)
         yield i, bufs
@@ -55,7 +55,7 @@ def _reduce_steps(grid: Grid, axis: int, partials, tag, phase):
         if grid.index(axis) == i:
             mine = p
     for w in works:
-        w.wait()
+        comm.wait(w, grid, "reduce", axis, tag)
     return mine
 
 

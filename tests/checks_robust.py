@@ -1,0 +1,164 @@
+"""Rank-side checks for failure behaviour: bad input, ranks that disagree, dying ranks, interrupted
+saves, and the randomized parity sweep's model builder."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+import autopar
+from models import GPTConfig, TinyGPT
+from tests.checks_engine import _data, rel_err
+
+
+def _err(fn):
+    try:
+        fn()
+    except Exception as e:  # the test asserts on the type name and the text
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+class CumprodModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.cumprod(self.lin(x), dim=-1)  # no rule: would be gathered whole
+
+
+def bad_inputs(rank):
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    ids, tgt = _data(cfg, 4, 8)
+    out = {}
+    out["zero grid"] = _err(lambda: autopar.parallelize(TinyGPT(cfg), grid=(0, 0), example_inputs=(ids, tgt)))
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt))
+    out["structure"] = _err(lambda: pm(ids))
+    out["device"] = _err(lambda: pm(ids.to("meta"), tgt.to("meta")))
+    out["strict unsupported"] = _err(lambda: autopar.parallelize(
+        CumprodModel(), grid=(2, 2), example_inputs=(torch.randn(4, 8),), on_unsupported="error"))
+    mine = _data(cfg, 8 if rank == 1 else 4, 8)  # rank 1 passes another batch size
+    out["plans differ"] = _err(lambda: autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=mine))
+    checked = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), check_inputs=True)
+    other = _data(cfg, 4, 8, seed=1 + (rank == 2))  # rank 2 passes other token ids of the same shape
+    out["inputs differ"] = _err(lambda: checked(*other))
+    return out
+
+
+def dying_rank(rank, world, port, outdir):
+    """Run as a fresh process group: rank 3 exits before the step; the others must raise."""
+    from autopar.launch import init_local
+
+    init_local(rank, world, port)
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    ids, tgt = _data(cfg, 4, 8)
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=20)
+    if rank == 3:
+        os._exit(3)
+    kind, msg = _err(lambda: pm(ids, tgt)[1].backward())
+    with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{kind}\n{msg}")
+    os._exit(0)
+
+
+def interrupted_save(rank, world, port, outdir):
+    """A save killed after its first shard leaves the previous checkpoint loadable."""
+    from autopar import checkpoint
+    from autopar.launch import init_local
+    from tests.checks_hf import build
+
+    init_local(rank, world, port)
+    torch.manual_seed(0)
+    model, make = build("gpt2")
+    pm = autopar.parallelize(model, grid=(1, 1), example_kwargs=make(4, 8, 0))
+    path = os.path.join(outdir, "ckpt")
+    autopar.save_pretrained(pm, path, max_shard_bytes=20_000)  # the good checkpoint
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.to_local().add_(1.0)  # a different model, whose save is interrupted
+    real_write = checkpoint.write
+    calls = []
+
+    def dying_write(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            os._exit(9)  # killed mid-save, after one new shard is on disk
+        real_write(*a, **k)
+
+    checkpoint.write = dying_write
+    autopar.save_pretrained(pm, path, max_shard_bytes=20_000)
+    os._exit(0)  # not reached
+
+
+# --- the randomized sweep: a small model from a spec, parity on one grid --------------------------
+
+class SweepBlock(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        h, heads = spec["hidden"], spec["heads"]
+        self.spec = spec
+        self.norm = nn.LayerNorm(h) if spec["norm"] == "layer" else nn.RMSNorm(h)
+        self.qkv = nn.Linear(h, 3 * h, bias=spec["bias"]) if spec["fused"] else None
+        if not spec["fused"]:
+            self.q, self.k, self.v = (nn.Linear(h, h, bias=spec["bias"]) for _ in range(3))
+        self.o = nn.Linear(h, h, bias=spec["bias"])
+        self.up = nn.Linear(h, spec["ffn"], bias=spec["bias"])
+        self.down = nn.Linear(spec["ffn"], h, bias=spec["bias"])
+        self.heads = heads
+
+    def forward(self, x):
+        b, s, h = x.shape
+        y = self.norm(x)
+        if self.qkv is not None:
+            q, k, v = self.qkv(y).split(h, dim=-1)
+        else:
+            q, k, v = self.q(y), self.k(y), self.v(y)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        if self.spec["attn"] == "sdpa":
+            a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # written out: matmul, scale, softmax, matmul
+            w = (q @ k.transpose(-1, -2)) * (h // self.heads) ** -0.5
+            a = torch.softmax(w, dim=-1) @ v
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, h))
+        act = {"gelu": nn.functional.gelu, "silu": nn.functional.silu, "tanh": torch.tanh}[self.spec["act"]]
+        return x + self.down(act(self.up(x)))
+
+
+class SweepModel(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.inp = nn.Linear(spec["features"], spec["hidden"])
+        self.blocks = nn.ModuleList(SweepBlock(spec) for _ in range(spec["layers"]))
+        self.out = nn.Linear(spec["hidden"], spec["classes"])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.out(x).mean(dim=1)  # [b, classes]
+
+
+def sweep_case(rank, spec):
+    """Outputs and every gradient of a spec'd model on the pool's grid against one process."""
+    import copy
+
+    q = int(round(torch.distributed.get_world_size() ** 0.5))
+    torch.manual_seed(spec["seed"])
+    model = SweepModel(spec)
+    ref = copy.deepcopy(model)
+    x = torch.randn(spec["batch"], spec["seq"], spec["features"], generator=torch.Generator().manual_seed(7))
+    pm = autopar.parallelize(model, grid=(q, q), example_inputs=(x,))
+    out = pm(x)
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    want = ref(x)
+    (out * torch.arange(out.numel()).view_as(out)).sum().backward()  # a loss that weighs every output
+    (want * torch.arange(want.numel()).view_as(want)).sum().backward()
+    ref_params = dict(ref.named_parameters())
+    errs = {"out": rel_err(out, want)}
+    errs.update({n: rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()})
+    return errs

@@ -1,0 +1,73 @@
+"""Never wrong, never hung: error texts, ranks that disagree, a rank that dies, an interrupted save."""
+
+import os
+import subprocess
+import sys
+import time
+
+import torch.multiprocessing as mp
+
+from autopar.launch import free_port
+from tests import checks_robust as C
+
+
+def test_bad_input_messages(pool4):
+    res = pool4.run(C.bad_inputs)
+    r0 = res[0]
+    kind, msg = r0["zero grid"]
+    assert kind == "ValueError" and "every entry must be a positive int" in msg
+    kind, msg = r0["structure"]
+    assert kind == "TypeError" and "captured with 2 positional input(s)" in msg and "called with 1" in msg
+    kind, msg = r0["device"]
+    assert kind == "ValueError" and "is on meta" in msg and "blocks are on cpu" in msg
+    kind, msg = r0["strict unsupported"]
+    assert kind == "ShardingError" and "on_unsupported='error'" in msg
+    assert "aten.cumprod" in msg and "test_robustness" not in msg and "checks_robust.py" in msg
+    for rank, r in enumerate(res):  # every rank raises, none hangs
+        kind, msg = r["plans differ"]
+        assert kind == "ValueError" and "ranks built different plans: rank 1 differs from rank 0" in msg, (rank, r)
+        kind, msg = r["inputs differ"]
+        assert kind == "ValueError" and "input 0 differs between ranks of this grid" in msg, (rank, r)
+
+
+def _spawn(fn, world, tmp_path):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def test_dying_rank_raises_on_the_others(tmp_path):
+    """Rank 3 exits before a step: ranks 0-2 raise a CollectiveError naming the collective instead of
+    waiting forever (the test itself fails after 120 s if anything hangs)."""
+    procs = _spawn(C.dying_rank, 4, tmp_path)
+    start = time.time()
+    for p in procs:
+        p.join(timeout=max(1, 120 - (time.time() - start)))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a surviving rank hung"
+    for rank in range(3):
+        kind, msg = open(tmp_path / f"rank{rank}.txt").read().split("\n", 1)
+        assert kind == "CollectiveError", (rank, kind, msg)
+        assert "failed on rank" in msg and "A peer rank has probably exited" in msg
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
+    import torch
+    import transformers
+
+    procs = _spawn(C.interrupted_save, 1, tmp_path)
+    procs[0].join(timeout=120)
+    assert procs[0].exitcode == 9, "the save was supposed to be killed mid-way"
+    path = tmp_path / "ckpt"
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(path))  # the previous, good checkpoint
+    torch.manual_seed(0)
+    from tests.checks_hf import build
+
+    original, _ = build("gpt2")
+    for (n, p), (_, q) in zip(model.named_parameters(), original.named_parameters()):
+        assert torch.equal(p, q), n
