@@ -1,0 +1,62 @@
+"""Randomized parity sweep: small models drawn from the supported op set (linear stacks, attention
+blocks with SDPA or written-out softmax attention, fused or separate q/k/v, LayerNorm or RMSNorm,
+elementwise activations, reshapes), random sizes -- divisible by q or not -- on grids 1x1, 2x2, 3x3;
+outputs and every gradient against one process.
+
+The default budget is small for CI; AUTOPAR_SWEEP_EXAMPLES=N runs N cases per grid.
+"""
+
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests import checks_robust as C
+from tests.conftest import get_pool
+from tests.test_engine_parity import RTOL
+
+BUDGET = {1: 2, 2: 6, 3: 2}
+N = os.environ.get("AUTOPAR_SWEEP_EXAMPLES")
+
+
+@st.composite
+def specs(draw):
+    heads = draw(st.integers(1, 6))
+    head_dim = draw(st.sampled_from([2, 4]))
+    hidden = heads * head_dim
+    return {
+        "hidden": hidden, "heads": heads, "ffn": draw(st.sampled_from([hidden, 2 * hidden, 3 * hidden])),
+        "features": draw(st.integers(2, 12)), "classes": draw(st.integers(2, 9)),
+        "layers": draw(st.integers(1, 2)), "batch": draw(st.integers(1, 6)), "seq": draw(st.integers(2, 6)),
+        "norm": draw(st.sampled_from(["layer", "rms"])), "fused": draw(st.booleans()),
+        "attn": draw(st.sampled_from(["sdpa", "eager"])), "act": draw(st.sampled_from(["gelu", "silu", "tanh"])),
+        "bias": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def _run(q, spec):
+    errs = get_pool(q * q).run(C.sweep_case, spec)[0]
+    bad = {k: v for k, v in errs.items() if not v < RTOL}
+    assert not bad, f"grid {q}x{q}, spec {spec}: {bad}"
+
+
+def _sweep(q):
+    @settings(max_examples=int(N) if N else BUDGET[q], deadline=None, derandomize=not N,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(spec=specs())
+    def case(spec):
+        _run(q, spec)
+
+    case()
+
+
+def test_sweep_1x1():
+    _sweep(1)
+
+
+def test_sweep_2x2():
+    _sweep(2)
+
+
+def test_sweep_3x3():
+    _sweep(3)
