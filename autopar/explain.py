@@ -40,7 +40,11 @@ def _op_name(gm, node) -> str:
 def rows(pmodel) -> list:
     """The table's rows for the graph of the model's most recent call (or its first compile)."""
     comp = getattr(pmodel, "_last", None) or next(iter(pmodel._compiled.values()))
-    gm, q = comp.gm, pmodel.grid.q
+    return graph_rows(comp.gm, pmodel.grid.q)
+
+
+def graph_rows(gm, q: int) -> list:
+    """One Row per op of a compiled per-rank graph."""
     out = []
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_module"):

@@ -98,6 +98,8 @@ def gradsync_cost(mod: kernels.GradSync, node: Node, q: int) -> Cost:
 
 def cross_entropy_cost(mod, node: Node, q: int) -> Cost:
     rows = _local(node.args[0], q)[0]
+    if not mod.vocab_split:
+        return Cost("all-reduce mean (col)", _all_reduce(2 * 4, q), 0)
     fwd = _all_reduce(rows * 4, q) + _all_reduce(2 * rows * 4, q) + _all_reduce(2 * 4, q)
     return Cost("all-reduce max, sum-exp, target (row); mean (col)", fwd, 0)
 

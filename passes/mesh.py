@@ -90,6 +90,16 @@ class Grid:
         else:
             self.same_col_group = self.same_row_group = None
 
+    @classmethod
+    def for_planning(cls, q: int, dp: int = 1) -> "Grid":
+        """A grid with no process groups, for building and costing a plan on one process (as rank
+        (0, 0)); its collectives cannot run."""
+        g = cls.__new__(cls)
+        g.q, g.dp, g.rank, g.dp_index, g.r, g.c = q, dp, 0, 0, 0, 0
+        g.device_type, g.log, g.mesh, g.dp_group = "cpu", CommLog(), None, None
+        g.same_row_group = g.same_col_group = None
+        return g
+
     def _groups_with_timeout(self, timeout):
         """Row and column groups of their own, whose collectives give up after `timeout`."""
         q, mine = self.q, {}

@@ -131,15 +131,19 @@ class VocabSplitEmbedding(nn.Module):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, target, grid, ignore_index, tag):
-        zf = z.float()  # [n/q, V/q]
-        m = comm.all_reduce(grid, 1, zf.max(-1).values, tag, "fwd", op=dist.ReduceOp.MAX)  # [n/q]
+    def forward(ctx, z, target, grid, ignore_index, tag, vocab_split=True):
+        zf = z.float()  # [n/q, V/q] (or [n/q, V] when the vocabulary is whole)
+        m = zf.max(-1).values
+        if vocab_split:
+            m = comm.all_reduce(grid, 1, m, tag, "fwd", op=dist.ReduceOp.MAX)  # [n/q]
         e = torch.exp(zf - m[:, None])
         rows = z.shape[1]
-        local = target - grid.c * rows
+        local = target - grid.c * rows if vocab_split else target
         inside = (local >= 0) & (local < rows)
         picked = zf.gather(1, local.clamp(0, rows - 1)[:, None]).squeeze(1) * inside
-        sums = comm.all_reduce(grid, 1, torch.stack([e.sum(-1), picked]), tag, "fwd")  # [2, n/q]
+        sums = torch.stack([e.sum(-1), picked])  # [2, n/q]
+        if vocab_split:
+            sums = comm.all_reduce(grid, 1, sums, tag, "fwd")
         valid = target != ignore_index
         per_token = (torch.log(sums[0]) + m - sums[1]) * valid
         tot = comm.all_reduce(grid, 0, torch.stack([per_token.sum(), valid.sum().to(zf.dtype)]), tag, "fwd")
@@ -150,19 +154,22 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         e, sumexp, local, inside, valid, count = ctx.saved_tensors
-        grad = e / sumexp[:, None]
-        hit = inside.nonzero().squeeze(1)
-        grad[hit, local[hit]] -= 1.0
+        grad = e / sumexp[:, None]  # softmax, minus one at the target where this rank holds it
+        rows = grad.shape[1]
+        grad.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -inside[:, None].to(grad.dtype))
         grad = grad * (valid[:, None].to(grad.dtype) * (g / count))
-        return grad.to(ctx.dtype), None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    def __init__(self, grid: Grid, ignore_index: int, tag: str):
+    """Mean cross-entropy over logits [N, V] split rows over mesh rows and (if `vocab_split`) vocab over
+    mesh columns; statistics all-reduced, full logits never gathered; backward local."""
+
+    def __init__(self, grid: Grid, ignore_index: int, tag: str, vocab_split: bool = True):
         super().__init__()
-        self.grid, self.ignore_index, self.tag = grid, ignore_index, tag
+        self.grid, self.ignore_index, self.tag, self.vocab_split = grid, ignore_index, tag, vocab_split
 
     def forward(self, logits, target):
-        loss = _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag)
+        loss = _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag, self.vocab_split)
         # under autocast torch's cross_entropy runs (and returns) fp32; otherwise it keeps the logits' dtype
         return loss if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)

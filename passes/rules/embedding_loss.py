@@ -26,8 +26,10 @@ def embedding(node, layouts, q):
     table, ids = node.args[:2]
     V, h = shape(table)
     have = layouts.get(table)
-    if have is None:
-        have = Layout((Shard(0), Shard(1))) if V % q == 0 and h % q == 0 else REPLICATED
+    if have is None:  # a vocabulary q does not divide keeps the hidden split (an LM head tied to it
+        # then runs a local matmul whose output is a partial sum over the columns)
+        have = Layout((Shard(0), Shard(1))) if V % q == 0 and h % q == 0 else (
+            Layout((Replicate(), Shard(1))) if h % q == 0 else REPLICATED)
     vocab_axis = have.shard_axis(0)
     hidden_axis = have.shard_axis(1)
     nd = len(val(node).shape)
@@ -54,11 +56,14 @@ def cross_entropy(node, layouts, q):
     ls = shape(logits)
     if len(ls) != 2 or weight is not None or reduction != 1 or smoothing:
         raise Unsupported("cross_entropy other than mean over [N, V] logits without weights/smoothing")
-    if ls[0] % q or ls[1] % q:
-        raise Unsupported(f"logits {tuple(ls)} not divisible by q={q}")
+    if ls[0] % q:
+        raise Unsupported(f"{ls[0]} rows of logits not divisible by q={q}")
+    vocab_split = ls[1] % q == 0  # else each row block holds whole rows of logits
     return Strategy(
-        {logits: Layout((Shard(0), Shard(1))), target: Layout((Shard(0), Replicate()))},
+        {logits: Layout((Shard(0), Shard(1) if vocab_split else Replicate())),
+         target: Layout((Shard(0), Replicate()))},
         REPLICATED,
         kernel="cross_entropy",
-        note="vocab-parallel cross-entropy",
+        note="vocab-parallel cross-entropy" if vocab_split else "cross-entropy on row blocks (vocab whole)",
+        extra={"vocab_split": vocab_split},
     )

@@ -114,10 +114,25 @@ def _is_weight(w, layouts) -> bool:
     return lay is None or all(split_dim(p) is not None for p in lay.placements)
 
 
+def partial_linear(node, layouts, q, x, w, kd: int) -> Strategy:
+    """A weight split over the columns along its in-features only (an LM head tied to an embedding
+    whose vocabulary q does not divide): each rank multiplies its hidden slice, giving a partial sum
+    over the columns of the [rows, N] output."""
+    rows = _row_split(x, layouts, q)
+    last = len(shape(x)) - 1
+    return Strategy(
+        {x: Layout((rows, Shard(last))), w: Layout((Replicate(), Shard(kd)))},
+        Layout((Shard(rows.dim), Partial("sum"))),
+        note="local matmul on hidden slices (partial over columns)",
+    )
+
+
 @register(aten.linear.default)
 def linear(node, layouts, q):
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else None
+    if bias is None and layouts.get(w) == Layout((Replicate(), Shard(1))):
+        return partial_linear(node, layouts, q, x, w, kd=1)
     if not _is_weight(w, layouts):
         raise Unsupported("linear whose weight is not a 2-D parameter")
     return summa_strategy(node, layouts, q, x, w, bias, n_first=True)

@@ -1,0 +1,199 @@
+"""`plan`: the compiler's plan for a grid, computed on one process without the hardware.
+
+The same capture and passes as `parallelize` run on a model built on the meta device (or a real one:
+export traces with fake tensors either way), with a planning grid that has no process groups. Costs
+per rank and per training step (forward + backward):
+
+- bytes received, per inserted module, with the conventions of `passes.mesh.CommLog` (equal to what a
+  real run counts);
+- FLOPs of the matmul-like ops (SUMMA products, local attention, local batched matmuls): 2·m·k·n
+  per product, backward twice the forward;
+- memory: parameters, gradients (same size), AdamW states (two per parameter), and -- when no
+  process group is initialized in this process -- the bytes autograd saves for backward and the
+  largest single tensor, measured by running rank (0, 0)'s graph under FakeTensorMode on a fake
+  process group of the grid's size (nothing is allocated).
+
+`compare_1d` gives the same step's bytes and parameter memory for Megatron-style 1D tensor
+parallelism at p = q·q, from its analytic volume (DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from autopar.explain import graph_rows
+from passes import capture, insert_collectives, localize, propagate
+from passes.capture import retarget_meta
+from passes.layout import REPLICATED, local_shape
+from passes.mesh import Grid
+from passes.ops import kernels
+
+
+@dataclass
+class Plan:
+    grid: tuple
+    rows: list
+    fallbacks: list  # (node, module, reason, costly)
+    params: dict  # name -> (global shape, layout repr, bytes per rank, full bytes)
+    comm_bytes_fwd: int = 0
+    comm_bytes_bwd: int = 0
+    flops_per_rank: int = 0
+    activation_bytes: int | None = None
+    largest_tensor_bytes: int | None = None
+    gm: object = field(default=None, repr=False)
+
+    @property
+    def comm_bytes_per_rank_per_step(self) -> int:
+        return self.comm_bytes_fwd + self.comm_bytes_bwd
+
+    @property
+    def param_bytes_per_rank(self) -> int:
+        return sum(v[2] for v in self.params.values())
+
+    @property
+    def param_bytes_total(self) -> int:
+        return sum(v[3] for v in self.params.values())
+
+    @property
+    def params_above_1_over_p(self) -> dict:
+        """Parameters a rank holds more than 1/p of (replicated, or split one way only): name -> bytes."""
+        p = self.grid[0] * self.grid[1]
+        return {n: v[2] for n, v in self.params.items() if v[2] * p > v[3]}
+
+    def to_json(self) -> dict:
+        return {
+            "grid": list(self.grid),
+            "comm_bytes_per_rank_per_step": self.comm_bytes_per_rank_per_step,
+            "comm_bytes_forward": self.comm_bytes_fwd,
+            "comm_bytes_backward": self.comm_bytes_bwd,
+            "flops_per_rank_per_step": self.flops_per_rank,
+            "param_bytes_per_rank": self.param_bytes_per_rank,
+            "param_bytes_total": self.param_bytes_total,
+            "grad_bytes_per_rank": self.param_bytes_per_rank,
+            "adamw_state_bytes_per_rank": 2 * self.param_bytes_per_rank,
+            "activation_bytes_per_rank": self.activation_bytes,
+            "largest_tensor_bytes": self.largest_tensor_bytes,
+            "params_above_1_over_p": self.params_above_1_over_p,
+            "fallback_nodes": [{"node": n.name, "op": str(n.target), "module": m, "reason": why, "costly": c}
+                               for n, m, why, c in self.fallbacks],
+            "nodes": [asdict(r) for r in self.rows],
+        }
+
+
+def _flops(gm, node, q) -> int:
+    """Forward + backward FLOPs of one matmul-like node on one rank."""
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), kernels.SummaLinear):
+        x, w = node.args[0], node.args[1]
+        m = math.prod(x.meta["val"].shape[:-1]) // q  # this rank's rows
+        k, n = x.meta["val"].shape[-1], math.prod(w.meta["val"].shape) // x.meta["val"].shape[-1]
+        return 3 * 2 * m * k * n // q  # q steps of (m, k/q) x (k/q, n/q)
+    if node.op == "call_function" and node.target == torch.ops.aten.scaled_dot_product_attention.default:
+        qs = local_shape(tuple(node.args[0].meta["val"].shape), node.meta["autopar_layout"], q)
+        b, h, s, d = qs
+        sk = node.args[1].meta["val"].shape[-2]
+        return 3 * 2 * 2 * b * h * s * sk * d
+    if node.op == "call_function" and node.target in (torch.ops.aten.matmul.default, torch.ops.aten.bmm.default):
+        out = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], q)
+        k = node.args[0].meta["val"].shape[-1]
+        return 3 * 2 * math.prod(out) * k
+    return 0
+
+
+def _measure_activations(gm, cap, q):
+    """Run rank (0, 0)'s graph under FakeTensorMode on a fake process group: bytes saved for backward
+    and the largest tensor. Needs no process group in this process (it makes a fake one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=q * q)
+    try:
+        grid = Grid(q, q)
+        for mod in gm.modules():  # point the planning modules at the fake groups
+            if hasattr(mod, "grid"):
+                mod.grid = grid
+        saved, largest = {}, [0]
+
+        def pack(t):
+            saved[id(t)] = t.numel() * t.element_size()
+            largest[0] = max(largest[0], saved[id(t)])
+            return t
+
+        with FakeTensorMode():
+            args = []
+            for node, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), cap.sources):
+                v, lay = node.meta["val"], node.meta["autopar_layout"]
+                if not isinstance(v, torch.Tensor):  # a constant input (use_cache=False, ...)
+                    args.append(v)
+                    continue
+                shape = local_shape(tuple(v.shape), lay, q)
+                args.append(torch.zeros(shape, dtype=v.dtype, requires_grad=role == "param" and v.dtype.is_floating_point))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                outs = gm(*args)
+            tensors = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            for o in pytree.tree_leaves(outs):
+                if isinstance(o, torch.Tensor):
+                    largest[0] = max(largest[0], o.numel() * o.element_size())
+            if tensors:
+                sum(o.float().sum() for o in tensors).backward()
+        return sum(saved.values()), largest[0]
+    finally:
+        dist.destroy_process_group()
+
+
+def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = "broadcast",
+         indivisible: str = "replicate", fused: str = "regroup", measure_activations: bool | None = None) -> Plan:
+    """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone."""
+    q = grid[-1]
+    if grid[-2] != q:
+        raise ValueError(f"grid={grid}: planning covers square grids (q, q)")
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    meta = any(p.is_meta for p in model.parameters())
+    args, kwargs = example_inputs, dict(example_kwargs or {})
+    from autopar.api import _cache_off_kwargs, _no_kv_cache
+
+    kwargs = {**_cache_off_kwargs(model), **kwargs}
+    if meta:
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    with _no_kv_cache(model):
+        cap = capture(model, args, kwargs)
+    if meta:
+        retarget_meta(cap.gm, torch.device("cpu"))
+    prop = propagate(cap.gm, q, indivisible=indivisible, fused=fused)
+    gm = insert_collectives(cap.gm, Grid.for_planning(q), lowering)
+    localize(gm, q)
+    rows = graph_rows(gm, q)
+    params = {}
+    for name, p in model.named_parameters():
+        lay = prop.param_layouts.get(name, REPLICATED)
+        full = p.numel() * p.element_size()
+        mine = math.prod(local_shape(tuple(p.shape), lay, q)) * p.element_size()
+        params[name] = (tuple(p.shape), repr(lay), mine, full)
+    result = Plan(grid=(q, q), rows=rows, fallbacks=prop.fallbacks, params=params, gm=gm,
+                  comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
+                  flops_per_rank=sum(_flops(gm, n, q) for n in gm.graph.nodes))
+    if measure_activations is None:
+        measure_activations = not dist.is_initialized()
+    if measure_activations:
+        result.activation_bytes, result.largest_tensor_bytes = _measure_activations(gm, cap, q)
+    return result
+
+
+def compare_1d(pl: Plan, model, tokens: int, layers: int, hidden: int, dtype_bytes: int = 4) -> dict:
+    """Megatron-style 1D tensor parallelism at p = q·q for the same step: per transformer layer two
+    all-reduces of the [tokens, hidden] activations forward and two backward (8·(p-1)/p·B·h elements
+    received per rank with ring all-reduce), plus one forward all-reduce for a vocab-parallel
+    embedding; matmul weights and embeddings split p ways, norms and biases replicated."""
+    p = pl.grid[0] * pl.grid[1]
+    ar = 2 * (p - 1) * tokens * hidden * dtype_bytes // p  # one ring all-reduce of [B, h]
+    comm = layers * 4 * ar + ar
+    params = 0
+    for name, (shape, _lay, _mine, full) in pl.params.items():
+        params += full // p if len(shape) >= 2 and shape[0] % p == 0 else full
+    return {"p": p, "comm_bytes_per_rank_per_step": comm, "param_bytes_per_rank": params,
+            "ratio_2d_over_1d_comm": pl.comm_bytes_per_rank_per_step / comm if comm else None,
+            "ratio_2d_over_1d_params": pl.param_bytes_per_rank / params if params else None}
