@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from passes.cost import node_cost
+from passes.cost import node_cost, nodes_needing_grad
 from passes.propagate import module_path
 
 
@@ -27,6 +27,7 @@ class Row:
     fwd_bytes: int
     bwd_bytes: int
     note: str
+    formula: str = ""  # the bytes as sympy expressions, with the values substituted
 
 
 def _op_name(gm, node) -> str:
@@ -46,10 +47,11 @@ def rows(pmodel) -> list:
 def graph_rows(gm, q: int) -> list:
     """One Row per op of a compiled per-rank graph."""
     out = []
+    grads = nodes_needing_grad(gm)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_module"):
             continue
-        cost = node_cost(gm, node, q)
+        cost = node_cost(gm, node, q, grads)
         strat = node.meta.get("autopar_strategy")
         lay = node.meta.get("autopar_layout")
         out.append(Row(
@@ -61,6 +63,7 @@ def graph_rows(gm, q: int) -> list:
             fwd_bytes=cost.fwd if cost else 0,
             bwd_bytes=cost.bwd if cost else 0,
             note=(strat.note if strat is not None and not node.meta.get("autopar_inserted") else ""),
+            formula=cost.formula if cost else "",
         ))
     return out
 

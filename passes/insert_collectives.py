@@ -44,7 +44,8 @@ def _add_module(gm: GraphModule, before: Node, name: str, module, arg: Node, lay
     gm.add_submodule(name, module)
     with gm.graph.inserting_before(before):
         new = gm.graph.call_module(name, (arg,))
-    new.meta.update(val=arg.meta.get("val"), autopar_layout=layout, autopar_inserted=True)
+    new.meta.update(val=arg.meta.get("val"), autopar_layout=layout, autopar_inserted=True,
+                    nn_module_stack=before.meta.get("nn_module_stack", {}))  # explain groups it with its consumer
     return new
 
 

@@ -1,0 +1,142 @@
+"""`python -m autopar inspect MODEL ...` (also the `autopar` console script): plan a model on a grid
+without the hardware and print what it costs.
+
+MODEL is a transformers model type (`gpt2`, `llama`, `bert`, `t5`, `vit`, ...: its config class with
+the class defaults plus `--set key=value` overrides; nothing is downloaded, weights live on the meta
+device) or `module:callable` returning (model, example_inputs) or (model, example_inputs,
+example_kwargs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import torch
+
+import autopar
+from autopar.report import dot, group_by_module, html, sweep_table
+
+
+def _value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def build_hf(model_type: str, overrides: dict, batch: int, seq: int):
+    """A transformers model of `model_type` on the meta device, and one step's inputs."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.for_model(model_type)
+    except ValueError as e:
+        raise SystemExit(f"autopar inspect: unknown model type {model_type!r} ({e})") from None
+    bad = [k for k in overrides if not hasattr(config, k)]
+    if bad:
+        keys = sorted(k for k in config.to_dict() if not k.startswith("_"))
+        raise SystemExit(f"autopar inspect: {type(config).__name__} has no key(s) {bad}; valid keys: {', '.join(keys)}")
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    config.use_cache = False
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                 "AutoModelForImageClassification"):
+        cls = getattr(transformers, auto)
+        if type(config) in cls._model_mapping:
+            break
+    else:
+        raise SystemExit(f"autopar inspect: no LM or classification head for {type(config).__name__}")
+    with autopar.meta_init():
+        model = cls.from_config(config)
+    if auto == "AutoModelForImageClassification":
+        size = getattr(config, "image_size", 224)
+        kwargs = dict(pixel_values=torch.zeros(batch, getattr(config, "num_channels", 3), size, size),
+                      labels=torch.zeros(batch, dtype=torch.long))
+    else:
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        kwargs = dict(input_ids=ids, labels=ids)
+    return model, (), kwargs
+
+
+def build_callable(spec: str):
+    mod, _, fn = spec.partition(":")
+    out = getattr(importlib.import_module(mod), fn)()
+    model, args = out[0], out[1]
+    kwargs = out[2] if len(out) > 2 else None
+    return model, args if isinstance(args, tuple) else (args,), kwargs
+
+
+def _grid(text: str) -> tuple:
+    try:
+        r, c = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"autopar inspect: --grid {text!r}: expected RxC, e.g. 8x8") from None
+    return r, c
+
+
+def _layers_hidden(model) -> tuple:
+    cfg = getattr(model, "config", None)
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or getattr(cfg, "num_layers", 0)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or getattr(cfg, "d_model", 0)
+    return layers, hidden
+
+
+def inspect_cmd(ns) -> int:
+    overrides = dict(kv.split("=", 1) for kv in ns.set)
+    overrides = {k: _value(v) for k, v in overrides.items()}
+    if ":" in ns.model:
+        model, args, kwargs = build_callable(ns.model)
+    else:
+        model, args, kwargs = build_hf(ns.model, overrides, ns.batch, ns.seq)
+    grid = _grid(ns.grid)
+    pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs)
+    layers, hidden = _layers_hidden(model)
+    tokens = ns.batch * ns.seq
+    report = pl.to_json()
+    if ns.vs == "1d":
+        report["vs_1d"] = autopar.compare_1d(pl, model, tokens, layers, hidden)
+    if ns.sweep:
+        report["sweep"] = sweep_table(model, args, kwargs, ns.sweep, tokens, layers, hidden)
+    if ns.dot:
+        with open(ns.dot, "w") as f:
+            f.write(html(pl) if ns.dot.endswith(".html") else dot(pl))
+    if ns.json:
+        report.pop("nodes")
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+    print(group_by_module(pl))
+    if "vs_1d" in report:
+        v = report["vs_1d"]
+        print(f"\n1D (Megatron-style) at p={v['p']}: {v['comm_bytes_per_rank_per_step'] / 2**20:.1f} MiB received per "
+              f"rank per step, {v['param_bytes_per_rank'] / 2**20:.1f} MiB parameters per rank; 2D/1D: bytes "
+              f"{v['ratio_2d_over_1d_comm']:.2f}, parameters {v['ratio_2d_over_1d_params']:.2f}")
+    for row in report.get("sweep", []):
+        print(row)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="autopar", description="2D tensor parallelism planner")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("inspect", help="plan a model on a grid and print its costs")
+    p.add_argument("model", help="a transformers model type (gpt2, llama, ...) or module:callable")
+    p.add_argument("--grid", default="2x2", help="RxC, e.g. 8x8")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--vs", choices=["1d"], help="also report Megatron-style 1D at the same p")
+    p.add_argument("--sweep", type=int, metavar="N", help="compare all square grids and 1D with p <= N")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--dot", metavar="FILE", help="write the graph (Graphviz DOT, or HTML for *.html)")
+    ns = parser.parse_args(argv)
+    for kv in ns.set:
+        if "=" not in kv:
+            parser.error(f"--set {kv!r}: expected KEY=VALUE")
+    return inspect_cmd(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

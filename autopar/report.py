@@ -1,0 +1,101 @@
+"""Views of a Plan: a table grouped by module path, Graphviz DOT, a self-contained HTML page, and a
+grid sweep comparing 2D with 1D."""
+
+from __future__ import annotations
+
+import html as _html
+from collections import defaultdict
+
+from passes.layout import REPLICATED
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:.2f}" if n is not None else "-"
+
+
+def group_by_module(pl) -> str:
+    """Bytes and FLOPs per module path (two levels: e.g. transformer.h.3), then totals."""
+    groups = defaultdict(lambda: [0, 0, 0, set()])
+    for r in pl.rows:
+        key = ".".join(r.module.split(".")[:3]) if r.module else "<top>"
+        g = groups[key]
+        g[0] += r.fwd_bytes
+        g[1] += r.bwd_bytes
+        if r.note.startswith("fallback"):
+            g[3].add(r.node)
+    width = max([len(k) for k in groups] + [6])
+    lines = [f"{'module':<{width}}  {'fwd MiB':>9}  {'bwd MiB':>9}  fallbacks",
+             f"{'-' * width}  {'-' * 9}  {'-' * 9}  ---------"]
+    for key, (f, b, _, fb) in groups.items():
+        lines.append(f"{key:<{width}}  {_mib(f):>9}  {_mib(b):>9}  {', '.join(sorted(fb))}")
+    j = pl.to_json()
+    lines += [
+        "",
+        f"grid {pl.grid[0]}x{pl.grid[1]}, per rank per training step: {_mib(j['comm_bytes_per_rank_per_step'])} MiB "
+        f"received, {j['flops_per_rank_per_step'] / 1e12:.3f} TFLOP (matmuls)",
+        f"memory per rank: parameters {_mib(j['param_bytes_per_rank'])} MiB (model {_mib(j['param_bytes_total'])} MiB), "
+        f"gradients {_mib(j['grad_bytes_per_rank'])} MiB, AdamW states {_mib(j['adamw_state_bytes_per_rank'])} MiB, "
+        f"saved for backward {_mib(j['activation_bytes_per_rank'])} MiB, largest tensor "
+        f"{_mib(j['largest_tensor_bytes'])} MiB",
+        f"held above 1/p: {', '.join(j['params_above_1_over_p']) or 'none'}",
+        f"costly fallbacks: {', '.join(f['node'] for f in j['fallback_nodes'] if f['costly']) or 'none'}",
+    ]
+    return "\n".join(lines)
+
+
+_COLORS = {"S(0)S(2)": "#a6cee3", "S(0)S(1)": "#b2df8a", "RR": "#eeeeee"}
+
+
+def _color(layout: str) -> str:
+    if layout in _COLORS:
+        return _COLORS[layout]
+    return "#fdbf6f" if "P(" in layout else "#cab2d6"
+
+
+def dot(pl) -> str:
+    """The per-rank graph in Graphviz DOT: nodes colored by layout, collectives drawn as boxes."""
+    gm = pl.gm
+    lines = ["digraph autopar {", "  rankdir=TB; node [style=filled, fontsize=10];"]
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        lay = repr(node.meta.get("autopar_layout", REPLICATED))
+        comm = node.op == "call_module"
+        label = f"{node.name}\\n{lay}"
+        shape = "box" if comm else "ellipse"
+        lines.append(f'  "{node.name}" [label="{label}", shape={shape}, fillcolor="{_color(lay)}"];')
+        for a in node.all_input_nodes:
+            lines.append(f'  "{a.name}" -> "{node.name}";')
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def html(pl) -> str:
+    """A self-contained page: the plan's rows, colored by layout, with costs."""
+    head = "<tr>" + "".join(f"<th>{h}</th>" for h in ("node", "op", "module", "layout", "collectives",
+                                                       "fwd bytes", "bwd bytes", "note")) + "</tr>"
+    body = []
+    for r in pl.rows:
+        cells = [r.node, r.op, r.module, r.layout, r.collectives, r.fwd_bytes or "", r.bwd_bytes or "", r.note]
+        body.append(f'<tr style="background:{_color(r.layout)}">' +
+                    "".join(f"<td>{_html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    return (f"<!doctype html><meta charset=utf-8><title>autopar plan {pl.grid}</title>"
+            f"<style>td,th{{font:12px monospace;padding:2px 6px}}</style>"
+            f"<table>{head}{''.join(body)}</table>")
+
+
+def sweep_table(model, args, kwargs, limit: int, tokens: int, layers: int, hidden: int) -> list:
+    """2D on every square grid with q*q <= limit, and 1D at the same p: bytes and parameters per rank."""
+    import autopar
+
+    out = []
+    q = 1
+    while (q + 1) ** 2 <= limit:
+        q += 1
+        pl = autopar.plan(model, grid=(q, q), example_inputs=args, example_kwargs=kwargs, measure_activations=False)
+        one = autopar.compare_1d(pl, model, tokens, layers, hidden)
+        out.append({"p": q * q, "2d_comm_bytes": pl.comm_bytes_per_rank_per_step, "1d_comm_bytes":
+                    one["comm_bytes_per_rank_per_step"], "2d_param_bytes": pl.param_bytes_per_rank,
+                    "1d_param_bytes": one["param_bytes_per_rank"],
+                    "cheaper_comm": "2d" if pl.comm_bytes_per_rank_per_step < one["comm_bytes_per_rank_per_step"] else "1d"})
+    return out

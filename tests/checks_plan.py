@@ -1,0 +1,45 @@
+"""Rank-side checks that a plan made on one process is what a real run does."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import autopar
+from tests.checks_hf import build
+from tests.checks_robust import SweepBlock
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    return model, (torch.randn(4, 8, 16),), None
+
+
+def _attention():
+    torch.manual_seed(0)
+    spec = dict(hidden=16, heads=4, ffn=32, norm="layer", fused=True, attn="sdpa", act="gelu", bias=True)
+    return SweepBlock(spec), (torch.randn(4, 8, 16),), None
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    model, make = build("gpt2")
+    return model, (), make(4, 8, 0)
+
+
+MODELS = {"mlp": _mlp, "attention": _attention, "gpt2": _gpt2}
+
+
+def plan_vs_run(rank, name):
+    """The plan's code equals parallelize's, and its bytes equal what one real step counts."""
+    model, args, kwargs = MODELS[name]()
+    pl = autopar.plan(model, grid=(2, 2), example_inputs=args, example_kwargs=kwargs)
+    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=args, example_kwargs=kwargs)
+    pm.grid.log.reset()
+    out = pm(*args, **(kwargs or {}))
+    loss = out.loss if hasattr(out, "loss") else out
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    loss.sum().backward()
+    return {"same code": pl.gm.code == pm.graph_module.code, "planned": pl.comm_bytes_per_rank_per_step,
+            "counted": pm.grid.log.total()}

@@ -1,0 +1,70 @@
+"""Planning without the hardware: the plan equals what parallelize runs, its bytes equal a real run's,
+its memory accounting at 8x8 adds up, and the CLI reports it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autopar
+from tests import checks_plan as C
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name", ["mlp", "attention", "gpt2"])
+def test_plan_equals_a_real_2x2_run(pool4, name):
+    """Catches a planner that drifts from the engine: a different rewritten graph, or bytes that the
+    collective layer does not actually move."""
+    for rank, r in enumerate(pool4.run(C.plan_vs_run, name)):
+        assert r["same code"], f"rank {rank}: plan and parallelize built different graphs"
+        assert r["planned"] == r["counted"], f"rank {rank}: planned {r['planned']} B, counted {r['counted']} B"
+
+
+def test_plan_8x8_on_one_process():
+    """A Llama-shaped model planned at 8x8 in this process (fake tensors, a fake process group): every
+    weight q divides holds exactly 1/64, the rest is listed, and the total adds up."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                                   num_attention_heads=8, num_key_value_heads=8, vocab_size=1024)
+    with autopar.meta_init():
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(8, 64, dtype=torch.long)
+    pl = autopar.plan(model, grid=(8, 8), example_kwargs=dict(input_ids=ids, labels=ids))
+    listed = pl.params_above_1_over_p
+    for name, (shape, _lay, mine, full) in pl.params.items():
+        if name not in listed:
+            assert mine * 64 == full, name
+    excess = sum(mine - pl.params[n][3] / 64 for n, mine in listed.items())
+    assert pl.param_bytes_per_rank <= 1.05 * pl.param_bytes_total / 64 + excess
+    assert all(len(pl.params[n][0]) == 1 for n in listed), listed  # only norm weights stay 1/q
+    j = pl.to_json()
+    assert j["activation_bytes_per_rank"] > 0 and j["largest_tensor_bytes"] > 0
+    assert not [f for f in j["fallback_nodes"] if f["costly"]]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "autopar", "inspect", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_json():
+    r = _cli("llama", "--grid", "2x2", "--batch", "2", "--seq", "16", "--set", "num_hidden_layers=1",
+             "--set", "hidden_size=64", "--set", "intermediate_size=128", "--set", "num_attention_heads=4",
+             "--set", "num_key_value_heads=4", "--set", "vocab_size=256", "--vs", "1d", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("comm_bytes_per_rank_per_step", "param_bytes_per_rank", "activation_bytes_per_rank",
+                "fallback_nodes", "grid", "vs_1d"):
+        assert key in out, key
+    assert out["grid"] == [2, 2] and out["comm_bytes_per_rank_per_step"] > 0
+
+
+def test_cli_bad_set_key():
+    r = _cli("gpt2", "--grid", "2x2", "--set", "n_layerz=2")
+    assert r.returncode != 0
+    assert "GPT2Config has no key(s) ['n_layerz']" in r.stderr and "n_layer" in r.stderr
