@@ -94,8 +94,11 @@ def sweep_table(model, args, kwargs, limit: int, tokens: int, layers: int, hidde
         q += 1
         pl = autopar.plan(model, grid=(q, q), example_inputs=args, example_kwargs=kwargs, measure_activations=False)
         one = autopar.compare_1d(pl, model, tokens, layers, hidden)
+        unsplit = sum(1 for f in pl.fallbacks if f[3])
+        cheaper = "2d" if pl.comm_bytes_per_rank_per_step < one["comm_bytes_per_rank_per_step"] else "1d"
         out.append({"p": q * q, "2d_comm_bytes": pl.comm_bytes_per_rank_per_step, "1d_comm_bytes":
                     one["comm_bytes_per_rank_per_step"], "2d_param_bytes": pl.param_bytes_per_rank,
-                    "1d_param_bytes": one["param_bytes_per_rank"],
-                    "cheaper_comm": "2d" if pl.comm_bytes_per_rank_per_step < one["comm_bytes_per_rank_per_step"] else "1d"})
+                    "1d_param_bytes": one["param_bytes_per_rank"], "2d_ops_unsplit": unsplit,
+                    "cheaper_comm": cheaper if not unsplit else f"{cheaper} (2D runs {unsplit} op(s) unsplit: "
+                                                                  f"sizes not divisible by q={q})"})
     return out
