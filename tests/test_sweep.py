@@ -3,7 +3,8 @@ blocks with SDPA or written-out softmax attention, fused or separate q/k/v, Laye
 elementwise activations, reshapes), random sizes -- divisible by q or not -- on grids 1x1, 2x2, 3x3;
 outputs and every gradient against one process.
 
-The default budget is small for CI; AUTOPAR_SWEEP_EXAMPLES=N runs N cases per grid.
+The default budget is small for CI; AUTOPAR_SWEEP_EXAMPLES=N runs N cases per grid, and
+AUTOPAR_SWEEP_LOG=FILE appends one line per passing case to FILE.
 """
 
 import os
@@ -38,6 +39,9 @@ def _run(q, spec):
     errs = get_pool(q * q).run(C.sweep_case, spec)[0]
     bad = {k: v for k, v in errs.items() if not v < RTOL}
     assert not bad, f"grid {q}x{q}, spec {spec}: {bad}"
+    if os.environ.get("AUTOPAR_SWEEP_LOG"):
+        with open(os.environ["AUTOPAR_SWEEP_LOG"], "a") as f:
+            f.write(f"{q}x{q} max_err={max(errs.values()):.2e} {spec}\n")
 
 
 def _sweep(q):
