@@ -8,10 +8,8 @@ bytes held by this rank against the whole model, and every op that fell back to 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import torch
 
 from passes.cost import node_cost, nodes_needing_grad
 from passes.propagate import module_path

@@ -35,3 +35,16 @@ def _entry(rank, fn, world, port, args):
 def spawn(fn, world: int, *args) -> None:
     """Run fn(rank, *args) on `world` new processes joined in a gloo group; fn must be importable."""
     mp.spawn(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
+
+
+def run(fn, world: int, backend: str = "gloo") -> None:
+    """fn(rank) on every rank: under torchrun (RANK/WORLD_SIZE set) in this process, joining the group
+    torchrun describes; otherwise on `world` local processes spawned here."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+        try:
+            fn(dist.get_rank())
+        finally:
+            dist.destroy_process_group()
+    else:
+        spawn(fn, world)

@@ -79,7 +79,7 @@ def main():
     print(f"checkpoint: Llama-shaped, {one['params'] / 1e6:.1f} M parameters, {full_mb:.0f} MB fp32, "
           f"safetensors shards of 100 MB")
     print(f"one process (transformers from_pretrained): peak RSS +{one['peak_mb']:.0f} MB")
-    print(f"2x2 (autopar.from_pretrained), per rank:     peak RSS +" +
+    print("2x2 (autopar.from_pretrained), per rank:     peak RSS +" +
           ", +".join(f"{m:.0f}" for m in four["peak_mb"]) + " MB")
     print(f"worst rank / one process: {worst / one['peak_mb']:.2f}; goal per rank: "
           f"<= full/p + 300 MB = {full_mb / 4 + 300:.0f} MB")

@@ -13,13 +13,12 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.launch import spawn  # noqa: E402
+from autopar.launch import run  # noqa: E402
 
 STEPS, BATCH, SEQ = 5, 8, 32
 
@@ -60,16 +59,5 @@ def main(rank: int) -> None:
         print("\n".join(summary))  # bytes per rank per step; parameters held per rank
 
 
-def _under_torchrun() -> None:
-    dist.init_process_group("gloo")
-    try:
-        main(dist.get_rank())
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _under_torchrun()
-    else:
-        spawn(main, 4)
+    run(main, 4)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
 from passes.layout import REPLICATED, Layout, ShardingError, moved, parts, split_dim
-from passes.rules import Strategy, Unsupported, is_tensor, lookup, tensor_inputs, val
+from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
 
 aten = torch.ops.aten

@@ -7,7 +7,6 @@ import copy
 import warnings
 
 import torch
-import torch.distributed as dist
 
 import autopar
 from autopar.explain import rows

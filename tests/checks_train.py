@@ -43,7 +43,6 @@ def _gpt2_batch(step, batch=4, seq=8):
 def hf_checkpoint_roundtrip(rank, tmp, family="gpt2"):
     """HF save_pretrained (index-sharded) -> autopar.from_pretrained (shard-on-read, meta init) ->
     one training step -> autopar.save_pretrained -> transformers from_pretrained."""
-    import transformers
 
     torch.manual_seed(0)
     model, make = build(family)

@@ -1,8 +1,5 @@
 """Never wrong, never hung: error texts, ranks that disagree, a rank that dies, an interrupted save."""
 
-import os
-import subprocess
-import sys
 import time
 
 import torch.multiprocessing as mp

@@ -17,8 +17,6 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from passes.layout import Layout
-
 RULES: dict = {}
 
 

@@ -31,6 +31,3 @@ def creation_like(node, layouts, q) -> Strategy:
     """new_ones(x, size) and friends take only dtype and device from x: a whole tensor, x untouched."""
     return Strategy({}, REPLICATED)
 
-
-def is_op(node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload,))

@@ -8,7 +8,7 @@ weight and bias are split like the hidden dim and replicated over the rows.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from passes.layout import Layout
 from passes.rules import Strategy, Unsupported, register, shape
