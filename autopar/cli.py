@@ -17,7 +17,7 @@ import sys
 import torch
 
 import autopar
-from autopar.report import dot, group_by_module, html, sweep_table
+from autopar.report import dot, group_by_module, html, plot, sweep_table
 
 
 def _value(text: str):
@@ -98,8 +98,10 @@ def inspect_cmd(ns) -> int:
     report = pl.to_json()
     if ns.vs == "1d":
         report["vs_1d"] = autopar.compare_1d(pl, model, tokens, layers, hidden)
-    if ns.sweep:
-        report["sweep"] = sweep_table(model, args, kwargs, ns.sweep, tokens, layers, hidden)
+    if ns.sweep or ns.plot:
+        report["sweep"] = sweep_table(model, args, kwargs, ns.sweep or 64, tokens, layers, hidden)
+    if ns.plot:
+        plot(report["sweep"], ns.plot)
     if ns.dot:
         with open(ns.dot, "w") as f:
             f.write(html(pl) if ns.dot.endswith(".html") else dot(pl))
@@ -131,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", type=int, metavar="N", help="compare all square grids and 1D with p <= N")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--dot", metavar="FILE", help="write the graph (Graphviz DOT, or HTML for *.html)")
+    p.add_argument("--plot", metavar="FILE", help="plot bytes and parameters per rank against p, 2D and 1D "
+                                                   "(a sweep up to --sweep or 64; needs matplotlib)")
     ns = parser.parse_args(argv)
     for kv in ns.set:
         if "=" not in kv:

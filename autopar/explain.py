@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from passes.cost import node_cost, nodes_needing_grad
+from passes.cost import node_cost, node_flops, nodes_needing_grad
 from passes.propagate import module_path
 
 
@@ -26,6 +26,7 @@ class Row:
     bwd_bytes: int
     note: str
     formula: str = ""  # the bytes as sympy expressions, with the values substituted
+    flops: int = 0  # forward + backward FLOPs on this rank (matmul-like ops)
 
 
 def _op_name(gm, node) -> str:
@@ -62,6 +63,7 @@ def graph_rows(gm, q: int) -> list:
             bwd_bytes=cost.bwd if cost else 0,
             note=(strat.note if strat is not None and not node.meta.get("autopar_inserted") else ""),
             formula=cost.formula if cost else "",
+            flops=node_flops(gm, node, q),
         ))
     return out
 

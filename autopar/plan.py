@@ -31,7 +31,6 @@ from passes import capture, insert_collectives, localize, propagate
 from passes.capture import retarget_meta
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
-from passes.ops import kernels
 
 
 @dataclass
@@ -83,25 +82,6 @@ class Plan:
                                for n, m, why, c in self.fallbacks],
             "nodes": [asdict(r) for r in self.rows],
         }
-
-
-def _flops(gm, node, q) -> int:
-    """Forward + backward FLOPs of one matmul-like node on one rank."""
-    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), kernels.SummaLinear):
-        x, w = node.args[0], node.args[1]
-        m = math.prod(x.meta["val"].shape[:-1]) // q  # this rank's rows
-        k, n = x.meta["val"].shape[-1], math.prod(w.meta["val"].shape) // x.meta["val"].shape[-1]
-        return 3 * 2 * m * k * n // q  # q steps of (m, k/q) x (k/q, n/q)
-    if node.op == "call_function" and node.target == torch.ops.aten.scaled_dot_product_attention.default:
-        qs = local_shape(tuple(node.args[0].meta["val"].shape), node.meta["autopar_layout"], q)
-        b, h, s, d = qs
-        sk = node.args[1].meta["val"].shape[-2]
-        return 3 * 2 * 2 * b * h * s * sk * d
-    if node.op == "call_function" and node.target in (torch.ops.aten.matmul.default, torch.ops.aten.bmm.default):
-        out = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], q)
-        k = node.args[0].meta["val"].shape[-1]
-        return 3 * 2 * math.prod(out) * k
-    return 0
 
 
 def _measure_activations(gm, cap, q):
@@ -175,7 +155,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         params[name] = (tuple(p.shape), repr(lay), mine, full)
     result = Plan(grid=(q, q), rows=rows, fallbacks=prop.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
-                  flops_per_rank=sum(_flops(gm, n, q) for n in gm.graph.nodes))
+                  flops_per_rank=sum(r.flops for r in rows))
     if measure_activations is None:
         measure_activations = not dist.is_initialized()
     if measure_activations:

@@ -101,4 +101,34 @@ def sweep_table(model, args, kwargs, limit: int, tokens: int, layers: int, hidde
                     "1d_param_bytes": one["param_bytes_per_rank"], "2d_ops_unsplit": unsplit,
                     "cheaper_comm": cheaper if not unsplit else f"{cheaper} (2D runs {unsplit} op(s) unsplit: "
                                                                   f"sizes not divisible by q={q})"})
+    best_2d = min((r for r in out if not r["2d_ops_unsplit"]), key=lambda r: r["2d_comm_bytes"], default=None)
+    best_1d = min(out, key=lambda r: r["1d_comm_bytes"], default=None)
+    if best_2d and best_1d:
+        scheme, p, n = (("2d", best_2d["p"], best_2d["2d_comm_bytes"]) if best_2d["2d_comm_bytes"] <= best_1d["1d_comm_bytes"]
+                        else ("1d", best_1d["p"], best_1d["1d_comm_bytes"]))
+        out.append({"cheapest": f"{scheme} at p={p}: {n / 2**20:.1f} MiB received per rank per step"})
     return out
+
+
+def plot(rows: list, path: str) -> None:
+    """Bytes and parameter memory per rank against p, 2D and 1D (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("autopar inspect --plot needs matplotlib: pip install 'autopar[plot]'") from None
+    rows = [r for r in rows if "p" in r]
+    ps = [r["p"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ok = [r for r in rows if not r["2d_ops_unsplit"]]  # grids q does not divide the model for are left out
+    for ax, kind in ((a, "comm"), (b, "param")):
+        ax.plot([r["p"] for r in ok], [r[f"2d_{kind}_bytes"] / 2**20 for r in ok], marker="o", label="2D")
+        ax.plot(ps, [r[f"1d_{kind}_bytes"] / 2**20 for r in rows], marker="o", label="1D")
+    a.set(xlabel="p", ylabel="MiB received per rank per step", xscale="log")
+    b.set(xlabel="p", ylabel="MiB of parameters per rank", xscale="log", yscale="log")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path)

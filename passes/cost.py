@@ -162,6 +162,26 @@ def cross_entropy_cost(mod, node: Node, q: int, grads: set) -> Cost:
                 {Q: q, r: _local(node.args[0], q)[0]})
 
 
+def node_flops(gm, node, q: int) -> int:
+    """Forward + backward FLOPs of one matmul-like node on one rank."""
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), kernels.SummaLinear):
+        x, w = node.args[0], node.args[1]
+        m = math.prod(x.meta["val"].shape[:-1]) // q  # this rank's rows
+        k, n = x.meta["val"].shape[-1], math.prod(w.meta["val"].shape) // x.meta["val"].shape[-1]
+        return 3 * 2 * m * k * n // q  # q steps of (m, k/q) x (k/q, n/q)
+    if node.op == "call_function" and node.target == torch.ops.aten.scaled_dot_product_attention.default:
+        qs = local_shape(tuple(node.args[0].meta["val"].shape), node.meta["autopar_layout"], q)
+        b, h, s, d = qs
+        sk = node.args[1].meta["val"].shape[-2]
+        return 3 * 2 * 2 * b * h * s * sk * d
+    if node.op == "call_function" and node.target in (torch.ops.aten.matmul.default, torch.ops.aten.bmm.default):
+        out = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], q)
+        k = node.args[0].meta["val"].shape[-1]
+        return 3 * 2 * math.prod(out) * k
+    return 0
+
+
+
 COSTS = {
     kernels.Redistribute: redistribute_cost,
     kernels.SummaLinear: summa_cost,
