@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 
-.PHONY: demo test bench bench-load bench-plan hf-example clean
+.PHONY: demo test bench bench-load bench-plan bench-compare hf-example clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,9 @@ bench: $(STAMP)
 
 bench-load: $(STAMP)
 	$(BIN)/python examples/bench_load.py
+
+bench-compare: $(STAMP)
+	$(BIN)/python -m autopar bench --plot docs/bench.png
 
 bench-plan: $(STAMP)
 	$(BIN)/python examples/bench_plan.py

@@ -100,8 +100,11 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
     if meta:
         retarget_meta(cap.gm, device)
     prop = propagate(cap.gm, grid.q, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported)
-    gm = insert_collectives(cap.gm, grid, lowering)
-    localize(gm, grid.q)
+    if grid.q > 1:
+        gm = insert_collectives(cap.gm, grid, lowering)
+        localize(gm, grid.q)
+    else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
+        gm = cap.gm
     out_node = gm.graph.output_node()
     outs = []
     for a in pytree.tree_leaves(out_node.args[0]):

@@ -39,8 +39,8 @@ def build_hf(model_type: str, overrides: dict, batch: int, seq: int):
     if bad:
         keys = sorted(k for k in config.to_dict() if not k.startswith("_"))
         raise SystemExit(f"autopar inspect: {type(config).__name__} has no key(s) {bad}; valid keys: {', '.join(keys)}")
-    for k, v in overrides.items():
-        setattr(config, k, v)
+    # built again from the overrides (not set afterwards): derived fields such as head_dim follow them
+    config = transformers.AutoConfig.for_model(model_type, **overrides)
     config.use_cache = False
     for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
                  "AutoModelForImageClassification"):
@@ -121,8 +121,14 @@ def inspect_cmd(ns) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from autopar.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="autopar", description="2D tensor parallelism planner")
     sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("bench", help="measure 2D against PyTorch 1D TP and one process (see autopar.bench)")
     p = sub.add_parser("inspect", help="plan a model on a grid and print its costs")
     p.add_argument("model", help="a transformers model type (gpt2, llama, ...) or module:callable")
     p.add_argument("--grid", default="2x2", help="RxC, e.g. 8x8")

@@ -1,0 +1,252 @@
+"""`python -m autopar bench`: step time, bytes, parameter and activation memory and peak RSS, measured
+in one run for the same transformers Llama-style model (built from its config class) as:
+
+- one process, no parallelism;
+- autopar 2D on a 2x2 grid, for each SUMMA lowering;
+- PyTorch's own 1D tensor parallel (`parallelize_module`, q/k/v/gate/up column-wise, o/down row-wise)
+  on 4 ranks;
+
+with the configurations alternated round by round and medians reported, plus the overhead of
+autopar on a 1x1 grid against the eager model. Bytes are those received per rank per step: ours
+counted by autopar's collective layer, PyTorch's counted from the functional collectives its DTensors
+issue, with the same conventions (see passes.mesh.CommLog).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopar
+from autopar.launch import free_port, init_local
+
+CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+BATCH, SEQ = 8, 128
+
+
+def _model():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(1, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+    return dict(input_ids=ids, labels=ids)
+
+
+class FunctionalCommBytes(TorchDispatchMode):
+    """Bytes received per rank by the functional collectives DTensor issues, CommLog conventions."""
+
+    def __init__(self, world):
+        super().__init__()
+        self.world, self.bytes = world, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if func.namespace == "_c10d_functional":
+            t = args[0]
+            n = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+            p = self.world
+            if name.startswith("all_reduce"):
+                self.bytes += 2 * (p - 1) * n // p
+            elif name.startswith("all_gather"):
+                self.bytes += (p - 1) * n
+            elif name.startswith("reduce_scatter"):
+                self.bytes += (p - 1) * n // p
+        return func(*args, **(kwargs or {}))
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _saved_bytes(model):
+    seen = {}
+
+    def pack(t):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**_batch(0)).loss
+    return sum(seen.values())
+
+
+def _tp_1d(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    return model
+
+
+def _local_bytes(model):
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
+
+
+def worker(rank, world, port, rounds, steps, out):
+    init_local(rank, world, port)
+    configs = {}
+    base = _model()
+    if rank == 0:
+        configs["one process"] = base
+    for lowering in ("broadcast", "allgather"):
+        configs[f"2D 2x2 {lowering}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
+                                                            example_kwargs=_batch(0), lowering=lowering)
+    configs["PyTorch 1D TP (4 ranks)"] = _tp_1d(copy.deepcopy(base))
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in configs.items()}
+    times = {k: [] for k in configs}
+    res = {k: {} for k in configs}
+    for k, m in configs.items():  # bytes, memory: one measured step each
+        counter = FunctionalCommBytes(world)
+        _reset_peak()
+        grid = getattr(m, "grid", None)
+        if grid is not None:
+            grid.log.reset()
+        with counter:
+            m(**_batch(0)).loss.backward()
+        opts[k].step()
+        opts[k].zero_grad()
+        res[k]["bytes"] = grid.log.total() if grid is not None else counter.bytes
+        res[k]["peak_rss_mb"] = _peak_mb()
+        res[k]["param_bytes"] = _local_bytes(m)
+        res[k]["saved_bytes"] = _saved_bytes(m)
+    for r in range(rounds):  # alternate configurations round by round
+        order = ([] if rank == 0 else [("one process", None)]) + list(configs.items())  # same order everywhere
+        for k, m in order:
+            dist.barrier()
+            if m is None:
+                continue
+            for s in range(steps):
+                t0 = time.perf_counter()
+                m(**_batch(s + 1)).loss.backward()
+                opts[k].step()
+                opts[k].zero_grad()
+                if r > 0 or s > 0:  # the first step of the first round is warm-up
+                    times[k].append(time.perf_counter() - t0)
+        dist.barrier()
+    for k in configs:
+        res[k]["step_s"] = statistics.median(times[k])
+    everyone = [None] * world
+    dist.all_gather_object(everyone, res)
+    if rank == 0:
+        merged = {}
+        for k in res:
+            merged[k] = {m: max(r[k][m] for r in everyone if k in r) for m in res[k]}
+        with open(out, "w") as f:
+            json.dump(merged, f)
+    dist.destroy_process_group()
+
+
+def overhead_worker(rank, world, port, steps, out):
+    """autopar on a 1x1 grid against the eager model, alternating step by step."""
+    init_local(rank, world, port)
+    eager = _model()
+    pm = autopar.parallelize(copy.deepcopy(eager), grid=(1, 1), example_kwargs=_batch(0))
+    t = {"eager": [], "autopar 1x1": []}
+    for s in range(steps + 1):
+        for k, m in (("eager", eager), ("autopar 1x1", pm)):
+            t0 = time.perf_counter()
+            m(**_batch(s)).loss.backward()
+            if s:
+                t[k].append(time.perf_counter() - t0)
+    with open(out, "w") as f:
+        json.dump({k: statistics.median(v) for k, v in t.items()}, f)
+    dist.destroy_process_group()
+
+
+def _spawn(target, world, *args):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port) + args) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"autopar bench: a worker exited with code {p.exitcode}")
+
+
+def markdown(res: dict, overhead: dict) -> str:
+    base = res["PyTorch 1D TP (4 ranks)"]
+    lines = ["| configuration | step (median) | vs 1D | received/rank/step | params/rank | saved for bwd/rank | "
+             "saved vs 1D | peak RSS/rank |", "|---|---|---|---|---|---|---|---|"]
+    for k, r in res.items():
+        lines.append(f"| {k} | {r['step_s'] * 1e3:.0f} ms | {r['step_s'] / base['step_s']:.2f} | "
+                     f"{r['bytes'] / 2**20:.1f} MiB | {r['param_bytes'] / 2**20:.1f} MiB | "
+                     f"{r['saved_bytes'] / 2**20:.1f} MiB | {r['saved_bytes'] / base['saved_bytes']:.2f} | "
+                     f"{r['peak_rss_mb']:.0f} MB |")
+    lines.append(f"\nautopar on a 1x1 grid: {overhead['autopar 1x1'] * 1e3:.0f} ms per forward+backward against "
+                 f"{overhead['eager'] * 1e3:.0f} ms eager ({overhead['autopar 1x1'] / overhead['eager']:.2f}x)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="autopar bench")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", metavar="FILE")
+    ns = parser.parse_args(argv)
+    import tempfile
+
+    tmp = tempfile.mkdtemp()
+    _spawn(worker, 4, ns.rounds, ns.steps, os.path.join(tmp, "bench.json"))
+    _spawn(overhead_worker, 1, 2 * ns.steps, os.path.join(tmp, "overhead.json"))
+    res = json.load(open(os.path.join(tmp, "bench.json")))
+    overhead = json.load(open(os.path.join(tmp, "overhead.json")))
+    if ns.json:
+        print(json.dumps({"model": CONFIG, "batch": BATCH, "seq": SEQ, "results": res, "overhead_1x1": overhead},
+                         indent=2))
+    else:
+        print(f"Llama-style model {CONFIG}, batch {BATCH} x {SEQ} tokens, gloo on CPU\n")
+        print(markdown(res, overhead))
+    if ns.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = list(res)
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+        for ax, key, label in zip(axes, ("step_s", "bytes", "saved_bytes"),
+                                  ("step time (s)", "received per rank per step (B)", "saved for backward per rank (B)")):
+            ax.barh(names, [res[n][key] for n in names])
+            ax.set_xlabel(label)
+        fig.tight_layout()
+        fig.savefig(ns.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
