@@ -28,7 +28,13 @@ def _gpt2():
     return model, (), make(4, 8, 0)
 
 
-MODELS = {"mlp": _mlp, "attention": _attention, "gpt2": _gpt2}
+def _bench_llama():
+    from autopar.bench import _batch, _model
+
+    return _model(), (), _batch(0)
+
+
+MODELS = {"mlp": _mlp, "attention": _attention, "gpt2": _gpt2, "bench llama": _bench_llama}
 
 
 def plan_vs_run(rank, name):
