@@ -366,7 +366,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         )
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1,
+    device = _input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
+    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type,
              timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
     _refuse_kv_cache(example_kwargs)
     example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
