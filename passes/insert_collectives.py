@@ -72,7 +72,7 @@ def _kernel(node: Node, grid: Grid, lowering: str):
         args = tuple(node.args[:2])
     elif strat.kernel == "cross_entropy":
         ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-        module = kernels.VocabParallelCrossEntropy(grid, ignore, tag, strat.extra.get("vocab_split", True))
+        module = kernels.VocabParallelCrossEntropy(grid, ignore, tag, strat.extra["vocab_split"], strat.extra["sum"])
         args = tuple(node.args[:2])
     else:
         raise AssertionError(f"unknown kernel {strat.kernel!r} on {node.name}")

@@ -83,11 +83,16 @@ def _out_tensor(x):
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12)):
+def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extra=None):
     """Logits, the HF loss and every gradient against the unmodified model on one process; then the
-    same at another batch size and sequence length; placement facts for the memory table."""
+    same at another batch size and sequence length; placement facts for the memory table. `extra`
+    kwargs go to every call (e.g. the Trainer's num_items_in_batch, which makes HF sum the loss)."""
     torch.manual_seed(0)
-    model, make = build(family, **(over or {}))
+    model, base_make = build(family, **(over or {}))
+
+    def make(b, s, seed):
+        return {**base_make(b, s, seed), **(extra or {})}
+
     model.eval()  # dropout off: the single process and the grid then compute the same function
     ref = copy.deepcopy(model)
     kw = make(batch, seq, 1)

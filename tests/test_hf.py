@@ -6,6 +6,7 @@ another batch size and sequence length, and records the fraction of parameters e
 """
 
 import pytest
+import torch
 
 from tests import checks_hf as C
 from tests.test_engine_parity import RTOL
@@ -53,6 +54,15 @@ def test_gpt2_indivisible_sizes_stay_correct(pool4, over, batch):
     res = pool4.run(C.hf_parity, "gpt2", over, batch, 8, (batch, 6))
     bad = {k: v for k, v in res[0]["errs"].items() if not v < RTOL}
     assert not bad, bad
+
+
+def test_trainer_style_summed_loss(pool4):
+    """transformers' Trainer passes num_items_in_batch, and the model then sums the token losses and
+    divides: the in-graph cross-entropy must support reduction='sum' without gathering the logits."""
+    res = pool4.run(C.hf_parity, "llama", None, 4, 8, (4, 8), dict(num_items_in_batch=torch.tensor(17)))
+    bad = {k: v for k, v in res[0]["errs"].items() if not v < RTOL}
+    assert not bad, bad
+    assert not res[0]["warned"], res[0]["warned"]
 
 
 def test_modes_and_kv_cache(pool4):

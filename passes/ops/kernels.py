@@ -131,7 +131,7 @@ class VocabSplitEmbedding(nn.Module):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, target, grid, ignore_index, tag, vocab_split=True):
+    def forward(ctx, z, target, grid, ignore_index, tag, vocab_split=True, reduce_sum=False):
         zf = z.float()  # [n/q, V/q] (or [n/q, V] when the vocabulary is whole)
         m = zf.max(-1).values
         if vocab_split:
@@ -148,8 +148,8 @@ class _VocabParallelCE(torch.autograd.Function):
         per_token = (torch.log(sums[0]) + m - sums[1]) * valid
         tot = comm.all_reduce(grid, 0, torch.stack([per_token.sum(), valid.sum().to(zf.dtype)]), tag, "fwd")
         ctx.save_for_backward(e, sums[0], local, inside, valid, tot[1])
-        ctx.dtype = z.dtype
-        return tot[0] / tot[1]  # fp32; the module casts
+        ctx.dtype, ctx.reduce_sum = z.dtype, reduce_sum
+        return tot[0] if reduce_sum else tot[0] / tot[1]  # fp32; the module casts
 
     @staticmethod
     def backward(ctx, g):
@@ -157,19 +157,21 @@ class _VocabParallelCE(torch.autograd.Function):
         grad = e / sumexp[:, None]  # softmax, minus one at the target where this rank holds it
         rows = grad.shape[1]
         grad.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -inside[:, None].to(grad.dtype))
-        grad = grad * (valid[:, None].to(grad.dtype) * (g / count))
-        return grad.to(ctx.dtype), None, None, None, None, None
+        grad = grad * (valid[:, None].to(grad.dtype) * (g if ctx.reduce_sum else g / count))
+        return grad.to(ctx.dtype), None, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """Mean cross-entropy over logits [N, V] split rows over mesh rows and (if `vocab_split`) vocab over
+    """Mean (or sum) cross-entropy over logits [N, V] split rows over mesh rows and (if `vocab_split`) vocab over
     mesh columns; statistics all-reduced, full logits never gathered; backward local."""
 
-    def __init__(self, grid: Grid, ignore_index: int, tag: str, vocab_split: bool = True):
+    def __init__(self, grid: Grid, ignore_index: int, tag: str, vocab_split: bool = True, reduce_sum: bool = False):
         super().__init__()
-        self.grid, self.ignore_index, self.tag, self.vocab_split = grid, ignore_index, tag, vocab_split
+        self.grid, self.ignore_index, self.tag = grid, ignore_index, tag
+        self.vocab_split, self.reduce_sum = vocab_split, reduce_sum
 
     def forward(self, logits, target):
-        loss = _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag, self.vocab_split)
+        loss = _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag, self.vocab_split,
+                                      self.reduce_sum)
         # under autocast torch's cross_entropy runs (and returns) fp32; otherwise it keeps the logits' dtype
         return loss if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)

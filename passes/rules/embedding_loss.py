@@ -54,8 +54,8 @@ def cross_entropy(node, layouts, q):
     reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
     smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
     ls = shape(logits)
-    if len(ls) != 2 or weight is not None or reduction != 1 or smoothing:
-        raise Unsupported("cross_entropy other than mean over [N, V] logits without weights/smoothing")
+    if len(ls) != 2 or weight is not None or reduction not in (1, 2) or smoothing:
+        raise Unsupported("cross_entropy other than mean or sum over [N, V] logits without weights/smoothing")
     if ls[0] % q:
         raise Unsupported(f"{ls[0]} rows of logits not divisible by q={q}")
     vocab_split = ls[1] % q == 0  # else each row block holds whole rows of logits
@@ -65,5 +65,5 @@ def cross_entropy(node, layouts, q):
         REPLICATED,
         kernel="cross_entropy",
         note="vocab-parallel cross-entropy" if vocab_split else "cross-entropy on row blocks (vocab whole)",
-        extra={"vocab_split": vocab_split},
+        extra={"vocab_split": vocab_split, "sum": reduction == 2},
     )
