@@ -222,6 +222,15 @@ class ParallelModule(nn.Module):
     def _get(self, args, kwargs):
         first = next(iter(self._compiled.values()))
         flat = flatten_inputs(first.captured, args, kwargs)
+        inputs = [n for n, (role, _) in zip(first.gm.graph.find_nodes(op="placeholder"), first.captured.sources)
+                  if role == "input"]
+        for i, (t, node) in enumerate(zip(flat, inputs)):
+            want = getattr(node.meta.get("val"), "dtype", None)
+            if isinstance(t, torch.Tensor) and want is not None and t.dtype != want and t.is_floating_point():
+                raise ValueError(
+                    f"input {i} is {t.dtype}, but the model was parallelized with {want} for it; cast the input "
+                    f"(torch.autocast handles mixed precision), or parallelize with an example of that dtype"
+                )
         key = self._key(flat, self.training)
         if key not in self._compiled:
             model = self._source

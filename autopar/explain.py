@@ -76,8 +76,9 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def explain(pmodel, *, only_communicating: bool = False) -> str:
-    """A readable table of the compiled model (see the module docstring)."""
+def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False) -> str:
+    """A readable table of the compiled model (see the module docstring). With `formulas`, each row that
+    moves bytes is followed by its cost as a sympy expression and the values it was evaluated at."""
     table = rows(pmodel)
     if only_communicating:
         table = [r for r in table if r.fwd_bytes or r.bwd_bytes or r.note.startswith("fallback")]
@@ -85,8 +86,12 @@ def explain(pmodel, *, only_communicating: bool = False) -> str:
     cells = [head] + [(r.node, r.op, r.module, r.layout, r.collectives, _fmt_bytes(r.fwd_bytes) if r.fwd_bytes else "",
                        _fmt_bytes(r.bwd_bytes) if r.bwd_bytes else "", r.note) for r in table]
     widths = [min(max(len(c[i]) for c in cells), 60) for i in range(len(head))]
-    lines = ["  ".join(c[i][:60].ljust(widths[i]) for i in range(len(head))).rstrip() for c in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = ["  ".join(c[i][:60].ljust(widths[i]) for i in range(len(head))).rstrip() for c in cells[:1]]
+    lines.append("  ".join("-" * w for w in widths))
+    for r, c in zip(table, cells[1:]):
+        lines.append("  ".join(c[i][:60].ljust(widths[i]) for i in range(len(head))).rstrip())
+        if formulas and r.formula:
+            lines.append(f"    why: {r.formula}")
     fwd = sum(r.fwd_bytes for r in table)
     bwd = sum(r.bwd_bytes for r in table)
     held = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())

@@ -117,7 +117,8 @@ def gpt_bytes(rank, q, cfg_kw, lowering, batch=4, seq=8):
         if r.op.startswith("SummaLinear"):
             measured[r.module] = sum(v for (tag, _), v in pm.grid.log.bytes.items() if tag == r.node)
     planned = sum(r.fwd_bytes + r.bwd_bytes for r in rows(pm))
-    return {"summa": measured, "planned": planned, "total": pm.grid.log.total()}
+    why = [line for line in autopar.explain(pm, formulas=True).splitlines() if line.startswith("    why:")]
+    return {"summa": measured, "planned": planned, "total": pm.grid.log.total(), "why": why}
 
 
 def expect_error(rank, kind):

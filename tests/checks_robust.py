@@ -39,6 +39,8 @@ def bad_inputs(rank):
     pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt))
     out["structure"] = _err(lambda: pm(ids))
     out["device"] = _err(lambda: pm(ids.to("meta"), tgt.to("meta")))
+    lin = autopar.parallelize(nn.Linear(8, 8), grid=(2, 2), example_inputs=(torch.randn(4, 8),))
+    out["dtype"] = _err(lambda: lin(torch.randn(4, 8, dtype=torch.float64)))
     out["strict unsupported"] = _err(lambda: autopar.parallelize(
         CumprodModel(), grid=(2, 2), example_inputs=(torch.randn(4, 8),), on_unsupported="error"))
     mine = _data(cfg, 8 if rank == 1 else 4, 8)  # rank 1 passes another batch size

@@ -17,6 +17,8 @@ def test_bad_input_messages(pool4):
     assert kind == "TypeError" and "captured with 2 positional input(s)" in msg and "called with 1" in msg
     kind, msg = r0["device"]
     assert kind == "ValueError" and "is on meta" in msg and "blocks are on cpu" in msg
+    kind, msg = r0["dtype"]
+    assert kind == "ValueError" and "input 0 is torch.float64" in msg and "parallelized with torch.float32" in msg
     kind, msg = r0["strict unsupported"]
     assert kind == "ShardingError" and "on_unsupported='error'" in msg
     assert "aten.cumprod" in msg and "test_robustness" not in msg and "checks_robust.py" in msg
