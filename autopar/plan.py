@@ -10,7 +10,7 @@ per rank and per training step (forward + backward):
   per product, backward twice the forward;
 - memory: parameters, gradients (same size), AdamW states (two per parameter), and -- when no
   process group is initialized in this process -- the bytes autograd saves for backward and the
-  largest single tensor, measured by running rank (0, 0)'s graph under FakeTensorMode on a fake
+  largest tensor saved or returned (temporaries inside kernels are not tracked), measured by running rank (0, 0)'s graph under FakeTensorMode on a fake
   process group of the grid's size (nothing is allocated).
 
 `compare_1d` gives the same step's bytes and parameter memory for Megatron-style 1D tensor
