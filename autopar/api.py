@@ -151,6 +151,19 @@ def agree_on_plan(comp: Compiled, layouts: dict) -> None:
     )
 
 
+def _check_dtypes(first: Compiled, flat: list) -> None:
+    """A floating input of another dtype than the model was captured with is a mistake, not a new shape."""
+    inputs = [n for n, (role, _) in zip(first.gm.graph.find_nodes(op="placeholder"), first.captured.sources)
+              if role == "input"]
+    for i, (t, node) in enumerate(zip(flat, inputs)):
+        want = getattr(node.meta.get("val"), "dtype", None)
+        if isinstance(t, torch.Tensor) and want is not None and t.dtype != want and t.is_floating_point():
+            raise ValueError(
+                f"input {i} is {t.dtype}, but the model was parallelized with {want} for it; cast the input "
+                f"(torch.autocast handles mixed precision), or parallelize with an example of that dtype"
+            )
+
+
 def _input_device(args, kwargs) -> torch.device:
     for t in pytree.tree_leaves((args, kwargs or {})):
         if isinstance(t, torch.Tensor):
@@ -205,6 +218,7 @@ class ParallelModule(nn.Module):
                 )
             _set_path(self, name, b.detach().clone(), "buffer", name in first.captured.persistent)
         self._persistent_buffers = set(first.captured.persistent)
+        self._cache_off = _cache_off_kwargs(model)  # use_cache=False for forwards that take it
         if grid.dp > 1:  # replicas start from replica 0's values, whatever each rank built
             for p in self.parameters():
                 dist.broadcast(p.to_local().data, src=dist.get_global_rank(grid.dp_group, 0), group=grid.dp_group)
@@ -222,17 +236,9 @@ class ParallelModule(nn.Module):
     def _get(self, args, kwargs):
         first = next(iter(self._compiled.values()))
         flat = flatten_inputs(first.captured, args, kwargs)
-        inputs = [n for n, (role, _) in zip(first.gm.graph.find_nodes(op="placeholder"), first.captured.sources)
-                  if role == "input"]
-        for i, (t, node) in enumerate(zip(flat, inputs)):
-            want = getattr(node.meta.get("val"), "dtype", None)
-            if isinstance(t, torch.Tensor) and want is not None and t.dtype != want and t.is_floating_point():
-                raise ValueError(
-                    f"input {i} is {t.dtype}, but the model was parallelized with {want} for it; cast the input "
-                    f"(torch.autocast handles mixed precision), or parallelize with an example of that dtype"
-                )
         key = self._key(flat, self.training)
-        if key not in self._compiled:
+        if key not in self._compiled:  # a cached key already matched the dtypes of its compile
+            _check_dtypes(first, flat)
             model = self._source
             was = model.training
             model.train(self.training)
@@ -258,7 +264,7 @@ class ParallelModule(nn.Module):
                 "or build it with autopar.from_pretrained(path, ...)"
             )
         _refuse_kv_cache(kwargs)
-        kwargs = {**_cache_off_kwargs(self._source), **kwargs}
+        kwargs = {**self._cache_off, **kwargs}
         comp, flat = self._get(args, kwargs)
         self._last = comp
         self._validate_inputs(flat, comp)
