@@ -384,8 +384,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     device = _input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
     g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type,
              timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
-    _refuse_kv_cache(example_kwargs)
-    example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
+    example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}  # _compile refuses use_cache=True
     options = {"lowering": lowering, "indivisible": indivisible, "fused": fused, "on_unsupported": on_unsupported}
     comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
     flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)

@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from autopar.api import _cache_off_kwargs, _compile
 from autopar.explain import graph_rows
-from passes import capture, insert_collectives, localize, propagate
-from passes.capture import retarget_meta
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
 
@@ -132,28 +131,18 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     if grid[-2] != q:
         raise ValueError(f"grid={grid}: planning covers square grids (q, q)")
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    meta = any(p.is_meta for p in model.parameters())
-    args, kwargs = example_inputs, dict(example_kwargs or {})
-    from autopar.api import _cache_off_kwargs, _no_kv_cache
-
-    kwargs = {**_cache_off_kwargs(model), **kwargs}
-    if meta:
-        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    with _no_kv_cache(model):
-        cap = capture(model, args, kwargs)
-    if meta:
-        retarget_meta(cap.gm, torch.device("cpu"))
-    prop = propagate(cap.gm, q, indivisible=indivisible, fused=fused)
-    gm = insert_collectives(cap.gm, Grid.for_planning(q), lowering)
-    localize(gm, q)
+    kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
+    comp, layouts = _compile(model, example_inputs, kwargs, Grid.for_planning(q), lowering=lowering,
+                             indivisible=indivisible, fused=fused, on_unsupported="replicate")
+    gm, cap = comp.gm, comp.captured
     rows = graph_rows(gm, q)
     params = {}
     for name, p in model.named_parameters():
-        lay = prop.param_layouts.get(name, REPLICATED)
+        lay = layouts.get(name, REPLICATED)
         full = p.numel() * p.element_size()
         mine = math.prod(local_shape(tuple(p.shape), lay, q)) * p.element_size()
         params[name] = (tuple(p.shape), repr(lay), mine, full)
-    result = Plan(grid=(q, q), rows=rows, fallbacks=prop.fallbacks, params=params, gm=gm,
+    result = Plan(grid=(q, q), rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
                   flops_per_rank=sum(r.flops for r in rows))
     if measure_activations is None:

@@ -57,14 +57,12 @@ def _kernel(node: Node, grid: Grid, lowering: str):
         module = kernels.SummaLinear(grid, e["transposed"], e["flip"], tag, lowering)
         args = (e["x"], e["w"]) + ((e["bias"],) if e["bias"] is not None else ())
     elif strat.kernel == "norm":
-        x, shape_, w, b = (list(node.args) + [None, None])[:4]
-        eps = node.args[4] if node.target == aten.layer_norm.default and len(node.args) > 4 else (
-            node.args[3] if node.target == aten.rms_norm.default and len(node.args) > 3 else None)
-        if node.target == aten.layer_norm.default and eps is None:
-            eps = 1e-5
-        if node.target == aten.rms_norm.default:
-            b = None
-        module = kernels.ShardedNorm(grid, shape_[-1], eps, node.target == aten.layer_norm.default, tag)
+        layer = node.target == aten.layer_norm.default
+        a = list(node.args) + [None] * 5
+        x, shape_, w = a[:3]
+        # layer_norm(x, shape, w, b, eps=1e-5, cudnn); rms_norm(x, shape, w, eps=None)
+        b, eps = (a[3], 1e-5 if a[4] is None else a[4]) if layer else (None, a[3])
+        module = kernels.ShardedNorm(grid, shape_[-1], eps, layer, tag)
         args = (x, w, b)
     elif strat.kernel == "embedding":
         padding_idx = node.args[2] if len(node.args) > 2 else -1

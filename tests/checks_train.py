@@ -73,6 +73,18 @@ def hf_checkpoint_roundtrip(rank, tmp, family="gpt2"):
     return res
 
 
+def _train(pm, opt, steps) -> list:
+    """One AdamW step per GPT-2 batch in `steps`; the losses."""
+    losses = []
+    for step in steps:
+        loss = pm(**_gpt2_batch(step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def dcp_save_resume(rank, tmp, q=2):
     """DCP save at 2x2 after 2 steps; a fresh model resumed from it follows the same loss trajectory."""
     ck = os.path.join(tmp, "dcp")
@@ -86,35 +98,19 @@ def dcp_save_resume(rank, tmp, q=2):
         return pm, torch.optim.AdamW(pm.parameters(), lr=1e-2)
 
     pm, opt = fresh()
-    for step in range(2):
-        pm(**_gpt2_batch(step)).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    _train(pm, opt, range(2))
     msd, osd = get_state_dict(pm, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ck)
     saved = {n: p.full_tensor() for n, p in pm.named_parameters()}
     if rank == 0:
         torch.save(saved, os.path.join(tmp, "saved_params.pt"))
-    losses = []
-    for step in range(2, 5):
-        loss = pm(**_gpt2_batch(step)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train(pm, opt, range(2, 5))
     pm2, opt2 = fresh()
     msd2, osd2 = get_state_dict(pm2, opt2)
     state = {"model": msd2, "optim": osd2}
     dcp.load(state, checkpoint_id=ck)
     set_state_dict(pm2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    resumed = []
-    for step in range(2, 5):
-        loss = pm2(**_gpt2_batch(step)).loss
-        loss.backward()
-        opt2.step()
-        opt2.zero_grad()
-        resumed.append(loss.item())
-    return {"losses": losses, "resumed": resumed}
+    return {"losses": losses, "resumed": _train(pm2, opt2, range(2, 5))}
 
 
 def dcp_load_other_grid(rank, tmp, q):
