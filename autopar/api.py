@@ -99,10 +99,10 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
     cap.device = device
     if meta:
         retarget_meta(cap.gm, device)
-    prop = propagate(cap.gm, grid.q, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported)
-    if grid.q > 1:
+    prop = propagate(cap.gm, grid.shape, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported)
+    if grid.world > 1:
         gm = insert_collectives(cap.gm, grid, lowering)
-        localize(gm, grid.q)
+        localize(gm, grid.shape)
     else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
         gm = cap.gm
     out_node = gm.graph.output_node()
@@ -176,7 +176,7 @@ def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
     block (to be filled by a checkpoint load); a real one is scattered from rank 0."""
     placements = list(lay.placements)
     if p.is_meta:
-        local = torch.empty(local_shape(tuple(p.shape), lay, grid.q), dtype=p.dtype, device=device)
+        local = torch.empty(local_shape(tuple(p.shape), lay, grid.shape), dtype=p.dtype, device=device)
         dt = DTensor.from_local(local, grid.mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
     else:
         dt = distribute_tensor(p.detach().clone(), grid.mesh, placements, src_data_rank=0)
@@ -304,14 +304,14 @@ class ParallelModule(nn.Module):
                 if isinstance(t, torch.Tensor) else repr(t) for t in flat]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sums)
-        base = self.grid.dp_index * self.grid.q ** 2
-        mine = everyone[base:base + self.grid.q ** 2]
+        base = self.grid.dp_index * self.grid.world
+        mine = everyone[base:base + self.grid.world]
         for i in range(len(flat)):
             differ = [base + r for r, s in enumerate(mine) if s[i] != mine[0][i]]
             if differ:
                 raise ValueError(
                     f"check_inputs: input {i} differs between ranks of this grid (rank {base} vs ranks {differ}); "
-                    f"every rank of a q x q grid must pass the same full inputs (shard the data per data-parallel "
+                    f"every rank of a grid must pass the same full inputs (shard the data per data-parallel "
                     f"replica, not per rank)"
                 )
 
@@ -372,8 +372,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     if on_unsupported not in ("replicate", "error"):
         raise ValueError(f"on_unsupported={on_unsupported!r}: expected 'replicate' or 'error'")
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(isinstance(g, int) for g in grid)):
-        raise ValueError(f"grid={grid!r}: expected (q, q), e.g. grid=(2, 2), or (dp, q, q) for dp data-parallel "
-                         f"replicas of a q x q grid")
+        raise ValueError(f"grid={grid!r}: expected (R, C), e.g. grid=(2, 2) or (2, 4), or (dp, R, C) for dp "
+                         f"data-parallel replicas of an R x C grid")
     if not torch.distributed.is_initialized():
         raise RuntimeError(
             "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "

@@ -68,7 +68,7 @@ def block_ranges(shape, placements, grid) -> list:
         for a, b in ranges[d]:
             part = (b - a) // k
             for j in range(k):
-                n = part // grid.q
+                n = part // grid.size(axis)
                 new.append((a + j * part + i * n, a + j * part + (i + 1) * n))
         ranges[d] = new
     return ranges

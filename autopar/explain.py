@@ -40,17 +40,17 @@ def _op_name(gm, node) -> str:
 def rows(pmodel) -> list:
     """The table's rows for the graph of the model's most recent call (or its first compile)."""
     comp = getattr(pmodel, "_last", None) or next(iter(pmodel._compiled.values()))
-    return graph_rows(comp.gm, pmodel.grid.q)
+    return graph_rows(comp.gm, pmodel.grid.shape)
 
 
-def graph_rows(gm, q: int) -> list:
-    """One Row per op of a compiled per-rank graph."""
+def graph_rows(gm, mesh) -> list:
+    """One Row per op of a compiled per-rank graph on an R x C `mesh` ((R, C), or q for q x q)."""
     out = []
     grads = nodes_needing_grad(gm)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_module"):
             continue
-        cost = node_cost(gm, node, q, grads)
+        cost = node_cost(gm, node, mesh, grads)
         strat = node.meta.get("autopar_strategy")
         lay = node.meta.get("autopar_layout")
         out.append(Row(
@@ -63,7 +63,7 @@ def graph_rows(gm, q: int) -> list:
             bwd_bytes=cost.bwd if cost else 0,
             note=(strat.note if strat is not None and not node.meta.get("autopar_inserted") else ""),
             formula=cost.formula if cost else "",
-            flops=node_flops(gm, node, q),
+            flops=node_flops(gm, node, mesh),
         ))
     return out
 
@@ -96,14 +96,14 @@ def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False)
     bwd = sum(r.bwd_bytes for r in table)
     held = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
     full = sum(p.numel() * p.element_size() for p in pmodel.parameters())
-    q = pmodel.grid.q
+    (R, C), p = pmodel.grid.shape, pmodel.grid.world
     comp = getattr(pmodel, "_last", None) or next(iter(pmodel._compiled.values()))
     lines += [
         "",
-        f"grid {q}x{q}; bytes received per rank per training step: forward {_fmt_bytes(fwd)}, "
+        f"grid {R}x{C}; bytes received per rank per training step: forward {_fmt_bytes(fwd)}, "
         f"backward {_fmt_bytes(bwd)}, total {_fmt_bytes(fwd + bwd)}",
         f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
-        f"({held / full * q * q:.2f}/p of the model, p={q * q})" if full else "no parameters",
+        f"({held / full * p:.2f}/p of the model, p={p})" if full else "no parameters",
     ]
     if comp.fallbacks:
         lines.append(f"fallbacks ({len(comp.fallbacks)}): run whole on every rank")

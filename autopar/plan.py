@@ -83,15 +83,15 @@ class Plan:
         }
 
 
-def _measure_activations(gm, cap, q):
+def _measure_activations(gm, cap, mesh):
     """Run rank (0, 0)'s graph under FakeTensorMode on a fake process group: bytes saved for backward
     and the largest tensor. Needs no process group in this process (it makes a fake one)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=q * q)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=mesh[0] * mesh[1])
     try:
-        grid = Grid(q, q)
+        grid = Grid(*mesh)
         for mod in gm.modules():  # point the planning modules at the fake groups
             if hasattr(mod, "grid"):
                 mod.grid = grid
@@ -109,7 +109,7 @@ def _measure_activations(gm, cap, q):
                 if not isinstance(v, torch.Tensor):  # a constant input (use_cache=False, ...)
                     args.append(v)
                     continue
-                shape = local_shape(tuple(v.shape), lay, q)
+                shape = local_shape(tuple(v.shape), lay, mesh)
                 args.append(torch.zeros(shape, dtype=v.dtype, requires_grad=role == "param" and v.dtype.is_floating_point))
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outs = gm(*args)
@@ -127,28 +127,28 @@ def _measure_activations(gm, cap, q):
 def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = "broadcast",
          indivisible: str = "replicate", fused: str = "regroup", measure_activations: bool | None = None) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone."""
-    q = grid[-1]
-    if grid[-2] != q:
-        raise ValueError(f"grid={grid}: planning covers square grids (q, q)")
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
+        raise ValueError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
+    mesh = tuple(grid)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
-    comp, layouts = _compile(model, example_inputs, kwargs, Grid.for_planning(q), lowering=lowering,
+    comp, layouts = _compile(model, example_inputs, kwargs, Grid.for_planning(*mesh), lowering=lowering,
                              indivisible=indivisible, fused=fused, on_unsupported="replicate")
     gm, cap = comp.gm, comp.captured
-    rows = graph_rows(gm, q)
+    rows = graph_rows(gm, mesh)
     params = {}
     for name, p in model.named_parameters():
         lay = layouts.get(name, REPLICATED)
         full = p.numel() * p.element_size()
-        mine = math.prod(local_shape(tuple(p.shape), lay, q)) * p.element_size()
+        mine = math.prod(local_shape(tuple(p.shape), lay, mesh)) * p.element_size()
         params[name] = (tuple(p.shape), repr(lay), mine, full)
-    result = Plan(grid=(q, q), rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
+    result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
                   flops_per_rank=sum(r.flops for r in rows))
     if measure_activations is None:
         measure_activations = not dist.is_initialized()
     if measure_activations:
-        result.activation_bytes, result.largest_tensor_bytes = _measure_activations(gm, cap, q)
+        result.activation_bytes, result.largest_tensor_bytes = _measure_activations(gm, cap, mesh)
     return result
 
 

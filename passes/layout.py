@@ -10,8 +10,8 @@ so that splitting the local block into k gives this rank's block of q, of k and 
 
 >>> from torch.distributed.tensor import Shard, Replicate
 >>> lay = Layout((Shard(0), Shard(2)))
->>> lay, local_shape((8, 16, 32), lay, q=2)
-(S(0)S(2), (4, 16, 16))
+>>> lay, local_shape((8, 16, 32), lay, (2, 4))
+(S(0)S(2), (4, 16, 8))
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = ["Layout", "Partial", "Replicate", "Shard", "Strided", "REPLICATED", "local_shape", "ShardingError",
-           "split_dim", "parts", "moved"]
+           "split_dim", "parts", "moved", "mesh_shape"]
 Strided = _StridedShard
 
 
@@ -97,15 +97,23 @@ class Layout:
 REPLICATED = Layout((Replicate(), Replicate()))
 
 
-def local_shape(shape, layout: Layout, q: int, what: str = "tensor") -> tuple:
-    """The block shape a rank holds; raises ShardingError when a split dim is not divisible by q."""
+def mesh_shape(mesh) -> tuple:
+    """(R, C) from a grid shape given as (R, C) or as q for a square q x q grid."""
+    return (mesh, mesh) if isinstance(mesh, int) else tuple(mesh)
+
+
+def local_shape(shape, layout: Layout, mesh, what: str = "tensor") -> tuple:
+    """The block shape a rank holds on an R x C mesh (`mesh` = (R, C), or q for q x q); raises
+    ShardingError when a split dim is not divisible by the size of the mesh axis that splits it."""
+    mesh = mesh_shape(mesh)
     out = list(shape)
-    for p in layout.placements:
+    for axis, p in enumerate(layout.placements):
         if split_dim(p) is not None:
-            if out[p.dim] % (q * parts(p)):
+            n = mesh[axis]
+            if out[p.dim] % (n * parts(p)):
                 raise ShardingError(
                     f"{what}: dim {p.dim} of shape {tuple(shape)} has size {shape[p.dim]}, which is not "
-                    f"divisible by the grid's q={q}; it cannot be split {layout}."
+                    f"divisible by {n * parts(p)} (mesh axis {axis} has {n} members); it cannot be split {layout}."
                 )
-            out[p.dim] //= q
+            out[p.dim] //= n
     return tuple(out)

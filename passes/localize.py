@@ -18,21 +18,21 @@ aten = torch.ops.aten
 _SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
-def localize(gm: GraphModule, q: int) -> GraphModule:
+def localize(gm: GraphModule, mesh) -> GraphModule:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _SIZED:
-            size = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], q, node.name)
+            size = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], mesh, node.name)
             node.args = (node.args[0], list(size)) + tuple(node.args[2:])
         elif node.op == "call_function" and node.target in (aten.split.Tensor, aten.split_with_sizes.default):
             x = node.args[0]
             dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(x.meta["val"].shape)
-            sizes = [local_shape(tuple(v.shape), lay, q, node.name)[dim]
+            sizes = [local_shape(tuple(v.shape), lay, mesh, node.name)[dim]
                      for v, lay in zip(node.meta["val"], node.meta["autopar_layout"])]
             size_arg = sizes[0] if node.target == aten.split.Tensor else sizes
             node.args = (x, size_arg) + tuple(node.args[2:])
         elif node.op == "call_function" and node.target == aten.unflatten.int:
             x, dim, _ = node.args
-            out = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], q, node.name)
+            out = local_shape(tuple(node.meta["val"].shape), node.meta["autopar_layout"], mesh, node.name)
             n = len(node.meta["val"].shape) - len(x.meta["val"].shape) + 1
             dim = dim % len(x.meta["val"].shape)
             node.args = (x, dim, list(out[dim:dim + n]))

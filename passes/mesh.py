@@ -1,12 +1,12 @@
-"""The q x q device grid and its two kinds of process groups.
+"""The R x C device grid and its two kinds of process groups.
 
-Device (r, c) has global rank r*q + c (row-major, like DeviceMesh). Mesh axis 0 is indexed by the row
+Device (r, c) has global rank r*C + c (row-major, like DeviceMesh). Mesh axis 0 is indexed by the row
 index r and axis 1 by the column index c. A collective *over axis 0* runs among the devices that share
 a column index c; DeviceMesh calls that `get_group(0)`. To keep the two readings apart, this module
 only ever says which index the group members share:
 
-    grid.same_row_group  devices (r, 0..q-1)  -- collectives over mesh axis 1
-    grid.same_col_group  devices (0..q-1, c)  -- collectives over mesh axis 0
+    grid.same_row_group  devices (r, 0..C-1)  -- collectives over mesh axis 1 (C members)
+    grid.same_col_group  devices (0..R-1, c)  -- collectives over mesh axis 0 (R members)
 
 Activations [b, s, h] are split batch over axis 0 and hidden over axis 1, so the LayerNorm statistics
 are all-reduced in the same-row group and batch means in the same-column group.
@@ -48,18 +48,14 @@ class CommLog:
 
 
 class Grid:
-    """A square q x q grid over the default process group, with counted collectives; with dp > 1,
-    dp such grids side by side (data parallel replicas: global rank = d*q*q + r*q + c)."""
+    """An R x C grid over the default process group, with counted collectives; with dp > 1, dp such
+    grids side by side (data parallel replicas: global rank = d*R*C + r*C + c). `shape` is (R, C);
+    `size(axis)` is the number of members of a collective over `axis`."""
 
     def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"
         if min(rows, cols, dp) < 1:
             raise ValueError(f"grid={shape}: every entry must be a positive int")
-        if rows != cols:
-            raise ValueError(
-                f"grid={shape} is not square: the SUMMA engine needs a q x q grid. "
-                f"Use grid=(q, q) with q*q processes (for example (2, 2) with 4)."
-            )
         world = dist.get_world_size() if dist.is_initialized() else 1
         if dp * rows * cols != world:
             raise ValueError(
@@ -67,10 +63,10 @@ class Grid:
                 f"has world size {world}. Start {dp * rows * cols} processes (torchrun --nproc-per-node "
                 f"{dp * rows * cols}) or pick a grid whose size equals the world size."
             )
-        self.q, self.dp = rows, dp
+        self.shape, self.dp = (rows, cols), dp
         self.rank = dist.get_rank() if dist.is_initialized() else 0  # global
         self.dp_index, local = divmod(self.rank, rows * cols)
-        self.r, self.c = divmod(local, self.q)
+        self.r, self.c = divmod(local, cols)
         self.device_type = device_type
         self.log = CommLog()
         self.dp_group = None
@@ -91,23 +87,23 @@ class Grid:
             self.same_col_group = self.same_row_group = None
 
     @classmethod
-    def for_planning(cls, q: int, dp: int = 1) -> "Grid":
+    def for_planning(cls, rows: int, cols: int | None = None, dp: int = 1) -> "Grid":
         """A grid with no process groups, for building and costing a plan on one process (as rank
         (0, 0)); its collectives cannot run."""
         g = cls.__new__(cls)
-        g.q, g.dp, g.rank, g.dp_index, g.r, g.c = q, dp, 0, 0, 0, 0
+        g.shape, g.dp, g.rank, g.dp_index, g.r, g.c = (rows, rows if cols is None else cols), dp, 0, 0, 0, 0
         g.device_type, g.log, g.mesh, g.dp_group = "cpu", CommLog(), None, None
         g.same_row_group = g.same_col_group = None
         return g
 
     def _groups_with_timeout(self, timeout):
         """Row and column groups of their own, whose collectives give up after `timeout`."""
-        q, mine = self.q, {}
+        (R, C), mine = self.shape, {}
         for d in range(self.dp):
-            base = d * q * q
+            base = d * R * C
             for kind in ("row", "col"):
-                for i in range(q):
-                    ranks = [base + (i * q + j if kind == "row" else j * q + i) for j in range(q)]
+                for i in range(R if kind == "row" else C):
+                    ranks = [base + (i * C + j if kind == "row" else j * C + i) for j in range(C if kind == "row" else R)]
                     group = dist.new_group(ranks, timeout=timeout)  # every rank creates every group
                     if self.rank in ranks:
                         mine[kind] = group
@@ -117,14 +113,23 @@ class Grid:
         """Process group of a collective over mesh `axis` (0: same column, 1: same row)."""
         return self.same_col_group if axis == 0 else self.same_row_group
 
+    def size(self, axis: int) -> int:
+        """Members of a collective over mesh `axis`: R for axis 0, C for axis 1."""
+        return self.shape[axis]
+
+    @property
+    def world(self) -> int:
+        """Ranks in one grid (R*C)."""
+        return self.shape[0] * self.shape[1]
+
     def index(self, axis: int) -> int:
         """This rank's position inside the group of `axis` (r for axis 0, c for axis 1)."""
         return self.r if axis == 0 else self.c
 
     def global_rank(self, axis: int, i: int) -> int:
         """Global rank of member i of this rank's group over `axis`."""
-        base = self.dp_index * self.q * self.q
-        return base + (i * self.q + self.c if axis == 0 else self.r * self.q + i)
+        C = self.shape[1]
+        return self.dp_index * self.world + (i * C + self.c if axis == 0 else self.r * C + i)
 
     def __repr__(self) -> str:
-        return f"Grid({self.q}x{self.q}, rank={self.rank}, (r, c)=({self.r}, {self.c}))"
+        return f"Grid({self.shape[0]}x{self.shape[1]}, rank={self.rank}, (r, c)=({self.r}, {self.c}))"

@@ -13,7 +13,7 @@ an unplaced parameter wait for their consumer and pass its request back to the p
 >>> import torch
 >>> from passes.capture import capture
 >>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(2, 4),))
->>> res = propagate(cap.gm, q=2)
+>>> res = propagate(cap.gm, mesh=(2, 2))
 >>> [(n.name, n.meta["autopar_layout"]) for n in cap.gm.graph.nodes if n.op != "output"]
 [('p_weight', S(1)S(0)), ('p_bias', RS(0)), ('input', RR), ('linear', S(0)S(1))]
 """
@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
-from passes.layout import REPLICATED, Layout, ShardingError, moved, parts, split_dim
+from passes.layout import REPLICATED, Layout, ShardingError, mesh_shape, moved, parts, split_dim
 from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
 
@@ -85,7 +85,7 @@ def _claim(node: Node, need: Layout, layouts: dict, res: Propagation) -> None:
     _claim(src, back, layouts, res)
 
 
-def _strategy(node: Node, layouts: dict, q: int, indivisible: str) -> Strategy:
+def _strategy(node: Node, layouts: dict, mesh: tuple, indivisible: str) -> Strategy:
     ins = tensor_inputs(node)
     if not isinstance(val(node), (torch.Tensor, tuple, list)):
         return Strategy({}, REPLICATED)
@@ -97,7 +97,7 @@ def _strategy(node: Node, layouts: dict, q: int, indivisible: str) -> Strategy:
     if rule is None:
         return fallback(node, f"no sharding rule for {node.target}")
     try:
-        return rule(node, layouts, q)
+        return rule(node, layouts, mesh)
     except Unsupported as e:
         return fallback(node, str(e))
     except ShardingError as e:
@@ -106,7 +106,7 @@ def _strategy(node: Node, layouts: dict, q: int, indivisible: str) -> Strategy:
         where = module_path(node) or "<top>"
         raise ShardingError(
             f"{e}\n  at node {node.name} ({node.target}) in module {where}; source: {source_line(node)}\n"
-            f"  Pick sizes divisible by q, or pass indivisible='replicate' to run such ops unsplit "
+            f"  Pick sizes divisible by the grid dims, or pass indivisible='replicate' to run such ops unsplit "
             f"(correct, with a warning, but the weight is stored whole on every rank)."
         ) from None
 
@@ -140,8 +140,10 @@ def _refuse_fallback(node: Node, why: str) -> None:
     )
 
 
-def propagate(gm: GraphModule, q: int, indivisible: str = "error", fused: str = "regroup",
+def propagate(gm: GraphModule, mesh, indivisible: str = "error", fused: str = "regroup",
               on_unsupported: str = "replicate") -> Propagation:
+    """`mesh`: the grid shape (R, C), or q for q x q."""
+    mesh = mesh_shape(mesh)
     res = Propagation()
     layouts: dict = {}
     for node in gm.graph.nodes:
@@ -151,7 +153,7 @@ def propagate(gm: GraphModule, q: int, indivisible: str = "error", fused: str = 
         elif node.op == "get_attr":
             layouts[node] = REPLICATED
         elif node.op == "call_function":
-            strat = _strategy(node, layouts, q, indivisible)
+            strat = _strategy(node, layouts, mesh, indivisible)
             # a fallback costs something when it gathers a split input or keeps a weight whole
             costly = strat.fallback and any(layouts.get(n) != REPLICATED for n in strat.inputs)
             for inp, need in strat.inputs.items():

@@ -19,14 +19,18 @@ def block_of(full: torch.Tensor, lay: Layout, grid: Grid) -> torch.Tensor:
     t = full
     for axis, p in enumerate(lay.placements):
         if isinstance(p, Shard):
-            t = t.chunk(grid.q, dim=p.dim)[grid.index(axis)]
+            t = t.chunk(grid.size(axis), dim=p.dim)[grid.index(axis)]
         elif isinstance(p, Partial) and p.reduce_op == "sum" and grid.index(axis) != 0:
             t = torch.zeros_like(t)
     return t.clone(memory_format=torch.contiguous_format)  # a fresh leaf, not a view of `full`
 
 
+def _grid(q) -> Grid:
+    return Grid(*q) if isinstance(q, (tuple, list)) else Grid(q, q)
+
+
 def groups(rank, q):
-    g = Grid(q, q)
+    g = _grid(q)
     return {
         "r, c": (g.r, g.c),
         "same_row": dist.get_process_group_ranks(g.same_row_group),
@@ -35,17 +39,21 @@ def groups(rank, q):
 
 
 def summa_products(rank, q, lowering):
-    """AB, ABT, ATB forward and the gradients of SummaAB / SummaABT against torch on full matrices."""
-    g = Grid(q, q)
+    """AB, ABT, ATB forward and the gradients of SummaAB / SummaABT against torch on full matrices;
+    with the bytes each forward product received on this rank (key "bytes AB" etc.)."""
+    g = _grid(q)
     torch.manual_seed(0)
-    M, K, N = 6 * q, 4 * q, 5 * q
+    R, C_ = g.shape
+    M, K, N = 6 * R * C_, 4 * R * C_, 5 * R * C_
     A, B, Bt, C = (torch.randn(M, K), torch.randn(K, N), torch.randn(N, K), torch.randn(M, N))
     split = Layout((Shard(0), Shard(1)))
     blk = lambda t: block_of(t, split, g)  # noqa: E731
-    err = {}
-    err["AB"] = (summa.ab(g, blk(A), blk(B), "t", lowering=lowering) - blk(A @ B)).abs().max().item()
-    err["ABT"] = (summa.abt(g, blk(A), blk(Bt), "t", lowering=lowering) - blk(A @ Bt.t())).abs().max().item()
-    err["ATB"] = (summa.atb(g, blk(A), blk(C), "t", lowering=lowering) - blk(A.t() @ C)).abs().max().item()
+    err, nbytes = {}, {}
+    for name, fn, other, want in (("AB", summa.ab, B, A @ B), ("ABT", summa.abt, Bt, A @ Bt.t()),
+                                  ("ATB", summa.atb, C, A.t() @ C)):
+        g.log.reset()
+        err[name] = (fn(g, blk(A), blk(other), "t", lowering=lowering) - blk(want)).abs().max().item()
+        nbytes[f"bytes {name}"] = g.log.total()
     for name, fn, other in (("AB", summa.SummaAB, B), ("ABT", summa.SummaABT, Bt)):
         a = blk(A).requires_grad_()
         b = blk(other).requires_grad_()
@@ -57,7 +65,7 @@ def summa_products(rank, q, lowering):
         (W * ref).sum().backward()
         err[f"{name} dA"] = (a.grad - blk(Af.grad)).abs().max().item()
         err[f"{name} dB"] = (b.grad - blk(Of.grad)).abs().max().item()
-    return err
+    return {**err, **nbytes}
 
 
 LAYOUTS = [
@@ -76,9 +84,10 @@ LAYOUTS = [
 def redistributions(rank, q):
     """Every (src, dst) pair: forward value equals dst's block of the full tensor, and the backward
     gives src's block of the full gradient (the engine's gradient invariant)."""
-    g = Grid(q, q)
+    g = _grid(q)
     torch.manual_seed(0)
-    full = torch.randn(2 * q, 3 * q, 2 * q)
+    L = g.shape[0] * g.shape[1]
+    full = torch.randn(2 * L, 3 * L, 2 * L)
     grad = torch.randn_like(full)
     bad = []
     for src, dst in itertools.product(LAYOUTS, LAYOUTS):
@@ -94,9 +103,9 @@ def redistributions(rank, q):
         want = grad.clone()
         for axis, p in enumerate(src.placements):
             if isinstance(p, Shard):
-                want = want.chunk(q, dim=p.dim)[g.index(axis)]
+                want = want.chunk(g.size(axis), dim=p.dim)[g.index(axis)]
             elif isinstance(p, Partial) and p.reduce_op == "avg":
-                want = want / q
+                want = want / g.size(axis)
         bwd = (x.grad - want).abs().max().item()
         if fwd > 1e-5 or bwd > 1e-5:
             bad.append((repr(src), repr(dst), fwd, bwd))

@@ -30,16 +30,17 @@ def _data(cfg: GPTConfig, batch: int, seq: int, seed: int = 1):
     return ids, tgt
 
 
-def gpt_parity(rank, q, cfg_kw, lowering="broadcast", batch=4, seq=8, steps=3):
+def gpt_parity(rank, q, cfg_kw, lowering="broadcast", batch=4, seq=8, steps=3, **options):
     """Outputs, loss, every gradient and the parameters after `steps` AdamW steps, against the
-    unmodified model on one process."""
+    unmodified model on one process. `q`: a q x q grid, or an (R, C) tuple; `options` go to parallelize."""
     torch.manual_seed(0)
     cfg = GPTConfig(**cfg_kw)
     model = TinyGPT(cfg)
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     ref = copy.deepcopy(model)
     ids, tgt = _data(cfg, batch, seq)
-    pm = autopar.parallelize(model, grid=(q, q), example_inputs=(ids, tgt), lowering=lowering)
+    grid = tuple(q) if isinstance(q, (tuple, list)) else (q, q)
+    pm = autopar.parallelize(model, grid=grid, example_inputs=(ids, tgt), lowering=lowering, **options)
     errs = {"model unchanged": max(rel_err(p, before[n]) for n, p in model.state_dict().items())}
     errs["names"] = float(sorted(n for n, _ in pm.named_parameters()) != sorted(n for n, _ in ref.named_parameters()))
     # Adam divides by |grad| + eps: for an element whose gradient is ~1e-8 (fp32 noise level next to

@@ -7,6 +7,22 @@ from tests import checks_comm as C
 TOL = 1e-4
 
 
+def _check_products(per_rank, grid):
+    """Values within TOL on every rank; bytes received, summed over ranks, equal the analytic SUMMA
+    volume on an R x C grid: every product moves (C-1)/C of one operand's row panels and (R-1)/R of
+    the other's column panels (AB: A [M,K] and B [K,N]; ABT: B [N,K] and the [M,N] result; ATB: A and
+    the [K,N] result), 4 bytes per fp32 element."""
+    R, C_ = grid
+    M, K, N = 6 * R * C_, 4 * R * C_, 5 * R * C_
+    want = {"AB": (C_ - 1) * M * K + (R - 1) * K * N,
+            "ABT": (R - 1) * N * K + (C_ - 1) * M * N,
+            "ATB": (C_ - 1) * M * K + (R - 1) * K * N}
+    for rank, errs in enumerate(per_rank):
+        assert max(v for k, v in errs.items() if not k.startswith("bytes")) < TOL, f"rank {rank}: {errs}"
+    for name, elems in want.items():
+        assert sum(e[f"bytes {name}"] for e in per_rank) == 4 * elems, (name, [e[f"bytes {name}"] for e in per_rank])
+
+
 def test_group_mapping_2x2(pool4):
     """Catches the DeviceMesh naming trap: get_group(0) is the group that shares a *column* index."""
     res = pool4.run(C.groups, 2)
@@ -20,8 +36,7 @@ def test_group_mapping_2x2(pool4):
 @pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
 def test_summa_products_2x2(pool4, lowering):
     """Catches a wrong broadcast source, a reduce onto the wrong member or a transposed block."""
-    for rank, errs in enumerate(pool4.run(C.summa_products, 2, lowering)):
-        assert max(errs.values()) < TOL, f"rank {rank}: {errs}"
+    _check_products(pool4.run(C.summa_products, 2, lowering), (2, 2))
 
 
 def test_redistributions_2x2(pool4):
@@ -39,7 +54,27 @@ def test_group_mapping_and_products_3x3(pool9):
         assert r["same_row"] == [row * 3 + i for i in range(3)]
         assert r["same_col"] == [i * 3 + col for i in range(3)]
     for lowering in ("broadcast", "allgather"):
-        for rank, errs in enumerate(pool9.run(C.summa_products, 3, lowering)):
-            assert max(errs.values()) < TOL, f"rank {rank} {lowering}: {errs}"
+        _check_products(pool9.run(C.summa_products, 3, lowering), (3, 3))
     for rank, bad in enumerate(pool9.run(C.redistributions, 3)):
+        assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("grid", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 3), (3, 2)],
+                         ids=lambda g: f"{g[0]}x{g[1]}")
+def test_rectangular_groups_products_redistributions(grid):
+    """R x C grids: group membership, SUMMA products in both lowerings (the broadcast lowering cuts
+    the contracted dim at both the R-way and the C-way block boundaries) with their exact byte
+    volume, and every redistribution. An axis of size 1 sends nothing."""
+    from tests.conftest import get_pool
+
+    R, C_ = grid
+    pool = get_pool(R * C_)
+    for rank, r in enumerate(pool.run(C.groups, grid)):
+        row, col = divmod(rank, C_)
+        assert r["r, c"] == (row, col)
+        assert r["same_row"] == [row * C_ + i for i in range(C_)], r
+        assert r["same_col"] == [i * C_ + col for i in range(R)], r
+    for lowering in ("broadcast", "allgather"):
+        _check_products(pool.run(C.summa_products, grid, lowering), grid)
+    for rank, bad in enumerate(pool.run(C.redistributions, grid)):
         assert not bad, f"rank {rank}: {bad}"

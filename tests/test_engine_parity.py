@@ -37,3 +37,23 @@ def test_gpt_parity_3x3(pool9, norm, mlp):
     """The same at q=3, where row and column groups have 3 members: catches index arithmetic that
     only happens to work for q=2 (e.g. source rank = 1 - r)."""
     _assert_all_small(pool9.run(C.gpt_parity, 3, dict(SMALL3, norm=norm, mlp=mlp), "broadcast", 6, 8, 3))
+
+
+RECT = [  # (grid, config, batch, lowering): every split dim divisible by the axis that splits it
+    ((1, 2), SMALL, 4, "broadcast"), ((2, 1), SMALL, 4, "broadcast"),
+    ((1, 4), SMALL, 4, "allgather"), ((4, 1), SMALL, 4, "broadcast"),
+    ((2, 3), SMALL3, 6, "broadcast"), ((2, 3), SMALL3, 6, "allgather"), ((3, 2), SMALL3, 6, "broadcast"),
+]
+
+
+@pytest.mark.parametrize("grid,cfg,batch,lowering", RECT, ids=[f"{g[0]}x{g[1]}-{lo}" for g, _, _, lo in RECT])
+def test_gpt_parity_rectangular(grid, cfg, batch, lowering):
+    """Rectangular R x C grids: the contracted dim is split C ways in activations and R ways in
+    weights, so the broadcast lowering cuts it at both sets of boundaries (2x3: 4 pieces). Catches
+    a piece broadcast by the wrong member, an output piece reduced onto the wrong column, and any
+    rule that checks divisibility against the wrong axis. 1xC is tensor parallelism with split
+    activations; Rx1 is fully sharded data parallelism (weights gathered per use)."""
+    from tests.conftest import get_pool
+
+    pool = get_pool(grid[0] * grid[1])
+    _assert_all_small(pool.run(C.gpt_parity, grid, dict(cfg, norm="rmsnorm", mlp="swiglu"), lowering, batch, 8, 2))

@@ -1,7 +1,7 @@
 """The sharding rules against a brute-force oracle, in one process (no torch.distributed).
 
 For every node whose rule runs the aten op itself on each rank's blocks (no kernel, no fallback), the
-oracle simulates the q x q grid: it cuts the node's full inputs into the blocks each rank (r, c)
+oracle simulates the R x C grid (square q x q and rectangular): it cuts the node's full inputs into the blocks each rank (r, c)
 holds under the layouts the rule *requires*, runs the op on those blocks with its sizes localized
 (what `passes.localize` does), reassembles the full result from the rank results under the output
 layout the rule *claims*, and compares that with the op on the full tensors. A rule that keeps a split
@@ -28,7 +28,7 @@ from torch.fx import Node
 from torch.fx.node import map_aggregate
 
 from passes.capture import capture
-from passes.layout import REPLICATED, Layout
+from passes.layout import REPLICATED, Layout, mesh_shape
 from passes.localize import localize
 from passes.propagate import propagate
 from passes.rules import lookup
@@ -46,17 +46,18 @@ def _is_tensor_value(v) -> bool:
     return isinstance(v, (tuple, list)) and len(v) > 0 and all(isinstance(t, torch.Tensor) for t in v)
 
 
-def cut(full, layout, q: int, r: int, c: int):
+def cut(full, layout, mesh, r: int, c: int):
     """The block rank (r, c) holds of `full` under `layout` (a tuple of layouts for a tuple value)."""
+    mesh = mesh_shape(mesh)
     if isinstance(full, (tuple, list)):
         assert isinstance(layout, tuple) and len(layout) == len(full), (layout, len(full))
-        return type(full)(cut(t, lay, q, r, c) for t, lay in zip(full, layout))
+        return type(full)(cut(t, lay, mesh, r, c) for t, lay in zip(full, layout))
     if not isinstance(full, torch.Tensor):
         return full
     assert isinstance(layout, Layout), f"tensor input with layout {layout!r}"
     t = full
     for axis, p in enumerate(layout.placements):
-        idx = (r, c)[axis]
+        idx, q = (r, c)[axis], mesh[axis]
         if isinstance(p, Strided):  # block idx of each of the k equal parts, side by side
             d = p.dim % t.dim()
             t = torch.cat([part.chunk(q, d)[idx] for part in t.chunk(p.split_factor, d)], d)
@@ -92,16 +93,17 @@ def _combine(parts, p, what):
     return parts[0]
 
 
-def assemble(grid, layout, q: int, what: str = ""):
+def assemble(grid, layout, mesh, what: str = ""):
     """The full value from grid[r][c] (the rank results) under `layout`."""
+    R, C = mesh_shape(mesh)
     if isinstance(grid[0][0], (tuple, list)):
         assert isinstance(layout, tuple) and len(layout) == len(grid[0][0]), (layout, len(grid[0][0]))
         return tuple(
-            assemble([[grid[r][c][k] for c in range(q)] for r in range(q)], layout[k], q, f"{what}[{k}]")
+            assemble([[grid[r][c][k] for c in range(C)] for r in range(R)], layout[k], (R, C), f"{what}[{k}]")
             for k in range(len(layout))
         )
     assert isinstance(layout, Layout), f"{what}: tensor output with layout {layout!r}"
-    rows = [_combine([grid[r][c] for c in range(q)], layout[1], f"{what} (axis 1, row {r})") for r in range(q)]
+    rows = [_combine([grid[r][c] for c in range(C)], layout[1], f"{what} (axis 1, row {r})") for r in range(R)]
     return _combine(rows, layout[0], f"{what} (axis 0)")
 
 
@@ -147,9 +149,9 @@ def check_node(node, env, q: int) -> str | None:
     )
     grid = []
     try:
-        for r in range(q):
+        for r in range(mesh_shape(q)[0]):
             row = []
-            for c in range(q):
+            for c in range(mesh_shape(q)[1]):
                 blocks = {i: cut(env[i], lay, q, r, c) for i, lay in need.items()}
 
                 def sub(a):
@@ -189,7 +191,7 @@ def check_local_rules(module: nn.Module, args: tuple, q: int, expect=(), expect_
     cap = capture(module, args)
     gm = cap.gm
     env = full_values(gm, _placeholder_values(cap, module, args))
-    propagate(gm, q=q)
+    propagate(gm, mesh=q)
     localize(gm, q)  # view/reshape/expand/unflatten sizes become block sizes, as on the ranks
     checked, failures, split_seen = [], [], False
     for node in gm.graph.nodes:
@@ -219,7 +221,7 @@ def check_local_rules(module: nn.Module, args: tuple, q: int, expect=(), expect_
 # ---------------------------------------------------------------------------------- test modules
 
 B, S_, H, NH = 6, 6, 12, 6  # divisible by 2 and 3; head_dim 2
-QS = [2, 3]
+QS = [2, 3, (2, 3), (3, 1), (1, 2)]  # square and rectangular grids
 
 
 class Elementwise(nn.Module):
@@ -675,7 +677,7 @@ def test_oracle_catches_a_wrong_rule():
     args = (torch.randn(B, S_, H),)
     cap = capture(module, args)
     env = full_values(cap.gm, _placeholder_values(cap, module, args))
-    propagate(cap.gm, q=2)
+    propagate(cap.gm, mesh=2)
     node = next(n for n in cap.gm.graph.nodes if n.target == aten.softmax.int)
     src = node.args[0]
     bad = Layout((Shard(0), Shard(2)))
@@ -725,7 +727,7 @@ def test_no_rule_falls_back_to_replication():
     module = WithFallback().eval()
     args = (torch.randn(B, S_, H),)
     cap = capture(module, args)
-    res = propagate(cap.gm, q=2)
+    res = propagate(cap.gm, mesh=2)
     node = next(n for n in cap.gm.graph.nodes if n.target == aten.cumprod.default)
     strat = node.meta["autopar_strategy"]
     assert strat.fallback and strat.kernel is None

@@ -58,16 +58,18 @@ def broadcast(grid: Grid, axis: int, t: torch.Tensor, src: int, tag: str, phase:
 def reduce(grid: Grid, axis: int, t: torch.Tensor, dst: int, tag: str, phase: str, async_op=False):
     """Sum `t` (in place) onto group member `dst`; the other members' `t` is left unspecified."""
     if grid.index(axis) == dst:
-        grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t))
+        grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t))
     with guarded(grid, "reduce", axis, tag):
         return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
 
 
 def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
-    """Concatenate the q members' blocks along `dim`."""
+    """Concatenate the group members' blocks along `dim`."""
+    if grid.size(axis) == 1:
+        return t.contiguous()
     moved = t.movedim(dim, 0).contiguous()
-    out = torch.empty((grid.q * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t))
+    out = torch.empty((grid.size(axis) * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t))
     with guarded(grid, "all-gather", axis, tag):
         dist.all_gather_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
@@ -75,9 +77,11 @@ def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase
 
 def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
     """Sum the members' `t` and keep this member's block of `dim`."""
+    if grid.size(axis) == 1:
+        return t.contiguous()
     moved = t.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // grid.q,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    grid.log.add(tag, phase, (grid.q - 1) * _nbytes(t) // grid.q)
+    out = torch.empty((moved.shape[0] // grid.size(axis),) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis))
     with guarded(grid, "reduce-scatter", axis, tag):
         dist.reduce_scatter_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()
@@ -86,7 +90,9 @@ def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
 def all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op=dist.ReduceOp.SUM):
     """Sum (or `op`) of the members' `t`, as a new tensor."""
     t = t.clone(memory_format=torch.contiguous_format)
-    grid.log.add(tag, phase, 2 * (grid.q - 1) * _nbytes(t) // grid.q)
+    if grid.size(axis) == 1:
+        return t
+    grid.log.add(tag, phase, 2 * (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis))
     with guarded(grid, "all-reduce", axis, tag):
         dist.all_reduce(t, op=op, group=grid.group(axis))
     return t
@@ -96,19 +102,19 @@ def block(grid: Grid, axis: int, t: torch.Tensor, dim: int, parts: int = 1) -> t
     """This member's block of `dim`; with parts=k, its block of each of the k equal parts, side by side."""
     i = grid.index(axis)
     if parts == 1:
-        n = t.shape[dim] // grid.q
+        n = t.shape[dim] // grid.size(axis)
         return t.narrow(dim, i * n, n)
     m = t.movedim(dim, 0)
-    m = m.reshape(parts, grid.q, -1, *m.shape[1:])[:, i].reshape(-1, *m.shape[1:])
+    m = m.reshape(parts, grid.size(axis), -1, *m.shape[1:])[:, i].reshape(-1, *m.shape[1:])
     return m.movedim(0, dim)
 
 
-def _unstride(grid: Grid, t: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+def _unstride(grid: Grid, axis: int, t: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
     """Gathered blocks [c][part] (what all-gather of interleaved blocks gives) -> [part][c]."""
     if parts == 1:
         return t
     m = t.movedim(dim, 0)
-    m = m.reshape(grid.q, parts, -1, *m.shape[1:]).transpose(0, 1).reshape(m.shape)
+    m = m.reshape(grid.size(axis), parts, -1, *m.shape[1:]).transpose(0, 1).reshape(m.shape)
     return m.movedim(0, dim).contiguous()
 
 
@@ -118,7 +124,7 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, grid, axis, dim, tag, parts=1):
         ctx.args = (grid, axis, dim, parts)
-        return _unstride(grid, all_gather(grid, axis, x, dim, tag, "fwd"), dim, parts)
+        return _unstride(grid, axis, all_gather(grid, axis, x, dim, tag, "fwd"), dim, parts)
 
     @staticmethod
     def backward(ctx, g):
@@ -137,7 +143,7 @@ class Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         grid, axis, dim, tag, parts = ctx.args
-        return _unstride(grid, all_gather(grid, axis, g, dim, tag, "bwd"), dim, parts), None, None, None, None, None
+        return _unstride(grid, axis, all_gather(grid, axis, g, dim, tag, "bwd"), dim, parts), None, None, None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):
@@ -147,13 +153,13 @@ class ReduceScatter(torch.autograd.Function):
     def forward(ctx, x, grid, axis, dim, avg, tag):
         ctx.args = (grid, axis, dim, avg, tag)
         out = reduce_scatter(grid, axis, x, dim, tag, "fwd")
-        return out / grid.q if avg else out
+        return out / grid.size(axis) if avg else out
 
     @staticmethod
     def backward(ctx, g):
         grid, axis, dim, avg, tag = ctx.args
         out = all_gather(grid, axis, g, dim, tag, "bwd")
-        return (out / grid.q if avg else out), None, None, None, None, None
+        return (out / grid.size(axis) if avg else out), None, None, None, None, None
 
 
 class AllReduce(torch.autograd.Function):
@@ -161,9 +167,9 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, grid, axis, avg, tag):
-        ctx.args = (grid.q, avg)
+        ctx.args = (grid.size(axis), avg)
         out = all_reduce(grid, axis, x, tag, "fwd")
-        return out / grid.q if avg else out
+        return out / grid.size(axis) if avg else out
 
     @staticmethod
     def backward(ctx, g):

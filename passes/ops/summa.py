@@ -1,15 +1,19 @@
-"""SUMMA products on a q x q grid: AB, ABT and ATB, in two lowerings, with autograd.
+"""SUMMA products on an R x C grid: AB, ABT and ATB, in two lowerings, with autograd.
 
-Operands are the local 2-D blocks of global matrices. Rank (r, c) holds, for the product named:
+Operands are the local 2-D blocks of global matrices (row blocks over the R mesh rows, column blocks
+over the C mesh columns). Rank (r, c) holds, for the product named:
 
     AB   C = A  B    A [M, K] block (r, c)   B [K, N] block (r, c)   ->  C [M, N] block (r, c)
     ABT  C = A  B^T  A [M, K] block (r, c)   B [N, K] block (r, c)   ->  C [M, N] block (r, c)
     ATB  C = A^T B   A [M, K] block (r, c)   B [M, N] block (r, c)   ->  C [K, N] block (r, c)
 
-("block (r, c)" = row block r, column block c.) The broadcast lowering is the paper's: q steps, one
-block broadcast per group per step, the next step's broadcast posted before the current matmul. The
-all-gather lowering gathers the whole row/column panel first and runs one matmul; it moves the same
-bytes with fewer, larger calls and q times the temporary memory.
+("block (r, c)" = row block r, column block c.) The broadcast lowering is the paper's: one step per
+piece of the shared dim, one broadcast per group per step, the next step's broadcast posted before the
+current matmul. On a square grid the pieces are the q blocks; on an R x C grid the contracted dim is
+split C ways in one operand and R ways in the other, so it is cut at both sets of block boundaries
+(R + C - gcd(R, C) pieces, see `segments`) and each piece is broadcast by the member that holds it.
+The all-gather lowering gathers the whole row/column panel first and runs one matmul; it moves the
+same bytes with fewer, larger calls and more temporary memory.
 """
 
 from __future__ import annotations
@@ -23,51 +27,73 @@ LOWERINGS = ("broadcast", "allgather")
 AXIS_SAME_ROW, AXIS_SAME_COL = 1, 0  # mesh axis whose group shares the row / the column index
 
 
-def _bcast_steps(grid: Grid, blocks, tag, phase):
-    """Yield, for i in 0..q-1, the broadcast of each (tensor, axis) in `blocks` from member i.
+def segments(D: int, src_parts: int, dst_parts: int) -> list:
+    """Cut a dim of size D at the block boundaries of both a `src_parts`-way and a `dst_parts`-way
+    split: [(start, stop, src block, dst block)]. Square grids give the q blocks themselves; an R x C
+    grid gives R + C - gcd(R, C) pieces."""
+    a, b = D // src_parts, D // dst_parts
+    cuts = sorted(set(range(0, D, a)) | set(range(0, D, b))) + [D]
+    return [(s, e, s // a, s // b) for s, e in zip(cuts, cuts[1:])]
 
-    Step i+1's broadcasts are posted before step i is yielded, so they overlap its matmul.
+
+def _bcast_steps(grid: Grid, steps, tag, phase):
+    """For each step, a list of (tensor, axis, src member): yield the broadcast tensors, step by step.
+
+    Step i+1's broadcasts are posted before step i is yielded, so they overlap its matmul. On an axis
+    of size 1 nothing is sent.
     """
 
     def post(i):
         bufs, works = [], []
-        for t, axis in blocks:
-            buf = t if grid.index(axis) == i else torch.empty_like(t)
+        for t, axis, src in steps[i]:
+            if grid.size(axis) == 1:
+                bufs.append(t)
+                works.append(None)
+                continue
+            buf = t.contiguous() if grid.index(axis) == src else torch.empty_like(t, memory_format=torch.contiguous_format)
             bufs.append(buf)
-            works.append(comm.broadcast(grid, axis, buf, i, tag, phase, async_op=True))
+            works.append(comm.broadcast(grid, axis, buf, src, tag, phase, async_op=True))
         return bufs, works
 
     pending = post(0)
-    for i in range(grid.q):
+    for i in range(len(steps)):
         bufs, works = pending
-        for w, (_, axis) in zip(works, blocks):
-            comm.wait(w, grid, "broadcast", axis, tag)
-        if i + 1 < grid.q:
+        for w, (_, axis, _) in zip(works, steps[i]):
+            if w is not None:
+                comm.wait(w, grid, "broadcast", axis, tag)
+        if i + 1 < len(steps):
             pending = post(i + 1)
-        yield i, bufs
+        yield bufs
 
 
-def _reduce_steps(grid: Grid, axis: int, partials, tag, phase):
-    """Reduce partial i onto member i of `axis`'s group; return this member's sum."""
-    works, mine = [], None
-    for i, p in partials:
-        works.append(comm.reduce(grid, axis, p, i, tag, phase, async_op=True))
-        if grid.index(axis) == i:
-            mine = p
+def _reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase):
+    """Reduce each partial onto its destination member of `axis`'s group; return the concatenation
+    (along `dim`) of the pieces this member receives."""
+    if grid.size(axis) == 1:
+        return torch.cat([p for _, p in partials], dim) if len(partials) > 1 else partials[0][1]
+    works, mine = [], []
+    for dst, p in partials:
+        works.append(comm.reduce(grid, axis, p, dst, tag, phase, async_op=True))
+        if grid.index(axis) == dst:
+            mine.append(p)
     for w in works:
         comm.wait(w, grid, "reduce", axis, tag)
-    return mine
+    return mine[0] if len(mine) == 1 else torch.cat(mine, dim)
 
 
 def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast"):
-    a, b = a.contiguous(), b.contiguous()  # a [m, k]  b [k, n]
+    a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [K/R, n]
     if lowering == "allgather":
-        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase)  # [m, q*k]
-        b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase)  # [q*k, n]
+        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase)  # [m, K]
+        b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase)  # [K, n]
         return a_panel @ b_panel
-    acc = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype  # sum q steps in fp32
+    R, C = grid.shape
+    ka, kb = a.shape[1], b.shape[0]
+    steps = [[(a[:, s - i * ka:e - i * ka], AXIS_SAME_ROW, i), (b[s - j * kb:e - j * kb], AXIS_SAME_COL, j)]
+             for s, e, i, j in segments(ka * C, C, R)]
+    acc = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype  # sum the steps in fp32
     out = a.new_zeros(a.shape[0], b.shape[1], dtype=acc)  # [m, n]
-    for _, (a_i, b_i) in _bcast_steps(grid, [(a, AXIS_SAME_ROW), (b, AXIS_SAME_COL)], tag, phase):
+    for a_i, b_i in _bcast_steps(grid, steps, tag, phase):
         if acc == a.dtype:
             out.addmm_(a_i, b_i)
         else:
@@ -76,23 +102,29 @@ def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcas
 
 
 def abt(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast"):
-    a, b = a.contiguous(), b.contiguous()  # a [m, k]  b [n, k]
+    a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [N/R, K/C]  ->  [m, N/C]
     if lowering == "allgather":
-        b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase)  # [q*n, k]
-        return comm.reduce_scatter(grid, AXIS_SAME_ROW, a @ b_panel.t(), 1, tag, phase)  # [m, n]
-    steps = _bcast_steps(grid, [(b, AXIS_SAME_COL)], tag, phase)
-    partials = [(i, a @ b_i.t()) for i, (b_i,) in steps]  # [m, n] each
-    return _reduce_steps(grid, AXIS_SAME_ROW, partials, tag, phase)
+        b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase)  # [N, K/C]
+        return comm.reduce_scatter(grid, AXIS_SAME_ROW, a @ b_panel.t(), 1, tag, phase)  # [m, N/C]
+    R, C = grid.shape
+    nb = b.shape[0]
+    segs = segments(nb * R, R, C)
+    steps = [[(b[s - j * nb:e - j * nb], AXIS_SAME_COL, j)] for s, e, j, _ in segs]
+    partials = [(i, a @ b_s.t()) for (_, _, _, i), (b_s,) in zip(segs, _bcast_steps(grid, steps, tag, phase))]
+    return _reduce_steps(grid, AXIS_SAME_ROW, partials, 1, tag, phase)
 
 
 def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast"):
-    a, b = a.contiguous(), b.contiguous()  # a [m, k]  b [m, n]
+    a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [m, n]  ->  [K/R, n]
     if lowering == "allgather":
-        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase)  # [m, q*k]
-        return comm.reduce_scatter(grid, AXIS_SAME_COL, a_panel.t() @ b, 0, tag, phase)  # [k, n]
-    steps = _bcast_steps(grid, [(a, AXIS_SAME_ROW)], tag, phase)
-    partials = [(i, a_i.t() @ b) for i, (a_i,) in steps]  # [k, n] each
-    return _reduce_steps(grid, AXIS_SAME_COL, partials, tag, phase)
+        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase)  # [m, K]
+        return comm.reduce_scatter(grid, AXIS_SAME_COL, a_panel.t() @ b, 0, tag, phase)  # [K/R, n]
+    R, C = grid.shape
+    ka = a.shape[1]
+    segs = segments(ka * C, C, R)
+    steps = [[(a[:, s - i * ka:e - i * ka], AXIS_SAME_ROW, i)] for s, e, i, _ in segs]
+    partials = [(j, a_s.t() @ b) for (_, _, _, j), (a_s,) in zip(segs, _bcast_steps(grid, steps, tag, phase))]
+    return _reduce_steps(grid, AXIS_SAME_COL, partials, 0, tag, phase)
 
 
 class SummaAB(torch.autograd.Function):

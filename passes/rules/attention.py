@@ -18,13 +18,13 @@ aten = torch.ops.aten
 
 
 @register(aten.scaled_dot_product_attention.default)
-def sdpa(node, layouts, q):
+def sdpa(node, layouts, mesh):
     query, key, value = node.args[:3]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     qs, ks = shape(query), shape(key)
     if len(qs) != 4 or qs[:2] != ks[:2]:
         raise Unsupported("attention with other than [b, heads, s, d] inputs of equal head count")
-    lay = Layout(tuple(Shard(d) if qs[d] % q == 0 else Replicate() for d in (0, 1)))
+    lay = Layout(tuple(Shard(d) if qs[d] % mesh[d] == 0 else Replicate() for d in (0, 1)))
     need = {query: lay, key: lay, value: lay}
     if mask is not None:
         full = (qs[0], qs[1], qs[2], ks[2])

@@ -23,7 +23,7 @@ aten = torch.ops.aten
 
 
 @register(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
-def conv(node, layouts, q):
+def conv(node, layouts, mesh):
     x, w = node.args[:2]
     b = node.args[2] if len(node.args) > 2 else None
     groups = node.args[6] if len(node.args) > 6 else 1
@@ -32,8 +32,8 @@ def conv(node, layouts, q):
     xs, ws = shape(x), shape(w)
     if len(xs) != len(ws):
         raise Unsupported("unbatched convolution input")
-    rows = Shard(0) if xs[0] % q == 0 else Replicate()
-    cols = Shard(0) if ws[0] % q == 0 else Replicate()
+    rows = Shard(0) if xs[0] % mesh[0] == 0 else Replicate()
+    cols = Shard(0) if ws[0] % mesh[1] == 0 else Replicate()
     need = {x: Layout((rows, Replicate())), w: Layout((Replicate(), cols))}
     if b is not None:
         need[b] = Layout((Replicate(), cols))
@@ -46,7 +46,7 @@ INPLACE = [aten.add_, aten.sub_, aten.mul_, aten.div_, aten.masked_fill_, aten.c
 
 
 @register(*INPLACE)
-def inplace(node, layouts, q):
+def inplace(node, layouts, mesh):
     target = node.args[0]
     lay = layouts.get(target) or REPLICATED
     if lay.has_partial:

@@ -22,14 +22,14 @@ aten = torch.ops.aten
 
 
 @register(aten.embedding.default)
-def embedding(node, layouts, q):
+def embedding(node, layouts, mesh):
     table, ids = node.args[:2]
     V, h = shape(table)
     have = layouts.get(table)
-    if have is None:  # a vocabulary q does not divide keeps the hidden split (an LM head tied to it
+    if have is None:  # a vocabulary R does not divide keeps the hidden split (an LM head tied to it
         # then runs a local matmul whose output is a partial sum over the columns)
-        have = Layout((Shard(0), Shard(1))) if V % q == 0 and h % q == 0 else (
-            Layout((Replicate(), Shard(1))) if h % q == 0 else REPLICATED)
+        have = Layout((Shard(0), Shard(1))) if V % mesh[0] == 0 and h % mesh[1] == 0 else (
+            Layout((Replicate(), Shard(1))) if h % mesh[1] == 0 else REPLICATED)
     vocab_axis = have.shard_axis(0)
     hidden_axis = have.shard_axis(1)
     nd = len(val(node).shape)
@@ -48,7 +48,7 @@ def embedding(node, layouts, q):
 
 
 @register(aten.cross_entropy_loss.default)
-def cross_entropy(node, layouts, q):
+def cross_entropy(node, layouts, mesh):
     logits, target = node.args[:2]
     weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
     reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
@@ -56,9 +56,9 @@ def cross_entropy(node, layouts, q):
     ls = shape(logits)
     if len(ls) != 2 or weight is not None or reduction not in (1, 2) or smoothing:
         raise Unsupported("cross_entropy other than mean or sum over [N, V] logits without weights/smoothing")
-    if ls[0] % q:
-        raise Unsupported(f"{ls[0]} rows of logits not divisible by q={q}")
-    vocab_split = ls[1] % q == 0  # else each row block holds whole rows of logits
+    if ls[0] % mesh[0]:
+        raise Unsupported(f"{ls[0]} rows of logits not divisible by the {mesh[0]} mesh rows")
+    vocab_split = ls[1] % mesh[1] == 0  # else each row block holds whole rows of logits
     return Strategy(
         {logits: Layout((Shard(0), Shard(1) if vocab_split else Replicate())),
          target: Layout((Shard(0), Replicate()))},

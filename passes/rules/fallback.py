@@ -27,7 +27,7 @@ def creation(node) -> Strategy:
 
 
 @register(aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty, aten.scalar_tensor)
-def creation_like(node, layouts, q) -> Strategy:
+def creation_like(node, layouts, mesh) -> Strategy:
     """new_ones(x, size) and friends take only dtype and device from x: a whole tensor, x untouched."""
     return Strategy({}, REPLICATED)
 

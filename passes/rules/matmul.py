@@ -26,9 +26,9 @@ def _param_name(node) -> str:
     return node.meta.get("autopar_param", node.name)
 
 
-def _row_split(x, layouts, q) -> Shard:
+def _row_split(x, layouts, mesh) -> Shard:
     """The lead dim of x that the mesh rows split: x's own row split if it has one, else the first
-    lead dim divisible by q."""
+    lead dim divisible by the number of mesh rows."""
     lay = layouts.get(x)
     xs = shape(x)
     if lay is not None:
@@ -36,34 +36,38 @@ def _row_split(x, layouts, q) -> Shard:
         if isinstance(p, Shard) and p.dim < len(xs) - 1:
             return p
     for d in range(len(xs) - 1):
-        if xs[d] % q == 0:
+        if xs[d] % mesh[0] == 0:
             return Shard(d)
     raise ShardingError(
-        f"no leading dim of the matmul input {x.name} {tuple(xs)} is divisible by the grid's q={q}; "
-        f"the batch (or sequence) size must be a multiple of {q}"
+        f"no leading dim of the matmul input {x.name} {tuple(xs)} is divisible by the grid's {mesh[0]} rows; "
+        f"the batch (or sequence) size must be a multiple of {mesh[0]}"
     )
 
 
-def summa_strategy(node, layouts, q, x, w, bias, n_first: bool) -> Strategy:
+def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     """x [..., K] times weight w ([N, K] if n_first else [K, N]) plus an optional bias [N]."""
     ws = shape(w)
     kd, nd = (1, 0) if n_first else (0, 1)
     K, N = ws[kd], ws[nd]
-    if K % q or N % q:
-        raise ShardingError(
-            f"weight {_param_name(w)} of shape {tuple(ws)} cannot be split 2D on a {q}x{q} grid: "
-            f"in-features {K} and out-features {N} must both be divisible by {q}"
-        )
+    R, C = mesh
     ab = Layout((Shard(kd), Shard(nd)))
     abt = Layout((Shard(nd), Shard(kd)))
     have = layouts.get(w)
     transposed = have == abt
+    # x [.., K] splits K over the C columns; the output splits N over them; the weight splits its
+    # first math dim (K for AB, N for ABT) over the R rows
+    if K % C or N % C or (N if transposed else K) % R:
+        raise ShardingError(
+            f"weight {_param_name(w)} of shape {tuple(ws)} cannot be split 2D on a {R}x{C} grid: "
+            f"in-features {K} must be divisible by {C} and {R}, out-features {N} by {C}"
+            + (f" and {R} (it is also used transposed)" if transposed else "")
+        )
     k = fused_parts(node) if not transposed else 1
-    fused = k > 1 and N % (k * q) == 0
+    fused = k > 1 and N % (k * C) == 0
     if fused:
         ab = Layout((Shard(kd), Strided(nd, split_factor=k)))
     w_lay = abt if transposed else ab
-    rows = _row_split(x, layouts, q)
+    rows = _row_split(x, layouts, mesh)
     last = len(shape(x)) - 1
     out_rows = Shard(rows.dim if rows.dim < len(val(node).shape) - 1 else 0)
     n_split = Strided(0, split_factor=k) if fused else Shard(0)
@@ -114,11 +118,11 @@ def _is_weight(w, layouts) -> bool:
     return lay is None or all(split_dim(p) is not None for p in lay.placements)
 
 
-def partial_linear(node, layouts, q, x, w, kd: int) -> Strategy:
+def partial_linear(node, layouts, mesh, x, w, kd: int) -> Strategy:
     """A weight split over the columns along its in-features only (an LM head tied to an embedding
     whose vocabulary q does not divide): each rank multiplies its hidden slice, giving a partial sum
     over the columns of the [rows, N] output."""
-    rows = _row_split(x, layouts, q)
+    rows = _row_split(x, layouts, mesh)
     last = len(shape(x)) - 1
     return Strategy(
         {x: Layout((rows, Shard(last))), w: Layout((Replicate(), Shard(kd)))},
@@ -128,38 +132,38 @@ def partial_linear(node, layouts, q, x, w, kd: int) -> Strategy:
 
 
 @register(aten.linear.default)
-def linear(node, layouts, q):
+def linear(node, layouts, mesh):
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else None
     if bias is None and layouts.get(w) == Layout((Replicate(), Shard(1))):
-        return partial_linear(node, layouts, q, x, w, kd=1)
+        return partial_linear(node, layouts, mesh, x, w, kd=1)
     if not _is_weight(w, layouts):
         raise Unsupported("linear whose weight is not a 2-D parameter")
-    return summa_strategy(node, layouts, q, x, w, bias, n_first=True)
+    return summa_strategy(node, layouts, mesh, x, w, bias, n_first=True)
 
 
 @register(aten.addmm.default)
-def addmm(node, layouts, q):
+def addmm(node, layouts, mesh):
     bias, x, w = node.args[:3]
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(shape(bias)) != 1:
         raise Unsupported("addmm with beta/alpha or a 2-D bias")
     if not _is_weight(w, layouts):
-        return batched_local(node, layouts, q, x, w)
-    return summa_strategy(node, layouts, q, x, w, bias, n_first=False)
+        return batched_local(node, layouts, mesh, x, w)
+    return summa_strategy(node, layouts, mesh, x, w, bias, n_first=False)
 
 
 @register(aten.mm.default, aten.matmul.default, aten.bmm.default)
-def matmul(node, layouts, q):
+def matmul(node, layouts, mesh):
     a, b = node.args[:2]
     if len(shape(a)) >= 2 and _is_weight(b, layouts):
-        return summa_strategy(node, layouts, q, a, b, None, n_first=False)
-    return batched_local(node, layouts, q, a, b)
+        return summa_strategy(node, layouts, mesh, a, b, None, n_first=False)
+    return batched_local(node, layouts, mesh, a, b)
 
 
 @register(aten.baddbmm.default)
-def baddbmm(node, layouts, q):
+def baddbmm(node, layouts, mesh):
     inp, a, b = node.args[:3]
-    strat = batched_local(node, layouts, q, a, b)
+    strat = batched_local(node, layouts, mesh, a, b)
     out_lay = strat.output
     # the added tensor broadcasts against the [batch, m, n] output
     off = len(val(node).shape) - len(shape(inp))
@@ -171,7 +175,7 @@ def baddbmm(node, layouts, q):
     return strat
 
 
-def batched_local(node, layouts, q, a, b) -> Strategy:
+def batched_local(node, layouts, mesh, a, b) -> Strategy:
     """Activation @ activation: split batch dims stay split (the same way on both), matrix dims whole."""
     out_shape = tuple(val(node).shape)
     nout = len(out_shape)
@@ -188,7 +192,7 @@ def batched_local(node, layouts, q, a, b) -> Strategy:
             p = lay.normalized(len(shape(n)))[axis] if lay is not None else None
             if isinstance(p, Shard) and p.dim in maps[n]:
                 od = maps[n][p.dim]
-                if shape(n)[p.dim] == out_shape[od] and od not in chosen and out_shape[od] % q == 0:
+                if shape(n)[p.dim] == out_shape[od] and od not in chosen and out_shape[od] % mesh[axis] == 0:
                     pick = od
                     break
         chosen.append(pick)

@@ -1,6 +1,6 @@
 """LayerNorm / RMSNorm over the last dim, which the mesh columns split.
 
-The per-token statistics are sums over the hidden dim: each rank sums its h/q slice and the sums are
+The per-token statistics are sums over the hidden dim: each rank sums its h/C slice and the sums are
 all-reduced in the same-row group (forward and backward), about 2 numbers per token each way. The
 weight and bias are split like the hidden dim and replicated over the rows.
 """
@@ -16,7 +16,7 @@ from passes.rules import Strategy, Unsupported, register, shape
 aten = torch.ops.aten
 
 
-def _rows(lay, shape_, q):
+def _rows(lay, shape_, rows: int):
     """Keep a batch-side split over mesh axis 0 (any dim but the last), else split the batch dim:
     a replicated input is sliced for free, a partial one reduce-scattered (cheaper than all-reduced)."""
     nd = len(shape_)
@@ -24,16 +24,16 @@ def _rows(lay, shape_, q):
         p = lay.normalized(nd)[0]
         if isinstance(p, Shard) and p.dim < nd - 1:
             return p
-    return Shard(0) if nd >= 2 and shape_[0] % q == 0 else Replicate()
+    return Shard(0) if nd >= 2 and shape_[0] % rows == 0 else Replicate()
 
 
-def norm_strategy(node, layouts, q, x, params, n_norm):
+def norm_strategy(node, layouts, mesh, x, params, n_norm):
     if n_norm != 1:
         raise Unsupported("normalization over more than the last dim")
     xs = shape(x)
     nd = len(xs)
-    split = xs[-1] % q == 0
-    x_lay = Layout((_rows(layouts.get(x), xs, q), Shard(nd - 1) if split else Replicate()))
+    split = xs[-1] % mesh[1] == 0
+    x_lay = Layout((_rows(layouts.get(x), xs, mesh[0]), Shard(nd - 1) if split else Replicate()))
     p_lay = Layout((Replicate(), Shard(0) if split else Replicate()))
     need = {x: x_lay}
     need.update({p: p_lay for p in params if p is not None})
@@ -42,15 +42,15 @@ def norm_strategy(node, layouts, q, x, params, n_norm):
 
 
 @register(aten.layer_norm.default)
-def layer_norm(node, layouts, q):
+def layer_norm(node, layouts, mesh):
     x, normalized_shape = node.args[:2]
     w = node.args[2] if len(node.args) > 2 else None
     b = node.args[3] if len(node.args) > 3 else None
-    return norm_strategy(node, layouts, q, x, (w, b), len(normalized_shape))
+    return norm_strategy(node, layouts, mesh, x, (w, b), len(normalized_shape))
 
 
 @register(aten.rms_norm.default)
-def rms_norm(node, layouts, q):
+def rms_norm(node, layouts, mesh):
     x, normalized_shape = node.args[:2]
     w = node.args[2] if len(node.args) > 2 else None
-    return norm_strategy(node, layouts, q, x, (w,), len(normalized_shape))
+    return norm_strategy(node, layouts, mesh, x, (w,), len(normalized_shape))

@@ -40,7 +40,7 @@ def dim_map(in_shape, out_shape) -> dict:
     return {d: d + off for d in range(len(in_shape)) if in_shape[d] == out_shape[d + off]}
 
 
-def broadcast_strategy(node, layouts, out_shape, q, skip_dims=()) -> tuple:
+def broadcast_strategy(node, layouts, out_shape, mesh, skip_dims=()) -> tuple:
     """(input layouts, output layout) for an elementwise op over `out_shape`.
 
     `skip_dims` are output dims that must stay whole (e.g. the last dim of tril).
@@ -54,14 +54,14 @@ def broadcast_strategy(node, layouts, out_shape, q, skip_dims=()) -> tuple:
             p = lay[axis] if lay is not None else None
             if split_dim(p) is not None:
                 od = dim_map(shape(n), out_shape).get(p.dim % len(shape(n)))
-                if od is not None and od not in skip_dims and od not in out_ps and out_shape[od] % (q * parts(p)) == 0:
+                if od is not None and od not in skip_dims and od not in out_ps and out_shape[od] % (mesh[axis] * parts(p)) == 0:
                     chosen, kind = od, p
                     break
         if chosen is None:  # a partial input is reduce-scattered onto the first divisible dim it has
             full_dims = {od for n in ins if layouts.get(n) is not None and isinstance(layouts[n][axis], Partial)
                          for od in dim_map(shape(n), out_shape).values()}
             for od in sorted(full_dims):
-                if od not in skip_dims and od not in out_ps and out_shape[od] % q == 0 and od != len(out_shape) - 1:
+                if od not in skip_dims and od not in out_ps and out_shape[od] % mesh[axis] == 0 and od != len(out_shape) - 1:
                     chosen = od
                     break
         out_ps.append(chosen)
@@ -91,12 +91,12 @@ def _keeps_partial(node, layouts, axis) -> bool:
 
 
 @register(*POINTWISE)
-def pointwise(node, layouts, q):
+def pointwise(node, layouts, mesh):
     out = val(node)
     if not isinstance(out, torch.Tensor):
         raise Unsupported("non-tensor output")
     skip = (out.dim() - 1, out.dim() - 2) if node.target in (aten.tril.default, aten.triu.default) else ()
-    req, lay = broadcast_strategy(node, layouts, tuple(out.shape), q, skip)
+    req, lay = broadcast_strategy(node, layouts, tuple(out.shape), mesh, skip)
     for axis in range(2):  # sums of partial sums, and casts/copies of one, stay partial
         if _keeps_partial(node, layouts, axis):
             lay = lay.with_axis(axis, Partial("sum"))
@@ -105,7 +105,7 @@ def pointwise(node, layouts, q):
 
 
 @register(operator.getitem)
-def getitem(node, layouts, q):
+def getitem(node, layouts, mesh):
     """One piece of a multi-output op (split, unbind, ...), laid out as that op's rule said. The tuple
     is not listed as an input: it always arrives as it is, and is no tensor to redistribute."""
     src, idx = node.args[0], node.args[1]
@@ -124,7 +124,7 @@ def _reduced_dims(node) -> tuple:
 
 
 @register(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default)
-def reduction(node, layouts, q):
+def reduction(node, layouts, mesh):
     """A split reduced dim gives a partial result over its axis (sum, or avg for mean)."""
     x = node.args[0]
     lay = layouts[x]
@@ -148,7 +148,7 @@ def reduction(node, layouts, q):
 
 @register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
           aten.cumsum.default)
-def along_dim(node, layouts, q):
+def along_dim(node, layouts, mesh):
     """Ops that mix values along one dim: that dim must be whole, the others stay as they are."""
     x = node.args[0]
     nd = len(shape(x))

@@ -24,15 +24,15 @@ def _input_layout(layouts, x):
     return lay.normalized(len(shape(x)))
 
 
-def _through(x_lay, mapping, out_shape, q, in_shape=None):
+def _through(x_lay, mapping, out_shape, mesh, in_shape=None):
     """Keep each axis's split if `mapping` sends its dim somewhere divisible; else ask for it whole.
     An interleaved (Strided) split survives only a dim that keeps its size."""
     need, out = [], []
-    for p in x_lay.placements:
+    for axis, p in enumerate(x_lay.placements):
         if split_dim(p) is not None:
             od = mapping.get(p.dim)
             same = parts(p) == 1 or (in_shape is not None and in_shape[p.dim] == out_shape[od if od is not None else 0])
-            if od is not None and out_shape[od] % q == 0 and same:
+            if od is not None and out_shape[od] % mesh[axis] == 0 and same:
                 need.append(p)
                 out.append(moved(p, od))
                 continue
@@ -42,33 +42,33 @@ def _through(x_lay, mapping, out_shape, q, in_shape=None):
     return Layout(tuple(need)), Layout(tuple(out))
 
 
-def _perm_rule(node, layouts, q, perm):
+def _perm_rule(node, layouts, mesh, perm):
     x = node.args[0]
     lay = _input_layout(layouts, x)  # never None: propagate defers transposes of unplaced weights
     inv = {src: dst for dst, src in enumerate(perm)}
-    need, out = _through(lay, inv, tuple(val(node).shape), q, shape(x))
+    need, out = _through(lay, inv, tuple(val(node).shape), mesh, shape(x))
     return Strategy({x: need}, out)
 
 
 @register(aten.transpose.int)
-def transpose(node, layouts, q):
+def transpose(node, layouts, mesh):
     nd = len(shape(node.args[0]))
     a, b = node.args[1] % nd, node.args[2] % nd
     perm = list(range(nd))
     perm[a], perm[b] = perm[b], perm[a]
-    return _perm_rule(node, layouts, q, perm)
+    return _perm_rule(node, layouts, mesh, perm)
 
 
 @register(aten.t.default)
-def t(node, layouts, q):
+def t(node, layouts, mesh):
     nd = len(shape(node.args[0]))
-    return _perm_rule(node, layouts, q, list(range(nd))[::-1])
+    return _perm_rule(node, layouts, mesh, list(range(nd))[::-1])
 
 
 @register(aten.permute.default)
-def permute(node, layouts, q):
+def permute(node, layouts, mesh):
     nd = len(shape(node.args[0]))
-    return _perm_rule(node, layouts, q, [d % nd for d in node.args[1]])
+    return _perm_rule(node, layouts, mesh, [d % nd for d in node.args[1]])
 
 
 def reshape_groups(src, dst) -> list:
@@ -114,24 +114,24 @@ def reshape_mapping(src, dst) -> dict:
 @register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
           aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
           aten.squeeze.default)
-def reshape(node, layouts, q):
+def reshape(node, layouts, mesh):
     x = node.args[0]
     # a view of an unplaced parameter stores it whole: propagate passes a consumer's request back
     # through transposes only, and would misread a view as one
     lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
     src, dst = shape(x), tuple(val(node).shape)
-    need, out = _through(lay, reshape_mapping(src, dst), dst, q, src)
+    need, out = _through(lay, reshape_mapping(src, dst), dst, mesh, src)
     return Strategy({x: need}, out)
 
 
 @register(aten.expand.default)
-def expand(node, layouts, q):
+def expand(node, layouts, mesh):
     x = node.args[0]
     lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
     src, dst = shape(x), tuple(val(node).shape)
     off = len(dst) - len(src)
     mapping = {d: d + off for d in range(len(src)) if src[d] == dst[d + off]}
-    need, out = _through(lay, mapping, dst, q, src)
+    need, out = _through(lay, mapping, dst, mesh, src)
     return Strategy({x: need}, out)
 
 
@@ -146,7 +146,7 @@ def _whole_along(layouts, x, dim):
 
 
 @register(aten.slice.Tensor, aten.narrow.default)
-def slice_(node, layouts, q):
+def slice_(node, layouts, mesh):
     x = node.args[0]
     nd = len(shape(x))
     dim = (node.args[1] if len(node.args) > 1 else 0) % nd
@@ -158,7 +158,7 @@ def slice_(node, layouts, q):
 
 
 @register(aten.select.int)
-def select(node, layouts, q):
+def select(node, layouts, mesh):
     x = node.args[0]
     dim = node.args[1] % len(shape(x))
     lay = _whole_along(layouts, x, dim)
@@ -167,7 +167,7 @@ def select(node, layouts, q):
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
-def split(node, layouts, q):
+def split(node, layouts, mesh):
     x = node.args[0]
     nd = len(shape(x))
     dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
@@ -189,7 +189,7 @@ def split(node, layouts, q):
 
 
 @register(aten.cat.default)
-def cat(node, layouts, q):
+def cat(node, layouts, mesh):
     xs = tensor_inputs(node)
     nd = len(val(node).shape)
     dim = (node.args[1] if len(node.args) > 1 else 0) % nd
@@ -198,7 +198,7 @@ def cat(node, layouts, q):
 
 
 @register(aten.repeat.default)
-def repeat(node, layouts, q):
+def repeat(node, layouts, mesh):
     x = node.args[0]
     reps = list(node.args[1])
     off = len(reps) - len(shape(x))
