@@ -120,6 +120,29 @@ def inspect_cmd(ns) -> int:
     return 0
 
 
+def calibrate_cmd(ns) -> int:
+    """`autopar calibrate`: measure alpha, beta per mesh axis and the matmul rate, write them as JSON.
+    Under torchrun (RANK, WORLD_SIZE set) this process joins torchrun's group (nccl when it has a GPU);
+    otherwise it spawns R*C local gloo processes."""
+    import functools
+    import os
+
+    from autopar.calibrate import SIZES, check_args, main_worker
+    from autopar.launch import run
+
+    (R, C), sizes = ns.grid, tuple(ns.sizes or SIZES)
+    if min(R, C) < 1:
+        raise SystemExit(f"autopar calibrate: --grid {R} {C}: both must be positive, e.g. --grid 2 2")
+    try:
+        check_args(sizes, ns.repeats)
+    except ValueError as e:
+        raise SystemExit(f"autopar {e}") from None
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    backend = "nccl" if torchrun and torch.cuda.is_available() else "gloo"
+    run(functools.partial(main_worker, grid=(R, C), out_path=ns.out, sizes=sizes, repeats=ns.repeats), R * C, backend)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -141,7 +164,15 @@ def main(argv=None) -> int:
     p.add_argument("--dot", metavar="FILE", help="write the graph (Graphviz DOT, or HTML for *.html)")
     p.add_argument("--plot", metavar="FILE", help="plot bytes and parameters per rank against p, 2D and 1D "
                                                    "(a sweep up to --sweep or 64; needs matplotlib)")
+    p = sub.add_parser("calibrate", help="measure the alpha-beta communication model and matmul rate here")
+    p.add_argument("--grid", type=int, nargs=2, required=True, metavar=("R", "C"), help="rows and columns")
+    p.add_argument("--out", default="autopar-calibration.json", help="where to write the JSON")
+    p.add_argument("--sizes", type=int, nargs="+", metavar="BYTES",
+                   help="message sizes in bytes, multiples of 4 (default 4096 65536 1048576 4194304)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per size (median taken)")
     ns = parser.parse_args(argv)
+    if ns.cmd == "calibrate":
+        return calibrate_cmd(ns)
     for kv in ns.set:
         if "=" not in kv:
             parser.error(f"--set {kv!r}: expected KEY=VALUE")

@@ -54,7 +54,7 @@ def _kernel(node: Node, grid: Grid, lowering: str):
     tag = node.name
     if strat.kernel == "summa":
         e = strat.extra
-        module = kernels.SummaLinear(grid, e["transposed"], e["flip"], tag, lowering)
+        module = kernels.SummaLinear(grid, e["transposed"], e["flip"], tag, node.meta.get("autopar_lowering", lowering))
         args = (e["x"], e["w"]) + ((e["bias"],) if e["bias"] is not None else ())
     elif strat.kernel == "norm":
         layer = node.target == aten.layer_norm.default

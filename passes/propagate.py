@@ -126,9 +126,11 @@ def _storable(need: Layout, fused: str) -> Layout:
     interleaved (Strided) request is stored as plain blocks and regrouped in the graph each step, so
     every parameter is an ordinary sharded DTensor (torch.distributed.checkpoint cannot save Strided
     ones); with fused='interleave' it is stored interleaved and no regrouping runs."""
+    stored = tuple(Replicate() if isinstance(p, Partial) else p for p in need.placements)  # a bias added
+    # once to a partial sum is stored whole and zeroed on all but one member in the graph
     if fused == "interleave":
-        return need
-    return Layout(tuple(Shard(p.dim) if parts(p) > 1 else p for p in need.placements))
+        return Layout(stored)
+    return Layout(tuple(Shard(p.dim) if parts(p) > 1 else p for p in stored))
 
 
 def _refuse_fallback(node: Node, why: str) -> None:

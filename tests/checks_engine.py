@@ -130,8 +130,8 @@ def expect_error(rank, kind):
     try:
         if kind == "world":
             autopar.parallelize(TinyGPT(cfg), grid=(3, 3), example_inputs=(ids,))
-        elif kind == "nonsquare":
-            autopar.parallelize(TinyGPT(cfg), grid=(4, 1), example_inputs=(ids,))
+        elif kind == "rect_wrong_size":
+            autopar.parallelize(TinyGPT(cfg), grid=(1, 2), example_inputs=(ids,))
         elif kind == "indivisible":
             autopar.parallelize(torch.nn.Sequential(torch.nn.Linear(16, 7)), grid=(2, 2),
                                 example_inputs=(torch.randn(4, 16),), indivisible="error")

@@ -32,7 +32,7 @@ def test_summa_bytes_equal_analytic_volume(pool4, lowering):
     for rank, r in enumerate(res):
         assert r["summa"] == want, f"rank {rank}: measured {r['summa']} != analytic {want}"
         assert r["planned"] == r["total"], f"rank {rank}: explain plans {r['planned']} B, ran {r['total']} B"
-        assert any("e*(q - 1)*(K*M + K*N)/q**2" in line for line in r["why"]), r["why"][:3]
+        assert any("e*(K*M*(C - 1) + K*N*(R - 1))/(C*R)" in line for line in r["why"]), r["why"][:3]
 
 
 def test_memory_per_rank(pool4):

@@ -19,11 +19,11 @@ def test_world_size_mismatch(pool4):
     assert "grid=(3, 3) needs 9 processes" in msg and "world size 4" in msg
 
 
-def test_non_square_grid(pool4):
-    """Rectangular grids are not supported by the SUMMA engine yet: say so, and what to use."""
-    kind, msg = _first(pool4, "nonsquare")
+def test_rectangular_grid_of_the_wrong_size(pool4):
+    """A rectangular grid is fine, but its R*C must match the world size: say both numbers."""
+    kind, msg = _first(pool4, "rect_wrong_size")
     assert kind == "ValueError"
-    assert "grid=(4, 1) is not square" in msg and "grid=(q, q)" in msg
+    assert "grid=(1, 2) needs 2 processes" in msg and "world size 4" in msg
 
 
 def test_indivisible_weight_is_an_error_when_asked(pool4):
@@ -31,7 +31,7 @@ def test_indivisible_weight_is_an_error_when_asked(pool4):
     kind, msg = _first(pool4, "indivisible")
     assert kind == "ShardingError"
     assert "weight 0.weight of shape (7, 16)" in msg
-    assert "in-features 16 and out-features 7 must both be divisible by 2" in msg
+    assert "out-features 7 by 2 (columns)" in msg
     assert "indivisible='replicate'" in msg
 
 

@@ -26,6 +26,8 @@ def embedding(node, layouts, mesh):
     table, ids = node.args[:2]
     V, h = shape(table)
     have = layouts.get(table)
+    if have is None and node.meta.get("autopar_choice") in ("1d", "col") and V % mesh[1] == 0:
+        have = Layout((Replicate(), Shard(0)))  # 1D: vocab over the columns (Megatron's vocab-parallel table)
     if have is None:  # a vocabulary R does not divide keeps the hidden split (an LM head tied to it
         # then runs a local matmul whose output is a partial sum over the columns)
         have = Layout((Shard(0), Shard(1))) if V % mesh[0] == 0 and h % mesh[1] == 0 else (

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Layout, ShardingError, Strided, split_dim
+from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim
 from passes.rules import Strategy, Unsupported, register, shape, val
 
 aten = torch.ops.aten
@@ -59,8 +59,8 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     if K % C or N % C or (N if transposed else K) % R:
         raise ShardingError(
             f"weight {_param_name(w)} of shape {tuple(ws)} cannot be split 2D on a {R}x{C} grid: "
-            f"in-features {K} must be divisible by {C} and {R}, out-features {N} by {C}"
-            + (f" and {R} (it is also used transposed)" if transposed else "")
+            f"in-features {K} must be divisible by {C} (columns) and {R} (rows), out-features {N} by {C} (columns)"
+            + (f" and {R} (rows; it is also used transposed)" if transposed else "")
         )
     k = fused_parts(node) if not transposed else 1
     fused = k > 1 and N % (k * C) == 0
@@ -118,28 +118,96 @@ def _is_weight(w, layouts) -> bool:
     return lay is None or all(split_dim(p) is not None for p in lay.placements)
 
 
-def partial_linear(node, layouts, mesh, x, w, kd: int) -> Strategy:
+def partial_linear(node, layouts, mesh, x, w, kd: int, bias=None) -> Strategy:
     """A weight split over the columns along its in-features only (an LM head tied to an embedding
     whose vocabulary q does not divide): each rank multiplies its hidden slice, giving a partial sum
     over the columns of the [rows, N] output."""
     rows = _row_split(x, layouts, mesh)
     last = len(shape(x)) - 1
-    return Strategy(
-        {x: Layout((rows, Shard(last))), w: Layout((Replicate(), Shard(kd)))},
-        Layout((Shard(rows.dim), Partial("sum"))),
-        note="local matmul on hidden slices (partial over columns)",
-    )
+    need = {x: Layout((rows, Shard(last))), w: Layout((Replicate(), Shard(kd)))}
+    if bias is not None:
+        need[bias] = Layout((Replicate(), Partial("sum")))
+    return Strategy(need, Layout((Shard(rows.dim), Partial("sum"))),
+                    note="local matmul on hidden slices (partial over columns)")
+
+
+CHOICES = ("2d", "col", "row", "rep")  # per weight matmul; "1d" = col or row, whichever the input suits
+
+
+def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) -> Strategy:
+    """Megatron-style 1D tensor parallelism over the C mesh columns, with the batch split over the R
+    rows (data parallel over the rows; the weight's gradient is all-reduced over them):
+
+        col  x (rows, whole) . W split by out-features -> y (rows, out-features split)
+        row  x (rows, in-features split) . W split by in-features -> y (rows, partial sum over columns)
+        rep  x (rows, whole) . W whole -> y (rows, whole)
+
+    The aten op runs unchanged on the local blocks; the insertion pass adds the all-reduces: the
+    input's gradient over the columns for col (Megatron's f), the partial output when a consumer needs
+    it whole (g), the weight's gradient over the rows.
+    """
+    R, C = mesh
+    ws = shape(w)
+    kd, nd = (1, 0) if n_first else (0, 1)
+    K, N = ws[kd], ws[nd]
+    if kind == "1d":
+        lay = layouts.get(x)
+        last = len(shape(x)) - 1
+        split_in = lay is not None and split_dim(lay.normalized(last + 1)[1]) == last
+        kind = "row" if split_in and K % C == 0 else "col"
+    rows = _row_split(x, layouts, mesh)
+    last = len(shape(x)) - 1
+    out_last = len(val(node).shape) - 1
+    out_rows = Shard(rows.dim if rows.dim < out_last else 0)
+    if kind == "col":
+        k = fused_parts(node)
+        fused = k > 1 and N % (k * C) == 0
+        if N % C:
+            raise ShardingError(f"weight {_param_name(w)} of shape {tuple(ws)}: out-features {N} not divisible "
+                                f"by the {C} mesh columns (1D column split)")
+        n_split = (lambda d: Strided(d, split_factor=k)) if fused else Shard
+        need = {x: Layout((rows, Replicate())), w: Layout((Replicate(), n_split(nd)))}
+        if bias is not None:
+            need[bias] = Layout((Replicate(), n_split(0)))
+        return Strategy(need, Layout((out_rows, n_split(out_last))), note="1D column split" + (f", fused x{k}" if fused else ""),
+                        extra={"choice": "col"})
+    if kind == "row":
+        if K % C:
+            raise ShardingError(f"weight {_param_name(w)} of shape {tuple(ws)}: in-features {K} not divisible "
+                                f"by the {C} mesh columns (1D row split)")
+        need = {x: Layout((rows, Shard(last))), w: Layout((Replicate(), Shard(kd)))}
+        if bias is not None:  # added once: by column 0 of the partial sum
+            need[bias] = Layout((Replicate(), Partial("sum")))
+        return Strategy(need, Layout((out_rows, Partial("sum"))), note="1D row split (partial over columns)",
+                        extra={"choice": "row"})
+    need = {x: Layout((rows, Replicate())), w: REPLICATED}
+    if bias is not None:
+        need[bias] = REPLICATED
+    return Strategy(need, Layout((out_rows, Replicate())), note="weight replicated", extra={"choice": "rep"})
+
+
+def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
+    """The strategy `node.meta["autopar_choice"]` names (default: 2D SUMMA) for an unplaced weight; a
+    weight already placed by an earlier use (tied to an embedding) keeps its layout's strategy."""
+    choice = node.meta.get("autopar_choice", "2d")
+    if choice == "2d" or layouts.get(w) is not None:
+        strat = summa_strategy(node, layouts, mesh, x, w, bias, n_first)
+        strat.extra["choice"] = "2d"
+        return strat
+    return one_d_strategy(node, layouts, mesh, x, w, bias, n_first, choice)
 
 
 @register(aten.linear.default)
 def linear(node, layouts, mesh):
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else None
-    if bias is None and layouts.get(w) == Layout((Replicate(), Shard(1))):
-        return partial_linear(node, layouts, mesh, x, w, kd=1)
+    if layouts.get(w) == Layout((Replicate(), Shard(1))):
+        return partial_linear(node, layouts, mesh, x, w, kd=1, bias=bias)
+    if layouts.get(w) == Layout((Replicate(), Shard(0))):  # tied to a table whose vocab splits over columns
+        return one_d_strategy(node, layouts, mesh, x, w, bias, True, "col")
     if not _is_weight(w, layouts):
         raise Unsupported("linear whose weight is not a 2-D parameter")
-    return summa_strategy(node, layouts, mesh, x, w, bias, n_first=True)
+    return weight_strategy(node, layouts, mesh, x, w, bias, n_first=True)
 
 
 @register(aten.addmm.default)
@@ -149,14 +217,14 @@ def addmm(node, layouts, mesh):
         raise Unsupported("addmm with beta/alpha or a 2-D bias")
     if not _is_weight(w, layouts):
         return batched_local(node, layouts, mesh, x, w)
-    return summa_strategy(node, layouts, mesh, x, w, bias, n_first=False)
+    return weight_strategy(node, layouts, mesh, x, w, bias, n_first=False)
 
 
 @register(aten.mm.default, aten.matmul.default, aten.bmm.default)
 def matmul(node, layouts, mesh):
     a, b = node.args[:2]
     if len(shape(a)) >= 2 and _is_weight(b, layouts):
-        return summa_strategy(node, layouts, mesh, a, b, None, n_first=False)
+        return weight_strategy(node, layouts, mesh, a, b, None, n_first=False)
     return batched_local(node, layouts, mesh, a, b)
 
 

@@ -1,0 +1,293 @@
+"""`autopar calibrate`: measure the alpha-beta communication model and the matmul rate on the machines
+at hand, and store them as a small JSON file the planner reads.
+
+The model per mesh axis is `time = alpha + bytes / beta`, with `bytes` the bytes *received per rank*
+under the conventions of passes.mesh.CommLog (broadcast of N bytes -> N on a non-root; all-reduce of
+N bytes -> 2(g-1)N/g on a group of g). Both collectives are timed at a few sizes in that axis's group
+and one straight line is fitted to all the points, so alpha is the per-collective latency and beta
+the per-rank bandwidth the planner should assume. An axis of size 1 never communicates: alpha 0 and
+beta inf (written as null in JSON, since JSON has no infinity).
+
+In memory a model is a dict (see `DEFAULT` for the schema) whose beta is a float, inf included;
+`save` and `load` convert inf to null and back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+
+VERSION = 1
+KEYS = ("version", "source", "grid", "backend", "device", "axes", "flops_per_s", "when")
+AXIS_KEYS = ("alpha_s", "beta_bytes_per_s", "points")
+SIZES = (4096, 65536, 1 << 20, 4 << 20)  # bytes per collective: latency-bound up to bandwidth-bound
+MATMUL_N = 1024  # fp32 [n, n] @ [n, n] for the matmul rate
+RERUN = "re-run `autopar calibrate --grid R C` to write a fresh one"
+
+DEFAULT = {
+    "version": VERSION,
+    "source": "default: published NVLink/InfiniBand figures",
+    "grid": [8, 8],  # 64 GPUs in 8 nodes of 8: axis 1 (consecutive ranks) inside a node, axis 0 across nodes
+    "backend": "nccl",
+    "device": "cuda",
+    "axes": [
+        # axis 0 crosses nodes: one 200 Gb/s InfiniBand NDR HCA per GPU = 25 GB/s; ~20 us per collective
+        {"alpha_s": 2e-5, "beta_bytes_per_s": 25e9, "points": []},
+        # axis 1 inside a node: NVLink 4 is 900 GB/s bidirectional per H100 (NVIDIA); ~150 GB/s is a
+        # conservative achieved per-rank bus bandwidth for ring collectives; ~10 us per collective
+        {"alpha_s": 1e-5, "beta_bytes_per_s": 150e9, "points": []},
+    ],
+    "flops_per_s": 400e12,  # a realistic bf16 fraction of the H100 SXM's 989 TFLOP/s dense (NVIDIA datasheet)
+    "when": "2026-11-30T00:00:00+00:00",  # when these figures were written down, not measured
+}
+
+
+# ----------------------------------------------------------------------------------------- pure parts
+
+
+def received_bytes(op: str, nbytes: int, group_size: int) -> float:
+    """Bytes one rank receives for `op` on an `nbytes` tensor in a group of `group_size` (CommLog
+    conventions: broadcast -> N on a non-root, all-reduce -> 2(g-1)N/g, a ring)."""
+    if op == "broadcast":
+        return float(nbytes)
+    if op == "all_reduce":
+        return 2.0 * (group_size - 1) * nbytes / group_size
+    raise ValueError(f"received_bytes: op {op!r} is not one of 'broadcast', 'all_reduce'")
+
+
+def fit_alpha_beta(points) -> tuple[float, float]:
+    """Least-squares fit of `seconds = alpha + bytes / beta` to [[bytes, seconds], ...], with alpha >= 0
+    and 0 < beta < inf.
+
+    A negative intercept is refitted through the origin (alpha = 0). A slope <= 0 (time flat or
+    falling with size: noise dominates, e.g. only small messages) leaves no bandwidth to read off;
+    then alpha is the mean time and beta the best throughput any point reached, max(bytes / seconds),
+    which is a lower bound of the true beta (seconds >= bytes / beta at every point) and so errs on
+    the pessimistic side.
+    """
+    if len(points) < 1:
+        raise ValueError("fit_alpha_beta: no points to fit; measure at least one size")
+    xs = [float(x) for x, _ in points]
+    ts = [float(t) for _, t in points]
+    if min(xs) <= 0 or min(ts) <= 0:
+        raise ValueError(f"fit_alpha_beta: every point needs bytes > 0 and seconds > 0, got {points}")
+    n, mx, mt = len(xs), sum(xs) / len(xs), sum(ts) / len(ts)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx > 0:
+        slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx
+        alpha = mt - slope * mx
+    else:  # a single size: no intercept can be told apart; fit through the origin
+        slope, alpha = -1.0, -1.0
+    if alpha < 0:
+        alpha, slope = 0.0, sum(x * t for x, t in zip(xs, ts)) / sum(x * x for x in xs)
+    if slope <= 0:
+        return sum(ts) / n, max(x / t for x, t in zip(xs, ts))
+    return alpha, 1.0 / slope
+
+
+def unit_axis() -> dict:
+    """The model of an axis of size 1: it never communicates."""
+    return {"alpha_s": 0.0, "beta_bytes_per_s": math.inf, "points": []}
+
+
+def summary(model: dict) -> str:
+    """A few human lines: per axis alpha in microseconds and beta in GB/s, and the matmul rate."""
+    head = (f"autopar calibration ({model['source']}): grid {model['grid'][0]}x{model['grid'][1]}, "
+            f"backend {model['backend']}, device {model['device']}, {model['when']}")
+    lines = [head]
+    for axis, ax in enumerate(model["axes"]):
+        beta = ax["beta_bytes_per_s"]
+        if beta is None or math.isinf(beta):
+            lines.append(f"  mesh axis {axis}: size 1, no communication")
+        else:
+            lines.append(f"  mesh axis {axis}: alpha {ax['alpha_s'] * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s "
+                         f"({len(ax['points'])} points)")
+    lines.append(f"  matmul: {model['flops_per_s'] / 1e9:.1f} GFLOP/s")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- storage
+
+
+def save(model: dict, path) -> None:
+    """Write `model` as JSON to `path` (beta inf -> null); written to a temporary file first, so a
+    reader never sees half a file."""
+    out = dict(model)
+    out["axes"] = [dict(ax, beta_bytes_per_s=_json_beta(ax["beta_bytes_per_s"])) for ax in model["axes"]]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _json_beta(beta):
+    """inf (an axis that never communicates) as null: JSON has no infinity."""
+    return None if beta is None or math.isinf(beta) else float(beta)
+
+
+def load(path) -> dict:
+    """Read a calibration written by `save`, check its version and keys, and return it with beta
+    null read back as inf. Raises ValueError naming what is wrong."""
+    try:
+        with open(path) as f:
+            model = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a JSON calibration file ({e}); {RERUN}") from None
+    return validate(model, where=str(path))
+
+
+def validate(model, where: str = "calibration") -> dict:
+    """`model` checked against the schema (version 1), with beta null as inf; ValueError otherwise."""
+    if not isinstance(model, dict):
+        # ValueError, not TypeError: a damaged file is one kind of error for the caller to catch
+        raise ValueError(f"{where}: expected a JSON object, got {type(model).__name__}; {RERUN}")  # noqa: TRY004
+    if model.get("version") != VERSION:
+        raise ValueError(f"{where}: calibration version {model.get('version')!r}, this autopar reads version "
+                         f"{VERSION}; {RERUN}")
+    missing = [k for k in KEYS if k not in model]
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing} (expected {list(KEYS)}); {RERUN}")
+    grid, axes = model["grid"], model["axes"]
+    if not (isinstance(grid, list) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
+        raise ValueError(f"{where}: 'grid' must be [R, C] with positive ints, got {grid!r}; {RERUN}")
+    if not (isinstance(axes, list) and len(axes) == 2):
+        raise ValueError(f"{where}: 'axes' must list one entry per mesh axis (2), got {axes!r}; {RERUN}")
+    out_axes = []
+    for axis, ax in enumerate(axes):
+        bad = [k for k in AXIS_KEYS if not isinstance(ax, dict) or k not in ax]
+        if bad:
+            raise ValueError(f"{where}: axes[{axis}] lacks {bad} (expected {list(AXIS_KEYS)}); {RERUN}")
+        beta = math.inf if ax["beta_bytes_per_s"] is None else float(ax["beta_bytes_per_s"])
+        if float(ax["alpha_s"]) < 0 or beta <= 0:
+            raise ValueError(f"{where}: axes[{axis}] needs alpha_s >= 0 and beta_bytes_per_s > 0 (or null), got "
+                             f"{ax['alpha_s']!r}, {ax['beta_bytes_per_s']!r}; {RERUN}")
+        out_axes.append(dict(ax, alpha_s=float(ax["alpha_s"]), beta_bytes_per_s=beta))
+    if not float(model["flops_per_s"]) > 0:
+        raise ValueError(f"{where}: 'flops_per_s' must be > 0, got {model['flops_per_s']!r}; {RERUN}")
+    return dict(model, axes=out_axes, flops_per_s=float(model["flops_per_s"]))
+
+
+# ----------------------------------------------------------------------------------------- measuring
+
+
+def _timer(sync):
+    """Seconds of one call of fn(), with the device synchronized on both sides."""
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+    return timed
+
+
+def _median_time(fn, repeats: int, timed, before=lambda: None) -> float:
+    """Median over `repeats` timed calls of fn() after one untimed warm-up; before() runs untimed
+    ahead of each call (a barrier, so all ranks start together)."""
+    before()
+    fn()
+    times = []
+    for _ in range(repeats):
+        before()
+        times.append(timed(fn))
+    return statistics.median(times)
+
+
+def _slowest(values: list[float], device) -> list[float]:
+    """Elementwise max over all ranks of the default group: a collective is as slow as its slowest
+    member, and the planner must assume that."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _axis_times(grid, axis: int, sizes, repeats: int, device, timed) -> list[tuple[float, float]]:
+    """(bytes received per rank, median seconds on this rank) for broadcast and all-reduce of each size
+    in the group of mesh `axis`."""
+    group, g = grid.group(axis), grid.size(axis)
+    root = grid.global_rank(axis, 0)  # broadcast takes a global rank
+    out = []
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        real = t.numel() * t.element_size()
+        ops = {"broadcast": lambda t=t: dist.broadcast(t, src=root, group=group),
+               "all_reduce": lambda t=t: dist.all_reduce(t, group=group)}
+        for op, fn in ops.items():
+            sec = _median_time(fn, repeats, timed, before=lambda: dist.barrier(group=group))
+            out.append((received_bytes(op, real, g), sec))
+    return out
+
+
+def matmul_seconds(repeats: int, device, timed, n: int = MATMUL_N) -> float:
+    """Median seconds of one fp32 [n, n] @ [n, n] on this rank, with the threads the caller set."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    return _median_time(lambda: a @ b, repeats, timed)
+
+
+def check_args(sizes, repeats: int) -> None:
+    """ValueError unless every size is a positive multiple of 4 bytes (fp32) and repeats >= 1."""
+    bad = [s for s in sizes if not (isinstance(s, int) and s >= 4 and s % 4 == 0)]
+    if not sizes or bad:
+        raise ValueError(f"calibrate: sizes {list(sizes)}: each must be a positive multiple of 4 bytes "
+                         f"(fp32 tensors), e.g. {list(SIZES)}")
+    if repeats < 1:
+        raise ValueError(f"calibrate: repeats={repeats}: must be >= 1 (5 is the default)")
+
+
+def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
+    """Measure the alpha-beta model of both mesh axes and the matmul rate; call on every rank of an
+    initialized default process group of world size R*C. Every rank returns the same dict (times are
+    the max over ranks of each rank's median). On CUDA with nccl tensors live on the current device
+    and timings synchronize it."""
+    from passes.mesh import Grid
+
+    check_args(sizes, repeats)
+    R, C = grid
+    backend = dist.get_backend()
+    cuda = torch.cuda.is_available() and backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    timed = _timer(torch.cuda.synchronize if cuda else (lambda: None))
+    mesh = Grid(R, C, device_type="cuda" if cuda else "cpu")
+    axes = []
+    for axis in (0, 1):
+        if mesh.size(axis) == 1:
+            axes.append(unit_axis())
+            continue
+        local = _axis_times(mesh, axis, sizes, repeats, device, timed)
+        worst = _slowest([sec for _, sec in local], device)
+        points = [[nbytes, sec] for (nbytes, _), sec in zip(local, worst)]
+        alpha, beta = fit_alpha_beta(points)
+        axes.append({"alpha_s": alpha, "beta_bytes_per_s": beta, "points": points})
+    (mm,) = _slowest([matmul_seconds(repeats, device, timed)], device)
+    return {
+        "version": VERSION,
+        "source": "calibrate",
+        "grid": [R, C],
+        "backend": backend,
+        "device": "cuda" if cuda else "cpu",
+        "axes": axes,
+        "flops_per_s": 2 * MATMUL_N**3 / mm,
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def main_worker(rank: int, grid, out_path, sizes=SIZES, repeats: int = 5) -> dict:
+    """One rank of `autopar calibrate`: measure, and on rank 0 save to `out_path` and print a summary.
+    Under nccl it first binds this process to its GPU (LOCAL_RANK, as torchrun sets it)."""
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    model = measure(tuple(grid), tuple(sizes), repeats)
+    if rank == 0:
+        save(model, out_path)
+        print(summary(model))
+        print(f"wrote {out_path}", flush=True)
+    return model
