@@ -22,6 +22,8 @@ from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
 from passes.ops.summa import LOWERINGS
+from passes import strategy as strategies
+from autopar import calibrate
 
 __all__ = ["parallelize", "ParallelModule", "FallbackWarning"]
 
@@ -37,6 +39,7 @@ class Compiled:
     out_layouts: list  # per flat output: (Layout, global shape) or None for non-tensors
     fallbacks: list
     random: bool = False  # the graph draws random numbers (dropout)
+    choice: object = None  # strategy="auto": the passes.strategy.Choice made
 
 
 _RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
@@ -88,7 +91,7 @@ def _cache_off_kwargs(model) -> dict:
 
 
 def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, fused: str,
-             on_unsupported: str) -> tuple:
+             on_unsupported: str, strategy="2d", cost_model=None, memory_limit=None) -> tuple:
     _refuse_kv_cache(kwargs)
     device = _input_device(args, kwargs)
     meta = any(p.is_meta for p in model.parameters())
@@ -99,6 +102,13 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
     cap.device = device
     if meta:
         retarget_meta(cap.gm, device)
+    choice = None
+    if grid.world > 1 and strategy == "1d":
+        strategies.fixed(cap.gm, "1d")
+    elif grid.world > 1 and strategy == "auto":
+        choice = strategies.choose(cap.gm, grid.shape, _cost_model(cost_model), memory_limit, indivisible, fused)
+    elif grid.world > 1 and isinstance(strategy, dict):  # a recompile repeats the first compile's choice
+        strategies.apply(cap.gm, strategies.find_units(cap.gm), strategy["assignment"], strategy["lowerings"])
     prop = propagate(cap.gm, grid.shape, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported)
     if grid.world > 1:
         gm = insert_collectives(cap.gm, grid, lowering)
@@ -119,7 +129,14 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
             FallbackWarning,
             stacklevel=3,
         )
-    return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm)), prop.param_layouts
+    return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm), choice), prop.param_layouts
+
+
+def _cost_model(spec) -> strategies.CostModel:
+    """None (published GPU-cluster figures), a CostModel, a dict or a path of `autopar calibrate` JSON."""
+    if spec is None or isinstance(spec, strategies.CostModel):
+        return spec or strategies.CostModel.from_dict(calibrate.DEFAULT)
+    return strategies.CostModel.from_dict(calibrate.validate(spec) if isinstance(spec, dict) else calibrate.load(spec))
 
 
 def _plan_text(comp: Compiled, layouts: dict) -> str:
@@ -338,12 +355,25 @@ class ParallelModule(nn.Module):
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
                 lowering: str = "broadcast", indivisible: str = "replicate",
                 fused: str = "regroup", on_unsupported: str = "replicate", timeout: float | None = None,
-                check_inputs: bool = False) -> ParallelModule:
-    """Compile `model` for 2D tensor parallelism on a q x q grid; call on every rank.
+                check_inputs: bool = False, strategy: str = "2d", cost_model=None,
+                memory_limit: float | None = None) -> ParallelModule:
+    """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
         model: an unmodified nn.Module (it is not changed; its weights are copied into shards).
-        grid: (q, q); q*q must equal the world size of the default process group.
+        grid: (R, C), e.g. (2, 2) or (2, 4); R*C must equal the world size of the default process
+            group. Activations split batch over the R rows and hidden over the C columns. (dp, R, C)
+            runs dp data-parallel replicas of the grid.
+        strategy: how each weight matmul is split. '2d' (default): SUMMA on the grid. '1d':
+            Megatron-style column/row splits over the C columns (batch over the R rows; on a (1, p)
+            grid this is plain 1D tensor parallelism). 'auto': per matmul group (q|k|v, gate|up, one
+            projection, an embedding) the option among 2d / 1d / replicated with the smallest
+            estimated step time whose per-rank memory fits `memory_limit` (see passes/strategy.py and
+            `explain`, which shows each choice against its alternatives).
+        cost_model: for strategy='auto': the JSON path (or dict) `autopar calibrate` wrote, or None
+            for published GPU-cluster figures (NVLink inside a node, InfiniBand across nodes).
+        memory_limit: for strategy='auto': bytes per rank (parameters, gradients, Adam states and
+            activations, estimated); None: no limit.
         example_inputs / example_kwargs: one call's inputs, used to capture the graph.
         lowering: 'broadcast' (the paper's stepwise SUMMA) or 'allgather' (gather panels, one matmul).
         indivisible: 'replicate' (default) runs a matmul whose weight dims q does not divide unsplit
@@ -371,6 +401,9 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         raise ValueError(f"fused={fused!r}: expected 'regroup' or 'interleave'")
     if on_unsupported not in ("replicate", "error"):
         raise ValueError(f"on_unsupported={on_unsupported!r}: expected 'replicate' or 'error'")
+    if strategy not in ("2d", "1d", "auto"):
+        raise ValueError(f"strategy={strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits over "
+                         f"the grid's columns) or 'auto' (chosen per matmul from estimated step time)")
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(isinstance(g, int) for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C), e.g. grid=(2, 2) or (2, 4), or (dp, R, C) for dp "
                          f"data-parallel replicas of an R x C grid")
@@ -385,8 +418,11 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type,
              timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
     example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}  # _compile refuses use_cache=True
-    options = {"lowering": lowering, "indivisible": indivisible, "fused": fused, "on_unsupported": on_unsupported}
+    options = {"lowering": lowering, "indivisible": indivisible, "fused": fused, "on_unsupported": on_unsupported,
+               "strategy": strategy, "cost_model": cost_model, "memory_limit": memory_limit}
     comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
+    if comp.choice is not None:  # other input shapes reuse this choice (the parameters are laid out for it)
+        options["strategy"] = {"assignment": comp.choice.assignment, "lowerings": comp.choice.lowerings}
     flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)
     agree_on_plan(comp, layouts)
     pm = ParallelModule(model, g, comp, None, layouts, options)

@@ -38,7 +38,7 @@ DEFAULT = {
     "backend": "nccl",
     "device": "cuda",
     "axes": [
-        # axis 0 crosses nodes: one 200 Gb/s InfiniBand NDR HCA per GPU = 25 GB/s; ~20 us per collective
+        # axis 0 crosses nodes: one 200 Gb/s InfiniBand HDR HCA per GPU = 25 GB/s; ~20 us per collective
         {"alpha_s": 2e-5, "beta_bytes_per_s": 25e9, "points": []},
         # axis 1 inside a node: NVLink 4 is 900 GB/s bidirectional per H100 (NVIDIA); ~150 GB/s is a
         # conservative achieved per-rank bus bandwidth for ring collectives; ~10 us per collective

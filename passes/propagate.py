@@ -142,6 +142,39 @@ def _refuse_fallback(node: Node, why: str) -> None:
     )
 
 
+def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, indivisible: str = "error",
+                   fused: str = "regroup", on_unsupported: str = "replicate") -> None:
+    """Give one node its layout (and strategy), its inputs having theirs in `layouts`."""
+    if node.op == "placeholder":
+        role = node.meta.get("autopar_role")
+        layouts[node] = res.param_layouts.get(node.meta.get("autopar_param")) if role == "param" else REPLICATED
+    elif node.op == "get_attr":
+        layouts[node] = REPLICATED
+    elif node.op == "call_function":
+        strat = _strategy(node, layouts, mesh, indivisible)
+        # a fallback costs something when it gathers a split input or keeps a weight whole
+        costly = strat.fallback and any(layouts.get(n) != REPLICATED for n in strat.inputs)
+        for inp, need in strat.inputs.items():
+            if layouts.get(inp) is None:
+                _claim(inp, _storable(need, fused), layouts, res)
+        node.meta["autopar_strategy"] = strat
+        layouts[node] = strat.output
+        if strat.fallback:
+            if costly and on_unsupported == "error":
+                _refuse_fallback(node, strat.note.removeprefix("fallback: "))
+            _check_inplace_fallback(node, layouts, costly)
+            res.fallbacks.append((node, module_path(node), strat.note, costly))
+    elif node.op == "output":
+        need = {}
+        for out in node.all_input_nodes:
+            lay = layouts[out]
+            if isinstance(lay, Layout) and lay.has_partial:
+                need[out] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
+        node.meta["autopar_strategy"] = Strategy(need, None)
+    else:
+        raise NotImplementedError(f"node {node.name}: op kind {node.op} is not handled")
+
+
 def propagate(gm: GraphModule, mesh, indivisible: str = "error", fused: str = "regroup",
               on_unsupported: str = "replicate") -> Propagation:
     """`mesh`: the grid shape (R, C), or q for q x q."""
@@ -149,34 +182,7 @@ def propagate(gm: GraphModule, mesh, indivisible: str = "error", fused: str = "r
     res = Propagation()
     layouts: dict = {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            role = node.meta.get("autopar_role")
-            layouts[node] = res.param_layouts.get(node.meta.get("autopar_param")) if role == "param" else REPLICATED
-        elif node.op == "get_attr":
-            layouts[node] = REPLICATED
-        elif node.op == "call_function":
-            strat = _strategy(node, layouts, mesh, indivisible)
-            # a fallback costs something when it gathers a split input or keeps a weight whole
-            costly = strat.fallback and any(layouts.get(n) != REPLICATED for n in strat.inputs)
-            for inp, need in strat.inputs.items():
-                if layouts.get(inp) is None:
-                    _claim(inp, _storable(need, fused), layouts, res)
-            node.meta["autopar_strategy"] = strat
-            layouts[node] = strat.output
-            if strat.fallback:
-                if costly and on_unsupported == "error":
-                    _refuse_fallback(node, strat.note.removeprefix("fallback: "))
-                _check_inplace_fallback(node, layouts, costly)
-                res.fallbacks.append((node, module_path(node), strat.note, costly))
-        elif node.op == "output":
-            need = {}
-            for out in node.all_input_nodes:
-                lay = layouts[out]
-                if isinstance(lay, Layout) and lay.has_partial:
-                    need[out] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
-            node.meta["autopar_strategy"] = Strategy(need, None)
-        else:
-            raise NotImplementedError(f"node {node.name}: op kind {node.op} is not handled")
+        propagate_node(node, layouts, res, mesh, indivisible, fused, on_unsupported)
     for node in gm.graph.nodes:  # parameters nobody placed (unused, or a tied twin) and waiting views
         if layouts.get(node) is None:
             name = node.meta.get("autopar_param")
