@@ -37,6 +37,28 @@ def _op_name(gm, node) -> str:
     return str(node.target).replace("aten.", "").replace(".default", "")
 
 
+def _why(node) -> str:
+    """strategy='auto': the option chosen for this node's unit against the alternatives, as the best
+    estimated step time with the unit forced to each."""
+    why = node.meta.get("autopar_choice_why")
+    if not why:
+        return ""
+    _key, chosen, alts = why
+    others = ", ".join(f"{o} {t * 1e3:.2f}" if t is not None else f"{o} n/a" for o, t in alts.items() if o != chosen)
+    return f" [auto: {chosen}, est. {alts[chosen] * 1e3:.2f} ms/step; {others}]"
+
+
+def strategy_summary(choice) -> list:
+    """Footer lines for a model compiled with strategy='auto'."""
+    est, base = choice.estimate, choice.baselines
+    return [
+        f"strategy auto: estimated step {est.time_s * 1e3:.2f} ms (fixed 2d {base['2d'].time_s * 1e3:.2f} ms, "
+        f"fixed 1d {base['1d'].time_s * 1e3:.2f} ms); memory estimate {est.memory_bytes / 2**20:.1f} MiB/rank; "
+        f"{choice.evaluated} assignments in {choice.solve_s:.2f} s",
+        "  " + "; ".join(f"{k}: {v}" for k, v in choice.assignment.items()),
+    ]
+
+
 def rows(pmodel) -> list:
     """The table's rows for the graph of the model's most recent call (or its first compile)."""
     comp = getattr(pmodel, "_last", None) or next(iter(pmodel._compiled.values()))
@@ -61,7 +83,7 @@ def graph_rows(gm, mesh) -> list:
             collectives=cost.collectives if cost else "",
             fwd_bytes=cost.fwd if cost else 0,
             bwd_bytes=cost.bwd if cost else 0,
-            note=(strat.note if strat is not None and not node.meta.get("autopar_inserted") else ""),
+            note=(strat.note + _why(node) if strat is not None and not node.meta.get("autopar_inserted") else ""),
             formula=cost.formula if cost else "",
             flops=node_flops(gm, node, mesh),
         ))
@@ -89,7 +111,8 @@ def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False)
     lines = ["  ".join(c[i][:60].ljust(widths[i]) for i in range(len(head))).rstrip() for c in cells[:1]]
     lines.append("  ".join("-" * w for w in widths))
     for r, c in zip(table, cells[1:]):
-        lines.append("  ".join(c[i][:60].ljust(widths[i]) for i in range(len(head))).rstrip())
+        # the note (last column) is never cut: it carries the auto strategy's reasons
+        lines.append("  ".join(c[i][:60].ljust(widths[i]) if i < len(head) - 1 else c[i] for i in range(len(head))).rstrip())
         if formulas and r.formula:
             lines.append(f"    why: {r.formula}")
     fwd = sum(r.fwd_bytes for r in table)
@@ -105,6 +128,8 @@ def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False)
         f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
         f"({held / full * p:.2f}/p of the model, p={p})" if full else "no parameters",
     ]
+    if comp.choice is not None:
+        lines += strategy_summary(comp.choice)
     if comp.fallbacks:
         lines.append(f"fallbacks ({len(comp.fallbacks)}): run whole on every rank")
         lines += [f"  {n.name} ({n.target}) in {path or '<top>'}: {why}"

@@ -44,6 +44,9 @@ class Plan:
     activation_bytes: int | None = None
     largest_tensor_bytes: int | None = None
     gm: object = field(default=None, repr=False)
+    strategy: str = "2d"
+    choice: object = field(default=None, repr=False)  # strategy='auto': passes.strategy.Choice
+    solve_s: float | None = None  # strategy='auto': seconds the search took
 
     @property
     def comm_bytes_per_rank_per_step(self) -> int:
@@ -125,15 +128,20 @@ def _measure_activations(gm, cap, mesh):
 
 
 def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = "broadcast",
-         indivisible: str = "replicate", fused: str = "regroup", measure_activations: bool | None = None) -> Plan:
-    """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone."""
+         indivisible: str = "replicate", fused: str = "regroup", measure_activations: bool | None = None,
+         strategy: str = "2d", cost_model=None, memory_limit: float | None = None) -> Plan:
+    """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone.
+    With strategy='auto', `Plan.choice` holds the assignment, its estimate, each unit's alternatives and
+    the estimates of fixed 2D and fixed 1D."""
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
     mesh = tuple(grid)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
     comp, layouts = _compile(model, example_inputs, kwargs, Grid.for_planning(*mesh), lowering=lowering,
-                             indivisible=indivisible, fused=fused, on_unsupported="replicate")
+                             indivisible=indivisible, fused=fused, on_unsupported="replicate", strategy=strategy,
+                             cost_model=cost_model, memory_limit=memory_limit)
+    solve_s = comp.choice.solve_s if comp.choice is not None else None
     gm, cap = comp.gm, comp.captured
     rows = graph_rows(gm, mesh)
     params = {}
@@ -144,7 +152,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         params[name] = (tuple(p.shape), repr(lay), mine, full)
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
-                  flops_per_rank=sum(r.flops for r in rows))
+                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice, solve_s=solve_s)
     if measure_activations is None:
         measure_activations = not dist.is_initialized()
     if measure_activations:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -325,6 +326,7 @@ class Choice:
     evaluated: int
     units: list
     lowerings: dict  # SUMMA node name -> lowering
+    solve_s: float = 0.0  # seconds the search took
 
 
 class _Evaluator:
@@ -381,6 +383,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel | None = None, memory_limit: flo
     """The assignment of strategies to `gm`'s units with the smallest estimated step time whose
     per-rank memory estimate is at most `memory_limit` bytes. Leaves `autopar_choice` and
     `autopar_lowering` set on the matmul nodes for the propagation that follows."""
+    t0 = time.perf_counter()
     cm = cm or CostModel()
     units = find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
@@ -437,7 +440,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel | None = None, memory_limit: flo
         for n in u.nodes:
             n.meta["autopar_choice_why"] = (u.key, assignment[u.key], alternatives[u.key])
     return Choice(assignment, est, alternatives, {s: ev.estimate(a) for s, a in baselines.items()}, len(tried), units,
-                  lowerings)
+                  lowerings, time.perf_counter() - t0)
 
 
 def apply(gm: GraphModule, units, assignment: dict, lowerings: dict) -> None:
