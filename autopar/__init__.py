@@ -3,9 +3,9 @@
 from autopar.api import FallbackWarning, ParallelModule, parallelize
 from autopar.checkpoint import from_pretrained, load_safetensors, meta_init, save_pretrained
 from autopar.explain import explain
-from autopar.plan import Plan, compare_1d, plan
+from autopar.plan import Plan, choose_grid, compare_1d, plan
 from passes import CaptureError, ShardingError
 
 __all__ = ["parallelize", "explain", "ParallelModule", "FallbackWarning", "CaptureError", "ShardingError",
-           "from_pretrained", "save_pretrained", "load_safetensors", "meta_init", "plan", "Plan", "compare_1d"]
+           "from_pretrained", "save_pretrained", "load_safetensors", "meta_init", "plan", "Plan", "compare_1d", "choose_grid"]
 __version__ = "0.1.0"

@@ -90,8 +90,7 @@ def _cache_off_kwargs(model) -> dict:
     return {"use_cache": False} if "use_cache" in params else {}
 
 
-def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, fused: str,
-             on_unsupported: str, strategy="2d", cost_model=None, memory_limit=None) -> tuple:
+def _capture(model, args, kwargs) -> Captured:
     _refuse_kv_cache(kwargs)
     device = _input_device(args, kwargs)
     meta = any(p.is_meta for p in model.parameters())
@@ -102,6 +101,12 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
     cap.device = device
     if meta:
         retarget_meta(cap.gm, device)
+    return cap
+
+
+def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, fused: str,
+             on_unsupported: str, strategy="2d", cost_model=None, memory_limit=None) -> tuple:
+    cap = _capture(model, args, kwargs)
     choice = None
     if grid.world > 1 and strategy == "1d":
         strategies.fixed(cap.gm, "1d")

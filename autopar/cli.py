@@ -91,11 +91,28 @@ def inspect_cmd(ns) -> int:
         model, args, kwargs = build_callable(ns.model)
     else:
         model, args, kwargs = build_hf(ns.model, overrides, ns.batch, ns.seq)
-    grid = _grid(ns.grid)
-    pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs)
+    limit = ns.memory_limit * 2**30 if ns.memory_limit else None
+    strategy = ns.strategy or ("auto" if ns.grid == "auto" else "2d")
+    grids = None
+    if ns.grid == "auto":
+        if not ns.devices:
+            raise SystemExit("autopar inspect: --grid auto needs --devices N (how many ranks to arrange)")
+        grid, grids = autopar.choose_grid(model, ns.devices, args, kwargs, cost_model=ns.cost_model, memory_limit=limit)
+    else:
+        grid = _grid(ns.grid)
+    pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
+                      cost_model=ns.cost_model, memory_limit=limit)
     layers, hidden = _layers_hidden(model)
     tokens = ns.batch * ns.seq
     report = pl.to_json()
+    if grids is not None:
+        report["grid_search"] = grids
+    if pl.choice is not None:
+        c = pl.choice
+        report["strategy_auto"] = {"assignment": c.assignment, "estimated_step_s": c.estimate.time_s,
+                                   "fixed_2d_step_s": c.baselines["2d"].time_s, "fixed_1d_step_s": c.baselines["1d"].time_s,
+                                   "memory_estimate_bytes": c.estimate.memory_bytes, "alternatives_s": c.alternatives,
+                                   "evaluated": c.evaluated, "solve_s": c.solve_s}
     if ns.vs == "1d":
         report["vs_1d"] = autopar.compare_1d(pl, model, tokens, layers, hidden)
     if ns.sweep or ns.plot:
@@ -110,6 +127,17 @@ def inspect_cmd(ns) -> int:
         print(json.dumps(report, indent=2, default=str))
         return 0
     print(group_by_module(pl))
+    for row in grids or []:
+        if row["fits"]:
+            print(f"grid {row['grid'][0]}x{row['grid'][1]}: estimated step auto {row['auto_s'] * 1e3:.1f} ms, fixed 2d "
+                  f"{row['2d_s'] * 1e3:.1f} ms, fixed 1d {row['1d_s'] * 1e3:.1f} ms, memory "
+                  f"{row['memory_bytes'] / 2**30:.2f} GiB/rank" + ("   <- chosen" if row["grid"] == grid else ""))
+        else:
+            print(f"grid {row['grid'][0]}x{row['grid'][1]}: does not fit ({row['why']})")
+    if pl.choice is not None:
+        from autopar.explain import strategy_summary
+
+        print("\n".join(strategy_summary(pl.choice)))
     if "vs_1d" in report:
         v = report["vs_1d"]
         print(f"\n1D (Megatron-style) at p={v['p']}: {v['comm_bytes_per_rank_per_step'] / 2**20:.1f} MiB received per "
@@ -154,7 +182,13 @@ def main(argv=None) -> int:
     sub.add_parser("bench", help="measure 2D against PyTorch 1D TP and one process (see autopar.bench)")
     p = sub.add_parser("inspect", help="plan a model on a grid and print its costs")
     p.add_argument("model", help="a transformers model type (gpt2, llama, ...) or module:callable")
-    p.add_argument("--grid", default="2x2", help="RxC, e.g. 8x8")
+    p.add_argument("--grid", default="2x2", help="RxC, e.g. 8x8 or 2x4; 'auto' picks the shape for --devices")
+    p.add_argument("--devices", type=int, help="with --grid auto: the number of ranks to arrange")
+    p.add_argument("--strategy", choices=["2d", "1d", "auto"],
+                   help="how weight matmuls are split (default 2d; auto with --grid auto)")
+    p.add_argument("--cost-model", metavar="FILE", help="JSON from `autopar calibrate` (default: published "
+                                                        "NVLink/InfiniBand figures)")
+    p.add_argument("--memory-limit", type=float, metavar="GIB", help="per-rank memory limit for --strategy auto")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from autopar.api import _cache_off_kwargs, _compile
+from autopar.api import _cache_off_kwargs, _capture, _compile, _cost_model
+from passes import strategy as strategies
 from autopar.explain import graph_rows
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
@@ -174,3 +175,33 @@ def compare_1d(pl: Plan, model, tokens: int, layers: int, hidden: int, dtype_byt
     return {"p": p, "comm_bytes_per_rank_per_step": comm, "param_bytes_per_rank": params,
             "ratio_2d_over_1d_comm": pl.comm_bytes_per_rank_per_step / comm if comm else None,
             "ratio_2d_over_1d_params": pl.param_bytes_per_rank / params if params else None}
+
+
+def grid_shapes(devices: int) -> list:
+    """Every (R, C) with R * C = devices."""
+    return [(r, devices // r) for r in range(1, devices + 1) if devices % r == 0]
+
+
+def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, cost_model=None,
+                memory_limit: float | None = None, indivisible: str = "replicate", fused: str = "regroup") -> tuple:
+    """The grid shape (R, C) with R*C = `devices` whose strategy='auto' assignment has the smallest
+    estimated step time (within `memory_limit`), and a row per shape: the estimates of auto, fixed 2d
+    and fixed 1d there. The model is captured once; each shape costs one strategy search."""
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
+    cap = _capture(model, example_inputs, kwargs)
+    cm = _cost_model(cost_model)
+    table = []
+    for shape in grid_shapes(devices):
+        try:
+            c = strategies.choose(cap.gm, shape, cm, memory_limit, indivisible, fused)
+        except MemoryError as e:
+            table.append({"grid": shape, "fits": False, "why": str(e)})
+            continue
+        table.append({"grid": shape, "fits": True, "auto_s": c.estimate.time_s, "2d_s": c.baselines["2d"].time_s,
+                      "1d_s": c.baselines["1d"].time_s, "memory_bytes": c.estimate.memory_bytes,
+                      "assignment": c.assignment, "solve_s": c.solve_s})
+    ok = [row for row in table if row["fits"]]
+    if not ok:
+        raise MemoryError(f"no grid shape of {devices} devices fits memory_limit: " + "; ".join(r["why"] for r in table))
+    return min(ok, key=lambda row: row["auto_s"])["grid"], table
