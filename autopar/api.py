@@ -90,6 +90,12 @@ def _cache_off_kwargs(model) -> dict:
     return {"use_cache": False} if "use_cache" in params else {}
 
 
+def check_strategy(strategy) -> None:
+    if strategy not in ("2d", "1d", "auto"):
+        raise ValueError(f"strategy={strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits over "
+                         f"the grid's columns) or 'auto' (chosen per matmul from estimated step time)")
+
+
 def _capture(model, args, kwargs) -> Captured:
     _refuse_kv_cache(kwargs)
     device = _input_device(args, kwargs)
@@ -113,7 +119,8 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
     elif grid.world > 1 and strategy == "auto":
         choice = strategies.choose(cap.gm, grid.shape, _cost_model(cost_model), memory_limit, indivisible, fused)
     elif grid.world > 1 and isinstance(strategy, dict):  # a recompile repeats the first compile's choice
-        strategies.apply(cap.gm, strategies.find_units(cap.gm), strategy["assignment"], strategy["lowerings"])
+        choice = strategy["choice"]
+        strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings, choice.alternatives)
     prop = propagate(cap.gm, grid.shape, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported)
     if grid.world > 1:
         gm = insert_collectives(cap.gm, grid, lowering)
@@ -406,9 +413,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         raise ValueError(f"fused={fused!r}: expected 'regroup' or 'interleave'")
     if on_unsupported not in ("replicate", "error"):
         raise ValueError(f"on_unsupported={on_unsupported!r}: expected 'replicate' or 'error'")
-    if strategy not in ("2d", "1d", "auto"):
-        raise ValueError(f"strategy={strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits over "
-                         f"the grid's columns) or 'auto' (chosen per matmul from estimated step time)")
+    check_strategy(strategy)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(isinstance(g, int) for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C), e.g. grid=(2, 2) or (2, 4), or (dp, R, C) for dp "
                          f"data-parallel replicas of an R x C grid")
@@ -427,7 +432,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                "strategy": strategy, "cost_model": cost_model, "memory_limit": memory_limit}
     comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
     if comp.choice is not None:  # other input shapes reuse this choice (the parameters are laid out for it)
-        options["strategy"] = {"assignment": comp.choice.assignment, "lowerings": comp.choice.lowerings}
+        options["strategy"] = {"choice": comp.choice}
     flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)
     agree_on_plan(comp, layouts)
     pm = ParallelModule(model, g, comp, None, layouts, options)

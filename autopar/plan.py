@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from autopar.api import _cache_off_kwargs, _capture, _compile, _cost_model
+from autopar.api import _cache_off_kwargs, _capture, _compile, _cost_model, check_strategy
 from passes import strategy as strategies
 from autopar.explain import graph_rows
 from passes.layout import REPLICATED, local_shape
@@ -136,6 +136,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     the estimates of fixed 2D and fixed 1D."""
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
+    check_strategy(strategy)
     mesh = tuple(grid)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}

@@ -143,15 +143,23 @@ def _refuse_fallback(node: Node, why: str) -> None:
 
 
 def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, indivisible: str = "error",
-                   fused: str = "regroup", on_unsupported: str = "replicate") -> None:
-    """Give one node its layout (and strategy), its inputs having theirs in `layouts`."""
+                   fused: str = "regroup", on_unsupported: str = "replicate", cache: dict | None = None) -> None:
+    """Give one node its layout (and strategy), its inputs having theirs in `layouts`. Rules are pure
+    functions of the node, its inputs' layouts and its strategy choice: `cache` (shared by many runs
+    over one graph, as the strategy search does) keeps their results under that key."""
     if node.op == "placeholder":
         role = node.meta.get("autopar_role")
         layouts[node] = res.param_layouts.get(node.meta.get("autopar_param")) if role == "param" else REPLICATED
     elif node.op == "get_attr":
         layouts[node] = REPLICATED
     elif node.op == "call_function":
-        strat = _strategy(node, layouts, mesh, indivisible)
+        if cache is None:
+            strat = _strategy(node, layouts, mesh, indivisible)
+        else:
+            key = (node, node.meta.get("autopar_choice"), tuple(layouts.get(n) for n in node.all_input_nodes))
+            strat = cache.get(key)
+            if strat is None:
+                strat = cache[key] = _strategy(node, layouts, mesh, indivisible)
         # a fallback costs something when it gathers a split input or keeps a weight whole
         costly = strat.fallback and any(layouts.get(n) != REPLICATED for n in strat.inputs)
         for inp, need in strat.inputs.items():

@@ -257,61 +257,100 @@ def _flops(node, strat, layouts, mesh) -> float:
     return 0.0
 
 
-def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: set | None = None) -> Estimate:
+@dataclass
+class _NodeCost:
+    shared: list  # (key, terms): collectives a later consumer may share (one Redistribute per (input, layout))
+    terms: list  # (axis, bytes, calls) of the node's own kernel
+    summa: Estimate | None  # a SUMMA node's time, bytes and lowering
+    compute_s: float
+    params: list  # (parameter node, bytes held)
+    activation_bytes: float
+
+
+def _node_cost(node, strat, layouts, mesh, grads, cm) -> _NodeCost:
+    out_lay = strat.output
+    outs = out_lay if isinstance(out_lay, tuple) else (out_lay,)
+    split_axes = {a for lay in outs if isinstance(lay, Layout) for a in range(2) if not isinstance(lay[a], Replicate)}
+    shared, terms, summa, params = [], [], None, []
+    for inp, need in strat.inputs.items():
+        have, v = layouts.get(inp), inp.meta.get("val")
+        if not isinstance(v, torch.Tensor) or not isinstance(have, Layout):
+            continue
+        if have != need:
+            shared.append(((inp, need), _redistribute(have, need, v, mesh, inp in grads)))
+        sync = tuple(a for a in sorted(split_axes) if isinstance(need[a], Replicate) and mesh[a] > 1)
+        if sync and v.dtype.is_floating_point and node.op != "output":
+            n = _local_elems(v, need, mesh) * v.element_size()
+            shared.append(((inp, need, sync), [(a, 2 * (mesh[a] - 1) * n // mesh[a], 1) for a in sync] if inp in grads else []))
+        if inp.op == "placeholder" and inp.meta.get("autopar_role") == "param":
+            params.append((inp, _local_elems(v, have, mesh) * v.element_size()))
+    if strat.kernel == "summa":
+        summa = Estimate()
+        summa.time_s = _summa(strat, node, mesh, grads, cm, summa)
+    else:
+        terms = _kernel_terms(node, strat, mesh, grads)
+    act = 0.0
+    if node in grads and isinstance(node.meta.get("val"), torch.Tensor) and isinstance(out_lay, Layout):
+        act = _local_elems(node.meta["val"], out_lay, mesh) * node.meta["val"].element_size()
+    flops = _flops(node, strat, layouts, mesh) if strat.kernel != "summa" else 0.0
+    return _NodeCost(shared, terms, summa, flops / cm.flops, params, act)
+
+
+def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: set | None = None,
+          cache: dict | None = None) -> Estimate:
     """Estimated time, bytes and memory of `nodes` (already propagated) on one rank; a parameter in
-    `params_seen` is not counted again (a tied table used before and after the blocks)."""
+    `params_seen` is not counted again (a tied table used before and after the blocks). `cache` keeps
+    each node's costs under the key of its strategy (see `propagate_node`)."""
     est, seen = Estimate(), set()
     params_seen = set() if params_seen is None else params_seen
     for node in nodes:
         strat = node.meta.get("autopar_strategy")
         if node.op == "placeholder" or strat is None:
             continue
-        out_lay = strat.output
-        outs = out_lay if isinstance(out_lay, tuple) else (out_lay,)
-        split_axes = {a for lay in outs if isinstance(lay, Layout) for a in range(2) if not isinstance(lay[a], Replicate)}
-        terms = []
-        for inp, need in strat.inputs.items():
-            have, v = layouts.get(inp), inp.meta.get("val")
-            if not isinstance(v, torch.Tensor) or not isinstance(have, Layout):
-                continue
-            if have != need and (inp, need) not in seen:
-                seen.add((inp, need))
-                terms += _redistribute(have, need, v, mesh, inp in grads)
-            sync = tuple(a for a in sorted(split_axes) if isinstance(need[a], Replicate) and mesh[a] > 1)
-            if sync and v.dtype.is_floating_point and node.op != "output" and (inp, need, sync) not in seen:
-                seen.add((inp, need, sync))
-                if inp in grads:
-                    n = _local_elems(v, need, mesh) * v.element_size()
-                    terms += [(a, 2 * (mesh[a] - 1) * n // mesh[a], 1) for a in sync]
-        if strat.kernel == "summa":
-            est.time_s += _summa(strat, node, mesh, grads, cm, est)
-        elif strat.kernel == "norm" and mesh[1] > 1:
-            k = 2 if node.target == aten.layer_norm.default else 1
-            t = math.prod(local_shape(tuple(node.meta["val"].shape), out_lay, mesh)[:-1])
-            n = 2 * (mesh[1] - 1) * 4 * t // mesh[1]
-            terms += [(1, n, 1)] * (k * (2 if node.args[0] in grads else 1))
-        elif strat.kernel == "cross_entropy":
-            rows = local_shape(tuple(node.args[0].meta["val"].shape), strat.inputs[node.args[0]], mesh)[0]
-            if strat.extra["vocab_split"] and mesh[1] > 1:
-                terms += [(1, 2 * (mesh[1] - 1) * 4 * rows // mesh[1], 1), (1, 2 * (mesh[1] - 1) * 8 * rows // mesh[1], 1)]
-            if mesh[0] > 1:
-                terms.append((0, 2 * (mesh[0] - 1) * 8 // mesh[0], 1))
+        if cache is not None:
+            key = (node, node.meta.get("autopar_choice"), tuple(layouts.get(n) for n in node.all_input_nodes))
+            nc = cache.get(key)
+            if nc is None:
+                nc = cache[key] = _node_cost(node, strat, layouts, mesh, grads, cm)
+        else:
+            nc = _node_cost(node, strat, layouts, mesh, grads, cm)
+        terms = list(nc.terms)
+        for key, ts in nc.shared:
+            if key not in seen:
+                seen.add(key)
+                terms += ts
+        if nc.summa is not None:
+            est.add(nc.summa, 1)
         for a, nbytes, calls in terms:
             t = cm.collective(a, nbytes, calls)
             est.time_s += t
             est.comm_s += t
             est.bytes_per_axis[a] += nbytes
-        if strat.kernel != "summa":
-            f = _flops(node, strat, layouts, mesh) / cm.flops
-            est.time_s += f
-            est.compute_s += f
-        for inp in strat.inputs:  # parameters held by this rank, counted at their first consumer
-            if inp.op == "placeholder" and inp.meta.get("autopar_role") == "param" and inp not in params_seen:
-                params_seen.add(inp)
-                est.param_bytes += _local_elems(inp.meta["val"], layouts[inp], mesh) * inp.meta["val"].element_size()
-        if node in grads and isinstance(node.meta.get("val"), torch.Tensor) and isinstance(out_lay, Layout):
-            est.activation_bytes += _local_elems(node.meta["val"], out_lay, mesh) * node.meta["val"].element_size()
+        est.time_s += nc.compute_s
+        est.compute_s += nc.compute_s
+        for p, nbytes in nc.params:
+            if p not in params_seen:
+                params_seen.add(p)
+                est.param_bytes += nbytes
+        est.activation_bytes += nc.activation_bytes
     return est
+
+
+def _kernel_terms(node, strat, mesh, grads) -> list:
+    """(axis, bytes, calls) of a norm or cross-entropy kernel's statistics."""
+    terms, out_lay = [], strat.output
+    if strat.kernel == "norm" and mesh[1] > 1:
+        k = 2 if node.target == aten.layer_norm.default else 1
+        t = math.prod(local_shape(tuple(node.meta["val"].shape), out_lay, mesh)[:-1])
+        n = 2 * (mesh[1] - 1) * 4 * t // mesh[1]
+        terms += [(1, n, 1)] * (k * (2 if node.args[0] in grads else 1))
+    elif strat.kernel == "cross_entropy":
+        rows = local_shape(tuple(node.args[0].meta["val"].shape), strat.inputs[node.args[0]], mesh)[0]
+        if strat.extra["vocab_split"] and mesh[1] > 1:
+            terms += [(1, 2 * (mesh[1] - 1) * 4 * rows // mesh[1], 1), (1, 2 * (mesh[1] - 1) * 8 * rows // mesh[1], 1)]
+        if mesh[0] > 1:
+            terms.append((0, 2 * (mesh[0] - 1) * 8 // mesh[0], 1))
+    return terms
 
 
 # ---------------------------------------------------------------------------------- search
@@ -336,7 +375,7 @@ class _Evaluator:
         self.grads = nodes_needing_grad(gm)
         self.blocks = repeated_blocks(gm)
         self.state_factor = 2 + optimizer_states  # parameter + gradient + optimizer states
-        self.cache = {}
+        self.cache, self.rules, self.costs = {}, {}, {}  # estimates; rule results; node costs
 
     def _set(self, assignment: dict) -> None:
         for u in self.units:
@@ -349,7 +388,7 @@ class _Evaluator:
             if isinstance(item, dict):  # alias: nodes skipped take the layouts of the ones that stand in
                 layouts.update({n: layouts[m] for n, m in item.items()})
                 continue
-            propagate_node(item, layouts, res, self.mesh, **self.options)
+            propagate_node(item, layouts, res, self.mesh, **self.options, cache=self.rules)
         return layouts
 
     def estimate(self, assignment: dict) -> Estimate:
@@ -360,7 +399,7 @@ class _Evaluator:
         est = self._truncated() if self.blocks else None
         if est is None:
             nodes = list(self.gm.graph.nodes)
-            est = price(nodes, self._run(nodes), self.mesh, self.grads, self.cm)
+            est = price(nodes, self._run(nodes), self.mesh, self.grads, self.cm, cache=self.costs)
         est.memory_bytes = est.param_bytes * self.state_factor + est.activation_bytes
         self.cache[key] = est
         return est
@@ -374,7 +413,7 @@ class _Evaluator:
             return None  # not yet steady after two blocks: price the whole graph
         est, params = Estimate(), set()
         for part, k in ((pre, 1), (b0, 1), (b1, len(blocks) - 2), (b2, 1), (post, 1)):
-            est.add(price(part, layouts, self.mesh, self.grads, self.cm, params), k)
+            est.add(price(part, layouts, self.mesh, self.grads, self.cm, params, self.costs), k)
         return est
 
 
@@ -435,19 +474,19 @@ def choose(gm: GraphModule, mesh, cm: CostModel | None = None, memory_limit: flo
         for j, block in enumerate(blocks[3:-1], 3):
             lowerings.update({n.name: lowerings[m.name] for n, m in zip(block, blocks[1]) if m.name in lowerings})
         lowerings.update({n.name: lowerings[m.name] for n, m in zip(blocks[-1], blocks[2]) if m.name in lowerings})
-    apply(gm, units, assignment, lowerings)
-    for u in units:
-        for n in u.nodes:
-            n.meta["autopar_choice_why"] = (u.key, assignment[u.key], alternatives[u.key])
+    apply(gm, units, assignment, lowerings, alternatives)
     return Choice(assignment, est, alternatives, {s: ev.estimate(a) for s, a in baselines.items()}, len(tried), units,
                   lowerings, time.perf_counter() - t0)
 
 
-def apply(gm: GraphModule, units, assignment: dict, lowerings: dict) -> None:
-    """Mark the nodes of `units` with their unit's option and SUMMA nodes with their lowering."""
+def apply(gm: GraphModule, units, assignment: dict, lowerings: dict, alternatives: dict | None = None) -> None:
+    """Mark the nodes of `units` with their unit's option (and, for `explain`, the estimates of the
+    alternatives) and SUMMA nodes with their lowering."""
     for u in units:
         for n in u.nodes:
             n.meta["autopar_choice"] = assignment[u.key]
+            if alternatives is not None:
+                n.meta["autopar_choice_why"] = (u.key, assignment[u.key], alternatives[u.key])
     for node in gm.graph.nodes:
         if node.name in lowerings:
             node.meta["autopar_lowering"] = lowerings[node.name]

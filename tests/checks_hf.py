@@ -83,10 +83,11 @@ def _out_tensor(x):
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extra=None):
+def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extra=None, grid=(2, 2), options=None):
     """Logits, the HF loss and every gradient against the unmodified model on one process; then the
     same at another batch size and sequence length; placement facts for the memory table. `extra`
-    kwargs go to every call (e.g. the Trainer's num_items_in_batch, which makes HF sum the loss)."""
+    kwargs go to every call (e.g. the Trainer's num_items_in_batch, which makes HF sum the loss);
+    `options` go to parallelize (strategy=..., cost_model=...)."""
     torch.manual_seed(0)
     model, base_make = build(family, **(over or {}))
 
@@ -98,7 +99,7 @@ def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extr
     kw = make(batch, seq, 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = autopar.parallelize(model, grid=(2, 2), example_kwargs=kw)
+        pm = autopar.parallelize(model, grid=grid, example_kwargs=kw, **(options or {}))
     warned = [str(w.message) for w in caught if issubclass(w.category, autopar.FallbackWarning)]
     errs = {}
     ref_params = dict(ref.named_parameters())
@@ -120,8 +121,10 @@ def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extr
                and any(str(pl) == "Replicate()" for pl in p.placements)]
     held = sum(p.to_local().numel() for p in pm.parameters())
     full = sum(p.numel() for p in pm.parameters())
+    choice = next(iter(pm._compiled.values())).choice
     return {"errs": errs, "warned": warned, "unsplit_2d": unsplit, "fraction": held * 4 / full,
-            "explain": autopar.explain(pm) if rank == 0 else ""}
+            "explain": autopar.explain(pm) if rank == 0 else "",
+            "assignment": choice.assignment if choice is not None else None}
 
 
 def hf_modes_and_cache(rank):

@@ -22,9 +22,9 @@ def _worker(rank, world, port, inbox, outbox):
         task = inbox.get()
         if task is None:
             return
-        fn, args = task
+        fn, args, kwargs = task
         try:
-            outbox.put((rank, True, fn(rank, *args)))
+            outbox.put((rank, True, fn(rank, *args, **kwargs)))
         except BaseException:  # reported to the parent test, which fails with this text
             outbox.put((rank, False, traceback.format_exc()))
 
@@ -42,10 +42,10 @@ class Pool:
             p.start()
         self.broken = False
 
-    def run(self, fn, *args, timeout: float = 300):
-        """fn(rank, *args) on every rank; returns the results by rank."""
+    def run(self, fn, *args, timeout: float = 300, **kwargs):
+        """fn(rank, *args, **kwargs) on every rank; returns the results by rank."""
         for box in self.inboxes:
-            box.put((fn, args))
+            box.put((fn, args, kwargs))
         results, errors = [None] * self.world, []
         for _ in range(self.world):
             rank, ok, value = self._next(fn, timeout)

@@ -57,3 +57,12 @@ def test_gpt_parity_rectangular(grid, cfg, batch, lowering):
 
     pool = get_pool(grid[0] * grid[1])
     _assert_all_small(pool.run(C.gpt_parity, grid, dict(cfg, norm="rmsnorm", mlp="swiglu"), lowering, batch, 8, 2))
+
+
+@pytest.mark.parametrize("grid,strategy", [((2, 2), "auto"), ((1, 4), "1d"), ((2, 2), "1d")])
+def test_gpt_parity_strategies(pool4, grid, strategy):
+    """1D (Megatron column/row pairs, batch over the rows) and the auto plan through three AdamW steps:
+    catches a missing input-gradient all-reduce of a column split, a bias added on every column of a
+    row split, a weight gradient not summed over the batch rows."""
+    _assert_all_small(pool4.run(C.gpt_parity, grid, dict(SMALL, norm="rmsnorm", mlp="swiglu"), "broadcast", 4, 8, 3,
+                                strategy=strategy))

@@ -73,3 +73,36 @@ def test_modes_and_kv_cache(pool4):
     assert r["eval parity"] < RTOL
     assert r["config use_cache kept"]
     assert "use_cache=True asks for a generation KV cache" in r["cache error"]
+
+
+SLOW_LINKS = {  # links slow against compute: the search then keeps some matmuls 2D (an input, not an output)
+    "version": 1, "source": "test", "grid": [2, 2], "backend": "gloo", "device": "cpu",
+    "axes": [{"alpha_s": 1e-6, "beta_bytes_per_s": 1e9, "points": []},
+             {"alpha_s": 1e-6, "beta_bytes_per_s": 1e9, "points": []}],
+    "flops_per_s": 1e9, "when": "test",
+}
+
+
+@pytest.mark.parametrize("family,grid,options", [
+    ("gpt2", (2, 2), dict(strategy="auto")),
+    ("gpt2", (2, 2), dict(strategy="auto", cost_model=SLOW_LINKS)),
+    ("llama", (2, 2), dict(strategy="auto")),
+    ("gpt2", (2, 2), dict(strategy="1d")),
+    ("llama", (1, 4), dict(strategy="1d")),
+    ("llama", (4, 1), dict(strategy="2d")),
+], ids=["gpt2-auto", "gpt2-auto-slow-links", "llama-auto", "gpt2-1d", "llama-1d-1x4", "llama-2d-4x1"])
+def test_strategies_parity(pool4, family, grid, options):
+    """Every strategy, and the mixed plans strategy='auto' builds (1D column/row splits next to 2D
+    SUMMA and replicated weights, with the all-reduces between them), against the unmodified model:
+    logits, loss and every gradient, also at a second shape (which reuses the first choice)."""
+    res = pool4.run(C.hf_parity, family, None, 4, 8, (8, 12), None, grid, options)
+    bad = {k: v for k, v in res[0]["errs"].items() if not v < RTOL}
+    assert not bad, f"{family} {grid} {options}: relative errors above {RTOL}: {bad}"
+    assert not res[0]["warned"], res[0]["warned"]
+    assignment = res[0]["assignment"]
+    if options["strategy"] == "auto":
+        assert len(set(assignment.values())) >= 2, assignment  # a mixed plan, not one fixed scheme
+        assert all(r["assignment"] == assignment for r in res)  # every rank chose the same
+        assert "[auto: " in res[0]["explain"] and "strategy auto: estimated step" in res[0]["explain"]
+    if options.get("cost_model") is SLOW_LINKS:
+        assert any(v == "2d" for k, v in assignment.items() if k.startswith("matmul")), assignment

@@ -1,0 +1,162 @@
+"""Strategy choice (strategy='auto') on one process: the units and blocks it finds, an estimate that
+agrees with the engine's own byte accounting and with itself on the whole graph, never worse than the
+fixed schemes, the memory limit, the grid search. Parity of the chosen plans runs on real ranks in
+test_hf.py and test_engine_parity.py."""
+
+import math
+
+import pytest
+import torch
+import transformers
+
+import autopar
+from autopar.api import _capture
+from passes import strategy as S
+
+CPU = {  # an alpha-beta model in the range `autopar calibrate` measures on gloo here (slow links)
+    "version": 1, "source": "test", "grid": [2, 2], "backend": "gloo", "device": "cpu",
+    "axes": [{"alpha_s": 2e-4, "beta_bytes_per_s": 2e9, "points": []},
+             {"alpha_s": 2e-4, "beta_bytes_per_s": 2e9, "points": []}],
+    "flops_per_s": 3e10, "when": "test",
+}
+
+
+def _llama(layers=4, hidden=64, heads=4, kv=2, vocab=256, batch=4, seq=16):
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                                   max_position_embeddings=seq, use_cache=False)
+    with autopar.meta_init():
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, dict(input_ids=ids, labels=ids)
+
+
+def _gpt2(layers=5, hidden=64, heads=4, vocab=256, batch=4, seq=16):
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=seq,
+                                  use_cache=False)
+    with autopar.meta_init():
+        model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, dict(input_ids=ids, labels=ids)
+
+
+def _captured(model, kw):
+    return _capture(model, (), kw).gm
+
+
+def test_units_group_shared_inputs_and_blocks_share_variables():
+    """q|k|v read one activation and gate|up another: one unit each; the 4 layers' units share keys;
+    the tied-free LM head and the embedding are units of their own."""
+    gm = _captured(*_llama())
+    units = S.find_units(gm)
+    keys = list(dict.fromkeys(u.key for u in units))
+    assert len(units) == 4 * 4 + 2, [u.key for u in units]
+    assert len(keys) == 6, keys
+    qkv = [u for u in units if "q_proj" in u.key]
+    assert len(qkv) == 4 and all(len(u.nodes) == 3 for u in qkv)
+    assert all(len(u.nodes) == 2 for u in units if "gate_proj" in u.key)
+    blocks = S.repeated_blocks(gm)
+    assert blocks is not None and len(blocks) == 4 + 2  # pre, 4 layers, post
+
+
+def test_tied_head_follows_its_table():
+    """GPT-2's LM head is the embedding table: it is no unit (its layout comes from the lookup)."""
+    gm = _captured(*_gpt2())
+    assert not [u for u in S.find_units(gm) if "lm_head" in u.key]
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama])
+def test_block_shortcut_equals_the_whole_graph(build):
+    """The estimate prices three blocks and scales the middle one: for every fixed assignment tried it
+    must equal pricing every node of the graph (time, bytes per axis, parameters, activations)."""
+    gm = _captured(*build())
+    units = S.find_units(gm)
+    keys = list(dict.fromkeys(u.key for u in units))
+    ev = S._Evaluator(gm, (2, 2), S.CostModel.from_dict(CPU), units, "replicate", "regroup", 2)
+    assert ev.blocks is not None
+    for i, option in enumerate(["2d", "1d", "rep", "mixed"]):
+        assignment = {k: (S.OPTIONS[(i + j) % 3] if option == "mixed" else option) for j, k in enumerate(keys)}
+        assignment = {k: (v if v in next(u.options for u in units if u.key == k) else "1d") for k, v in assignment.items()}
+        ev._set(assignment)
+        short = ev._truncated()
+        nodes = list(gm.graph.nodes)
+        full = S.price(nodes, ev._run(nodes), (2, 2), ev.grads, ev.cm)
+        assert short is not None, option
+        assert math.isclose(short.time_s, full.time_s, rel_tol=1e-9), (option, short.time_s, full.time_s)
+        for a in range(2):
+            assert math.isclose(short.bytes_per_axis[a], full.bytes_per_axis[a], rel_tol=1e-12), option
+        assert short.param_bytes == full.param_bytes and short.activation_bytes == full.activation_bytes, option
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (2, 4), (1, 4)])
+def test_estimated_bytes_equal_the_engines_plan(grid):
+    """The search prices the collectives the insertion pass will add; the plan of the chosen
+    assignment, costed by the engine's own formulas, must move exactly those bytes."""
+    for build in (_gpt2, _llama):
+        model, kw = build()
+        pl = autopar.plan(model, grid=grid, example_kwargs=kw, strategy="auto", cost_model=CPU,
+                          measure_activations=False)
+        est = pl.choice.estimate
+        assert round(sum(est.bytes_per_axis)) == pl.comm_bytes_per_rank_per_step, (build.__name__, grid)
+        assert est.param_bytes == pl.param_bytes_per_rank, (build.__name__, grid)
+
+
+def _bench_llama():
+    """The benchmark model of `autopar bench` (Llama, h=256, 4 layers, batch 8 x 128), on meta."""
+    from autopar.bench import BATCH, CONFIG, SEQ
+
+    with autopar.meta_init():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, use_cache=False))
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    return model, dict(input_ids=ids, labels=ids)
+
+
+def test_auto_never_slower_than_fixed_2d_or_1d():
+    """The benchmark model at 4, 16 and 64 ranks, with published GPU figures and with slow (gloo-like)
+    links. Fixed 2D is SUMMA on the square grid, fixed 1D is Megatron on (1, p); auto picks the grid
+    shape and the strategy per unit. Its estimate is never above the better fixed scheme's, and
+    strictly below it somewhere."""
+    model, kw = _bench_llama()
+    gaps = []
+    for p, q in ((4, 2), (16, 4), (64, 8)):
+        for cm in (None, CPU):
+            _grid, table = autopar.choose_grid(model, p, (), kw, cost_model=cm)
+            rows = {row["grid"]: row for row in table}
+            best_fixed = min(rows[(q, q)]["2d_s"], rows[(1, p)]["1d_s"])
+            auto = min(row["auto_s"] for row in table)
+            assert auto <= best_fixed * (1 + 1e-12), (p, cm, auto, best_fixed)
+            gaps.append((best_fixed - auto) / best_fixed)
+    assert max(gaps) > 0.01, gaps
+
+
+def test_memory_limit_is_respected_and_an_impossible_one_is_refused():
+    model, kw = _llama()
+    gm = _captured(model, kw)
+    free = S.choose(gm, (2, 2), S.CostModel.from_dict(CPU))
+    limit = free.estimate.memory_bytes - 1
+    tight = S.choose(gm, (2, 2), S.CostModel.from_dict(CPU), memory_limit=limit)
+    assert tight.estimate.memory_bytes <= limit
+    assert tight.estimate.time_s >= free.estimate.time_s
+    with pytest.raises(MemoryError) as e:
+        S.choose(gm, (2, 2), S.CostModel.from_dict(CPU), memory_limit=1.0)
+    assert "memory_limit=0.00 GiB" in str(e.value) and "smallest estimate" in str(e.value)
+
+
+def test_choose_grid_covers_every_shape_and_picks_the_fastest():
+    """--grid auto: every R x C of 8 devices is searched (1x8 includes plain 1D tensor parallelism);
+    the chosen shape's auto estimate is the smallest, and no fixed scheme on any shape beats it."""
+    model, kw = _llama()
+    grid, table = autopar.choose_grid(model, 8, (), kw, cost_model=CPU)
+    assert [row["grid"] for row in table] == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    best = min(row["auto_s"] for row in table)
+    assert next(row for row in table if row["grid"] == grid)["auto_s"] == best
+    assert best <= min(min(row["2d_s"], row["1d_s"]) for row in table)
+
+
+def test_bad_strategy_options_are_refused():
+    model, kw = _llama(layers=1)
+    with pytest.raises(ValueError, match="calibration version 7, this autopar reads version 1; re-run `autopar calibrate"):
+        autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="auto", cost_model={"version": 7},
+                     measure_activations=False)
+    with pytest.raises(ValueError, match="strategy='3d'"):
+        autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="3d", measure_activations=False)
