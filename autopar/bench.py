@@ -5,6 +5,10 @@ in one run for the same transformers Llama-style model (built from its config cl
 - autopar 2D on a 2x2 grid, for each SUMMA lowering;
 - PyTorch's own 1D tensor parallel (`parallelize_module`, q/k/v/gate/up column-wise, o/down row-wise)
   on 4 ranks;
+- autopar strategy='1d' on a 1x4 grid (Megatron column/row pairs in autopar's engine);
+- autopar strategy='auto' on the grid shape `choose_grid` picks for 4 ranks, with the alpha-beta
+  model measured here first (`autopar calibrate` on 2x2, unless --cost-model names a file), and
+  each autopar configuration's estimated step time next to the measured one;
 
 with the configurations alternated round by round and medians reported, plus the overhead of
 autopar on a 1x1 grid against the eager model. Bytes are those received per rank per step: ours
@@ -112,9 +116,31 @@ def _local_bytes(model):
     return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
 
 
-def worker(rank, world, port, rounds, steps, out):
+def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
+    """The planner's estimated step time (s) of one configuration (alpha-beta model)."""
+    from passes import strategy as S
+    from autopar.api import _capture, _cost_model
+
+    gm = _capture(model, (), _batch(0)).gm
+    cm = _cost_model(cost_model)
+    if strategy == "auto":
+        return S.choose(gm, grid, cm).estimate.time_s
+    units = S.find_units(gm)
+    ev = S._Evaluator(gm, grid, cm, units, "replicate", "regroup", 2)
+    return ev.estimate({u.key: strategy for u in units}).time_s
+
+
+def calibrate_worker(rank, world, port, out):
+    from autopar.calibrate import main_worker
+
     init_local(rank, world, port)
-    configs = {}
+    main_worker(rank, (2, 2), out, sizes=(4096, 65536, 1 << 20), repeats=3)
+    dist.destroy_process_group()
+
+
+def worker(rank, world, port, rounds, steps, out, cost_model):
+    init_local(rank, world, port)
+    configs, estimates = {}, {}
     base = _model()
     if rank == 0:
         configs["one process"] = base
@@ -122,6 +148,15 @@ def worker(rank, world, port, rounds, steps, out):
         configs[f"2D 2x2 {lowering}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
                                                             example_kwargs=_batch(0), lowering=lowering)
     configs["PyTorch 1D TP (4 ranks)"] = _tp_1d(copy.deepcopy(base))
+    configs["autopar 1D 1x4"] = autopar.parallelize(copy.deepcopy(base), grid=(1, 4), example_kwargs=_batch(0),
+                                                    strategy="1d")
+    grid, _table = autopar.choose_grid(base, world, (), _batch(0), cost_model=cost_model)
+    auto = f"autopar auto {grid[0]}x{grid[1]}"
+    configs[auto] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=_batch(0), strategy="auto",
+                                        cost_model=cost_model)
+    estimates = {"2D 2x2 broadcast": _estimate(base, (2, 2), "2d", cost_model),
+                 "autopar 1D 1x4": _estimate(base, (1, 4), "1d", cost_model),
+                 auto: _estimate(base, grid, "auto", cost_model)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in configs.items()}
     times = {k: [] for k in configs}
     res = {k: {} for k in configs}
@@ -155,12 +190,17 @@ def worker(rank, world, port, rounds, steps, out):
         dist.barrier()
     for k in configs:
         res[k]["step_s"] = statistics.median(times[k])
+        if k in estimates:
+            res[k]["estimated_step_s"] = estimates[k]
+    if rank == 0:
+        res[auto]["assignment"] = configs[auto]._last.choice.assignment if getattr(configs[auto], "_last", None) \
+            else next(iter(configs[auto]._compiled.values())).choice.assignment
     everyone = [None] * world
     dist.all_gather_object(everyone, res)
     if rank == 0:
         merged = {}
         for k in res:
-            merged[k] = {m: max(r[k][m] for r in everyone if k in r) for m in res[k]}
+            merged[k] = {m: (max(r[k][m] for r in everyone if k in r) if m != "assignment" else res[k][m]) for m in res[k]}
         with open(out, "w") as f:
             json.dump(merged, f)
     dist.destroy_process_group()
@@ -206,6 +246,17 @@ def markdown(res: dict, overhead: dict) -> str:
                      f"{r['bytes'] / 2**20:.1f} MiB | {r['param_bytes'] / 2**20:.1f} MiB | "
                      f"{r['saved_bytes'] / 2**20:.1f} MiB | {r['saved_bytes'] / base['saved_bytes']:.2f} | "
                      f"{r['peak_rss_mb']:.0f} MB |")
+    auto = next((k for k in res if k.startswith("autopar auto")), None)
+    if auto:
+        fixed = {k: res[k]["step_s"] for k in ("2D 2x2 broadcast", "2D 2x2 allgather", "PyTorch 1D TP (4 ranks)",
+                                               "autopar 1D 1x4")}
+        best = min(fixed, key=fixed.get)
+        lines.append(f"\n{auto}: {res[auto]['step_s'] * 1e3:.0f} ms measured, {res[auto]['step_s'] / fixed[best]:.2f}x "
+                     f"the best fixed scheme ({best}, {fixed[best] * 1e3:.0f} ms); assignment "
+                     f"{res[auto].get('assignment')}")
+        lines.append("estimated (alpha-beta, calibrated here) vs measured step: " + "; ".join(
+            f"{k} {r['estimated_step_s'] * 1e3:.0f} / {r['step_s'] * 1e3:.0f} ms" for k, r in res.items()
+            if "estimated_step_s" in r))
     lines.append(f"\nautopar on a 1x1 grid: {overhead['autopar 1x1'] * 1e3:.0f} ms per forward+backward against "
                  f"{overhead['eager'] * 1e3:.0f} ms eager ({overhead['autopar 1x1'] / overhead['eager']:.2f}x)")
     return "\n".join(lines)
@@ -217,17 +268,23 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", metavar="FILE")
+    parser.add_argument("--cost-model", metavar="FILE", help="`autopar calibrate` JSON for strategy='auto' "
+                                                             "(default: measured here first, on 2x2)")
     ns = parser.parse_args(argv)
     import tempfile
 
     tmp = tempfile.mkdtemp()
-    _spawn(worker, 4, ns.rounds, ns.steps, os.path.join(tmp, "bench.json"))
+    cost_model = ns.cost_model
+    if cost_model is None:
+        cost_model = os.path.join(tmp, "calibration.json")
+        _spawn(calibrate_worker, 4, cost_model)
+    _spawn(worker, 4, ns.rounds, ns.steps, os.path.join(tmp, "bench.json"), cost_model)
     _spawn(overhead_worker, 1, 2 * ns.steps, os.path.join(tmp, "overhead.json"))
     res = json.load(open(os.path.join(tmp, "bench.json")))
     overhead = json.load(open(os.path.join(tmp, "overhead.json")))
     if ns.json:
-        print(json.dumps({"model": CONFIG, "batch": BATCH, "seq": SEQ, "results": res, "overhead_1x1": overhead},
-                         indent=2))
+        print(json.dumps({"model": CONFIG, "batch": BATCH, "seq": SEQ, "results": res, "overhead_1x1": overhead,
+                          "cost_model": json.load(open(cost_model))}, indent=2))
     else:
         print(f"Llama-style model {CONFIG}, batch {BATCH} x {SEQ} tokens, gloo on CPU\n")
         print(markdown(res, overhead))
