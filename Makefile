@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 
-.PHONY: demo test bench bench-load bench-plan bench-compare hf-example clean
+.PHONY: demo test bench bench-load bench-plan bench-compare bench-strategy hf-example clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,9 @@ bench-load: $(STAMP)
 
 bench-compare: $(STAMP)
 	$(BIN)/python -m autopar bench --plot docs/bench.png
+
+bench-strategy: $(STAMP)
+	$(BIN)/python examples/bench_strategy.py
 
 bench-plan: $(STAMP)
 	$(BIN)/python examples/bench_plan.py

@@ -131,10 +131,13 @@ def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
 
 
 def calibrate_worker(rank, world, port, out):
-    from autopar.calibrate import main_worker
+    from autopar.calibrate import measure, save, summary
 
     init_local(rank, world, port)
-    main_worker(rank, (2, 2), out, sizes=(4096, 65536, 1 << 20), repeats=3)
+    model = measure((2, 2), (4096, 65536, 1 << 20), repeats=3)
+    if rank == 0:
+        save(model, out)
+        print(summary(model), file=sys.stderr, flush=True)  # stdout stays the report (or its JSON)
     dist.destroy_process_group()
 
 

@@ -113,11 +113,13 @@ def dcp_save_resume(rank, tmp, q=2):
     return {"losses": losses, "resumed": _train(pm2, opt2, range(2, 5))}
 
 
-def dcp_load_other_grid(rank, tmp, q):
-    """The 2x2 checkpoint loaded at another grid: every parameter equals the saved one."""
+def dcp_load_other_grid(rank, tmp, q, strategy="2d"):
+    """The 2x2 checkpoint loaded at another grid (q x q, or an (R, C) tuple) and strategy: every
+    parameter equals the saved one."""
     torch.manual_seed(1)  # other initial values: the load must overwrite all of them
     m, _ = build("gpt2")
-    pm = autopar.parallelize(m, grid=(q, q), example_kwargs=_gpt2_batch(0))
+    grid = tuple(q) if isinstance(q, tuple) else (q, q)
+    pm = autopar.parallelize(m, grid=grid, example_kwargs=_gpt2_batch(0), strategy=strategy)
     msd = get_model_state_dict(pm)
     dcp.load({"model": msd}, checkpoint_id=os.path.join(tmp, "dcp"))
     set_state_dict(pm, [], model_state_dict=msd, optim_state_dict={})

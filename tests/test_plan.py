@@ -68,3 +68,25 @@ def test_cli_bad_set_key():
     r = _cli("gpt2", "--grid", "2x2", "--set", "n_layerz=2")
     assert r.returncode != 0
     assert "GPT2Config has no key(s) ['n_layerz']" in r.stderr and "n_layer" in r.stderr
+
+
+def test_cli_grid_auto_and_strategy():
+    """`inspect --grid auto --devices 4` searches every shape of 4 ranks and plans the fastest with
+    strategy auto; the JSON carries the search table and the choice."""
+    small = ["--batch", "4", "--seq", "16", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+             "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+             "--set", "vocab_size=256"]
+    r = _cli("llama", "--grid", "auto", "--devices", "4", *small, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    shapes = [tuple(row["grid"]) for row in out["grid_search"]]
+    assert shapes == [(1, 4), (2, 2), (4, 1)]
+    best = min(out["grid_search"], key=lambda row: row["auto_s"])
+    assert out["grid"] == list(best["grid"])
+    auto = out["strategy_auto"]
+    assert auto["estimated_step_s"] <= min(auto["fixed_2d_step_s"], auto["fixed_1d_step_s"])
+    r = _cli("llama", "--grid", "auto", *small)
+    assert r.returncode != 0 and "--grid auto needs --devices N" in r.stderr
+    r = _cli("llama", "--grid", "2x2", "--strategy", "auto", *small)
+    assert r.returncode == 0, r.stderr
+    assert "strategy auto: estimated step" in r.stdout and "[auto: " not in r.stdout  # table by module

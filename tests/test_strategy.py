@@ -160,3 +160,17 @@ def test_bad_strategy_options_are_refused():
                      measure_activations=False)
     with pytest.raises(ValueError, match="strategy='3d'"):
         autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="3d", measure_activations=False)
+
+
+def test_alternating_search_matches_exhaustive(monkeypatch):
+    """Above EXHAUSTIVE assignments the search alternates exact enumeration of the block variables and
+    of the others; on a model small enough for both, it must find an assignment as good as the full
+    enumeration's, and still not worse than the fixed schemes."""
+    model, kw = _llama()
+    cm = S.CostModel.from_dict(CPU)
+    full = S.choose(_captured(model, kw), (2, 2), cm)
+    monkeypatch.setattr(S, "EXHAUSTIVE", 1)
+    alt = S.choose(_captured(model, kw), (2, 2), cm)
+    assert alt.evaluated < full.evaluated
+    assert alt.estimate.time_s <= min(b.time_s for b in alt.baselines.values())
+    assert math.isclose(alt.estimate.time_s, full.estimate.time_s, rel_tol=1e-12), (alt.assignment, full.assignment)

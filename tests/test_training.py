@@ -33,10 +33,15 @@ def test_hf_checkpoint_roundtrip(pool4, tmp_shared, family):
 
 def test_dcp_save_resume_and_reshard(pool4, tmp_shared):
     """DCP through get_state_dict/set_state_dict: a resumed run repeats the loss trajectory (to 1e-5),
-    and the checkpoint loads at grid 1x1 in a single process with equal parameters."""
+    and the checkpoint loads with equal parameters on rectangular grids and other strategies (other
+    placements of every weight) and at grid 1x1 in a single process."""
     res = pool4.run(C.dcp_save_resume, tmp_shared)[0]
     assert max(abs(a - b) for a, b in zip(res["losses"], res["resumed"])) < 1e-5, res
     from tests.conftest import get_pool
+
+    for grid, strategy in (((1, 4), "1d"), ((4, 1), "2d"), ((2, 2), "auto")):
+        errs = pool4.run(C.dcp_load_other_grid, tmp_shared, grid, strategy)[0]
+        assert max(errs.values()) == 0.0, (grid, strategy, errs)
 
     errs = get_pool(1).run(C.dcp_load_other_grid, tmp_shared, 1)[0]
     assert max(errs.values()) == 0.0, errs
