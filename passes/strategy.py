@@ -471,7 +471,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel | None = None, memory_limit: flo
     lowerings = dict(est.lowerings)
     if ev.blocks:  # the estimate priced blocks 0-2; the others take the lowering of their stand-in
         pre, *blocks, post = ev.blocks
-        for j, block in enumerate(blocks[3:-1], 3):
+        for block in blocks[3:-1]:
             lowerings.update({n.name: lowerings[m.name] for n, m in zip(block, blocks[1]) if m.name in lowerings})
         lowerings.update({n.name: lowerings[m.name] for n, m in zip(blocks[-1], blocks[2]) if m.name in lowerings})
     apply(gm, units, assignment, lowerings, alternatives)
