@@ -150,11 +150,18 @@ def sweep_case(rank, spec):
     import copy
 
     q = int(round(torch.distributed.get_world_size() ** 0.5))
+    grid = tuple(spec.get("grid", (q, q)))
+    options = {"strategy": spec.get("strategy", "2d")}
+    if "cost" in spec:  # (alpha, beta, flops) of both mesh axes: steers strategy='auto' to varied plans
+        a, b, f = spec["cost"]
+        axis = {"alpha_s": a, "beta_bytes_per_s": b, "points": []}
+        options["cost_model"] = {"version": 1, "source": "sweep", "grid": list(grid), "backend": "gloo",
+                                 "device": "cpu", "axes": [axis, axis], "flops_per_s": f, "when": "sweep"}
     torch.manual_seed(spec["seed"])
     model = SweepModel(spec)
     ref = copy.deepcopy(model)
     x = torch.randn(spec["batch"], spec["seq"], spec["features"], generator=torch.Generator().manual_seed(7))
-    pm = autopar.parallelize(model, grid=(q, q), example_inputs=(x,))
+    pm = autopar.parallelize(model, grid=grid, example_inputs=(x,), **options)
     out = pm(x)
     out = out.full_tensor() if hasattr(out, "full_tensor") else out
     want = ref(x)

@@ -1,6 +1,7 @@
 """Randomized parity sweep: small models drawn from the supported op set (linear stacks, attention
 blocks with SDPA or written-out softmax attention, fused or separate q/k/v, LayerNorm or RMSNorm,
-elementwise activations, reshapes), random sizes -- divisible by q or not -- on grids 1x1, 2x2, 3x3;
+elementwise activations, reshapes), random sizes -- divisible by q or not -- on grids 1x1, 2x2, 3x3,
+and on 4 ranks as 2x2, 1x4 or 4x1 with strategy 2d, 1d or auto (under random alpha-beta models);
 outputs and every gradient against one process.
 
 The default budget is small for CI; AUTOPAR_SWEEP_EXAMPLES=N runs N cases per grid, and
@@ -16,7 +17,7 @@ from tests import checks_robust as C
 from tests.conftest import get_pool
 from tests.test_engine_parity import RTOL
 
-BUDGET = {1: 2, 2: 6, 3: 2}
+BUDGET = {1: 2, 2: 6, 3: 2, "4 ranks": 6}
 N = os.environ.get("AUTOPAR_SWEEP_EXAMPLES")
 
 
@@ -38,10 +39,11 @@ def specs(draw):
 def _run(q, spec):
     errs = get_pool(q * q).run(C.sweep_case, spec)[0]
     bad = {k: v for k, v in errs.items() if not v < RTOL}
-    assert not bad, f"grid {q}x{q}, spec {spec}: {bad}"
+    where = "x".join(map(str, spec.get("grid", (q, q))))
+    assert not bad, f"grid {where}, spec {spec}: {bad}"
     if os.environ.get("AUTOPAR_SWEEP_LOG"):
         with open(os.environ["AUTOPAR_SWEEP_LOG"], "a") as f:
-            f.write(f"{q}x{q} max_err={max(errs.values()):.2e} {spec}\n")
+            f.write(f"{where} max_err={max(errs.values()):.2e} {spec}\n")
 
 
 def _sweep(q):
@@ -64,3 +66,25 @@ def test_sweep_2x2():
 
 def test_sweep_3x3():
     _sweep(3)
+
+
+@st.composite
+def strategy_specs(draw):
+    """A spec on 4 ranks: a 2x2, 1x4 or 4x1 grid and strategy 2d, 1d or auto (auto with a random
+    alpha-beta model, so the chosen mixes of 2D, 1D and replicated units vary from case to case)."""
+    spec = draw(specs())
+    spec["grid"] = draw(st.sampled_from([(2, 2), (1, 4), (4, 1)]))
+    spec["strategy"] = draw(st.sampled_from(["2d", "1d", "auto"]))
+    if spec["strategy"] == "auto":
+        spec["cost"] = (10 ** draw(st.floats(-6, -3)), 10 ** draw(st.floats(8, 11)), 10 ** draw(st.floats(8, 12)))
+    return spec
+
+
+def test_sweep_rectangular_grids_and_strategies():
+    @settings(max_examples=int(N) if N else BUDGET["4 ranks"], deadline=None, derandomize=not N,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(spec=strategy_specs())
+    def case(spec):
+        _run(2, spec)
+
+    case()
