@@ -125,9 +125,7 @@ def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
     cm = _cost_model(cost_model)
     if strategy == "auto":
         return S.choose(gm, grid, cm).estimate.time_s
-    units = S.find_units(gm)
-    ev = S._Evaluator(gm, grid, cm, units, "replicate", "regroup", 2)
-    return ev.estimate({u.key: strategy for u in units}).time_s
+    return S.estimate_fixed(gm, grid, cm, strategy).time_s
 
 
 def calibrate_worker(rank, world, port, out):
@@ -196,8 +194,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model):
         if k in estimates:
             res[k]["estimated_step_s"] = estimates[k]
     if rank == 0:
-        res[auto]["assignment"] = configs[auto]._last.choice.assignment if getattr(configs[auto], "_last", None) \
-            else next(iter(configs[auto]._compiled.values())).choice.assignment
+        res[auto]["assignment"] = configs[auto]._last.choice.assignment
     everyone = [None] * world
     dist.all_gather_object(everyone, res)
     if rank == 0:

@@ -43,12 +43,6 @@ def build(name: str):
     return model, dict(input_ids=ids, labels=ids)
 
 
-def fixed(gm, grid, strategy, cm) -> float:
-    units = S.find_units(gm)
-    ev = S._Evaluator(gm, grid, cm, units, "replicate", "regroup", 2)
-    return ev.estimate({u.key: strategy for u in units}).time_s
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cost-model", metavar="FILE")
@@ -64,8 +58,8 @@ def main() -> None:
         gm = _capture(model, (), kw).gm
         capture_s = time.perf_counter() - t0
         for p, q in ((4, 2), (16, 4), (64, 8)):
-            t2d = fixed(gm, (q, q), "2d", cm)
-            t1d = fixed(gm, (1, p), "1d", cm)
+            t2d = S.estimate_fixed(gm, (q, q), cm, "2d").time_s
+            t1d = S.estimate_fixed(gm, (1, p), cm, "1d").time_s
             t0 = time.perf_counter()
             best = None
             for shape in [(r, p // r) for r in range(1, p + 1) if p % r == 0]:

@@ -57,20 +57,68 @@ def _all_reduce(n, g):
     return sympy.floor(2 * (g - 1) * n / g)
 
 
+def summa_axis_elems(M, K, N, R, C, transposed: bool) -> tuple:
+    """Elements times R*C that one SUMMA product of a linear x [M, K] . W -> [M, N] receives per rank
+    over mesh axis 0 and over axis 1 (the three products of a training step receive the same). AB
+    gathers the rest of a [M/R, K] row panel of x over the C columns and of a [K, N/C] column panel of
+    W over the R rows; ABT (W stored [N, K]) moves W's panel over the rows and reduces the [M/R, N]
+    output over the columns. Numbers or sympy symbols alike."""
+    if transposed:
+        return (R - 1) * K * N, (C - 1) * M * N
+    return (R - 1) * K * N, (C - 1) * M * K
+
+
 def summa_ab_bytes(M, K, N, grads=2):
-    """AB forward, then ABT (for dX) and ATB (for dW) backward, e ((C-1) MK + (R-1) KN) / RC each: every
-    product gathers the rest of a [M/R, K] row panel of X over the C columns and of a [K, N/C] column
-    panel of W over the R rows (or reduces panels of the same sizes). `grads` says how many of the two
-    backward products run (an input without gradient skips ABT). Square q x q: (q-1)/q^2 (MK + KN) e."""
-    one = E * ((C - 1) * M * K + (R - 1) * K * N) / (R * C)
+    """AB forward, then ABT (for dX) and ATB (for dW) backward, e ((C-1) MK + (R-1) KN) / RC each.
+    `grads` says how many of the two backward products run (an input without gradient skips ABT).
+    Square q x q: (q-1)/q^2 (MK + KN) e."""
+    one = E * sum(summa_axis_elems(M, K, N, R, C, False)) / (R * C)
     return one, grads * one
 
 
 def summa_abt_bytes(M, K, N, grads=2):
     """ABT forward (broadcast W over the rows, reduce Y over the columns), then AB + ATB backward:
     e ((R-1) KN + (C-1) MN) / RC each."""
-    one = E * ((R - 1) * K * N + (C - 1) * M * N) / (R * C)
+    one = E * sum(summa_axis_elems(M, K, N, R, C, True)) / (R * C)
     return one, grads * one
+
+
+def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False) -> tuple:
+    """What `kernels.Redistribute(src -> dst)` moves: ([(axis, phase, bytes)], [step names]), for a
+    rank holding n elements of e bytes before, on a mesh of `sizes` (R, C). Works on numbers (integer
+    division, as the collective layer counts) and, with `exact`, on sympy symbols (the formulas
+    `explain` prints)."""
+    div = (lambda a, b: a / b) if exact else (lambda a, b: a // b)
+    floor = (lambda a, b: sympy.floor(a / b)) if exact else (lambda a, b: a // b)
+    cur, size, moves, names = list(src.placements), n, [], []
+    for a in range(2):
+        if split_dim(cur[a]) is not None and cur[a] != dst[a]:
+            moves.append((a, "fwd", (sizes[a] - 1) * size * e))
+            size = size * sizes[a]
+            cur[a] = Replicate()
+            names.append(f"all-gather(axis {a})")
+    for a in range(2):
+        s, d, g = cur[a], dst[a], sizes[a]
+        if s == d:
+            continue
+        if isinstance(s, Partial) and isinstance(d, Shard) and parts(d) == 1:
+            moves.append((a, "fwd", floor((g - 1) * size * e, g)))
+            size = div(size, g)
+            if grad:
+                moves.append((a, "bwd", (g - 1) * size * e))
+            names.append(f"reduce-scatter(axis {a})")
+            continue
+        if isinstance(s, Partial):
+            moves.append((a, "fwd", floor(2 * (g - 1) * size * e, g)))
+            names.append(f"all-reduce(axis {a})")
+        if split_dim(d) is not None:
+            size = div(size, g)
+            if grad:
+                moves.append((a, "bwd", (g - 1) * size * e))
+            names.append(f"split(axis {a}; bwd all-gather)")
+        elif isinstance(d, Partial):
+            names.append(f"to-partial(axis {a})")
+    return moves, names
 
 
 def _local(node: Node, mesh) -> tuple:
@@ -99,37 +147,9 @@ def nodes_needing_grad(gm: torch.fx.GraphModule) -> set:
 def redistribute_cost(mod: kernels.Redistribute, node: Node, mesh, grads: set) -> Cost:
     v = node.args[0].meta["val"]
     n = sympy.Symbol("n", positive=True)  # elements this rank holds before
-    cur = list(mod.src.placements)
-    size = n  # elements held now, as a multiple of n
-    fwd, bwd, steps = sympy.Integer(0), sympy.Integer(0), []
-    for a in range(2):
-        if split_dim(cur[a]) is not None and cur[a] != mod.dst[a]:
-            fwd += (AXIS_SIZE[a] - 1) * size * E
-            size = size * AXIS_SIZE[a]
-            cur[a] = Replicate()
-            steps.append(f"all-gather(axis {a})")
-    for a in range(2):
-        s, d = cur[a], mod.dst[a]
-        if s == d:
-            continue
-        g = AXIS_SIZE[a]
-        if isinstance(s, Partial) and isinstance(d, Shard) and parts(d) == 1:
-            fwd += sympy.floor((g - 1) * size * E / g)
-            size = size / g
-            if node.args[0] in grads:
-                bwd += (g - 1) * size * E
-            steps.append(f"reduce-scatter(axis {a})")
-            continue
-        if isinstance(s, Partial):
-            fwd += _all_reduce(size * E, g)
-            steps.append(f"all-reduce(axis {a})")
-        if split_dim(d) is not None:
-            size = size / g
-            if node.args[0] in grads:
-                bwd += (g - 1) * size * E
-            steps.append(f"split(axis {a}; bwd all-gather)")
-        elif isinstance(d, Partial):
-            steps.append(f"to-partial(axis {a})")
+    moves, steps = redistribute_steps(mod.src, mod.dst, AXIS_SIZE, n, E, node.args[0] in grads, exact=True)
+    fwd = sum((b for _, phase, b in moves if phase == "fwd"), sympy.Integer(0))
+    bwd = sum((b for _, phase, b in moves if phase == "bwd"), sympy.Integer(0))
     values = {**_sizes(mesh), E: v.element_size(), n: math.prod(local_shape(tuple(v.shape), mod.src, mesh))}
     return Cost(", ".join(steps), fwd, bwd, values)
 

@@ -28,15 +28,15 @@ from passes.ops import kernels
 aten = torch.ops.aten
 
 
-def _out_split_axes(node: Node) -> set:
-    lay = node.meta.get("autopar_layout")
-    lays = lay if isinstance(lay, tuple) else (lay,)
-    return {a for lay in lays if isinstance(lay, Layout) for a in range(2) if not isinstance(lay[a], Replicate)}
-
-
-def _wants_grad(node: Node) -> bool:
-    v = node.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+def gradsync_axes(consumer: Node, out_layout, inp: Node, need: Layout) -> tuple:
+    """The mesh axes over which `inp`, arriving as `need`, stays replicated while `consumer`'s output
+    (laid out `out_layout`) is split or partial: its gradient must be all-reduced over them."""
+    v = inp.meta.get("val")
+    if consumer.op == "output" or not (isinstance(v, torch.Tensor) and v.dtype.is_floating_point):
+        return ()
+    lays = out_layout if isinstance(out_layout, tuple) else (out_layout,)
+    split = {a for lay in lays if isinstance(lay, Layout) for a in range(2) if not isinstance(lay[a], Replicate)}
+    return tuple(a for a in sorted(split) if isinstance(need[a], Replicate))
 
 
 def _add_module(gm: GraphModule, before: Node, name: str, module, arg: Node, layout) -> Node:
@@ -84,7 +84,6 @@ def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast")
         strat = node.meta.get("autopar_strategy")
         if strat is None or node.meta.get("autopar_inserted"):
             continue
-        split_axes = _out_split_axes(node)
         routed = {}
         for inp, need in strat.inputs.items():
             inp = replaced.get(inp, inp)
@@ -96,8 +95,8 @@ def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast")
                     mod = kernels.Redistribute(grid, have, need, f"{inp.name}->{node.name}")
                     cache[key] = _add_module(gm, node, f"autopar_redist_{inp.name}_{len(cache)}", mod, inp, need)
                 new = cache[key]
-            sync = tuple(a for a in sorted(split_axes) if isinstance(need[a], Replicate))
-            if sync and _wants_grad(inp) and node.op != "output":
+            sync = gradsync_axes(node, node.meta.get("autopar_layout"), inp, need)
+            if sync:
                 key = (inp, need, sync)
                 if key not in cache:
                     mod = kernels.GradSync(grid, sync, f"gradsync:{inp.name}")

@@ -142,6 +142,11 @@ def _refuse_fallback(node: Node, why: str) -> None:
     )
 
 
+def rule_key(node: Node, layouts: dict) -> tuple:
+    """What a rule's result depends on: the node, its strategy choice and its inputs' layouts."""
+    return node, node.meta.get("autopar_choice"), tuple(layouts.get(n) for n in node.all_input_nodes)
+
+
 def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, indivisible: str = "error",
                    fused: str = "regroup", on_unsupported: str = "replicate", cache: dict | None = None) -> None:
     """Give one node its layout (and strategy), its inputs having theirs in `layouts`. Rules are pure
@@ -156,7 +161,7 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, ind
         if cache is None:
             strat = _strategy(node, layouts, mesh, indivisible)
         else:
-            key = (node, node.meta.get("autopar_choice"), tuple(layouts.get(n) for n in node.all_input_nodes))
+            key = rule_key(node, layouts)
             strat = cache.get(key)
             if strat is None:
                 strat = cache[key] = _strategy(node, layouts, mesh, indivisible)

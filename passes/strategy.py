@@ -17,15 +17,12 @@ them all (exact for the model below), otherwise it alternates exact enumeration 
 variables and of the others until neither changes. The all-2d and all-1d assignments are always
 evaluated, so the choice is never estimated slower than the better fixed scheme.
 
-The estimate of an assignment runs the real rules (`propagate_node`) and prices what the insertion
-pass would add, per mesh axis, with an alpha-beta model: a collective costs alpha + bytes/beta
-(bytes received per rank, `passes.mesh.CommLog` conventions), a matmul flops/F. SUMMA's broadcast
-lowering overlaps its next broadcast with the current matmul, so it is charged
-calls*alpha + max(bytes/beta, flops/F); the all-gather lowering calls*alpha + bytes/beta + flops/F.
-Memory: parameters times (2 + optimizer states) plus every intermediate that needs a gradient (an
-upper bound on what autograd saves). With identical blocks the estimate propagates the first three
-blocks and the last one stands in for the rest (checked: the third block must see the layouts the
-second saw), so its cost does not grow with depth.
+The estimate of an assignment runs the real rules (`propagate_node`, results cached across
+assignments) and prices the result with `passes.estimate` (an alpha-beta model per mesh axis).
+Memory: parameters times (2 + optimizer states) plus every intermediate that needs a gradient. With
+identical blocks the estimate propagates the first three blocks and the last one stands in for the
+rest (checked: the third block must see the layouts the second saw), so its cost does not grow with
+depth.
 """
 
 from __future__ import annotations
@@ -34,67 +31,26 @@ import itertools
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
 from passes.cost import nodes_needing_grad
-from passes.layout import Layout, local_shape, mesh_shape, parts, split_dim
+from passes.estimate import MATMULS, CostModel, Estimate, price
+from passes.layout import mesh_shape
 from passes.propagate import Propagation, module_path, propagate_node
+
+__all__ = ["CostModel", "Estimate", "Choice", "choose", "apply", "fixed", "estimate_fixed", "find_units",
+           "repeated_blocks", "OPTIONS"]
 
 aten = torch.ops.aten
 OPTIONS = ("2d", "1d", "rep")
 EMBED_OPTIONS = ("2d", "1d")
 EXHAUSTIVE = 1024  # assignments enumerated outright; more alternate block / non-block enumeration
-_WEIGHT_ARG = {aten.linear.default: (0, 1), aten.addmm.default: (1, 2), aten.mm.default: (0, 1),
-               aten.matmul.default: (0, 1)}  # (activation arg, weight arg)
 _THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
             aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.clone.default,
             aten.alias.default, aten.detach.default}
-
-
-@dataclass
-class CostModel:
-    """alpha (s per collective) and beta (bytes received per s) per mesh axis, and the matmul rate."""
-
-    alpha: tuple = (2e-5, 1e-5)
-    beta: tuple = (25e9, 150e9)
-    flops: float = 400e12
-    source: str = "default"
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CostModel":
-        """From the JSON `autopar calibrate` writes (see autopar/calibrate.py)."""
-        axes = d["axes"]
-        beta = tuple(float("inf") if a["beta_bytes_per_s"] is None else float(a["beta_bytes_per_s"]) for a in axes)
-        return cls(tuple(float(a["alpha_s"]) for a in axes), beta, float(d["flops_per_s"]), d.get("source", "?"))
-
-    def collective(self, axis: int, nbytes: float, calls: int = 1) -> float:
-        return calls * self.alpha[axis] + nbytes / self.beta[axis]
-
-
-@dataclass
-class Estimate:
-    time_s: float = 0.0
-    comm_s: float = 0.0
-    compute_s: float = 0.0
-    bytes_per_axis: list = field(default_factory=lambda: [0.0, 0.0])
-    param_bytes: float = 0.0
-    activation_bytes: float = 0.0
-    memory_bytes: float = 0.0
-    lowerings: dict = field(default_factory=dict)  # SUMMA node name -> lowering
-
-    def add(self, other: "Estimate", k: float) -> None:
-        self.time_s += k * other.time_s
-        self.comm_s += k * other.comm_s
-        self.compute_s += k * other.compute_s
-        for a in range(2):
-            self.bytes_per_axis[a] += k * other.bytes_per_axis[a]
-        self.param_bytes += k * other.param_bytes
-        self.activation_bytes += k * other.activation_bytes
-        self.lowerings.update(other.lowerings)
 
 
 @dataclass
@@ -104,16 +60,16 @@ class Unit:
     options: tuple
 
 
-def _param_of(n) -> Node | None:
-    while isinstance(n, Node) and n.op == "call_function" and n.target in _THROUGH:
-        n = n.args[0]
-    return n if isinstance(n, Node) and n.op == "placeholder" and n.meta.get("autopar_role") == "param" else None
-
-
 def _source(n) -> Node:
+    """`n` without the views, transposes and copies in front of it."""
     while isinstance(n, Node) and n.op == "call_function" and n.target in _THROUGH:
         n = n.args[0]
     return n
+
+
+def _param_of(n) -> Node | None:
+    n = _source(n)
+    return n if isinstance(n, Node) and n.op == "placeholder" and n.meta.get("autopar_role") == "param" else None
 
 
 def _generic(path: str) -> str:
@@ -132,8 +88,8 @@ def find_units(gm: GraphModule) -> list:
             continue
         if node.target == aten.embedding.default and _param_of(node.args[0]) is not None:
             units.append(Unit("embedding:" + _generic(module_path(node)), [node], EMBED_OPTIONS))
-        elif node.target in _WEIGHT_ARG:
-            xi, wi = _WEIGHT_ARG[node.target]
+        elif node.target in MATMULS:
+            xi, wi = MATMULS[node.target]
             p = _param_of(node.args[wi])
             if p is None or len(p.meta["val"].shape) != 2 or p in tables:  # a tied head follows its table
                 continue
@@ -177,182 +133,6 @@ def repeated_blocks(gm: GraphModule) -> list | None:
     return [nodes[:first]] + blocks + [nodes[last + 1:]]
 
 
-# ---------------------------------------------------------------------------------- pricing
-
-
-def _local_elems(v, lay, mesh) -> int:
-    return math.prod(local_shape(tuple(v.shape), lay, mesh))
-
-
-def _redistribute(src: Layout, dst: Layout, v, mesh, grad: bool) -> list:
-    """(axis, bytes, calls) of `kernels.Redistribute(src -> dst)` forward and backward."""
-    e, size = v.element_size(), _local_elems(v, src, mesh)
-    cur, out = list(src.placements), []
-    for a in range(2):
-        if split_dim(cur[a]) is not None and cur[a] != dst[a]:
-            out.append((a, (mesh[a] - 1) * size * e))
-            size *= mesh[a]
-            cur[a] = Replicate()
-    for a in range(2):
-        s, d, g = cur[a], dst[a], mesh[a]
-        if s == d:
-            continue
-        if isinstance(s, Partial) and isinstance(d, Shard) and parts(d) == 1:
-            out.append((a, (g - 1) * size * e // g))
-            size //= g
-            if grad:
-                out.append((a, (g - 1) * size * e))
-            continue
-        if isinstance(s, Partial):
-            out.append((a, 2 * (g - 1) * size * e // g))
-        if split_dim(d) is not None:
-            size //= g
-            if grad:
-                out.append((a, (g - 1) * size * e))
-    return [(a, b, 1) for a, b in out if mesh[a] > 1]
-
-
-def _summa(strat, node, mesh, grads, cm: CostModel, est: Estimate) -> float:
-    """Time of one SUMMA node (forward and the backward products that run), lowering chosen."""
-    R, C = mesh
-    x, w = strat.extra["x"], strat.extra["w"]
-    xv = x.meta["val"]
-    M, K, N = math.prod(xv.shape[:-1]), xv.shape[-1], node.meta["val"].shape[-1]
-    e = xv.element_size()
-    if strat.extra["transposed"]:
-        per_axis = ((R - 1) * N * K * e / (R * C), (C - 1) * M * N * e / (R * C))
-    else:
-        per_axis = ((R - 1) * K * N * e / (R * C), (C - 1) * M * K * e / (R * C))
-    products = 1 + int(x in grads) + int(w in grads)
-    flops = 2 * (M / R) * K * (N / C) * products
-    pieces = R + C - math.gcd(R, C)
-    bw = sum(per_axis[a] / cm.beta[a] for a in range(2) if mesh[a] > 1) * products
-    lat = {lo: sum(cm.alpha[a] * n for a in range(2) if mesh[a] > 1) * products
-           for lo, n in (("broadcast", pieces), ("allgather", 1))}
-    times = {"broadcast": lat["broadcast"] + max(bw, flops / cm.flops),
-             "allgather": lat["allgather"] + bw + flops / cm.flops}
-    lowering = min(times, key=times.get)
-    est.lowerings[node.name] = lowering
-    for a in range(2):
-        est.bytes_per_axis[a] += per_axis[a] * products
-    est.compute_s += flops / cm.flops
-    est.comm_s += times[lowering] - flops / cm.flops
-    return times[lowering]
-
-
-def _flops(node, strat, layouts, mesh) -> float:
-    """Forward + backward FLOPs of a local matmul-like node on one rank (0 for other ops)."""
-    t = node.target
-    if t in _WEIGHT_ARG or t in (aten.bmm.default, aten.baddbmm.default):
-        xi = _WEIGHT_ARG.get(t, (1 if t == aten.baddbmm.default else 0, None))[0]
-        x = node.args[xi]
-        lay = strat.inputs.get(x, layouts.get(x))
-        if not isinstance(lay, Layout) or not isinstance(node.meta.get("val"), torch.Tensor):
-            return 0.0
-        k = local_shape(tuple(x.meta["val"].shape), lay, mesh)[-1]
-        return 6.0 * _local_elems(node.meta["val"], strat.output, mesh) * k
-    if t == aten.scaled_dot_product_attention.default:
-        b, h, s, d = local_shape(tuple(node.args[0].meta["val"].shape), strat.output, mesh)
-        return 12.0 * b * h * s * node.args[1].meta["val"].shape[-2] * d
-    return 0.0
-
-
-@dataclass
-class _NodeCost:
-    shared: list  # (key, terms): collectives a later consumer may share (one Redistribute per (input, layout))
-    terms: list  # (axis, bytes, calls) of the node's own kernel
-    summa: Estimate | None  # a SUMMA node's time, bytes and lowering
-    compute_s: float
-    params: list  # (parameter node, bytes held)
-    activation_bytes: float
-
-
-def _node_cost(node, strat, layouts, mesh, grads, cm) -> _NodeCost:
-    out_lay = strat.output
-    outs = out_lay if isinstance(out_lay, tuple) else (out_lay,)
-    split_axes = {a for lay in outs if isinstance(lay, Layout) for a in range(2) if not isinstance(lay[a], Replicate)}
-    shared, terms, summa, params = [], [], None, []
-    for inp, need in strat.inputs.items():
-        have, v = layouts.get(inp), inp.meta.get("val")
-        if not isinstance(v, torch.Tensor) or not isinstance(have, Layout):
-            continue
-        if have != need:
-            shared.append(((inp, need), _redistribute(have, need, v, mesh, inp in grads)))
-        sync = tuple(a for a in sorted(split_axes) if isinstance(need[a], Replicate) and mesh[a] > 1)
-        if sync and v.dtype.is_floating_point and node.op != "output":
-            n = _local_elems(v, need, mesh) * v.element_size()
-            shared.append(((inp, need, sync), [(a, 2 * (mesh[a] - 1) * n // mesh[a], 1) for a in sync] if inp in grads else []))
-        if inp.op == "placeholder" and inp.meta.get("autopar_role") == "param":
-            params.append((inp, _local_elems(v, have, mesh) * v.element_size()))
-    if strat.kernel == "summa":
-        summa = Estimate()
-        summa.time_s = _summa(strat, node, mesh, grads, cm, summa)
-    else:
-        terms = _kernel_terms(node, strat, mesh, grads)
-    act = 0.0
-    if node in grads and isinstance(node.meta.get("val"), torch.Tensor) and isinstance(out_lay, Layout):
-        act = _local_elems(node.meta["val"], out_lay, mesh) * node.meta["val"].element_size()
-    flops = _flops(node, strat, layouts, mesh) if strat.kernel != "summa" else 0.0
-    return _NodeCost(shared, terms, summa, flops / cm.flops, params, act)
-
-
-def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: set | None = None,
-          cache: dict | None = None) -> Estimate:
-    """Estimated time, bytes and memory of `nodes` (already propagated) on one rank; a parameter in
-    `params_seen` is not counted again (a tied table used before and after the blocks). `cache` keeps
-    each node's costs under the key of its strategy (see `propagate_node`)."""
-    est, seen = Estimate(), set()
-    params_seen = set() if params_seen is None else params_seen
-    for node in nodes:
-        strat = node.meta.get("autopar_strategy")
-        if node.op == "placeholder" or strat is None:
-            continue
-        if cache is not None:
-            key = (node, node.meta.get("autopar_choice"), tuple(layouts.get(n) for n in node.all_input_nodes))
-            nc = cache.get(key)
-            if nc is None:
-                nc = cache[key] = _node_cost(node, strat, layouts, mesh, grads, cm)
-        else:
-            nc = _node_cost(node, strat, layouts, mesh, grads, cm)
-        terms = list(nc.terms)
-        for key, ts in nc.shared:
-            if key not in seen:
-                seen.add(key)
-                terms += ts
-        if nc.summa is not None:
-            est.add(nc.summa, 1)
-        for a, nbytes, calls in terms:
-            t = cm.collective(a, nbytes, calls)
-            est.time_s += t
-            est.comm_s += t
-            est.bytes_per_axis[a] += nbytes
-        est.time_s += nc.compute_s
-        est.compute_s += nc.compute_s
-        for p, nbytes in nc.params:
-            if p not in params_seen:
-                params_seen.add(p)
-                est.param_bytes += nbytes
-        est.activation_bytes += nc.activation_bytes
-    return est
-
-
-def _kernel_terms(node, strat, mesh, grads) -> list:
-    """(axis, bytes, calls) of a norm or cross-entropy kernel's statistics."""
-    terms, out_lay = [], strat.output
-    if strat.kernel == "norm" and mesh[1] > 1:
-        k = 2 if node.target == aten.layer_norm.default else 1
-        t = math.prod(local_shape(tuple(node.meta["val"].shape), out_lay, mesh)[:-1])
-        n = 2 * (mesh[1] - 1) * 4 * t // mesh[1]
-        terms += [(1, n, 1)] * (k * (2 if node.args[0] in grads else 1))
-    elif strat.kernel == "cross_entropy":
-        rows = local_shape(tuple(node.args[0].meta["val"].shape), strat.inputs[node.args[0]], mesh)[0]
-        if strat.extra["vocab_split"] and mesh[1] > 1:
-            terms += [(1, 2 * (mesh[1] - 1) * 4 * rows // mesh[1], 1), (1, 2 * (mesh[1] - 1) * 8 * rows // mesh[1], 1)]
-        if mesh[0] > 1:
-            terms.append((0, 2 * (mesh[0] - 1) * 8 // mesh[0], 1))
-    return terms
-
-
 # ---------------------------------------------------------------------------------- search
 
 
@@ -363,7 +143,6 @@ class Choice:
     alternatives: dict  # unit key -> {option: best estimated step time with the unit forced to it}
     baselines: dict  # "2d" / "1d" -> Estimate of the fixed scheme
     evaluated: int
-    units: list
     lowerings: dict  # SUMMA node name -> lowering
     solve_s: float = 0.0  # seconds the search took
 
@@ -417,13 +196,12 @@ class _Evaluator:
         return est
 
 
-def choose(gm: GraphModule, mesh, cm: CostModel | None = None, memory_limit: float | None = None,
+def choose(gm: GraphModule, mesh, cm: CostModel, memory_limit: float | None = None,
            indivisible: str = "replicate", fused: str = "regroup", optimizer_states: int = 2) -> Choice:
     """The assignment of strategies to `gm`'s units with the smallest estimated step time whose
     per-rank memory estimate is at most `memory_limit` bytes. Leaves `autopar_choice` and
     `autopar_lowering` set on the matmul nodes for the propagation that follows."""
     t0 = time.perf_counter()
-    cm = cm or CostModel()
     units = find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
     opts = {u.key: u.options for u in units}
@@ -475,7 +253,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel | None = None, memory_limit: flo
             lowerings.update({n.name: lowerings[m.name] for n, m in zip(block, blocks[1]) if m.name in lowerings})
         lowerings.update({n.name: lowerings[m.name] for n, m in zip(blocks[-1], blocks[2]) if m.name in lowerings})
     apply(gm, units, assignment, lowerings, alternatives)
-    return Choice(assignment, est, alternatives, {s: ev.estimate(a) for s, a in baselines.items()}, len(tried), units,
+    return Choice(assignment, est, alternatives, {s: ev.estimate(a) for s, a in baselines.items()}, len(tried),
                   lowerings, time.perf_counter() - t0)
 
 
@@ -497,3 +275,10 @@ def fixed(gm: GraphModule, strategy: str) -> None:
     for u in find_units(gm):
         for n in u.nodes:
             n.meta["autopar_choice"] = strategy
+
+
+def estimate_fixed(gm: GraphModule, mesh, cm: CostModel, strategy: str, optimizer_states: int = 2) -> Estimate:
+    """The estimate of one fixed strategy ("2d", "1d" or "rep") for every unit of `gm` on `mesh`."""
+    units = find_units(gm)
+    ev = _Evaluator(gm, mesh, cm, units, "replicate", "regroup", optimizer_states)
+    return ev.estimate({u.key: strategy if strategy in u.options else "1d" for u in units})

@@ -36,13 +36,3 @@ def pool9():
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()
-
-
-@pytest.fixture
-def pool2():
-    return get_pool(2)
-
-
-@pytest.fixture
-def pool6():
-    return get_pool(6)

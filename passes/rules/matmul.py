@@ -118,22 +118,6 @@ def _is_weight(w, layouts) -> bool:
     return lay is None or all(split_dim(p) is not None for p in lay.placements)
 
 
-def partial_linear(node, layouts, mesh, x, w, kd: int, bias=None) -> Strategy:
-    """A weight split over the columns along its in-features only (an LM head tied to an embedding
-    whose vocabulary q does not divide): each rank multiplies its hidden slice, giving a partial sum
-    over the columns of the [rows, N] output."""
-    rows = _row_split(x, layouts, mesh)
-    last = len(shape(x)) - 1
-    need = {x: Layout((rows, Shard(last))), w: Layout((Replicate(), Shard(kd)))}
-    if bias is not None:
-        need[bias] = Layout((Replicate(), Partial("sum")))
-    return Strategy(need, Layout((Shard(rows.dim), Partial("sum"))),
-                    note="local matmul on hidden slices (partial over columns)")
-
-
-CHOICES = ("2d", "col", "row", "rep")  # per weight matmul; "1d" = col or row, whichever the input suits
-
-
 def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) -> Strategy:
     """Megatron-style 1D tensor parallelism over the C mesh columns, with the batch split over the R
     rows (data parallel over the rows; the weight's gradient is all-reduced over them):
@@ -150,13 +134,12 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
     ws = shape(w)
     kd, nd = (1, 0) if n_first else (0, 1)
     K, N = ws[kd], ws[nd]
+    last = len(shape(x)) - 1
     if kind == "1d":
         lay = layouts.get(x)
-        last = len(shape(x)) - 1
         split_in = lay is not None and split_dim(lay.normalized(last + 1)[1]) == last
         kind = "row" if split_in and K % C == 0 else "col"
     rows = _row_split(x, layouts, mesh)
-    last = len(shape(x)) - 1
     out_last = len(val(node).shape) - 1
     out_rows = Shard(rows.dim if rows.dim < out_last else 0)
     if kind == "col":
@@ -169,8 +152,7 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
         need = {x: Layout((rows, Replicate())), w: Layout((Replicate(), n_split(nd)))}
         if bias is not None:
             need[bias] = Layout((Replicate(), n_split(0)))
-        return Strategy(need, Layout((out_rows, n_split(out_last))), note="1D column split" + (f", fused x{k}" if fused else ""),
-                        extra={"choice": "col"})
+        return Strategy(need, Layout((out_rows, n_split(out_last))), note="1D column split" + (f", fused x{k}" if fused else ""))
     if kind == "row":
         if K % C:
             raise ShardingError(f"weight {_param_name(w)} of shape {tuple(ws)}: in-features {K} not divisible "
@@ -178,12 +160,11 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
         need = {x: Layout((rows, Shard(last))), w: Layout((Replicate(), Shard(kd)))}
         if bias is not None:  # added once: by column 0 of the partial sum
             need[bias] = Layout((Replicate(), Partial("sum")))
-        return Strategy(need, Layout((out_rows, Partial("sum"))), note="1D row split (partial over columns)",
-                        extra={"choice": "row"})
+        return Strategy(need, Layout((out_rows, Partial("sum"))), note="1D row split (partial over columns)")
     need = {x: Layout((rows, Replicate())), w: REPLICATED}
     if bias is not None:
         need[bias] = REPLICATED
-    return Strategy(need, Layout((out_rows, Replicate())), note="weight replicated", extra={"choice": "rep"})
+    return Strategy(need, Layout((out_rows, Replicate())), note="weight replicated")
 
 
 def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
@@ -191,9 +172,7 @@ def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     weight already placed by an earlier use (tied to an embedding) keeps its layout's strategy."""
     choice = node.meta.get("autopar_choice", "2d")
     if choice == "2d" or layouts.get(w) is not None:
-        strat = summa_strategy(node, layouts, mesh, x, w, bias, n_first)
-        strat.extra["choice"] = "2d"
-        return strat
+        return summa_strategy(node, layouts, mesh, x, w, bias, n_first)
     return one_d_strategy(node, layouts, mesh, x, w, bias, n_first, choice)
 
 
@@ -201,9 +180,11 @@ def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
 def linear(node, layouts, mesh):
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else None
+    # a weight already placed by a table: split by hidden only (a vocabulary R does not divide), or by
+    # vocabulary over the columns (a 1D table): the matching 1D split
     if layouts.get(w) == Layout((Replicate(), Shard(1))):
-        return partial_linear(node, layouts, mesh, x, w, kd=1, bias=bias)
-    if layouts.get(w) == Layout((Replicate(), Shard(0))):  # tied to a table whose vocab splits over columns
+        return one_d_strategy(node, layouts, mesh, x, w, bias, True, "row")
+    if layouts.get(w) == Layout((Replicate(), Shard(0))):
         return one_d_strategy(node, layouts, mesh, x, w, bias, True, "col")
     if not _is_weight(w, layouts):
         raise Unsupported("linear whose weight is not a 2-D parameter")
