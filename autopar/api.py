@@ -118,8 +118,8 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
         strategies.fixed(cap.gm, "1d")
     elif grid.world > 1 and strategy == "auto":
         choice = strategies.choose(cap.gm, grid.shape, _cost_model(cost_model), memory_limit, indivisible, fused)
-    elif grid.world > 1 and isinstance(strategy, dict):  # a recompile repeats the first compile's choice
-        choice = strategy["choice"]
+    elif grid.world > 1 and isinstance(strategy, strategies.Choice):  # a recompile repeats the first choice
+        choice = strategy
         strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings, choice.alternatives)
     prop = propagate(cap.gm, grid.shape, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported)
     if grid.world > 1:
@@ -432,7 +432,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                "strategy": strategy, "cost_model": cost_model, "memory_limit": memory_limit}
     comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
     if comp.choice is not None:  # other input shapes reuse this choice (the parameters are laid out for it)
-        options["strategy"] = {"choice": comp.choice}
+        options["strategy"] = comp.choice
     flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)
     agree_on_plan(comp, layouts)
     pm = ParallelModule(model, g, comp, None, layouts, options)

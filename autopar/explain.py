@@ -43,7 +43,7 @@ def _why(node) -> str:
     why = node.meta.get("autopar_choice_why")
     if not why:
         return ""
-    _key, chosen, alts = why
+    chosen, alts = why
     others = ", ".join(f"{o} {t * 1e3:.2f}" if t is not None else f"{o} n/a" for o, t in alts.items() if o != chosen)
     return f" [auto: {chosen}, est. {alts[chosen] * 1e3:.2f} ms/step; {others}]"
 

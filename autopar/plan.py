@@ -47,7 +47,6 @@ class Plan:
     gm: object = field(default=None, repr=False)
     strategy: str = "2d"
     choice: object = field(default=None, repr=False)  # strategy='auto': passes.strategy.Choice
-    solve_s: float | None = None  # strategy='auto': seconds the search took
 
     @property
     def comm_bytes_per_rank_per_step(self) -> int:
@@ -143,7 +142,6 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     comp, layouts = _compile(model, example_inputs, kwargs, Grid.for_planning(*mesh), lowering=lowering,
                              indivisible=indivisible, fused=fused, on_unsupported="replicate", strategy=strategy,
                              cost_model=cost_model, memory_limit=memory_limit)
-    solve_s = comp.choice.solve_s if comp.choice is not None else None
     gm, cap = comp.gm, comp.captured
     rows = graph_rows(gm, mesh)
     params = {}
@@ -154,7 +152,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         params[name] = (tuple(p.shape), repr(lay), mine, full)
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
-                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice, solve_s=solve_s)
+                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice)
     if measure_activations is None:
         measure_activations = not dist.is_initialized()
     if measure_activations:

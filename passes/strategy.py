@@ -264,7 +264,7 @@ def apply(gm: GraphModule, units, assignment: dict, lowerings: dict, alternative
         for n in u.nodes:
             n.meta["autopar_choice"] = assignment[u.key]
             if alternatives is not None:
-                n.meta["autopar_choice_why"] = (u.key, assignment[u.key], alternatives[u.key])
+                n.meta["autopar_choice_why"] = (assignment[u.key], alternatives[u.key])
     for node in gm.graph.nodes:
         if node.name in lowerings:
             node.meta["autopar_lowering"] = lowerings[node.name]
