@@ -12,7 +12,7 @@ Non-finite values must match exactly: the same inf in both passes; a NaN or inf 
 (returns inf), so a NaN where one process is finite can never pass.
 
     >>> import torch
-    >>> excess(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0002]), rtol=1e-4, atol=0.0) <= 1
+    >>> excess(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0001]), rtol=1e-4, atol=0.0) <= 1
     True
     >>> excess(torch.tensor([float("nan")]), torch.tensor([1.0]), rtol=1e-4, atol=1e-6)
     inf
