@@ -16,6 +16,16 @@ Non-finite values must match exactly: the same inf in both passes; a NaN or inf 
     True
     >>> excess(torch.tensor([float("nan")]), torch.tensor([1.0]), rtol=1e-4, atol=1e-6)
     inf
+
+A rank-side check compares a group of tensors with one atol (`group_excess`) and returns
+{name: excess}; the test collects that from every rank and asserts `failures(per_rank) == {}`:
+
+    >>> big, small = torch.tensor([1.0, -0.5]), torch.tensor([0.0, 2e-6])
+    >>> errs = group_excess({"w": (big, big), "b": (small + 5e-9, small)})  # atol = 1e-5 * 1.0
+    >>> failures([errs, errs])
+    {}
+    >>> failures([errs, {"w": 0.0, "b": 3.0}])  # rank 1 drifted on "b"
+    {(1, 'b'): 3.0}
 """
 
 from __future__ import annotations
@@ -71,6 +81,8 @@ def scaled_atol(tensors, frac: float = ATOL_FRAC) -> float:
 def failures(per_rank: list, limit: float = 1.0) -> dict:
     """From per-rank dicts {name: excess}, the entries above `limit` as {(rank, name): excess}; also
     flags a rank that reports other names than rank 0 (a value missing on one rank goes unseen)."""
+    if not per_rank or not per_rank[0]:
+        raise AssertionError(f"nothing was compared: per-rank results {per_rank!r}")
     bad = {}
     names = set(per_rank[0])
     for rank, errs in enumerate(per_rank):
@@ -80,3 +92,19 @@ def failures(per_rank: list, limit: float = 1.0) -> dict:
             if not v <= limit:
                 bad[(rank, name)] = v
     return bad
+
+
+def group_excess(pairs: dict, rtol: float = RTOL, frac: float = ATOL_FRAC, prefix: str = "") -> dict:
+    """{prefix + name: excess(got, want, rtol, atol)} for pairs {name: (got, want)} that share one
+    atol: `frac` times the largest reference value in the group (e.g. all gradients of one model)."""
+    atol = scaled_atol((want for _, want in pairs.values()), frac)
+    return {prefix + name: excess(got, want, rtol, atol) for name, (got, want) in pairs.items()}
+
+
+def assert_every_rank(per_rank: list, what: str = "") -> float:
+    """Fails naming every (rank, tensor) above tolerance; returns (and prints) the largest excess."""
+    bad = failures(per_rank)
+    assert bad == {}, f"{what}: above tolerance as {{(rank, tensor): excess}}: {bad}"
+    top = max(v for errs in per_rank for v in errs.values())
+    print(f"{what}: max excess {top:.3g} over {len(per_rank)} rank(s)")
+    return top
