@@ -4,28 +4,31 @@
 - `from_pretrained(path, grid, ...)`: config.json -> model on meta -> `parallelize` -> each rank reads
   only its blocks from the safetensors files (single file or index-sharded).
 - `save_pretrained(pmodel, path)`: parameters gathered one at a time, written by rank 0 into
-  safetensors shards of at most `max_shard_bytes`, with config.json, into a temporary directory that
-  replaces `path` only when complete (an interrupted save leaves the previous checkpoint intact).
+  safetensors shards of at most `max_shard_bytes`, with config.json. Only the files it writes are
+  replaced (each atomically, after every shard is complete), so other files in `path` survive and an
+  interrupted save leaves the previous checkpoint loadable. Every rank agrees on each step's outcome,
+  so a failure on rank 0 alone raises on all ranks instead of leaving them waiting in a gather.
+- `save_distributed` / `load_distributed` (autopar.distributed_checkpoint): torch.distributed.checkpoint
+  of the model (and optimizer), saved to a fresh directory swapped in when every rank finished.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import shutil
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from autopar import files as F
+from autopar.agree import AXES, agree
+from autopar.distributed_checkpoint import load_distributed, save_distributed  # noqa: F401  (part of this API)
 from autopar.safetensors_io import SafetensorsFile, write
 from passes.layout import parts, split_dim
+from passes.ops.comm import guarded
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+INDEX, SINGLE = F.INDEX, F.SINGLE
 
 
 @contextlib.contextmanager
@@ -88,8 +91,7 @@ def _files(path: str) -> dict:
     """Checkpoint key -> safetensors file path."""
     index = os.path.join(path, INDEX)
     if os.path.exists(index):
-        with open(index) as fh:
-            return {k: os.path.join(path, v) for k, v in json.load(fh)["weight_map"].items()}
+        return {k: _inside(path, index, k, v) for k, v in _weight_map(index).items()}
     single = os.path.join(path, SINGLE)
     if not os.path.exists(single):
         raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} found; expected a directory written by "
@@ -98,6 +100,33 @@ def _files(path: str) -> dict:
     keys = list(f.keys())
     f.close()
     return {k: single for k in keys}
+
+
+def _weight_map(index: str) -> dict:
+    try:
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a JSON object with a 'weight_map' ({e}); re-save the checkpoint") from None
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to file names, got "
+                         f"{type(weight_map).__name__}; re-save the checkpoint")
+    return weight_map
+
+
+def _inside(path: str, index: str, key: str, name: str) -> str:
+    """`path`/`name`, refused unless it names a file inside `path`. The index is what a downloaded
+    checkpoint could forge, so '..', absolute names and symlinked subdirectories are refused; a file
+    symlink in `path` itself is followed (the Hugging Face hub cache stores every file that way)."""
+    full = os.path.join(path, name)
+    parent = os.path.realpath(os.path.dirname(full))
+    root = os.path.realpath(path)
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/") or \
+            os.path.commonpath([root, parent]) != root:
+        raise ValueError(f"{index}: weight_map[{key!r}] = {name!r} points outside the checkpoint directory "
+                         f"{path}; an index may only name files inside it (re-save the checkpoint, or fix "
+                         f"the index if you trust its source)")
+    return full
 
 
 def _aliases(pmodel) -> dict:
@@ -180,78 +209,102 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
     return pm
 
 
-def save_pretrained(pmodel, path: str, max_shard_bytes: int = 2 * 2**30) -> None:
-    """Write `pmodel` in HF format (config.json + safetensors); call on every rank. Each parameter is
-    gathered on its own (all ranks take part), and rank 0 holds at most one shard's tensors at a time."""
-    rank0 = pmodel.grid.rank == 0
-    params = dict(pmodel.named_parameters())
-    buffers = {n: b for n, b in pmodel.named_buffers() if n in pmodel._persistent_buffers}
-    names = list(params) + list(buffers)
-    sizes = {n: (params.get(n) if n in params else buffers[n]).numel() *
-             (params.get(n) if n in params else buffers[n]).element_size() for n in names}
+def _shards(pmodel, max_shard_bytes: int) -> tuple:
+    """(name -> tensor of every saved parameter and persistent buffer, [[names of shard i]], total bytes)."""
+    tensors = dict(pmodel.named_parameters())
+    tensors.update((n, b) for n, b in pmodel.named_buffers() if n in pmodel._persistent_buffers)
     shards, cur, cur_bytes = [], [], 0
-    for n in names:
-        if cur and cur_bytes + sizes[n] > max_shard_bytes:
+    for n, t in tensors.items():
+        size = t.numel() * t.element_size()
+        if cur and cur_bytes + size > max_shard_bytes:
             shards.append(cur)
             cur, cur_bytes = [], 0
         cur.append(n)
-        cur_bytes += sizes[n]
+        cur_bytes += size
     if cur:
         shards.append(cur)
-    tmp = f"{path.rstrip('/')}.tmp-autopar"
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for n in shard:
-            t = params[n] if n in params else buffers[n]
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t  # collective: every rank calls it
-            if rank0:
-                tensors[n] = full.detach().cpu().contiguous()
-            del full
-        if rank0:
-            write(os.path.join(tmp, fname), tensors, {"format": "pt"})
-            weight_map.update({n: fname for n in shard})
-        del tensors
-    if rank0:
-        if len(shards) > 1:
-            total = sum(sizes.values())
-            with open(os.path.join(tmp, INDEX), "w") as fh:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-        config = getattr(pmodel._source, "config", None)
-        if config is not None:
-            config.save_pretrained(tmp)
-        _replace_dir(tmp, path)
-    if dist.is_initialized():
-        dist.barrier()
+    return tensors, shards, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two directory entries (Linux renameat2 RENAME_EXCHANGE); False if unavailable."""
+def _config_json(pmodel) -> dict | None:
+    """config.json's content, naming the source model's class in `architectures` when the config
+    does not, so that `from_pretrained(path)` finds the class without model_class=."""
+    config = getattr(pmodel._source, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return None
+    content = json.loads(config.to_json_string(use_diff=True))
+    if not content.get("architectures"):
+        content["architectures"] = [type(pmodel._source).__name__]
+    return content
+
+
+def _attempt(grid, fn, *args):
+    """Run fn(*args) on rank 0 only; the exception it raised (or None), for `agree`."""
+    if grid.rank != 0:
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+        fn(*args)
+    except Exception as e:  # every rank raises it, in agree
+        return e
+    return None
 
 
-def _replace_dir(new: str, path: str) -> None:
-    """Put the complete directory `new` at `path`. With an existing `path` the two are swapped in one
-    atomic step where the OS allows (a reader sees the old or the new checkpoint, never neither);
-    elsewhere the old one is moved aside first and, if the process dies in between, is left at
-    `path.old-autopar-<time>`."""
-    if not os.path.exists(path):
-        os.replace(new, path)
-        return
-    if _exchange(new, path):
-        shutil.rmtree(new, ignore_errors=True)  # now holds the old checkpoint
-        return
-    old = f"{path.rstrip('/')}.old-autopar-{int(time.time())}"
-    os.replace(path, old)
-    os.replace(new, path)
-    shutil.rmtree(old, ignore_errors=True)
+def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30) -> None:
+    """Write `pmodel` in HF format (config.json + safetensors) into directory `path`; call on every
+    rank. Each parameter is gathered on its own (all ranks take part), and rank 0 holds at most one
+    shard's tensors at a time. Other files in `path` are left alone. Any failure raises the same
+    error on every rank and leaves the previous checkpoint's files in place (no temporary file stays)."""
+    grid, path = pmodel.grid, os.fspath(path)
+    what = f"autopar.save_pretrained({path!r})"
+    agree(grid, _attempt(grid, F.check_target, path), f"{what}: checking the target")
+    tensors, shards, total = _shards(pmodel, max_shard_bytes)
+    written = []  # temporary files on rank 0
+    try:
+        for i, shard in enumerate(shards):
+            fname = F.shard_name(i, len(shards))
+            block = {}
+            for n in shard:
+                t = tensors[n]
+                with guarded(grid, "full_tensor gather", AXES, f"save_pretrained: {n}"):
+                    full = t.full_tensor() if hasattr(t, "full_tensor") else t  # every rank calls it
+                if grid.rank == 0:
+                    block[n] = full.detach().cpu().contiguous()
+                del full
+            written.append(F.temp_path(path, fname))
+            agree(grid, _attempt(grid, write, written[-1], block, {"format": "pt"}), f"{what}: writing {fname}")
+            del block
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: F.shard_name(i, len(shards)) for i, s in enumerate(shards) for n in s}}
+        agree(grid, _attempt(grid, _finish, path, len(shards), index, _config_json(pmodel)), f"{what}: finishing")
+    finally:
+        if grid.rank == 0:
+            F.remove_quietly(written)
+
+
+def _finish(path: str, n: int, index: dict, config: dict | None) -> None:
+    """Move the complete shards into place, then the index (or, for one file, drop the old index so
+    loaders read it), then config.json; last, remove the previous save's weight files not listed."""
+    names = [F.shard_name(i, n) for i in range(n)]
+    for name in names:
+        os.replace(F.temp_path(path, name), os.path.join(path, name))
+    if n > 1:
+        _write_json(path, INDEX, index)
+        names.append(INDEX)
+    if config is not None:
+        _write_json(path, "config.json", config)
+    for name in F.stale_weights(path, set(names)):
+        os.remove(os.path.join(path, name))
+    F.fsync_dir(path)
+
+
+def _write_json(path: str, name: str, content: dict) -> None:
+    tmp = F.temp_path(path, name)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(content, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, os.path.join(path, name))
+    finally:
+        F.remove_quietly([tmp])

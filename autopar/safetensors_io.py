@@ -6,6 +6,11 @@ alone (a memory-mapped read of a column block would touch, and count, every row'
 
 Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length, a JSON
 header {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then data.
+
+The file is not trusted: before any tensor is read, the header is checked the way the safetensors
+library checks it (a header length bomb, overlapping or relabelled tensors and offsets past the end
+are refused with a ValueError naming the file and the field), so a read can only return bytes that
+belong to the tensor it names.
 """
 
 from __future__ import annotations
@@ -20,19 +25,21 @@ import torch
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+MAX_HEADER = 100_000_000  # bytes; the safetensors library's own cap
 
 
 class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
-        (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-        header = json.loads(os.pread(self.fd, n, 8))
-        header.pop("__metadata__", None)
-        self.base = 8 + n
-        self.entries = header
+        try:
+            self.base, self.entries = _read_header(self.fd, path)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def close(self):
         os.close(self.fd)
@@ -48,7 +55,9 @@ class SafetensorsFile:
         e = self.entries[name]
         dtype = DTYPES[e["dtype"]]
         shape = e["shape"]
-        elt = torch.empty((), dtype=dtype).element_size()
+        if len(ranges) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(ranges, shape)):
+            raise ValueError(f"{self.path}: block {ranges} is not inside tensor {name!r} of shape {shape}")
+        elt = dtype.itemsize
         out = torch.empty([b - a for a, b in ranges], dtype=dtype)
         if out.numel() == 0:
             return out
@@ -79,6 +88,72 @@ class SafetensorsFile:
         flat[pos:pos + nbytes] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+def _refuse(path: str, what: str) -> ValueError:
+    return ValueError(f"{path}: not a valid safetensors file: {what}; the file is damaged or was not "
+                      f"written by a safetensors writer: re-download or re-save it")
+
+
+def _read_header(fd: int, path: str) -> tuple:
+    """(start of the data section, {name: entry}) after checking every entry against the file."""
+    size = os.fstat(fd).st_size
+    raw = os.pread(fd, 8, 0)
+    if len(raw) != 8:
+        raise _refuse(path, f"it has {size} bytes, fewer than the 8-byte header length")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER:
+        raise _refuse(path, f"header length {n} bytes exceeds the {MAX_HEADER}-byte limit")
+    if 8 + n > size:
+        raise _refuse(path, f"header length {n} bytes runs past the end of the {size}-byte file")
+    try:
+        header = json.loads(os.pread(fd, n, 8).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _refuse(path, f"header is not UTF-8 JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _refuse(path, f"header is a JSON {type(header).__name__}, expected an object")
+    meta = header.pop("__metadata__", {})
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise _refuse(path, "__metadata__ must map strings to strings")
+    for name, e in header.items():
+        _check_entry(path, name, e)
+    _check_tiling(path, header, size - 8 - n)
+    return 8 + n, header
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_entry(path: str, name: str, e) -> None:
+    if not (isinstance(e, dict) and {"dtype", "shape", "data_offsets"} <= set(e)):
+        raise _refuse(path, f"tensor {name!r}: expected an object with dtype, shape and data_offsets, got {e!r}")
+    if e["dtype"] not in DTYPES:
+        raise _refuse(path, f"tensor {name!r}: dtype {e['dtype']!r} is not one of {sorted(DTYPES)}")
+    shape, offsets = e["shape"], e["data_offsets"]
+    if not (isinstance(shape, list) and all(_is_count(s) for s in shape)):
+        raise _refuse(path, f"tensor {name!r}: shape {shape!r} must be a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise _refuse(path, f"tensor {name!r}: data_offsets {offsets!r} must be [begin, end] with 0 <= begin <= end")
+    nbytes = math.prod(shape) * DTYPES[e["dtype"]].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise _refuse(path, f"tensor {name!r}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but "
+                            f"{e['dtype']} {shape} needs {nbytes}")
+
+
+def _check_tiling(path: str, header: dict, data_bytes: int) -> None:
+    """Tensors must cover the data section end to end, without gaps or overlaps (as the library
+    requires): then no two tensors share a byte and none reads past the file."""
+    end = 0
+    for name, e in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        begin = e["data_offsets"][0]
+        if begin != end:
+            why = "overlaps the tensor before it" if begin < end else "leaves a gap after the tensor before it"
+            raise _refuse(path, f"tensor {name!r}: data_offsets {e['data_offsets']} {why} (which ends at {end})")
+        end = e["data_offsets"][1]
+    if end != data_bytes:
+        raise _refuse(path, f"the tensors cover {end} bytes of data, the file holds {data_bytes}")
+
+
 def _product(ranges):
     if not ranges:
         yield ()
@@ -105,3 +180,5 @@ def write(path: str, tensors: dict, metadata: dict | None = None) -> None:
         f.write(raw)
         for t in tensors.values():
             f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())  # on disk before a rename makes it the checkpoint's file

@@ -1,0 +1,69 @@
+"""Every rank learns whether any rank failed, so that all raise the same error and none is left
+waiting in a collective that a failed rank will never join.
+
+A checkpoint save mixes collectives (gathers every rank joins) with file work that one rank does
+alone. A failure on that rank alone (a target that is a file, a full disk) used to leave the others
+blocked in the next gather until the process group's timeout. Instead, after each step that can fail
+locally, all ranks exchange a tiny outcome and raise together:
+
+    err = None
+    if grid.rank == 0:
+        try:
+            write_file()
+        except OSError as e:
+            err = e
+    agree(grid, err, "save_pretrained: writing model.safetensors")  # raises on every rank, or on none
+
+The exchange runs over the grid's group (created with `parallelize(..., timeout=)`, so a rank that
+never arrives makes the others raise a CollectiveError after that timeout) and, with data-parallel
+replicas, across the replicas too.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+import torch.distributed as dist
+
+from passes.ops.comm import guarded
+
+AXES = "(r, c)"  # the exchange spans both mesh axes (all ranks of the grid)
+
+
+def grid_group(grid):
+    """The process group of this grid's R*C ranks (None: the default group, which is the same ranks
+    when there is one replica and no timeout was given)."""
+    return getattr(grid, "world_group", None)
+
+
+def agree(grid, failure: BaseException | None, what: str) -> None:
+    """Raise on every rank if `failure` is set on any rank: the lowest failing rank's exception type
+    (a builtin one; RuntimeError otherwise) and text, prefixed with `what` and that rank."""
+    mine = None if failure is None else (grid.rank, type(failure).__name__, str(failure))
+    first = mine
+    if dist.is_initialized():
+        first = _lowest(_all_gather(grid, mine, grid_group(grid), what))
+        if getattr(grid, "dp", 1) > 1:  # the replicas learn each other's outcome
+            first = _lowest(_all_gather(grid, first, grid.dp_group, what))
+    if first is None:
+        return
+    rank, kind, text = first
+    message = f"{what} failed on rank {rank}: {text}"
+    cls = getattr(builtins, kind, None)
+    try:  # the same type on every rank, where it can be built from a message alone
+        err = cls(message) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(message)
+    except TypeError:
+        err = RuntimeError(message)
+    raise err from failure
+
+
+def _all_gather(grid, obj, group, what: str) -> list:
+    out = [None] * dist.get_world_size(group)
+    with guarded(grid, "all-gather of the outcome", AXES, what):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _lowest(outcomes: list):
+    failed = [o for o in outcomes if o is not None]
+    return min(failed) if failed else None

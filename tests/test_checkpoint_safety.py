@@ -1,0 +1,256 @@
+"""Checkpoint safety: a save leaves other files alone and fails on every rank at once, the reader
+refuses forged safetensors files and indexes, a stuck rank makes the others raise after the timeout,
+and a distributed checkpoint survives an interrupted save."""
+
+import functools
+import json
+import os
+import struct
+import time
+import tracemalloc
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+import torch.multiprocessing as mp
+
+from autopar.checkpoint import _files
+from autopar.launch import free_port
+from autopar.safetensors_io import SafetensorsFile, write
+from tests import checks_checkpoint as C
+from tests.compare import excess, failures
+
+
+def _spawn(fn, world, tmp_path):
+    """`world` fresh processes running fn(rank, world, port, tmp_path): each builds its own group."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _forge(path, header, data=b"", length=None):
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return str(path)
+
+
+def _two_tensors():
+    """A valid header for a = F32[2, 2], b = F32[3] and its 28 data bytes."""
+    header = {"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+              "b": {"dtype": "F32", "shape": [3], "data_offsets": [16, 28]}}
+    return header, torch.arange(7, dtype=torch.float32).numpy().tobytes()
+
+
+def _with(entry, **fields):
+    header, data = _two_tensors()
+    header[entry] = {**header[entry], **fields}
+    return header, data
+
+
+FORGED = {  # name -> (header, data, words the refusal must contain)
+    "points into another tensor": (*_with("b", data_offsets=[12, 24]), "tensor 'b': data_offsets [12, 24] overlaps"),
+    "relabelled dtype": (*_with("a", dtype="F16"), "tensor 'a': data_offsets [0, 16] span 16 bytes, but F16 [2, 2] needs 8"),
+    "unknown dtype": (*_with("a", dtype="F128"), "tensor 'a': dtype 'F128' is not one of"),
+    "negative shape": (*_with("b", shape=[-3]), "tensor 'b': shape [-3] must be a list of non-negative ints"),
+    "float shape": (*_with("b", shape=[3.0]), "tensor 'b': shape [3.0] must be a list of non-negative ints"),
+    "offsets past the end": (*_with("b", data_offsets=[16, 40], shape=[6]), "the tensors cover 40 bytes of data, the file holds 28"),
+    "gap": (*_with("b", data_offsets=[20, 32]), "leaves a gap after the tensor before it"),
+    "reversed offsets": (*_with("b", data_offsets=[28, 16]), "must be [begin, end] with 0 <= begin <= end"),
+    "header is a list": ([1, 2], b"", "header is a JSON list, expected an object"),
+    "header not JSON": (b"{not json", b"", "header is not UTF-8 JSON"),
+    "metadata not strings": ({**_two_tensors()[0], "__metadata__": {"k": 1}}, _two_tensors()[1],
+                             "__metadata__ must map strings to strings"),
+    "entry without offsets": ({"a": {"dtype": "F32", "shape": [0]}}, b"", "expected an object with dtype, shape and data_offsets"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_forged_safetensors_refused_like_the_library(tmp_path, case):
+    """Catches a reader that trusts the header: a tensor reading another's bytes, a relabelled
+    dtype reinterpreting them, offsets past the file. The safetensors library refuses the same file,
+    so the rule is the format's, not a stricter one of ours."""
+    header, data, words = FORGED[case]
+    path = _forge(tmp_path / "x.safetensors", header, data)
+    with pytest.raises(Exception):
+        safetensors.safe_open(path, framework="pt")
+    with pytest.raises(ValueError, match="not a valid safetensors file") as e:
+        SafetensorsFile(path)
+    assert path in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_header_length_bomb_allocates_nothing(tmp_path):
+    """Catches reading a 2 GiB header length as-is (2.8 GB allocated before failing)."""
+    header, data = _two_tensors()
+    path = _forge(tmp_path / "bomb.safetensors", header, data, length=2**31)
+    tracemalloc.start()
+    with pytest.raises(ValueError, match="header length 2147483648 bytes exceeds the 100000000-byte limit"):
+        SafetensorsFile(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2**20, peak
+    path = _forge(tmp_path / "short.safetensors", header, data, length=10_000)
+    with pytest.raises(ValueError, match="header length 10000 bytes runs past the end of the"):
+        SafetensorsFile(path)
+    path = _forge(tmp_path / "tiny.safetensors", b"", length=0)
+    with open(path, "wb") as f:
+        f.write(b"\1\2")
+    with pytest.raises(ValueError, match="fewer than the 8-byte header length"):
+        SafetensorsFile(path)
+
+
+def test_library_files_read_exactly(tmp_path):
+    """Catches validation stricter than the format: files the safetensors library writes (several
+    dtypes, an empty tensor, metadata) pass and every block reads back bit-exactly, ours as well."""
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(6, 4), "h": torch.randn(3, 5).to(torch.bfloat16), "i": torch.arange(10),
+               "u": torch.randint(0, 255, (7,), dtype=torch.uint8), "empty": torch.zeros(0, 3),
+               "mask": torch.rand(4) > 0.5}
+    safetensors.torch.save_file(tensors, str(tmp_path / "lib.safetensors"), metadata={"format": "pt"})
+    write(str(tmp_path / "ours.safetensors"), tensors, {"format": "pt"})
+    for path in (tmp_path / "lib.safetensors", tmp_path / "ours.safetensors"):
+        f = SafetensorsFile(str(path))
+        for name, t in tensors.items():
+            whole = f.read(name, [(0, n) for n in t.shape])
+            assert whole.dtype == t.dtype and torch.equal(whole, t), name
+        assert torch.equal(f.read("w", [(2, 4), (1, 3)]), tensors["w"][2:4, 1:3])
+        f.close()
+
+
+def _index(tmp_path, weight_map):
+    write(str(tmp_path / "model-00001-of-00001.safetensors"), {"a": torch.ones(2)})
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "/etc/passwd", "sub/../../x.safetensors", "linked/x.safetensors"])
+def test_index_paths_stay_inside(tmp_path, name):
+    """Catches an index that opens files outside the checkpoint: '..', an absolute path, or a
+    subdirectory that is a symlink to elsewhere."""
+    (tmp_path / "elsewhere").mkdir()
+    write(str(tmp_path / "elsewhere" / "x.safetensors"), {"a": torch.ones(2)})
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.symlink(tmp_path / "elsewhere", ckpt / "linked")
+    path = _index(ckpt, {"a": name})
+    with pytest.raises(ValueError, match="points outside the checkpoint directory") as e:
+        _files(path)
+    assert repr(name) in str(e.value) and "weight_map['a']" in str(e.value)
+
+
+def test_index_file_symlink_followed_and_bad_index_refused(tmp_path):
+    """A file symlink inside the directory (the Hugging Face hub cache layout) is read; an index
+    that is not a JSON object with a weight_map is refused with its name, not a KeyError."""
+    blob = tmp_path / "blob"
+    write(str(blob), {"a": torch.ones(2)})
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.symlink(blob, ckpt / "model-00001-of-00001.safetensors")
+    with open(ckpt / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"a": "model-00001-of-00001.safetensors"}}, f)
+    assert _files(str(ckpt)) == {"a": str(ckpt / "model-00001-of-00001.safetensors")}
+    for content, words in (("[1]", "not a JSON object with a 'weight_map'"),
+                           ('{"weight_map": ["a"]}', "'weight_map' must map tensor names to file names")):
+        (ckpt / "model.safetensors.index.json").write_text(content)
+        with pytest.raises(ValueError, match=words):
+            _files(str(ckpt))
+
+
+def test_save_keeps_other_files_and_removes_only_stale_weights(pool4, tmp_path):
+    """Catches a save that swaps the whole directory (deleting a tokenizer / README), one that leaves
+    the shards of a previous save of another count (or a single file beside an index), and a
+    config.json without `architectures` (from_pretrained would need model_class=)."""
+    r = pool4.run(C.keeps_other_files, str(tmp_path))
+    others = ["README.md", "model-00001-of-00002.safetensors.bak", "model-notes.txt", "notes.tmp-autopar",
+              "tokenizer.json"]
+    sharded = ["model-00001-of-00006.safetensors", "model-00002-of-00006.safetensors",
+               "model-00003-of-00006.safetensors", "model-00004-of-00006.safetensors",
+               "model-00005-of-00006.safetensors", "model-00006-of-00006.safetensors"]
+    for res in r:
+        first, single, resharded = res["listings"]
+        assert first == sorted(others + sharded + ["config.json", "model.safetensors.index.json"]), first
+        assert single == sorted(others + ["config.json", "model.safetensors"]), single
+        assert "model.safetensors" not in resharded and "model-00006-of-00006.safetensors" not in resharded
+        assert set(resharded) - set(others) == {"config.json", "model.safetensors.index.json"} | {
+            f for f in resharded if f.startswith("model-0") and f.endswith(".safetensors")}
+        assert res["others"] == {n: n for n in others}
+        assert json.loads(res["config"])["architectures"] == ["GPT2LMHeadModel"]
+    assert failures([res["errs"] for res in r]) == {}
+
+
+def test_rank0_failures_raise_on_every_rank(pool4, tmp_path):
+    """Catches ranks 1-3 left waiting in a gather while rank 0 alone fails (a file as target, a
+    dangling symlink, no write permission, a full disk, a failed rename), a failed save that
+    changes the previous checkpoint or leaves temporary files; a symlink to a directory and '.' work."""
+    r = pool4.run(C.rank0_failures, str(tmp_path), timeout=240)
+    expect = {"file target": ("ValueError", "is a file, not a directory"),
+              "dangling symlink": ("ValueError", "which does not exist: create that directory"),
+              "not writable": ("PermissionError", "is not writable by this process"),
+              "disk full": ("OSError", "writing model-00002-of-00006.safetensors failed on rank 0: [Errno 28] No space left"),
+              "permission at finish": ("PermissionError", "finishing failed on rank 0: [Errno 13] Permission denied")}
+    for case, (kind, words) in expect.items():
+        assert len({res[case] for res in r}) == 1, (case, [res[case] for res in r])  # the same error everywhere
+        got_kind, msg = r[0][case]
+        assert got_kind == kind and words in msg and "autopar.save_pretrained(" in msg, (case, r[0][case])
+    for res in r:
+        assert res["disk full: files"] and res["permission: files"], res
+    good = sorted(os.listdir(tmp_path / "good"))
+    assert not [f for f in good if "tmp-autopar" in f], good
+    assert "model.safetensors" in r[0]["through symlink"] and "config.json" in r[0]["dot"]
+    assert os.path.islink(tmp_path / "link_to_dir")
+
+
+def test_skipped_save_raises_after_timeout(tmp_path):
+    """Catches a save whose gathers wait for the process group's default timeout (30 min) when a
+    rank never calls it: with parallelize(timeout=5) ranks 0-2 raise CollectiveError within 15 s."""
+    procs = _spawn(C.skipping_rank, 4, tmp_path)
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for rank in range(3):
+        kind, elapsed, msg = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 2)
+        assert kind == "CollectiveError" and "A peer rank has probably exited" in msg, (rank, kind, msg)
+        assert float(elapsed) < 15, (rank, elapsed)
+
+
+def test_save_distributed_roundtrip(pool4, tmp_path):
+    """Catches a swap that loses the checkpoint, a staging directory left behind, and a load that
+    misses the optimizer: a 2x2 save loads at 1x4 with every parameter and Adam state bit-equal."""
+    r = pool4.run(C.dcp_roundtrip, str(tmp_path))
+    assert failures([res["errs"] for res in r]) == {}
+    assert r[0]["files"] == ["dcp"], r[0]["files"]
+    for res in r:
+        kind, msg = res["missing"]
+        assert kind == "FileNotFoundError" and "nothing_here/.metadata not found" in msg, res["missing"]
+
+
+@pytest.mark.parametrize("mode", ["kill", "raise"])
+def test_interrupted_save_distributed_keeps_previous(tmp_path, mode):
+    """Catches dcp.save into the live checkpoint directory: a save where one rank dies (or its
+    writer raises) mid-way must leave the previous checkpoint whole and loadable, and no survivor hangs."""
+    import torch.distributed.checkpoint as dcp
+
+    procs = _spawn(functools.partial(C.dcp_interrupted, mode=mode), 4, tmp_path)
+    start = time.time()
+    for p in procs:
+        p.join(timeout=max(1, 150 - (time.time() - start)))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a surviving rank hung"
+    survivors = [r for r in range(4) if not (mode == "kill" and r == 2)]
+    for rank in survivors:
+        kind = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)[0]
+        assert kind != "None", (rank, "the failed save returned normally")
+    expected = torch.load(tmp_path / "expected.pt")
+    state = {"model": {n: torch.empty_like(t) for n, t in expected.items()}}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
+    assert failures([{n: excess(state["model"][n], t, rtol=0.0, atol=0.0) for n, t in expected.items()}]) == {}
+    assert not (tmp_path / "ckpt.tmp-autopar" / ".metadata").exists()  # the failed save never finished
