@@ -107,6 +107,7 @@ def _capture(model, args, kwargs) -> Captured:
     cap.device = device
     if meta:
         retarget_meta(cap.gm, device)
+    _check_mixed_dtypes(cap.gm)
     return cap
 
 
@@ -157,17 +158,53 @@ def _plan_text(comp: Compiled, layouts: dict) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _guarded(what: str):
+    """A collective of parallelize itself (before the grid exists) that fails or times out."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise comm.CollectiveError(
+            f"autopar: {what} failed on rank {dist.get_rank()}: {first}\n  A peer rank has "
+            f"probably exited, crashed or not called parallelize; every rank must call it with the same "
+            f"arguments. These handshakes wait up to the process group's timeout (init_process_group(timeout=...))."
+        ) from e
+
+
+def _gather(obj, what: str) -> list:
+    out = [None] * dist.get_world_size()
+    with _guarded(what):
+        dist.all_gather_object(out, obj)
+    return out
+
+
+def agree_on_options(options: dict) -> None:
+    """Every rank must pass the same grid and options; otherwise their collectives would not match
+    (a different grid would not even build the same process groups). Compared before anything else,
+    over all ranks; raises the same ValueError on every rank, naming the first option that differs."""
+    mine = {k: repr(v) for k, v in options.items()}
+    everyone = _gather(mine, "comparing parallelize options between ranks")
+    for key in mine:
+        values = [e.get(key) for e in everyone]
+        if len(set(values)) > 1:
+            where = ", ".join(f"rank {r}: {key}={v}" for r, v in enumerate(values) if v != values[0])
+            raise ValueError(
+                f"ranks called parallelize with different {key}: rank 0: {key}={values[0]}, {where}. Every rank "
+                f"must pass the same grid and options (they decide which collectives run, and ranks that "
+                f"disagree would hang or fail later)"
+            )
+
+
 def agree_on_plan(comp: Compiled, layouts: dict) -> None:
     """Every rank must have built the same plan; otherwise their collectives would not match and the
     job would hang later. Raises on every rank, naming the first difference."""
     text = _plan_text(comp, layouts)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
+    digests = _gather(digest, "comparing plans between ranks")
     if len(set(digests)) == 1:
         return
-    texts = [None] * dist.get_world_size()
-    dist.all_gather_object(texts, text)
+    texts = _gather(text, "comparing plans between ranks")
     other = next(r for r, d in enumerate(digests) if d != digests[0])
     a, b = texts[0].splitlines(), texts[other].splitlines()
     i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
@@ -181,16 +218,54 @@ def agree_on_plan(comp: Compiled, layouts: dict) -> None:
 
 
 def _check_dtypes(first: Compiled, flat: list) -> None:
-    """A floating input of another dtype than the model was captured with is a mistake, not a new shape."""
+    """An input of another floating dtype, or an integer where a float was captured (or the reverse),
+    is a mistake, not a new shape; other integer dtypes (int32 ids for int64) just compile anew."""
     inputs = [n for n, (role, _) in zip(first.gm.graph.find_nodes(op="placeholder"), first.captured.sources)
               if role == "input"]
     for i, (t, node) in enumerate(zip(flat, inputs)):
         want = getattr(node.meta.get("val"), "dtype", None)
-        if isinstance(t, torch.Tensor) and want is not None and t.dtype != want and t.is_floating_point():
+        if not isinstance(t, torch.Tensor) or want is None or t.dtype == want:
+            continue
+        if t.is_floating_point() or want.is_floating_point:
             raise ValueError(
                 f"input {i} is {t.dtype}, but the model was parallelized with {want} for it; cast the input "
                 f"(torch.autocast handles mixed precision), or parallelize with an example of that dtype"
             )
+
+
+_FLOAT_OPS = {"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "conv1d", "conv2d", "conv3d", "layer_norm",
+              "rms_norm", "scaled_dot_product_attention"}
+
+
+def _check_mixed_dtypes(gm: torch.fx.GraphModule) -> None:
+    """An integer tensor meeting floating weights in a matmul (say, token ids passed to a model that
+    expects features) traces, then fails at run time with a bare dtype error: name it now."""
+    from passes.propagate import module_path, source_line
+
+    for n in gm.graph.nodes:
+        name = getattr(getattr(n.target, "overloadpacket", None), "__name__", None)
+        if n.op != "call_function" or name not in _FLOAT_OPS:
+            continue
+        vals = [a.meta.get("val") for a in n.args if isinstance(a, torch.fx.Node)]
+        dtypes = [v.dtype for v in vals if isinstance(v, torch.Tensor)]
+        ints = [d for d in dtypes if not d.is_floating_point and not d.is_complex and d != torch.bool]  # bool: masks
+        if ints and any(d.is_floating_point for d in dtypes):
+            where = " ".join(x for x in (f"in module {module_path(n)}" if module_path(n) else "",
+                                         f"at {source_line(n)}" if source_line(n) else "") if x)
+            raise ValueError(
+                f"aten.{name} {where} mixes dtypes {[str(d) for d in dtypes]}: an integer tensor meets floating "
+                f"weights. Pass floating inputs where the model expects features (x.float()), or ids where "
+                f"it expects ids; the example inputs decide the dtypes the model is compiled for"
+            )
+
+
+def _fingerprint(t) -> str:
+    """Shape, dtype and a hash of the bytes: reordered data differs, identical data (NaN included) agrees."""
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    data = t.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else ""
+    return f"{tuple(t.shape)} {t.dtype} {digest}"
 
 
 def _input_device(args, kwargs) -> torch.device:
@@ -252,6 +327,11 @@ class ParallelModule(nn.Module):
             for p in self.parameters():
                 dist.broadcast(p.to_local().data, src=dist.get_global_rank(grid.dp_group, 0), group=grid.dp_group)
         self._materialized = not any(p.is_meta for p in model.parameters())
+        first_name: dict = {}
+        self._tied = {}  # other name of a tied parameter -> the name it is registered under
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if first_name.setdefault(id(p), name) != name:
+                self._tied[name] = first_name[id(p)]
         self.train(model.training)
 
     @property
@@ -329,20 +409,81 @@ class ParallelModule(nn.Module):
                 )
         if not getattr(self, "_check_inputs", False):
             return
-        sums = [(tuple(t.shape), float(t.double().sum()), float((t.double() ** 2).sum()))
-                if isinstance(t, torch.Tensor) else repr(t) for t in flat]
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, sums)
+        mine = [_fingerprint(t) for t in flat]
+        everyone = [None] * self.grid.world
+        with comm.guarded(self.grid, "check_inputs all-gather", "grid", "check_inputs"):
+            dist.all_gather_object(everyone, mine, group=self.grid.world_group)
         base = self.grid.dp_index * self.grid.world
-        mine = everyone[base:base + self.grid.world]
         for i in range(len(flat)):
-            differ = [base + r for r, s in enumerate(mine) if s[i] != mine[0][i]]
+            differ = [base + r for r, s in enumerate(everyone) if s[i] != everyone[0][i]]
             if differ:
                 raise ValueError(
                     f"check_inputs: input {i} differs between ranks of this grid (rank {base} vs ranks {differ}); "
                     f"every rank of a grid must pass the same full inputs (shard the data per data-parallel "
                     f"replica, not per rank)"
                 )
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As nn.Module's, and also from plain full tensors (a single-process model's state_dict, the
+        same on every rank): each rank keeps its block of each, without communication."""
+        own = self.state_dict()
+        converted = {}
+        for name, value in state_dict.items():
+            name = self._tied.get(name, name)  # a tied weight's other name (an LM head) loads once
+            if name in converted:
+                continue
+            mine = own.get(name)
+            if isinstance(mine, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                if tuple(value.shape) != tuple(mine.shape):
+                    raise ValueError(
+                        f"load_state_dict: {name!r} has shape {tuple(value.shape)}, the model's parameter is "
+                        f"{tuple(mine.shape)}; load a state_dict of the same architecture and sizes"
+                    )
+                value = distribute_tensor(value.detach().to(device=mine.device, dtype=mine.dtype), mine.device_mesh,
+                                          mine.placements, src_data_rank=None)  # local slicing: inputs agree
+            converted[name] = value
+        result = super().load_state_dict(converted, strict=strict, assign=assign)
+        self._materialized = True
+        return result
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter to a total norm of `max_norm`, as
+        torch.nn.utils.clip_grad_norm_ does on one process; returns the total norm (a plain tensor,
+        equal on every rank). Each block is counted once: a block replicated over a mesh axis counts on
+        member 0 of that axis only. One all-reduce of one number over the grid, bounded by `timeout`
+        (data-parallel replicas hold the same averaged gradients and compute the same norm). Unlike
+        torch's function on DTensors it does not warn about sequential all-reduces."""
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        counted = [self._counts_here(g) for g in grads]
+        dev = local[0].device
+        if norm_type == float("inf"):
+            part = torch.stack([t.detach().abs().max().float() if c and t.numel() else torch.zeros((), device=dev)
+                                for t, c in zip(local, counted)]).max()
+            op = dist.ReduceOp.MAX
+        else:
+            part = torch.stack([t.detach().float().abs().pow(norm_type).sum() if c else torch.zeros((), device=dev)
+                                for t, c in zip(local, counted)]).sum().double()
+            op = dist.ReduceOp.SUM
+        with comm.guarded(self.grid, "all-reduce", "grid", "clip_grad_norm_"):
+            dist.all_reduce(part, op=op, group=self.grid.world_group)
+        total = part if norm_type == float("inf") else part.pow(1.0 / norm_type)
+        total = total.float()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for t in local:
+            t.detach().mul_(coef.to(t.dtype))
+        return total
+
+    def _counts_here(self, g) -> bool:
+        if not isinstance(g, DTensor):
+            return self.grid.r == 0 and self.grid.c == 0
+        for axis, p in enumerate(g.placements):
+            if not p.is_shard() and self.grid.index(axis) != 0:
+                return False
+        return True
 
     def _run_with_rank_rng(self, comp, locals_):
         """Dropout masks independent per block: one number drawn from the default generator (equal on
@@ -400,8 +541,12 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             (gathering its inputs) with a FallbackWarning; 'error' raises instead, naming the op, the
             node, the module path and the source line. Fallbacks whose inputs are already whole (mask
             and position-id construction) cost nothing and are allowed either way.
-        timeout: seconds after which autopar's collectives give up with a CollectiveError (a peer rank
-            died or is stuck); default: the process group's timeout.
+        timeout: seconds after which every collective of a step gives up with a CollectiveError (a peer
+            rank died or is stuck): autopar's own, check_inputs, pm.clip_grad_norm_, checkpoint gathers,
+            and DTensor's (the mesh is built on process groups with this timeout, so torch's
+            clip_grad_norm_ and full_tensor() are bounded too, raising torch's error). Default: the
+            process group's timeout. parallelize's two start-up handshakes (options, plan) always wait up
+            to the process group's timeout, since ranks compile at different speeds.
         check_inputs: verify on every call that all ranks of a grid passed the same inputs (one small
             all-gather per call); off by default.
     """
@@ -414,9 +559,13 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     if on_unsupported not in ("replicate", "error"):
         raise ValueError(f"on_unsupported={on_unsupported!r}: expected 'replicate' or 'error'")
     check_strategy(strategy)
-    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(isinstance(g, int) for g in grid)):
-        raise ValueError(f"grid={grid!r}: expected (R, C), e.g. grid=(2, 2) or (2, 4), or (dp, R, C) for dp "
-                         f"data-parallel replicas of an R x C grid")
+    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
+            and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
+        raise ValueError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "
+                         f"(dp, R, C) for dp data-parallel replicas of an R x C grid")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout={timeout!r}: expected a positive number of seconds, or None for the process "
+                         f"group's own timeout")
     if not torch.distributed.is_initialized():
         raise RuntimeError(
             "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
@@ -425,11 +574,15 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     device = _input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
-    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type,
-             timeout=datetime.timedelta(seconds=timeout) if timeout is not None else None)
-    example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}  # _compile refuses use_cache=True
     options = {"lowering": lowering, "indivisible": indivisible, "fused": fused, "on_unsupported": on_unsupported,
                "strategy": strategy, "cost_model": cost_model, "memory_limit": memory_limit}
+    # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
+    # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
+    agree_on_options({"grid": tuple(grid), **options, "check_inputs": check_inputs, "timeout": timeout,
+                      "device type": device.type})
+    delta = datetime.timedelta(seconds=timeout) if timeout is not None else None
+    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
+    example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}  # _compile refuses use_cache=True
     comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
     if comp.choice is not None:  # other input shapes reuse this choice (the parameters are laid out for it)
         options["strategy"] = comp.choice

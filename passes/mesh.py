@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -69,22 +70,30 @@ class Grid:
         self.r, self.c = divmod(local, cols)
         self.device_type = device_type
         self.log = CommLog()
+        self.timeout = timeout
         self.dp_group = None
-        if dp > 1:
-            full = init_device_mesh(device_type, (dp, rows, cols), mesh_dim_names=("dp",) + AXIS_NAMES)
-            self.mesh: DeviceMesh | None = full[AXIS_NAMES]
-            self.dp_group = full.get_group("dp")
-        elif dist.is_initialized():
-            self.mesh = init_device_mesh(device_type, (rows, cols), mesh_dim_names=AXIS_NAMES)
-        else:
+        self.world_group = None  # this grid's R*C ranks; None: the default group (dp == 1, no timeout)
+        if not dist.is_initialized():
             self.mesh = None
-        if self.mesh is not None and timeout is not None:
-            self.same_row_group, self.same_col_group = self._groups_with_timeout(timeout)
-        elif self.mesh is not None:
+            self.same_col_group = self.same_row_group = None
+        elif timeout is not None:
+            self._build_with_timeout(timeout)
+        else:
+            if dp > 1:
+                full = init_device_mesh(device_type, (dp, rows, cols), mesh_dim_names=("dp",) + AXIS_NAMES)
+                self.mesh: DeviceMesh | None = full[AXIS_NAMES]
+                self.dp_group = full.get_group("dp")
+                self.world_group = dist.new_group(self._grid_ranks(self.dp_index))  # every rank creates every group
+                for d in range(dp):
+                    if d != self.dp_index:
+                        dist.new_group(self._grid_ranks(d))
+            else:
+                self.mesh = init_device_mesh(device_type, (rows, cols), mesh_dim_names=AXIS_NAMES)
             self.same_col_group = self.mesh.get_group(0)
             self.same_row_group = self.mesh.get_group(1)
-        else:
-            self.same_col_group = self.same_row_group = None
+
+    def _grid_ranks(self, d: int) -> list:
+        return list(range(d * self.world, (d + 1) * self.world))
 
     @classmethod
     def for_planning(cls, rows: int, cols: int | None = None, dp: int = 1) -> "Grid":
@@ -92,22 +101,36 @@ class Grid:
         (0, 0)); its collectives cannot run."""
         g = cls.__new__(cls)
         g.shape, g.dp, g.rank, g.dp_index, g.r, g.c = (rows, rows if cols is None else cols), dp, 0, 0, 0, 0
-        g.device_type, g.log, g.mesh, g.dp_group = "cpu", CommLog(), None, None
+        g.device_type, g.log, g.mesh, g.dp_group, g.timeout, g.world_group = "cpu", CommLog(), None, None, None, None
         g.same_row_group = g.same_col_group = None
         return g
 
-    def _groups_with_timeout(self, timeout):
-        """Row and column groups of their own, whose collectives give up after `timeout`."""
-        (R, C), mine = self.shape, {}
-        for d in range(self.dp):
+    def _build_with_timeout(self, timeout) -> None:
+        """Every group this grid uses (rows, columns, the grid, the replicas) created with `timeout`, and
+        the DeviceMesh built on them, so that DTensor's own collectives (`full_tensor`, the norm in
+        `clip_grad_norm_`, a checkpoint's gathers) give up after `timeout` too. Every rank creates every
+        group, in the same order (torch.distributed requires it)."""
+        (R, C), dp, mine = self.shape, self.dp, {}
+        for d in range(dp):
             base = d * R * C
             for kind in ("row", "col"):
                 for i in range(R if kind == "row" else C):
                     ranks = [base + (i * C + j if kind == "row" else j * C + i) for j in range(C if kind == "row" else R)]
-                    group = dist.new_group(ranks, timeout=timeout)  # every rank creates every group
+                    group = dist.new_group(ranks, timeout=timeout)
                     if self.rank in ranks:
                         mine[kind] = group
-        return mine["row"], mine["col"]
+            group = dist.new_group(self._grid_ranks(d), timeout=timeout)
+            if d == self.dp_index:
+                self.world_group = group
+        if dp > 1:
+            for i in range(R * C):
+                group = dist.new_group([d * R * C + i for d in range(dp)], timeout=timeout)
+                if self.rank % (R * C) == i:
+                    self.dp_group = group
+        self.same_row_group, self.same_col_group = mine["row"], mine["col"]
+        ids = torch.arange(dp * R * C).reshape(dp, R, C)[self.dp_index]
+        self.mesh = DeviceMesh.from_group([self.same_col_group, self.same_row_group], self.device_type,
+                                          mesh=ids, mesh_dim_names=AXIS_NAMES)
 
     def group(self, axis: int):
         """Process group of a collective over mesh `axis` (0: same column, 1: same row)."""

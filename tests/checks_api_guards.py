@@ -1,0 +1,131 @@
+"""Rank-side checks for the guards of parallelize and of a call: options and grids that differ between
+ranks, inputs that differ (reordered, or identical with NaN), bad arguments, full-tensor state_dicts,
+clipping, and collectives bounded by `timeout=`."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+import autopar
+from models import GPTConfig, TinyGPT
+from tests.checks_engine import _data
+from tests.compare import excess, scaled_atol
+
+RTOL = 1e-4
+
+
+def _err(fn):
+    try:
+        fn()
+    except Exception as e:  # the test asserts on the type name and the text
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+def options_differ(rank):
+    """One rank passes another lowering / check_inputs / grid: every rank raises the same ValueError."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    ids, tgt = _data(cfg, 4, 8)
+    out = {}
+    out["lowering"] = _err(lambda: autopar.parallelize(
+        TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), lowering="allgather" if rank == 1 else "broadcast"))
+    out["check_inputs"] = _err(lambda: autopar.parallelize(
+        TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), check_inputs=rank == 2))
+    out["grid"] = _err(lambda: autopar.parallelize(
+        TinyGPT(cfg), grid=(1, 4) if rank == 3 else (2, 2), example_inputs=(ids, tgt)))
+    out["bool grid"] = _err(lambda: autopar.parallelize(TinyGPT(cfg), grid=(True, 4), example_inputs=(ids, tgt)))
+    out["timeout"] = _err(lambda: autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=-1))
+    return out
+
+
+class Features(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def check_inputs_cases(rank):
+    """Reordered token ids on one rank are caught; identical inputs holding NaN are not a false alarm."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    ids, tgt = _data(cfg, 4, 8)
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), check_inputs=True)
+    swapped = ids.clone()
+    if rank == 2:  # the same multiset of ids (same sum and sum of squares), two positions swapped
+        swapped[0, 0], swapped[0, 1] = ids[0, 1].item(), ids[0, 0].item()
+    assert rank != 2 or not torch.equal(swapped, ids), "the test data must differ"
+    out = {"swapped": _err(lambda: pm(swapped, tgt))}
+    x = torch.randn(4, 8)
+    x[1, 3] = float("nan")
+    lin = autopar.parallelize(Features(), grid=(2, 2), example_inputs=(x,), check_inputs=True)
+    out["nan identical"] = _err(lambda: lin(x))
+    out["int to float model"] = _err(lambda: autopar.parallelize(
+        Features(), grid=(2, 2), example_inputs=(torch.ones(4, 8, dtype=torch.long),)))
+    out["int call"] = _err(lambda: lin(torch.ones(4, 8, dtype=torch.long)))
+    return out
+
+
+def state_dict_and_clip(rank):
+    """A plain full state_dict loads into the parallel model (each rank keeps its blocks), and
+    pm.clip_grad_norm_ equals torch.nn.utils.clip_grad_norm_ on one process (norm and clipped grads)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    ids, tgt = _data(cfg, 4, 8)
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt))
+    torch.manual_seed(5)
+    other = TinyGPT(cfg)  # different weights, loaded from plain tensors
+    ref = copy.deepcopy(other)
+    pm.load_state_dict(other.state_dict())
+    params = dict(ref.named_parameters())
+    errs = {f"loaded {n}": excess(p.full_tensor(), params[n], 0.0, 0.0) for n, p in pm.named_parameters()}
+    out = {"wrong shape": _err(lambda: pm.load_state_dict({"tok.weight": torch.zeros(3, 3)}, strict=False))}
+    for norm_type, max_norm in ((2.0, 0.05), (float("inf"), 0.01), (1.0, 1e6)):
+        for m in (pm, ref):
+            m.zero_grad()
+        pm(ids, tgt)[1].backward()
+        ref(ids, tgt)[1].backward()
+        total = pm.clip_grad_norm_(max_norm, norm_type)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+        errs[f"norm {norm_type}"] = excess(total, want, RTOL, 0.0)
+        atol = scaled_atol(p.grad for p in ref.parameters())
+        for n, p in pm.named_parameters():
+            errs[f"clipped {norm_type} {n}"] = excess(p.grad.full_tensor(), params[n].grad, RTOL, atol)
+    out["errs"] = errs
+    return out
+
+
+def skipped_collective(rank, world, port, outdir, what):
+    """Run as a fresh process group with timeout=5: rank 3 stays alive but skips the call; the others
+    must raise within the timeout instead of the process group's 30 minutes."""
+    from autopar.launch import init_local
+
+    init_local(rank, world, port)
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    ids, tgt = _data(cfg, 4, 8)
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=5,
+                             check_inputs=what == "check_inputs")
+    if what != "check_inputs":
+        pm(ids, tgt)[1].backward()
+    if rank == 3:
+        time.sleep(40)
+        os._exit(0)
+    start = time.time()
+    if what == "check_inputs":
+        kind, msg = _err(lambda: pm(ids, tgt))
+    elif what == "clip":
+        kind, msg = _err(lambda: pm.clip_grad_norm_(1.0))
+    else:  # torch's own clipping over DTensor gradients: DTensor's collectives on the mesh's groups
+        kind, msg = _err(lambda: torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0))
+    with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{kind}\n{time.time() - start:.1f}\n{msg}")
+    os._exit(0)

@@ -1,0 +1,78 @@
+"""Guards of parallelize and of a call: nothing hangs, nothing silently wrong."""
+
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+from autopar.launch import free_port
+from tests import checks_api_guards as C
+
+
+def test_options_that_differ_between_ranks_raise_everywhere(pool4):
+    """A different lowering, check_inputs or grid on one rank used to pass parallelize (or fail after
+    30 s in the store) and die at the first call; now every rank raises the same ValueError up front."""
+    res = pool4.run(C.options_differ)
+    for rank, r in enumerate(res):
+        for key, value in (("lowering", "'allgather'"), ("check_inputs", "True"), ("grid", "(1, 4)")):
+            kind, msg = r[key]
+            assert kind == "ValueError", (rank, key, kind, msg)
+            assert f"ranks called parallelize with different {key}" in msg and value in msg, (rank, msg)
+        kind, msg = r["bool grid"]
+        assert kind == "ValueError" and "grid=(True, 4): expected (R, C) of positive ints" in msg, (rank, msg)
+        kind, msg = r["timeout"]
+        assert kind == "ValueError" and "timeout=-1: expected a positive number of seconds" in msg, (rank, msg)
+
+
+def test_check_inputs_compares_bytes(pool4):
+    """Swapping two token ids on one rank kept the sum and sum of squares that check_inputs compared,
+    and gave ~10% wrong logits unnoticed; identical inputs holding NaN raised a false alarm."""
+    res = pool4.run(C.check_inputs_cases)
+    for rank, r in enumerate(res):
+        kind, msg = r["swapped"]
+        assert kind == "ValueError" and "input 0 differs between ranks of this grid" in msg and "[2]" in msg, (rank, msg)
+        assert r["nan identical"] == (None, ""), (rank, r["nan identical"])
+        kind, msg = r["int to float model"]
+        assert kind == "ValueError" and "aten.linear in module lin" in msg and "torch.int64" in msg, (rank, msg)
+        assert "checks_api_guards.py" in msg, msg  # the user's source line
+        kind, msg = r["int call"]
+        assert kind == "ValueError" and "input 0 is torch.int64" in msg and "torch.float32" in msg, (rank, msg)
+
+
+def test_full_state_dict_and_clipping(pool4):
+    """pm.load_state_dict with plain full tensors failed with DTensor's 'mixed Tensor and DTensor';
+    pm.clip_grad_norm_ must match torch's on one process for the 2-, inf- and 1-norm (each block
+    counted once, not once per replica of a replicated bias)."""
+    res = pool4.run(C.state_dict_and_clip)
+    for rank, r in enumerate(res):
+        bad = {k: v for k, v in r["errs"].items() if not v <= 1}
+        assert not bad, (rank, bad)
+        kind, msg = r["wrong shape"]
+        assert kind == "ValueError" and "'tok.weight' has shape (3, 3)" in msg, (rank, msg)
+
+
+def _run_skipped(tmp_path, what):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=C.skipped_collective, args=(r, 4, port, str(tmp_path), what)) for r in range(4)]
+    for p in procs:
+        p.start()
+    start = time.time()
+    for p in procs[:3]:
+        p.join(timeout=max(1, 90 - (time.time() - start)))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return [open(tmp_path / f"rank{r}.txt").read().split("\n", 2) for r in range(3)]
+
+
+@pytest.mark.parametrize("what", ["check_inputs", "clip", "torch clip"])
+def test_timeout_bounds_every_collective(tmp_path, what):
+    """With timeout=5 a rank that skips a step used to block check_inputs, clip_grad_norm_ and DTensor's
+    own collectives for the process group's timeout (201 s measured; 30 min by default)."""
+    for rank, (kind, secs, msg) in enumerate(_run_skipped(tmp_path, what)):
+        assert float(secs) < 30, (rank, secs, msg)
+        if what == "torch clip":  # torch's own function: its error, but bounded by the grid's groups
+            assert kind not in ("None", ""), (rank, kind, msg)
+        else:
+            assert kind == "CollectiveError" and "failed on rank" in msg, (rank, kind, msg)
