@@ -12,10 +12,18 @@ gate|up, or one projection; an embedding table), one of
 and returns the assignment with the smallest estimated step time whose per-rank memory fits a
 limit. Units at the same place in repeated blocks (`model.layers.3.mlp.up_proj`,
 `model.layers.7.mlp.up_proj`) share one variable, so a 48-layer model has as many variables as a
-1-layer one; when every variable's options multiply to at most `EXHAUSTIVE` the search enumerates
-them all (exact for the model below), otherwise it alternates exact enumeration of the block
-variables and of the others until neither changes. The all-2d and all-1d assignments are always
-evaluated, so the choice is never estimated slower than the better fixed scheme.
+1-layer one, and an encoder-decoder has one set of variables per stack (`encoder.layers.*`,
+`decoder.layers.*`). When every variable's options multiply to at most `EXHAUSTIVE` the search
+enumerates them all (exact for the model below). Otherwise it is a coordinate search: each stack's
+variables, then the variables outside stacks, are enumerated exactly with the rest held at the best
+assignment so far (a group with more than `GROUP` assignments becomes overlapping windows of
+consecutive variables), for at most `ROUNDS` rounds or until a round changes nothing, so the number
+of assignments evaluated grows with the number of variables, not exponentially. The all-2d and all-1d
+assignments are always evaluated, so the choice is never estimated slower than the better fixed scheme.
+
+The search says so (a `SearchWarning`) when it runs longer than `PROGRESS_S`, and stops at
+`search_budget` seconds (default `BUDGET_S`; None: no limit) with the best assignment found so far
+and a warning naming the budget.
 
 The estimate of an assignment runs the real rules (`propagate_node`, results cached across
 assignments) and prices the result with `passes.estimate` (an alpha-beta model per mesh axis).
@@ -31,6 +39,7 @@ import itertools
 import math
 import re
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +50,17 @@ from passes.estimate import MATMULS, CostModel, Estimate, price
 from passes.layout import mesh_shape
 from passes.propagate import Propagation, module_path, propagate_node
 
-__all__ = ["CostModel", "Estimate", "Choice", "choose", "apply", "fixed", "estimate_fixed", "find_units",
-           "repeated_blocks", "OPTIONS"]
+__all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
+           "find_units", "repeated_blocks", "search_groups", "OPTIONS", "BUDGET_S"]
 
 aten = torch.ops.aten
 OPTIONS = ("2d", "1d", "rep")
 EMBED_OPTIONS = ("2d", "1d")
-EXHAUSTIVE = 1024  # assignments enumerated outright; more alternate block / non-block enumeration
+EXHAUSTIVE = 1024  # assignments enumerated outright; more: the coordinate search
+GROUP = 81  # assignments one step of the coordinate search enumerates at most (4 three-way variables)
+ROUNDS = 4  # coordinate-search rounds at most (it stops earlier once a round changes nothing)
+BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
+PROGRESS_S = 5.0  # a search still running after this many seconds warns once that it is
 _THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
             aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.clone.default,
             aten.alias.default, aten.detach.default}
@@ -145,6 +158,7 @@ class Choice:
     evaluated: int
     lowerings: dict  # SUMMA node name -> lowering
     solve_s: float = 0.0  # seconds the search took
+    complete: bool = True  # False: the search stopped at its time budget with the best found so far
 
 
 class _Evaluator:
@@ -196,65 +210,157 @@ class _Evaluator:
         return est
 
 
+class SearchWarning(UserWarning):
+    """strategy='auto': the search is running long (said once), or it stopped at its time budget."""
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _stack(key: str) -> str | None:
+    """The stack of repeated blocks a unit key belongs to ('model.decoder.layers'), None outside stacks."""
+    path = key.split(":", 1)[1].split("|")[0]
+    return path.split(".*")[0] if ".*" in path else None
+
+
+def _windows(keys: list, opts: dict) -> list:
+    """`keys` as one group when it has at most GROUP assignments, else windows of consecutive keys of at
+    most GROUP assignments each, each overlapping the next by half: neighbouring units hand each other
+    their layouts, so a pair that a window boundary splits is still enumerated together in the next."""
+    def size(ks):
+        return math.prod(len(opts[k]) for k in ks)
+
+    if size(keys) <= GROUP:
+        return [keys]
+    out, i = [], 0
+    while True:
+        j = i + 1
+        while j < len(keys) and size(keys[i:j + 1]) <= GROUP:
+            j += 1
+        out.append(keys[i:j])
+        if j == len(keys):
+            return out
+        i = max(i + 1, j - (j - i) // 2)
+
+
+def search_groups(keys: list, opts: dict) -> list:
+    """The groups of variables the coordinate search enumerates in turn: each stack's variables, then
+    those outside stacks (graph order within each), a group above GROUP assignments split into windows."""
+    scopes = {}
+    for k in keys:
+        scopes.setdefault(_stack(k), []).append(k)
+    rest = scopes.pop(None, [])
+    return [g for ks in [*scopes.values(), rest] if ks for g in _windows(ks, opts)]
+
+
+class _Search:
+    """The assignments tried and their estimates; `run` refuses to start one after the budget."""
+
+    def __init__(self, ev, keys, fits, budget_s, space, t0):
+        self.ev, self.keys, self.fits, self.budget_s, self.space, self.t0 = ev, keys, fits, budget_s, space, t0
+        self.tried, self.noted = {}, False
+
+    def run(self, assignment: dict, timed: bool = True) -> None:
+        spent = time.perf_counter() - self.t0
+        if timed and self.budget_s is not None and spent > self.budget_s:
+            raise _OutOfTime
+        if timed and not self.noted and spent > PROGRESS_S:
+            self.noted = True
+            best = self.best()
+            so_far = (f"best estimate so far {self.ev.estimate(best).time_s * 1e3:.3f} ms per step" if best
+                      else "none fits the memory limit yet")
+            warnings.warn(
+                f"strategy search still running after {spent:.0f} s: {len(self.tried)} of {self.space} assignments "
+                f"of {len(self.keys)} unit variables evaluated, {so_far}; "
+                + ("no time limit (search_budget=None)" if self.budget_s is None else
+                   f"it stops by search_budget={self.budget_s} s with the best found"), SearchWarning, stacklevel=3)
+        self.tried[tuple(assignment[k] for k in self.keys)] = self.ev.estimate(assignment)
+
+    def best(self) -> dict | None:
+        """The fastest assignment tried whose memory fits, or None."""
+        feasible = [(e.time_s, c) for c, e in self.tried.items() if self.fits(e)]
+        return dict(zip(self.keys, min(feasible)[1])) if feasible else None
+
+
+def _coordinate_search(search: _Search, groups: list, opts: dict, best: dict) -> None:
+    for _ in range(ROUNDS):
+        before = dict(best)
+        for group in groups:
+            for combo in itertools.product(*(opts[k] for k in group)):
+                search.run({**best, **dict(zip(group, combo))})
+            best = search.best() or best
+        if best == before:
+            return
+
+
 def choose(gm: GraphModule, mesh, cm: CostModel, memory_limit: float | None = None,
-           indivisible: str = "replicate", fused: str = "regroup", optimizer_states: int = 2) -> Choice:
+           indivisible: str = "replicate", fused: str = "regroup", optimizer_states: int = 2,
+           search_budget: float | None = BUDGET_S) -> Choice:
     """The assignment of strategies to `gm`'s units with the smallest estimated step time whose
-    per-rank memory estimate is at most `memory_limit` bytes. Leaves `autopar_choice` and
-    `autopar_lowering` set on the matmul nodes for the propagation that follows."""
+    per-rank memory estimate is at most `memory_limit` bytes, searched for at most `search_budget`
+    seconds (None: no limit; when it runs out, the best found so far, with a `SearchWarning`). Leaves
+    `autopar_choice` and `autopar_lowering` set on the matmul nodes for the propagation that follows."""
     t0 = time.perf_counter()
+    if search_budget is not None and (isinstance(search_budget, bool) or not isinstance(search_budget, (int, float))
+                                      or not search_budget >= 0):
+        raise ValueError(f"search_budget={search_budget!r}: expected seconds >= 0 (e.g. {BUDGET_S:g}) or None "
+                         f"for no time limit")
     units = find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
     opts = {u.key: u.options for u in units}
     ev = _Evaluator(gm, mesh, cm, units, indivisible, fused, optimizer_states)
     fits = (lambda e: True) if memory_limit is None else (lambda e: e.memory_bytes <= memory_limit)
-    tried = {}
-
-    def run(assignment):
-        tried[tuple(assignment[k] for k in keys)] = ev.estimate(assignment)
-
+    space = math.prod(len(opts[k]) for k in keys)
+    search = _Search(ev, keys, fits, search_budget, space, t0)
     baselines = {s: {k: s for k in keys} for s in ("2d", "1d")}
     for a in baselines.values():
-        run(a)
-    if math.prod(len(opts[k]) for k in keys) <= EXHAUSTIVE:
-        for combo in itertools.product(*(opts[k] for k in keys)):
-            run(dict(zip(keys, combo)))
-    else:  # alternate: the block variables, then the others, each enumerated exactly, until stable
-        shared = [k for k in keys if "*" in k]
-        groups = [shared, [k for k in keys if k not in shared]]
-        best = dict(min(baselines.values(), key=lambda a: ev.estimate(a).time_s))
-        for _ in range(4):
-            before = dict(best)
-            for group in groups:
-                for combo in itertools.product(*(opts[k] for k in group)):
-                    a = {**best, **dict(zip(group, combo))}
-                    run(a)
-                feasible = [(e.time_s, c) for c, e in tried.items() if fits(e)]
-                if feasible:
-                    best = dict(zip(keys, min(feasible)[1]))
-            if best == before:
-                break
-    feasible = [(e.time_s, c) for c, e in tried.items() if fits(e)]
-    if not feasible:
+        search.run(a, timed=False)
+    complete = True
+    try:
+        if space <= EXHAUSTIVE:
+            for combo in itertools.product(*(opts[k] for k in keys)):
+                search.run(dict(zip(keys, combo)))
+        else:
+            start = dict(min(baselines.values(), key=lambda a: ev.estimate(a).time_s))
+            _coordinate_search(search, search_groups(keys, opts), opts, start)
+    except _OutOfTime:
+        complete = False
+    tried, assignment = search.tried, search.best()
+    stopped = "" if complete else f" (the search stopped at search_budget={search_budget} s; a larger one may find one)"
+    if assignment is None:
         smallest = min(e.memory_bytes for e in tried.values())
         raise MemoryError(
             f"no strategy fits memory_limit={memory_limit / 2**30:.2f} GiB per rank on a {mesh_shape(mesh)} grid: "
-            f"the smallest estimate among {len(tried)} assignments is {smallest / 2**30:.2f} GiB. Use more "
+            f"the smallest estimate among {len(tried)} assignments is {smallest / 2**30:.2f} GiB{stopped}. Use more "
             f"devices, a smaller batch, or a larger limit."
         )
-    _, combo = min(feasible)
-    assignment = dict(zip(keys, combo))
     alternatives = {k: {o: min((e.time_s for c, e in tried.items() if c[i] == o and fits(e)), default=None)
                         for o in opts[k]} for i, k in enumerate(keys)}
     est = ev.estimate(assignment)
+    if not complete:
+        warnings.warn(
+            f"strategy search stopped at its time budget (search_budget={search_budget} s) after {len(tried)} of "
+            f"{space} assignments: the plan uses the best found so far, estimated {est.time_s * 1e3:.3f} ms per "
+            f"step (fixed 2d {ev.estimate(baselines['2d']).time_s * 1e3:.3f} ms, fixed 1d "
+            f"{ev.estimate(baselines['1d']).time_s * 1e3:.3f} ms). Pass a larger search_budget (seconds; None: no "
+            f"limit) to search further.", SearchWarning, stacklevel=2)
+    lowerings = _lowerings(ev, est)
+    apply(gm, units, assignment, lowerings, alternatives)
+    return Choice(assignment, est, alternatives, {s: ev.estimate(a) for s, a in baselines.items()}, len(tried),
+                  lowerings, time.perf_counter() - t0, complete)
+
+
+def _lowerings(ev: _Evaluator, est: Estimate) -> dict:
+    """SUMMA node name -> lowering for every block: the estimate priced blocks 0-2 (when it took the
+    block shortcut) and the others take the lowering of their stand-in."""
     lowerings = dict(est.lowerings)
-    if ev.blocks:  # the estimate priced blocks 0-2; the others take the lowering of their stand-in
+    if ev.blocks:
         pre, *blocks, post = ev.blocks
         for block in blocks[3:-1]:
             lowerings.update({n.name: lowerings[m.name] for n, m in zip(block, blocks[1]) if m.name in lowerings})
         lowerings.update({n.name: lowerings[m.name] for n, m in zip(blocks[-1], blocks[2]) if m.name in lowerings})
-    apply(gm, units, assignment, lowerings, alternatives)
-    return Choice(assignment, est, alternatives, {s: ev.estimate(a) for s, a in baselines.items()}, len(tried),
-                  lowerings, time.perf_counter() - t0)
+    return lowerings
 
 
 def apply(gm: GraphModule, units, assignment: dict, lowerings: dict, alternatives: dict | None = None) -> None:
