@@ -22,6 +22,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
+from passes.functionalize import functionalize, keep_parameter_views
+from passes.regions import inline_regions
+
 
 class CaptureError(RuntimeError):
     """torch.export could not trace the model."""
@@ -69,7 +72,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         canonical.setdefault(id(p), name)
     buffers = dict(model.named_buffers())
     sig = ep.graph_signature
-    gm = ep.graph_module
+    gm = functionalize(inline_regions(ep.graph_module))
     placeholders = gm.graph.find_nodes(op="placeholder")
     sources, user_i, persistent = [], 0, set()
     for node, spec in zip(placeholders, sig.input_specs):
@@ -89,6 +92,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             node.meta["autopar_role"] = "input"
             sources.append(("input", user_i))
             user_i += 1
+    keep_parameter_views(gm)
     for node in gm.graph.nodes:  # drop export's runtime assertions on input metadata
         if node.op == "call_function" and node.target in (
             torch.ops.aten._assert_tensor_metadata.default,

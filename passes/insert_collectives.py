@@ -85,19 +85,21 @@ def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast")
         if strat is None or node.meta.get("autopar_inserted"):
             continue
         routed = {}
+        # a collective made inside a no_grad region carries no gradient: never share it with one outside
+        region = node.meta.get("autopar_region")
         for inp, need in strat.inputs.items():
             inp = replaced.get(inp, inp)
             have = inp.meta["autopar_layout"]
             new = inp
             if have != need:
-                key = (inp, need)
+                key = (inp, need, region)
                 if key not in cache:
                     mod = kernels.Redistribute(grid, have, need, f"{inp.name}->{node.name}")
                     cache[key] = _add_module(gm, node, f"autopar_redist_{inp.name}_{len(cache)}", mod, inp, need)
                 new = cache[key]
             sync = gradsync_axes(node, node.meta.get("autopar_layout"), inp, need)
             if sync:
-                key = (inp, need, sync)
+                key = (inp, need, sync, region)
                 if key not in cache:
                     mod = kernels.GradSync(grid, sync, f"gradsync:{inp.name}")
                     cache[key] = _add_module(gm, node, f"autopar_gradsync_{inp.name}_{len(cache)}", mod, new, need)

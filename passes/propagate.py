@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
+from passes.functionalize import writes_first_arg
 from passes.layout import REPLICATED, Layout, ShardingError, mesh_shape, moved, parts, split_dim
 from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
@@ -61,7 +62,7 @@ def source_line(node: Node) -> str:
     lines = (node.meta.get("stack_trace") or "").strip().splitlines()
     frames = [(lines[i].strip(), lines[i + 1].strip()) for i in range(len(lines) - 1)
               if lines[i].strip().startswith("File ")]
-    user = [f for f in frames if _TORCH_DIR not in f[0]]
+    user = [f for f in frames if _TORCH_DIR not in f[0] and not f[0].startswith('File "<')]  # not generated code
     pick = (user or frames or [("", "")])[-1]
     return f"{pick[0]}: {pick[1]}" if pick[0] else ""
 
@@ -93,6 +94,10 @@ def _strategy(node: Node, layouts: dict, mesh: tuple, indivisible: str) -> Strat
         return creation(node)
     if node.target in _TRANSPOSES and layouts.get(node.args[0]) is None:
         return Strategy({}, None)  # waits for its consumer (see _claim)
+    if writes_first_arg(node) and layouts.get(node.args[0]) is None:
+        return Strategy({}, None)  # an update of an unplaced parameter waits for a reader to place it
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        _refuse_higher_order(node)
     rule = lookup(node.target)
     if rule is None:
         return fallback(node, f"no sharding rule for {node.target}")
@@ -111,9 +116,20 @@ def _strategy(node: Node, layouts: dict, mesh: tuple, indivisible: str) -> Strat
         ) from None
 
 
+def _refuse_higher_order(node: Node) -> None:
+    """A higher-order op (torch.cond, torch.map, a checkpointed or compiled region) carries a subgraph
+    that the rules cannot see into; grad-mode and autocast regions were already inlined by capture."""
+    raise ShardingError(
+        f"higher-order op {node.target.name()} at node {node.name} in module {module_path(node) or '<top>'} "
+        f"runs a subgraph autopar cannot split; source: {source_line(node)}.\n"
+        f"  Write that part with plain tensor ops (torch.where instead of torch.cond, a Python loop instead "
+        f"of torch.map); `with torch.no_grad()` and `torch.autocast` regions are supported."
+    )
+
+
 def _check_inplace_fallback(node: Node, layouts: dict, gathers: bool) -> None:
     """A replicated fallback of an in-place op would mutate a gathered copy: refuse it."""
-    if gathers and str(node.target.overloadpacket.__name__).endswith("_"):
+    if gathers and writes_first_arg(node):
         raise ShardingError(
             f"in-place op {node.target} at node {node.name} in module {module_path(node) or '<top>'} mutates "
             f"a tensor laid out {layouts.get(node.args[0])}, which it cannot update in place once gathered; "
@@ -196,6 +212,11 @@ def propagate(gm: GraphModule, mesh, indivisible: str = "error", fused: str = "r
     layouts: dict = {}
     for node in gm.graph.nodes:
         propagate_node(node, layouts, res, mesh, indivisible, fused, on_unsupported)
+    for node in gm.graph.nodes:  # in-place updates of parameters, now placed by their readers
+        if writes_first_arg(node) and layouts.get(node) is None:
+            if layouts.get(node.args[0]) is None:  # updated, never read: kept whole
+                _claim(node.args[0], REPLICATED, layouts, res)
+            propagate_node(node, layouts, res, mesh, indivisible, fused, on_unsupported)
     for node in gm.graph.nodes:  # parameters nobody placed (unused, or a tied twin) and waiting views
         if layouts.get(node) is None:
             name = node.meta.get("autopar_param")

@@ -40,12 +40,24 @@ def dim_map(in_shape, out_shape) -> dict:
     return {d: d + off for d in range(len(in_shape)) if in_shape[d] == out_shape[d + off]}
 
 
+# tensor operands that give only a dtype or device (x.type_as(other), x.to(other)): any shape, any
+# layout; they are no inputs of the elementwise computation and are read where they are
+_DTYPE_ONLY = {aten.type_as.default: 1, aten.to.other: 1}
+
+
+def data_inputs(node) -> list:
+    """The tensor inputs whose values the op reads (all but a dtype-only operand)."""
+    skip = _DTYPE_ONLY.get(node.target)
+    other = node.args[skip] if skip is not None and len(node.args) > skip else None
+    return [n for n in tensor_inputs(node) if n is not other]
+
+
 def broadcast_strategy(node, layouts, out_shape, mesh, skip_dims=()) -> tuple:
     """(input layouts, output layout) for an elementwise op over `out_shape`.
 
     `skip_dims` are output dims that must stay whole (e.g. the last dim of tril).
     """
-    ins = tensor_inputs(node)
+    ins = data_inputs(node)
     out_ps, kinds = [], []
     for axis in range(2):
         chosen, kind = None, Shard(0)
@@ -81,11 +93,11 @@ _SUMS = {aten.add.Tensor, aten.sub.Tensor}
 
 
 def _keeps_partial(node, layouts, axis) -> bool:
-    ins = tensor_inputs(node)
+    ins = data_inputs(node)
     ps = [layouts[n][axis] if layouts.get(n) is not None else None for n in ins]
     if not ps or not all(isinstance(p, Partial) and p.reduce_op == "sum" for p in ps):
         return False
-    if node.target.overloadpacket in _LINEAR_UNARY:
+    if getattr(node.target, "overloadpacket", None) in _LINEAR_UNARY:
         return len(ins) == 1
     return node.target in _SUMS and all(isinstance(a, torch.fx.Node) for a in node.args[:2])
 
