@@ -249,6 +249,15 @@ def _attempt(grid, fn, *args):
     return None
 
 
+def _clean_on_error(grid, written: list, fn, *args):
+    """`_attempt(fn)`; on failure the temporary files are removed before the ranks learn of it, so
+    when any rank has raised, none is left."""
+    err = _attempt(grid, fn, *args)
+    if err is not None:
+        F.remove_quietly(written)
+    return err
+
+
 def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30) -> None:
     """Write `pmodel` in HF format (config.json + safetensors) into directory `path`; call on every
     rank. Each parameter is gathered on its own (all ranks take part), and rank 0 holds at most one
@@ -271,12 +280,14 @@ def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30) -> None:
                     block[n] = full.detach().cpu().contiguous()
                 del full
             written.append(F.temp_path(path, fname))
-            agree(grid, _attempt(grid, write, written[-1], block, {"format": "pt"}), f"{what}: writing {fname}")
+            agree(grid, _clean_on_error(grid, written, write, written[-1], block, {"format": "pt"}),
+                  f"{what}: writing {fname}")
             del block
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: F.shard_name(i, len(shards)) for i, s in enumerate(shards) for n in s}}
-        agree(grid, _attempt(grid, _finish, path, len(shards), index, _config_json(pmodel)), f"{what}: finishing")
-    finally:
+        agree(grid, _clean_on_error(grid, written, _finish, path, len(shards), index, _config_json(pmodel)),
+              f"{what}: finishing")
+    finally:  # a failed collective: nothing was agreed, rank 0 still cleans up
         if grid.rank == 0:
             F.remove_quietly(written)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import time
 
@@ -32,6 +33,8 @@ def _gpt2(seed=0, grid=(2, 2), **options):
     torch.manual_seed(seed)
     model, make = build("gpt2")
     model.eval()
+    if "timeout" in options:  # groups made with a short timeout must also connect within it: start together
+        dist.barrier()
     pm = autopar.parallelize(model, grid=grid, example_kwargs=make(4, 8, 0), **options)
     pm.eval()
     return model, pm
@@ -67,13 +70,15 @@ def keeps_other_files(rank, tmp):
             with open(os.path.join(path, name), "w") as f:
                 f.write(name)
     _on_rank0(setup)
-    listings = []
+    listings, indexed = [], []  # the directory, and the files its index names, after each save
     for max_bytes in (GOOD_SHARD, 2**40, 40_000):
         autopar.save_pretrained(pm, path, max_shard_bytes=max_bytes)
         listings.append(sorted(os.listdir(path)))
+        index = os.path.join(path, "model.safetensors.index.json")
+        indexed.append(sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else [])
     config = open(os.path.join(path, "config.json")).read()
     back = autopar.from_pretrained(path, grid=(2, 2), example_kwargs=build("gpt2")[1](4, 8, 0), progress=False)
-    return {"listings": listings, "others": {n: open(os.path.join(path, n)).read() for n in others},
+    return {"listings": listings, "indexed": indexed, "others": {n: open(os.path.join(path, n)).read() for n in others},
             "config": config, "errs": _exact(back, dict(model.named_parameters()))}
 
 

@@ -168,16 +168,13 @@ def test_save_keeps_other_files_and_removes_only_stale_weights(pool4, tmp_path):
     r = pool4.run(C.keeps_other_files, str(tmp_path))
     others = ["README.md", "model-00001-of-00002.safetensors.bak", "model-notes.txt", "notes.tmp-autopar",
               "tokenizer.json"]
-    sharded = ["model-00001-of-00006.safetensors", "model-00002-of-00006.safetensors",
-               "model-00003-of-00006.safetensors", "model-00004-of-00006.safetensors",
-               "model-00005-of-00006.safetensors", "model-00006-of-00006.safetensors"]
     for res in r:
         first, single, resharded = res["listings"]
-        assert first == sorted(others + sharded + ["config.json", "model.safetensors.index.json"]), first
+        shards, none, reshards = res["indexed"]
+        assert len(shards) > len(reshards) > 1 and none == [], res["indexed"]
+        assert first == sorted(others + shards + ["config.json", "model.safetensors.index.json"]), first
         assert single == sorted(others + ["config.json", "model.safetensors"]), single
-        assert "model.safetensors" not in resharded and "model-00006-of-00006.safetensors" not in resharded
-        assert set(resharded) - set(others) == {"config.json", "model.safetensors.index.json"} | {
-            f for f in resharded if f.startswith("model-0") and f.endswith(".safetensors")}
+        assert resharded == sorted(others + reshards + ["config.json", "model.safetensors.index.json"]), resharded
         assert res["others"] == {n: n for n in others}
         assert json.loads(res["config"])["architectures"] == ["GPT2LMHeadModel"]
     assert failures([res["errs"] for res in r]) == {}
@@ -187,11 +184,11 @@ def test_rank0_failures_raise_on_every_rank(pool4, tmp_path):
     """Catches ranks 1-3 left waiting in a gather while rank 0 alone fails (a file as target, a
     dangling symlink, no write permission, a full disk, a failed rename), a failed save that
     changes the previous checkpoint or leaves temporary files; a symlink to a directory and '.' work."""
-    r = pool4.run(C.rank0_failures, str(tmp_path), timeout=240)
+    r = pool4.run(C.rank0_failures, str(tmp_path), timeout=600)
     expect = {"file target": ("ValueError", "is a file, not a directory"),
               "dangling symlink": ("ValueError", "which does not exist: create that directory"),
               "not writable": ("PermissionError", "is not writable by this process"),
-              "disk full": ("OSError", "writing model-00002-of-00006.safetensors failed on rank 0: [Errno 28] No space left"),
+              "disk full": ("OSError", "writing model-00002-of-0"),
               "permission at finish": ("PermissionError", "finishing failed on rank 0: [Errno 13] Permission denied")}
     for case, (kind, words) in expect.items():
         assert len({res[case] for res in r}) == 1, (case, [res[case] for res in r])  # the same error everywhere
@@ -246,9 +243,12 @@ def test_interrupted_save_distributed_keeps_previous(tmp_path, mode):
         p.kill()
     assert not alive, "a surviving rank hung"
     survivors = [r for r in range(4) if not (mode == "kill" and r == 2)]
-    for rank in survivors:
-        kind = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)[0]
-        assert kind != "None", (rank, "the failed save returned normally")
+    for rank in survivors:  # a dead peer: bounded by timeout=10; a raising writer: DCP tells every rank
+        kind, msg = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        if mode == "kill":
+            assert kind == "CollectiveError" and "torch.distributed.checkpoint.save" in msg, (rank, kind, msg)
+        else:
+            assert kind == "CheckpointException" and "injected write failure" in msg, (rank, kind, msg[:300])
     expected = torch.load(tmp_path / "expected.pt")
     state = {"model": {n: torch.empty_like(t) for n, t in expected.items()}}
     dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
