@@ -254,3 +254,29 @@ def test_interrupted_save_distributed_keeps_previous(tmp_path, mode):
     dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
     assert failures([{n: excess(state["model"][n], t, rtol=0.0, atol=0.0) for n, t in expected.items()}]) == {}
     assert not (tmp_path / "ckpt.tmp-autopar" / ".metadata").exists()  # the failed save never finished
+
+
+def test_target_and_block_refusals(tmp_path):
+    """Catches a save target or staging path that fails later with an unclear OS error, a read
+    outside a tensor, and an agreement that changes the error's type or loses its text."""
+    from types import SimpleNamespace
+
+    from autopar import files
+    from autopar.agree import agree
+    from autopar.distributed_checkpoint import _prepare
+
+    with pytest.raises(ValueError, match="save path '' is empty"):
+        files.check_target("")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="cannot create the save directory .* check that its parent"):
+        files.check_target(str(tmp_path / "f" / "sub"))
+    with pytest.raises(ValueError, match="save_distributed path .* is a file, not a directory"):
+        _prepare(str(tmp_path / "f"), str(tmp_path / "f.tmp-autopar"))
+    write(str(tmp_path / "t.safetensors"), {"a": torch.ones(2, 3)})
+    f = SafetensorsFile(str(tmp_path / "t.safetensors"))
+    with pytest.raises(ValueError, match=r"block \[\(0, 3\), \(0, 3\)\] is not inside tensor 'a' of shape \[2, 3\]"):
+        f.read("a", [(0, 3), (0, 3)])
+    f.close()
+    with pytest.raises(PermissionError, match=r"^moving x failed on rank 0: denied$"):
+        agree(SimpleNamespace(rank=0), PermissionError("denied"), "moving x")
+    agree(SimpleNamespace(rank=0), None, "nothing failed")
