@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 
-.PHONY: demo test bench bench-load bench-plan bench-compare bench-strategy hf-example clean
+.PHONY: demo test bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,9 @@ bench-plan: $(STAMP)
 
 hf-example: $(STAMP)
 	$(BIN)/python examples/hf_causal_lm.py
+
+sweep-hf: $(STAMP)
+	$(BIN)/python examples/sweep_hf.py --out docs/models.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info
