@@ -83,10 +83,10 @@ class Grid:
                 full = init_device_mesh(device_type, (dp, rows, cols), mesh_dim_names=("dp",) + AXIS_NAMES)
                 self.mesh: DeviceMesh | None = full[AXIS_NAMES]
                 self.dp_group = full.get_group("dp")
-                self.world_group = dist.new_group(self._grid_ranks(self.dp_index))  # every rank creates every group
-                for d in range(dp):
-                    if d != self.dp_index:
-                        dist.new_group(self._grid_ranks(d))
+                for d in range(dp):  # every rank creates every group, in the same order
+                    group = dist.new_group(self._grid_ranks(d))
+                    if d == self.dp_index:
+                        self.world_group = group
             else:
                 self.mesh = init_device_mesh(device_type, (rows, cols), mesh_dim_names=AXIS_NAMES)
             self.same_col_group = self.mesh.get_group(0)

@@ -129,3 +129,24 @@ def skipped_collective(rank, world, port, outdir, what):
     with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{kind}\n{time.time() - start:.1f}\n{msg}")
     os._exit(0)
+
+
+def replicas_with_timeout(rank):
+    """grid=(2, 1, 2) with timeout= (every group built bounded) and check_inputs: the replicas' averaged
+    gradients and pm.clip_grad_norm_ equal one process on the whole batch."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, grid=(2, 1, 2), example_inputs=_data(cfg, 4, 8), timeout=60, check_inputs=True)
+    ids, tgt = _data(cfg, 8, 8, seed=3)
+    replica = rank // 2
+    pm(ids[4 * replica:4 * replica + 4], tgt[4 * replica:4 * replica + 4])[1].backward()
+    ref(ids, tgt)[1].backward()
+    total = pm.clip_grad_norm_(0.1)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    params = dict(ref.named_parameters())
+    atol = scaled_atol(p.grad for p in ref.parameters())
+    errs = {"norm": excess(total, want, RTOL, 0.0)}
+    errs.update({n: excess(p.grad.full_tensor(), params[n].grad, RTOL, atol) for n, p in pm.named_parameters()})
+    return errs

@@ -76,3 +76,11 @@ def test_timeout_bounds_every_collective(tmp_path, what):
             assert kind not in ("None", ""), (rank, kind, msg)
         else:
             assert kind == "CollectiveError" and "failed on rank" in msg, (rank, kind, msg)
+
+
+def test_replicas_with_timeout(pool4):
+    """With dp > 1 and timeout=, every rank must create every bounded group in the same order (a
+    different order hangs), and the clipped norm counts each block once across replicas."""
+    for rank, errs in enumerate(pool4.run(C.replicas_with_timeout)):
+        bad = {k: v for k, v in errs.items() if not v <= 1}
+        assert not bad, (rank, bad)
