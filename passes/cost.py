@@ -169,11 +169,13 @@ def summa_cost(mod: kernels.SummaLinear, node: Node, mesh, grads: set) -> Cost:
 
 
 def norm_cost(mod: kernels.ShardedNorm, node: Node, mesh, grads: set) -> Cost:
-    t = sympy.Symbol("t", positive=True)  # tokens this rank normalizes; one fp32 statistic each
-    k = 2 if mod.centered else 1
-    expr = k * _all_reduce(4 * t, C)
-    return Cost(f"all-reduce x{k} (row) stats", expr, expr if node.args[0] in grads else sympy.Integer(0),
-                {C: mesh[1], t: math.prod(_local(node, mesh)[:-1])})
+    t = sympy.Symbol("t", positive=True)  # tokens this rank normalizes
+    size = kernels.norm_stat_size(node.args[0].meta["val"].dtype)
+    fwd_calls, bwd_calls = kernels.NORM_STATS[mod.centered]
+    fwd = sum((_all_reduce(k * size * t, C) for k in fwd_calls), sympy.Integer(0))
+    bwd = sum((_all_reduce(k * size * t, C) for k in bwd_calls), sympy.Integer(0))
+    return Cost(f"all-reduce x{len(fwd_calls)} (row) stats; bwd x{len(bwd_calls)}", fwd,
+                bwd if node.args[0] in grads else sympy.Integer(0), {C: mesh[1], t: math.prod(_local(node, mesh)[:-1])})
 
 
 def gradsync_cost(mod: kernels.GradSync, node: Node, mesh, grads: set) -> Cost:

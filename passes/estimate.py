@@ -21,6 +21,7 @@ import torch
 from passes.cost import redistribute_steps, summa_axis_elems
 from passes.insert_collectives import gradsync_axes
 from passes.layout import Layout, local_shape
+from passes.ops import kernels
 from passes.propagate import rule_key
 
 aten = torch.ops.aten
@@ -117,10 +118,11 @@ def _kernel_terms(node, strat, mesh, grads) -> list:
     """(axis, bytes, calls) of a norm or cross-entropy kernel's statistics (as `passes.cost`)."""
     terms, out_lay = [], strat.output
     if strat.kernel == "norm" and mesh[1] > 1:
-        k = 2 if node.target == aten.layer_norm.default else 1
         t = math.prod(local_shape(tuple(node.meta["val"].shape), out_lay, mesh)[:-1])
-        n = 2 * (mesh[1] - 1) * 4 * t // mesh[1]
-        terms += [(1, n, 1)] * (k * (2 if node.args[0] in grads else 1))
+        size = kernels.norm_stat_size(node.args[0].meta["val"].dtype)
+        fwd_calls, bwd_calls = kernels.NORM_STATS[node.target == aten.layer_norm.default]
+        calls = fwd_calls + (bwd_calls if node.args[0] in grads else ())
+        terms += [(1, 2 * (mesh[1] - 1) * k * size * t // mesh[1], 1) for k in calls]
     elif strat.kernel == "cross_entropy":
         rows = local_shape(tuple(node.args[0].meta["val"].shape), strat.inputs[node.args[0]], mesh)[0]
         if strat.extra["vocab_split"] and mesh[1] > 1:

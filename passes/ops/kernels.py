@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import Layout, parts, split_dim
@@ -18,6 +19,13 @@ from passes.ops import comm
 from passes.ops.summa import summa_matmul
 
 HALF = (torch.float16, torch.bfloat16)
+# statistics per token in each all-reduce of a sharded norm, (forward calls, backward calls); see _ShardedNormFn
+NORM_STATS = {True: ((1, 2), (2,)), False: ((1,), (1,))}  # centered (LayerNorm) / RMSNorm
+
+
+def norm_stat_size(dtype: torch.dtype) -> int:
+    """Bytes of one norm statistic for inputs of `dtype`: fp32 for half inputs, else the input's size."""
+    return 4 if dtype in HALF else dtype.itemsize
 
 
 class Redistribute(nn.Module):
@@ -86,26 +94,83 @@ class SummaLinear(nn.Module):
         return f"{'ABT' if self.transposed else 'AB'}, lowering={self.lowering}"
 
 
+def _row_sum(grid: Grid, t: torch.Tensor, tag: str, phase: str) -> torch.Tensor:
+    """Sum over the whole hidden dim, of which this rank holds the slice t [..., h/C]: [...]."""
+    return comm.all_reduce(grid, 1, t.sum(-1), tag, phase)
+
+
+class _ShardedNormFn(torch.autograd.Function):
+    """y = (x - mean) * rstd * w + b over a last dim split over the mesh columns (mean = 0 for RMS).
+
+    Forward, LayerNorm: a first all-reduce gives a shift m0 = fp32 mean; the second sums x - m0 and
+    (x - m0)^2 (shifted-data variance: x - m0 is exact for x near m0, so a mean offset far above the
+    spread, e.g. 1e4 + noise, loses nothing, where an fp32 mean alone is off by half an ulp of 1e4).
+    Backward in closed form from the saved mean and rstd, as torch's own norms: autograd through
+    rsqrt would form var^-1.5, which underflows fp32 for |x| ~ 1e15 (var^-1.5 ~ 1e-45).
+    Statistics in fp32 for half inputs (torch's opmath type), else in the input's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, b, grid, n, eps, centered, tag):
+        acc = torch.float32 if x.dtype in HALF else x.dtype
+        xa = x.to(acc)  # [..., h/C]
+        eps = eps if eps is not None else torch.finfo(acc).eps
+        if centered:
+            m0 = _row_sum(grid, xa, tag, "fwd") / n  # [...]
+            xc = xa - m0[..., None]  # [..., h/C]
+            s1, s2 = _row_sum(grid, torch.stack([xc, xc * xc]), tag, "fwd")  # Σ(x - m0), Σ(x - m0)^2: [...]
+            shift = s1 / n
+            mean = m0 + shift
+            var = ((s2 - s1 * shift) / n).clamp_min(0)
+            xc = xc - shift[..., None]
+        else:
+            mean = torch.zeros((), dtype=acc, device=x.device)
+            var = _row_sum(grid, xa * xa, tag, "fwd") / n
+            xc = xa
+        rstd = torch.rsqrt(var + eps)  # [...]
+        xhat = xc * rstd[..., None]
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.args = (grid, n, centered, tag, None if b is None else b.dtype)
+        y = xhat if w is None else xhat * w.to(acc)
+        y = y if b is None else y + b.to(acc)
+        out = x.dtype if w is None else torch.promote_types(x.dtype, w.dtype)
+        return y.to(out if b is None else torch.promote_types(out, b.dtype))
+
+    @staticmethod
+    @once_differentiable  # a second derivative would need the statistics' own backward: refuse it loudly
+    def backward(ctx, g):
+        x, w, mean, rstd = ctx.saved_tensors
+        grid, n, centered, tag, b_dtype = ctx.args
+        acc = rstd.dtype
+        xhat = (x.to(acc) - (mean[..., None] if centered else mean)) * rstd[..., None]
+        gy = g.to(acc)
+        gx = gy if w is None else gy * w.to(acc)  # dL/dxhat
+        lead = tuple(range(x.dim() - 1))
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            if centered:
+                s1, s2 = _row_sum(grid, torch.stack([gx, gx * xhat]), tag, "bwd") / n
+                dx = (gx - s1[..., None] - xhat * s2[..., None]) * rstd[..., None]
+            else:
+                s2 = _row_sum(grid, gx * xhat, tag, "bwd") / n
+                dx = (gx - xhat * s2[..., None]) * rstd[..., None]
+            dx = dx.to(x.dtype)
+        if w is not None and ctx.needs_input_grad[1]:
+            dw = (gy * xhat).sum(lead).to(w.dtype)  # this rank's tokens; GradSync sums the rows
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            db = gy.sum(lead).to(b_dtype)
+        return dx, dw, db, None, None, None, None, None
+
+
 class ShardedNorm(nn.Module):
-    """LayerNorm (or RMSNorm) over a last dim split over the mesh columns."""
+    """LayerNorm (or RMSNorm) over a last dim split over the mesh columns; see `_ShardedNormFn`."""
 
     def __init__(self, grid: Grid, n: int, eps, centered: bool, tag: str):
         super().__init__()
         self.grid, self.n, self.eps, self.centered, self.tag = grid, n, eps, centered, tag
 
-    def _sum(self, t):
-        return comm.SyncedSum.apply(t.sum(-1, keepdim=True), self.grid, 1, self.tag)
-
     def forward(self, x, w=None, b=None):
-        dtype = x.dtype
-        x = x.float() if dtype in HALF else x  # statistics in fp32, like torch's own norms
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        if self.centered:
-            x = x - self._sum(x) / self.n
-        y = (x * torch.rsqrt(self._sum(x * x) / self.n + eps)).to(dtype)
-        if w is not None:
-            y = y * w
-        return y if b is None else y + b
+        return _ShardedNormFn.apply(x, w, b, self.grid, self.n, self.eps, self.centered, self.tag)
 
     def extra_repr(self) -> str:
         return f"{'layer' if self.centered else 'rms'}, n={self.n}"
@@ -126,7 +191,8 @@ class VocabSplitEmbedding(nn.Module):
         inside = (local >= 0) & (local < rows)
         pad = self.padding_idx - start if 0 <= self.padding_idx - start < rows else -1
         out = F.embedding(local.masked_fill(~inside, 0), table, padding_idx=None if pad < 0 else pad)
-        return out * inside.unsqueeze(-1).to(out.dtype)  # [..., h/q], partial over vocab blocks
+        # select, never multiply: an inf or NaN in local row 0 times 0 would be NaN (one process never reads it)
+        return out.masked_fill(~inside.unsqueeze(-1), 0)  # [..., h/q], partial over vocab blocks
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -140,24 +206,31 @@ class _VocabParallelCE(torch.autograd.Function):
         rows = z.shape[1]
         local = target - grid.c * rows if vocab_split else target
         inside = (local >= 0) & (local < rows)
-        picked = zf.gather(1, local.clamp(0, rows - 1)[:, None]).squeeze(1) * inside
+        # select, never multiply by a mask: the clamped column of a target outside this block may be
+        # -inf (a masked vocabulary entry) or NaN, and 0 * inf = NaN where one process is finite
+        picked = torch.where(inside, zf.gather(1, local.clamp(0, rows - 1)[:, None]).squeeze(1), 0.0)
         sums = torch.stack([e.sum(-1), picked])  # [2, n/q]
         if vocab_split:
             sums = comm.all_reduce(grid, 1, sums, tag, "fwd")
         valid = target != ignore_index
-        per_token = (torch.log(sums[0]) + m - sums[1]) * valid
+        per_token = torch.where(valid, torch.log(sums[0]) + m - sums[1], 0.0)  # ignored rows may be NaN
         tot = comm.all_reduce(grid, 0, torch.stack([per_token.sum(), valid.sum().to(zf.dtype)]), tag, "fwd")
         ctx.save_for_backward(e, sums[0], local, inside, valid, tot[1])
         ctx.dtype, ctx.reduce_sum = z.dtype, reduce_sum
         return tot[0] if reduce_sum else tot[0] / tot[1]  # fp32; the module casts
 
     @staticmethod
+    @once_differentiable  # the backward reads saved statistics, not a graph: no second derivative
     def backward(ctx, g):
         e, sumexp, local, inside, valid, count = ctx.saved_tensors
         grad = e / sumexp[:, None]  # softmax, minus one at the target where this rank holds it
         rows = grad.shape[1]
         grad.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -inside[:, None].to(grad.dtype))
-        grad = grad * (valid[:, None].to(grad.dtype) * (g if ctx.reduce_sum else g / count))
+        scale = g if ctx.reduce_sum else g / count
+        # an ignored row gets what torch's log_softmax backward gives it for a zero incoming gradient,
+        # -softmax * 0: zero, but NaN where the row holds a NaN or +inf (its softmax is NaN) -- one
+        # process's gradient there, kept for parity
+        grad = torch.where(valid[:, None], grad * scale, grad * 0)
         return grad.to(ctx.dtype), None, None, None, None, None, None
 
 

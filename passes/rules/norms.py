@@ -1,8 +1,9 @@
 """LayerNorm / RMSNorm over the last dim, which the mesh columns split.
 
 The per-token statistics are sums over the hidden dim: each rank sums its h/C slice and the sums are
-all-reduced in the same-row group (forward and backward), about 2 numbers per token each way. The
-weight and bias are split like the hidden dim and replicated over the rows.
+all-reduced in the same-row group. LayerNorm sends 3 numbers per token forward (the sum, then the
+shifted sum and sum of squares) and 2 backward; RMSNorm 1 each way (`passes.ops.kernels.NORM_STATS`).
+The weight and bias are split like the hidden dim and replicated over the rows.
 """
 
 from __future__ import annotations
