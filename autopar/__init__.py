@@ -2,10 +2,11 @@
 
 from autopar.api import FallbackWarning, ParallelModule, parallelize
 from autopar.checkpoint import from_pretrained, load_safetensors, meta_init, save_pretrained
+from autopar.distributed_checkpoint import load_distributed, save_distributed
 from autopar.explain import explain
 from autopar.plan import Plan, choose_grid, compare_1d, plan
 from passes import CaptureError, ShardingError
 
 __all__ = ["parallelize", "explain", "ParallelModule", "FallbackWarning", "CaptureError", "ShardingError",
-           "from_pretrained", "save_pretrained", "load_safetensors", "meta_init", "plan", "Plan", "compare_1d", "choose_grid"]
+           "from_pretrained", "save_pretrained", "save_distributed", "load_distributed", "load_safetensors", "meta_init", "plan", "Plan", "compare_1d", "choose_grid"]
 __version__ = "0.1.0"

@@ -112,6 +112,7 @@ def skipped_collective(rank, world, port, outdir, what):
     torch.manual_seed(0)
     cfg = GPTConfig()
     ids, tgt = _data(cfg, 4, 8)
+    torch.distributed.barrier()  # start together: groups built with timeout=5 also connect within 5 s
     pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=5,
                              check_inputs=what == "check_inputs")
     if what != "check_inputs":
