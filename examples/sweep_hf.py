@@ -264,8 +264,26 @@ def parse(argv):
     return args, runs
 
 
+def ready(rank) -> int:
+    """A rank-side no-op: answers once the rank has joined the process group."""
+    return rank
+
+
+def _start_pool(Pool, world: int, probe, tries: int = 3):
+    """A pool whose ranks all answer; a start that fails (a port taken by another process between
+    choosing and binding it) is retried, so that it is not blamed on the next family."""
+    for _ in range(tries):
+        pool = Pool(world)
+        try:
+            pool.run(probe, timeout=600)
+            return pool
+        except AssertionError as e:
+            print(f"pool of {world} ranks failed to start ({_first_line(e)}); retrying", flush=True)
+    raise RuntimeError(f"could not start {world} gloo ranks in {tries} tries; see the errors above")
+
+
 def main(argv=None):
-    from sweep_hf import family_parity as check  # importable by name in the spawned ranks
+    from sweep_hf import family_parity as check, ready  # importable by name in the spawned ranks
     from tests.dist_pool import Pool
 
     args, runs = parse(argv)
@@ -278,7 +296,7 @@ def main(argv=None):
             if pool is None or pool.broken or pool.world != world:
                 if pool is not None:
                     pool.close()
-                pool = Pool(world)
+                pool = _start_pool(Pool, world, ready)
             t0 = time.perf_counter()
             try:
                 row = summarize(name, grid, strategy, pool.run(check, name, grid, strategy, timeout=args.budget))
