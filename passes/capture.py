@@ -1,7 +1,10 @@
 """Capture: an nn.Module and example inputs -> an aten-level fx GraphModule with every input lifted.
 
-Uses `torch.export.export(strict=False)`. Parameters, buffers and constants become placeholders; the
-pass records on each placeholder what it stands for in `node.meta["autopar_role"]`
+Uses `torch.export.export(strict=False)`, then inlines `torch.no_grad()` / autocast regions
+(`passes.regions`) and rewrites in-place ops on intermediate tensors out of place
+(`passes.functionalize`), so that rules see plain aten ops. Parameters, buffers and constants
+become placeholders; the pass records on each placeholder what it stands for in
+`node.meta["autopar_role"]`
 ('param' | 'buffer' | 'constant' | 'input') and, for parameters, the canonical name (the first name
 `named_parameters()` gives a tensor shared by several modules, e.g. a tied embedding) in
 `node.meta["autopar_param"]`.
@@ -14,6 +17,8 @@ pass records on each placeholder what it stands for in `node.meta["autopar_role"
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import traceback
 from dataclasses import dataclass
@@ -51,10 +56,36 @@ def _user_frame(exc: BaseException):
     return frames[-1] if frames else None
 
 
+@contextlib.contextmanager
+def _unchanged_module_to():
+    """`self.classifier = self.classifier.to(self.dtype)` inside forward (Switch Transformers, NLLB-MoE):
+    export traces with fake parameters, which Module.to always swaps for new ones, and the swap fails
+    on them. A .to() that converts no parameter or buffer returns the module untouched, as eager does
+    in effect; any other .to() runs as usual."""
+    original = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = itertools.chain(self.parameters(), self.buffers())
+        if memory_format is None and all(
+                (device is None or t.device == device)
+                and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+                for t in tensors):
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
     kwargs = kwargs or {}
     try:
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        with _unchanged_module_to():
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:  # re-raised with the user's line; the original stays chained
         frame = _user_frame(e)
         where = f"{frame.filename}:{frame.lineno}: `{frame.line}`" if frame else "(no frame outside torch)"

@@ -71,18 +71,28 @@ def _aliases(root: Node) -> set:
 
 
 def _functional(op):
-    """aten.add_.Tensor -> aten.add.Tensor, or None when there is no such out-of-place overload."""
+    """aten.add_.Tensor -> aten.add.Tensor (or aten.unsqueeze_ -> the view aten.unsqueeze), or None
+    when there is no such overload."""
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
-        return None
-    schema = op._schema
-    if not (schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write):
         return None
     name = op.overloadpacket.__name__
     packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
-    out = getattr(packet, op._overloadname, None) if packet is not None else None
-    if out is None or any(a.alias_info is not None for a in out._schema.arguments):
+    if packet is None:
+        return None
+    out = getattr(packet, op._overloadname, None)
+    if out is None:  # named differently (transpose_.default / transpose.int): match the arguments
+        sig = [(a.name, str(a.type)) for a in op._schema.arguments]
+        out = next((getattr(packet, o) for o in packet.overloads()
+                    if [(a.name, str(a.type)) for a in getattr(packet, o)._schema.arguments] == sig), None)
+    if out is None or any(a.alias_info is not None and a.alias_info.is_write for a in out._schema.arguments):
         return None
     return out
+
+
+def _is_view(op) -> bool:
+    """A view op: its result aliases its first argument (the out-of-place form of unsqueeze_, t_, ...)."""
+    first = op._schema.arguments[0].alias_info
+    return first is not None and not first.is_write
 
 
 def _fake(a):
@@ -140,11 +150,17 @@ def functionalize(gm: GraphModule) -> GraphModule:
         if not writes_first_arg(node):
             continue
         op = _functional(node.target)
+        if op is not None and _is_view(op):
+            # unsqueeze_, t_, ...: only the tensor object's shape changes, its storage and every other
+            # view of it stay as they were; kept for graph inputs, whose callers see the new shape
+            if node.args[0].op != "placeholder":
+                _rewrite(gm, node, op, order)
+            continue  # kept: its readers read its result, whose shape its argument does not have
         if (op is not None and isinstance(node.meta.get("val"), torch.Tensor) and _safe(node, order)
                 and tuple(_fake(node.args[0]).shape) == tuple(node.meta["val"].shape)):
             _rewrite(gm, node, op, order)
-        else:
-            node.replace_all_uses_with(node.args[0])
+            continue
+        node.replace_all_uses_with(node.args[0])
     gm.graph.lint()
     gm.recompile()
     return gm

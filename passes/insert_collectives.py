@@ -5,7 +5,8 @@ Requires `autopar_layout` / `autopar_strategy` from `propagate`. For each consum
 call_module nodes on the GraphModule:
 
 - `Redistribute(src -> dst)` where an input's layout differs from the one required (one per distinct
-  (input, layout) pair, shared by the consumers that need it);
+  (input, layout) pair, shared by the consumers that need it, except across the boundary of a
+  `no_grad` region: see `passes.regions`);
 - `GradSync(axes)` where an input stays replicated over a mesh axis that the consumer's output is
   split (or partial) over: each rank's backward then holds only its block's share of that input's
   gradient, and the all-reduce makes it whole (a LayerNorm weight, a bias, a position embedding);

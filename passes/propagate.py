@@ -128,8 +128,9 @@ def _refuse_higher_order(node: Node) -> None:
 
 
 def _check_inplace_fallback(node: Node, layouts: dict, gathers: bool) -> None:
-    """A replicated fallback of an in-place op would mutate a gathered copy: refuse it."""
-    if gathers and writes_first_arg(node):
+    """A replicated fallback of an in-place op whose target is split would mutate a gathered copy:
+    refuse it. A whole target arrives as it is (only the other operands are gathered) and is updated."""
+    if gathers and writes_first_arg(node) and layouts.get(node.args[0]) not in (None, REPLICATED):
         raise ShardingError(
             f"in-place op {node.target} at node {node.name} in module {module_path(node) or '<top>'} mutates "
             f"a tensor laid out {layouts.get(node.args[0])}, which it cannot update in place once gathered; "

@@ -165,3 +165,87 @@ def test_hf_family_parity_2x2(pool4, family):
     res = pool4.run(C.hf_parity, family)
     bad = failures([r["errs"] for r in res])
     assert not bad, bad
+
+
+def test_inplace_view_ops_become_views():
+    """BigBird's `band_mask.unsqueeze_(1)`: an in-place shape change of an intermediate is the view
+    `unsqueeze` read by every later use (left in place it was refused on a split layout, and read
+    through its argument it would have had the old shape)."""
+
+    class M(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.unsqueeze_(1)
+            y.t_() if y.dim() == 2 else y.transpose_(0, 1)
+            return y + 1
+
+    x = torch.randn(3, 4)
+    cap = capture(M(), (x,))
+    calls = _calls(cap.gm)
+    assert aten.unsqueeze.default in calls and aten.transpose.int in calls, calls
+    assert not [t for t in calls if t.overloadpacket.__name__.endswith("_")], calls
+    assert torch.equal(_run(cap, M(), x), M()(x))
+
+
+def test_module_to_inside_forward_that_changes_nothing():
+    """Switch Transformers' router runs `self.classifier = self.classifier.to(self.dtype)` in forward:
+    export swaps the fake parameters and failed with "_apply(): Couldn't swap Linear.weight"; a .to()
+    that converts nothing must trace as a no-op, and one that does convert must still convert."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.lin = self.lin.to(torch.float32)
+            return self.lin(x)
+
+    model, x = M(), torch.randn(2, 4)
+    cap = capture(model, (x,))
+    assert torch.equal(_run(cap, model, x), model(x))
+    assert nn.Module.to.__qualname__ == "Module.to"  # torch's own method again after capture
+    assert nn.Linear(2, 2).to(torch.float64).weight.dtype == torch.float64
+
+
+def test_inplace_fallback_on_a_split_view_is_refused():
+    """An in-place op with no split rule on a view of a split activation whose base is read later stays
+    in place (rewriting it would lose the write to the base); gathering it would update a copy, so it
+    is refused by name. (BigBird's scatter_ into a whole tensor, by contrast, runs: see below.)"""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)  # [b/R, 8/C]
+            h[:, :4].index_fill_(1, torch.tensor([0, 2]), 0.0)
+            return h
+
+    cap = capture(M(), (torch.randn(4, 8),))
+    with pytest.raises(ShardingError, match=r"in-place op aten.index_fill_.int_Scalar at node .* in module <top> "
+                                            r"mutates a tensor laid out S\(0\)R, which it cannot update in place"):
+        propagate(cap.gm, (2, 2))
+
+
+def test_inplace_fallback_into_a_whole_tensor_runs():
+    """BigBird's `view[...].scatter_(...)` writes split values into a tensor every rank holds whole:
+    the fallback gathers only the values and updates the real tensor, so it is not refused."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)  # [b/R, 8/C]
+            out = torch.zeros(4, 2, 8)
+            out[:, 0].scatter_(1, torch.arange(8).expand(4, 8), h)
+            return out.sum(1) + h
+
+    model, x = M(), torch.randn(4, 8)
+    cap = capture(model, (x,))
+    res = propagate(cap.gm, (2, 2))
+    assert [n.target for n, *_ in res.gathering_fallbacks] == [aten.scatter_.src]
+    assert torch.equal(_run(cap, model, x), model(x))

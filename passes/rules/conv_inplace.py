@@ -6,8 +6,10 @@ gradient is summed over the rows by the insertion pass). Input channels stay who
 locally.
 
 In-place ops (`add_`, `copy_`, `masked_fill_`, ...) mutate their first argument, so that argument
-must be used as it is: the other operands are brought to its layout. An in-place op whose first
-argument is a partial sum is not supported (it raises; a replicated fallback would mutate a copy).
+must be used as it is: the other operands are brought to its layout. Capture already rewrote those on
+intermediate tensors out of place (`passes.functionalize`); the ones left update a parameter, buffer,
+input or a view whose base is read later. Such an op on a partial sum is not supported (it raises; a
+replicated fallback would mutate a copy).
 """
 
 from __future__ import annotations
