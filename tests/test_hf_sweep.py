@@ -82,3 +82,28 @@ def test_registry_refuses_unknown_family():
     """Catches a misspelled family building some default model instead of failing."""
     with pytest.raises(ValueError, match="unknown family 'gtp2': expected one of .*gpt2"):
         hf_families.build("gtp2")
+
+
+def test_pool_start_is_retried_then_refused(capsys):
+    """Catches a pool that failed to start (a port another process took) being blamed on the next
+    family, and a start that fails every time looping forever instead of saying so."""
+    starts = []
+
+    class Flaky:  # the first start loses its port, the second works
+        def __init__(self, world):
+            starts.append(world)
+
+        def run(self, fn, timeout):
+            if len(starts) == 1:
+                raise AssertionError("ready: rank(s) [0] died")
+            return [fn(r) for r in range(4)]
+
+    assert isinstance(sweep_hf._start_pool(Flaky, 4, sweep_hf.ready), Flaky) and starts == [4, 4]
+    assert "pool of 4 ranks failed to start (AssertionError: ready: rank(s) [0] died); retrying" in capsys.readouterr().out
+
+    class Dead(Flaky):
+        def run(self, fn, timeout):
+            raise AssertionError("ready: rank(s) [2] died")
+
+    with pytest.raises(RuntimeError, match=r"could not start 4 gloo ranks in 3 tries; see the errors above"):
+        sweep_hf._start_pool(Dead, 4, sweep_hf.ready)
