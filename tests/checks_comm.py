@@ -12,6 +12,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from passes.layout import Layout
 from passes.mesh import Grid
 from passes.ops import kernels, summa
+from tests.compare import RTOL, excess, scaled_atol
+
+# A redistribution only moves values (and adds zeros, or averages copies): a few ulp at most.
+MOVE_RTOL, MOVE_ATOL_FRAC = 1e-6, 1e-7
 
 
 def block_of(full: torch.Tensor, lay: Layout, grid: Grid) -> torch.Tensor:
@@ -39,8 +43,9 @@ def groups(rank, q):
 
 
 def summa_products(rank, q, lowering):
-    """AB, ABT, ATB forward and the gradients of SummaAB / SummaABT against torch on full matrices;
-    with the bytes each forward product received on this rank (key "bytes AB" etc.)."""
+    """AB, ABT, ATB forward and the gradients of SummaAB / SummaABT against torch on full matrices,
+    as {"excess": {name: excess}, "bytes": {product: bytes this rank received in its forward}}. The
+    atol of each product is scaled to its full result, of each gradient to the full gradient."""
     g = _grid(q)
     torch.manual_seed(0)
     R, C_ = g.shape
@@ -52,8 +57,8 @@ def summa_products(rank, q, lowering):
     for name, fn, other, want in (("AB", summa.ab, B, A @ B), ("ABT", summa.abt, Bt, A @ Bt.t()),
                                   ("ATB", summa.atb, C, A.t() @ C)):
         g.log.reset()
-        err[name] = (fn(g, blk(A), blk(other), "t", lowering=lowering) - blk(want)).abs().max().item()
-        nbytes[f"bytes {name}"] = g.log.total()
+        err[name] = excess(fn(g, blk(A), blk(other), "t", lowering=lowering), blk(want), RTOL, scaled_atol([want]))
+        nbytes[name] = g.log.total()
     for name, fn, other in (("AB", summa.SummaAB, B), ("ABT", summa.SummaABT, Bt)):
         a = blk(A).requires_grad_()
         b = blk(other).requires_grad_()
@@ -63,9 +68,9 @@ def summa_products(rank, q, lowering):
         W = torch.randn(ref.shape)  # a loss sum(W * out): its gradient is W
         (blk(W) * out).sum().backward()
         (W * ref).sum().backward()
-        err[f"{name} dA"] = (a.grad - blk(Af.grad)).abs().max().item()
-        err[f"{name} dB"] = (b.grad - blk(Of.grad)).abs().max().item()
-    return {**err, **nbytes}
+        err[f"{name} dA"] = excess(a.grad, blk(Af.grad), RTOL, scaled_atol([Af.grad]))
+        err[f"{name} dB"] = excess(b.grad, blk(Of.grad), RTOL, scaled_atol([Of.grad]))
+    return {"excess": err, "bytes": nbytes}
 
 
 LAYOUTS = [
@@ -83,13 +88,14 @@ LAYOUTS = [
 
 def redistributions(rank, q):
     """Every (src, dst) pair: forward value equals dst's block of the full tensor, and the backward
-    gives src's block of the full gradient (the engine's gradient invariant)."""
+    gives src's block of the full gradient (the engine's gradient invariant); {name: excess}."""
     g = _grid(q)
     torch.manual_seed(0)
     L = g.shape[0] * g.shape[1]
     full = torch.randn(2 * L, 3 * L, 2 * L)
     grad = torch.randn_like(full)
-    bad = []
+    atol = scaled_atol([full, grad], MOVE_ATOL_FRAC)
+    errs = {}
     for src, dst in itertools.product(LAYOUTS, LAYOUTS):
         if any(isinstance(p, Partial) for p in dst.placements):
             continue  # a Partial target has no unique block to compare with
@@ -98,7 +104,7 @@ def redistributions(rank, q):
             x = full.clone()  # every member holds the value; their average is it
         x.requires_grad_()
         y = kernels.Redistribute(g, src, dst, "t")(x)
-        fwd = (y - block_of(full, dst, g)).abs().max().item()
+        errs[f"{src!r} -> {dst!r} forward"] = excess(y, block_of(full, dst, g), MOVE_RTOL, atol)
         (y * block_of(grad, dst, g)).sum().backward()
         want = grad.clone()
         for axis, p in enumerate(src.placements):
@@ -106,7 +112,5 @@ def redistributions(rank, q):
                 want = want.chunk(g.size(axis), dim=p.dim)[g.index(axis)]
             elif isinstance(p, Partial) and p.reduce_op == "avg":
                 want = want / g.size(axis)
-        bwd = (x.grad - want).abs().max().item()
-        if fwd > 1e-5 or bwd > 1e-5:
-            bad.append((repr(src), repr(dst), fwd, bwd))
-    return bad
+        errs[f"{src!r} -> {dst!r} backward"] = excess(x.grad, want, MOVE_RTOL, atol)
+    return errs

@@ -7,20 +7,16 @@ import copy
 import warnings
 
 import torch
+from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar.explain import rows
 from models import GPTConfig, TinyGPT
+from tests.compare import excess, group_excess
 
-ZERO = 1e-5  # a reference tensor smaller than this everywhere is compared in absolute terms
 
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want|; absolute when `want` is ~0 (e.g. a key bias's gradient, which
-    softmax's shift invariance makes exactly zero in exact arithmetic)."""
-    diff = (got.detach().double() - want.detach().double()).abs().max().item()
-    scale = want.detach().abs().max().item()
-    return diff / scale if scale > ZERO else diff
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _data(cfg: GPTConfig, batch: int, seq: int, seed: int = 1):
@@ -41,8 +37,9 @@ def gpt_parity(rank, q, cfg_kw, lowering="broadcast", batch=4, seq=8, steps=3, *
     ids, tgt = _data(cfg, batch, seq)
     grid = tuple(q) if isinstance(q, (tuple, list)) else (q, q)
     pm = autopar.parallelize(model, grid=grid, example_inputs=(ids, tgt), lowering=lowering, **options)
-    errs = {"model unchanged": max(rel_err(p, before[n]) for n, p in model.state_dict().items())}
-    errs["names"] = float(sorted(n for n, _ in pm.named_parameters()) != sorted(n for n, _ in ref.named_parameters()))
+    # parallelize must not touch the user's model: bit equality
+    errs = {"model unchanged": max(excess(p, before[n], 0.0, 0.0) for n, p in model.state_dict().items())}
+    names_match = sorted(n for n, _ in pm.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
     # Adam divides by |grad| + eps: for an element whose gradient is ~1e-8 (fp32 noise level next to
     # a max of 1e-2) the default eps=1e-8 turns a 1e-9 rounding difference into a 1e-5 step
     # difference (measured: 7e-5 relative after 3 steps, lr 1e-3). eps=1e-6 keeps the comparison
@@ -57,17 +54,17 @@ def gpt_parity(rank, q, cfg_kw, lowering="broadcast", batch=4, seq=8, steps=3, *
         loss.backward()
         ref_loss.backward()
         if step == 0:
-            errs["logits"] = rel_err(logits.full_tensor(), ref_logits)
-            errs["loss"] = rel_err(loss, ref_loss)
-            for n, p in pm.named_parameters():
-                errs[f"grad {n}"] = rel_err(p.grad.full_tensor(), ref_params[n].grad)
+            errs.update(group_excess({"logits": (logits.full_tensor(), ref_logits)}))
+            errs.update(group_excess({"loss": (_full(loss), ref_loss)}))
+            errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad)
+                                      for n, p in pm.named_parameters()}, prefix="grad "))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    for n, p in pm.named_parameters():
-        errs[f"param after {steps} steps {n}"] = rel_err(p.full_tensor(), ref_params[n])
-    return errs
+    errs.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
+                             prefix=f"param after {steps} steps "))
+    return {"excess": errs, "names match": names_match}
 
 
 def _saved_bytes(fn):
@@ -163,15 +160,14 @@ def indivisible_replicate(rank):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))  # indivisible="replicate" is the default
-    out = pm(x)
-    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    out = _full(pm(x))
     out.sum().backward()
     ref = model(x)
     ref.sum().backward()
-    errs = {"out": rel_err(out, ref)}
-    for n, p in pm.named_parameters():
-        g = p.grad.full_tensor()
-        errs[n] = rel_err(g, dict(model.named_parameters())[n].grad)
+    ref_params = dict(model.named_parameters())
+    errs = group_excess({"out": (out, ref)})
+    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                             prefix="grad "))
     msgs = [str(w.message) for w in caught if issubclass(w.category, autopar.FallbackWarning)]
     return errs, msgs
 
@@ -183,25 +179,38 @@ def everyday_use(rank):
     model = TinyGPT(cfg)
     ids, tgt = _data(cfg, 4, 8)
     pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(ids, tgt))
-    out = {}
     model.eval()
     pm.eval()
     ids2, tgt2 = _data(cfg, 8, 16, seed=5)  # other batch and sequence length, eval mode: no dropout
     logits, loss = pm(ids2, tgt2)
     ref_logits, ref_loss = model(ids2, tgt2)
-    out["eval other shape logits"] = rel_err(logits.full_tensor(), ref_logits)
-    out["eval loss"] = rel_err(loss, ref_loss)
+    errs = group_excess({"eval other shape logits": (logits.full_tensor(), ref_logits)})
+    errs.update(group_excess({"eval loss": (_full(loss), ref_loss)}))
     loss.backward()
     ref_loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm=0.5)
     ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    out["clip norm"] = rel_err(norm, ref_norm)
+    errs.update(group_excess({"clip norm": (_full(norm), ref_norm)}))
     ref_params = dict(model.named_parameters())
-    out["clipped grads"] = max(rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters())
+    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                             prefix="clipped grad "))
     pm.train()
     model.train()
     _, train_loss = pm(ids, tgt)  # dropout on: a different (random) loss, but finite and compiled anew
-    out["one graph per (mode, shapes)"] = float(len(pm._compiled) != 2)
-    out["train loss finite"] = float(not torch.isfinite(train_loss).item())
-    return out
+    return {"excess": errs, "graphs": len(pm._compiled), "train loss finite": bool(torch.isfinite(train_loss).item())}
+
+
+def replicated_drift(rank, drift_rank):
+    """A copy of a replicated parameter nudged on `drift_rank` only: {parameter: excess} on this rank,
+    and the name of the nudged parameter. The parity checks read each rank's own copy, so this must
+    show on `drift_rank` and on no rank outside its groups."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    x = torch.randn(4, 8, 16)
+    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))
+    name, p = next((n, p) for n, p in pm.named_parameters() if any(isinstance(pl, Replicate) for pl in p.placements))
+    if rank == drift_rank:
+        with torch.no_grad():
+            p.to_local()[0] += 1e-3  # one element of this rank's copy
+    ref_params = dict(model.named_parameters())
+    return group_excess({n: (q.full_tensor(), ref_params[n]) for n, q in pm.named_parameters()}), name

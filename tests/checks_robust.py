@@ -10,7 +10,8 @@ import torch.nn as nn
 
 import autopar
 from models import GPTConfig, TinyGPT
-from tests.checks_engine import _data, rel_err
+from tests.checks_engine import _data, _full
+from tests.compare import group_excess
 
 
 def _err(fn):
@@ -162,12 +163,12 @@ def sweep_case(rank, spec):
     ref = copy.deepcopy(model)
     x = torch.randn(spec["batch"], spec["seq"], spec["features"], generator=torch.Generator().manual_seed(7))
     pm = autopar.parallelize(model, grid=grid, example_inputs=(x,), **options)
-    out = pm(x)
-    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    out = _full(pm(x))
     want = ref(x)
     (out * torch.arange(out.numel()).view_as(out)).sum().backward()  # a loss that weighs every output
     (want * torch.arange(want.numel()).view_as(want)).sum().backward()
     ref_params = dict(ref.named_parameters())
-    errs = {"out": rel_err(out, want)}
-    errs.update({n: rel_err(p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()})
+    errs = group_excess({"out": (out, want)})
+    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                             prefix="grad "))
     return errs

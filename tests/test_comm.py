@@ -3,24 +3,24 @@
 import pytest
 
 from tests import checks_comm as C
-
-TOL = 1e-4
+from tests.compare import assert_every_rank
 
 
 def _check_products(per_rank, grid):
-    """Values within TOL on every rank; bytes received, summed over ranks, equal the analytic SUMMA
-    volume on an R x C grid: every product moves (C-1)/C of one operand's row panels and (R-1)/R of
-    the other's column panels (AB: A [M,K] and B [K,N]; ABT: B [N,K] and the [M,N] result; ATB: A and
-    the [K,N] result), 4 bytes per fp32 element."""
+    """Values on every rank, element-wise within tests/compare.py's RTOL plus an atol scaled to the
+    full result; bytes received, summed over ranks, equal the analytic SUMMA volume on an R x C grid:
+    every product moves (C-1)/C of one operand's row panels and (R-1)/R of the other's column panels
+    (AB: A [M,K] and B [K,N]; ABT: B [N,K] and the [M,N] result; ATB: A and the [K,N] result), 4
+    bytes per fp32 element."""
     R, C_ = grid
     M, K, N = 6 * R * C_, 4 * R * C_, 5 * R * C_
     want = {"AB": (C_ - 1) * M * K + (R - 1) * K * N,
             "ABT": (R - 1) * N * K + (C_ - 1) * M * N,
             "ATB": (C_ - 1) * M * K + (R - 1) * K * N}
-    for rank, errs in enumerate(per_rank):
-        assert max(v for k, v in errs.items() if not k.startswith("bytes")) < TOL, f"rank {rank}: {errs}"
+    assert_every_rank([r["excess"] for r in per_rank], f"SUMMA products on {R}x{C_}")
     for name, elems in want.items():
-        assert sum(e[f"bytes {name}"] for e in per_rank) == 4 * elems, (name, [e[f"bytes {name}"] for e in per_rank])
+        got = [r["bytes"][name] for r in per_rank]
+        assert sum(got) == 4 * elems, (name, got)
 
 
 def test_group_mapping_2x2(pool4):
@@ -42,8 +42,7 @@ def test_summa_products_2x2(pool4, lowering):
 def test_redistributions_2x2(pool4):
     """Catches a collective over the wrong axis, a missing 1/q for averages, a backward that is not
     the adjoint of its forward."""
-    for rank, bad in enumerate(pool4.run(C.redistributions, 2)):
-        assert not bad, f"rank {rank}: (src, dst, fwd err, bwd err): {bad}"
+    assert_every_rank(pool4.run(C.redistributions, 2), "redistributions on 2x2")
 
 
 def test_group_mapping_and_products_3x3(pool9):
@@ -55,8 +54,7 @@ def test_group_mapping_and_products_3x3(pool9):
         assert r["same_col"] == [i * 3 + col for i in range(3)]
     for lowering in ("broadcast", "allgather"):
         _check_products(pool9.run(C.summa_products, 3, lowering), (3, 3))
-    for rank, bad in enumerate(pool9.run(C.redistributions, 3)):
-        assert not bad, f"rank {rank}: {bad}"
+    assert_every_rank(pool9.run(C.redistributions, 3), "redistributions on 3x3")
 
 
 @pytest.mark.parametrize("grid", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 3), (3, 2)],
@@ -76,5 +74,4 @@ def test_rectangular_groups_products_redistributions(grid):
         assert r["same_col"] == [i * C_ + col for i in range(R)], r
     for lowering in ("broadcast", "allgather"):
         _check_products(pool.run(C.summa_products, grid, lowering), grid)
-    for rank, bad in enumerate(pool.run(C.redistributions, grid)):
-        assert not bad, f"rank {rank}: {bad}"
+    assert_every_rank(pool.run(C.redistributions, grid), f"redistributions on {R}x{C_}")

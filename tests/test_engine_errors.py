@@ -3,7 +3,7 @@
 import pytest
 
 from tests import checks_engine as C
-from tests.test_engine_parity import RTOL
+from tests.compare import assert_every_rank
 
 
 def _first(pool, kind):
@@ -37,11 +37,12 @@ def test_indivisible_weight_is_an_error_when_asked(pool4):
 
 def test_indivisible_replicate_warns_and_stays_correct(pool4):
     """By default (indivisible='replicate') the op runs unsplit: one warning naming it, same numbers."""
-    errs, msgs = pool4.run(C.indivisible_replicate)[0]
-    assert len(msgs) == 1, msgs
-    assert "2 op(s) run unsplit" in msgs[0]
-    assert "linear (aten.linear.default) in 0" in msgs[0] and "linear_1 (aten.linear.default) in 2" in msgs[0]
-    assert max(errs.values()) < RTOL, errs
+    res = pool4.run(C.indivisible_replicate)
+    for rank, (_, msgs) in enumerate(res):
+        assert len(msgs) == 1, (rank, msgs)
+        assert "2 op(s) run unsplit" in msgs[0], (rank, msgs)
+        assert "linear (aten.linear.default) in 0" in msgs[0] and "linear_1 (aten.linear.default) in 2" in msgs[0]
+    assert_every_rank([errs for errs, _ in res], "unsplit Linear(16, 7)")
 
 
 def test_capture_failure_points_at_user_line(pool4):
