@@ -111,14 +111,42 @@ def _capture(model, args, kwargs) -> Captured:
     return cap
 
 
+def _choose(cap: Captured, grid: Grid, cost_model, memory_limit, indivisible, fused, search_budget):
+    """strategy='auto': one search, on global rank 0 when ranks run (a search stopped by its time
+    budget could end elsewhere on another rank, and one search spares the others' CPU), its Choice (or
+    its error) sent to every rank."""
+    def search():
+        return strategies.choose(cap.gm, grid.shape, _cost_model(cost_model), memory_limit, indivisible, fused,
+                                 search_budget=search_budget)
+
+    if grid.mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return search()
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", search())
+        except (MemoryError, ValueError) as e:  # raised on every rank below, with rank 0's text
+            box[0] = ("error", type(e).__name__, str(e))
+    with _guarded("sending rank 0's strategy choice"):
+        dist.broadcast_object_list(box, src=0)
+    if box[0][0] == "error":
+        raise {"MemoryError": MemoryError, "ValueError": ValueError}[box[0][1]](box[0][2])
+    choice = box[0][1]
+    if dist.get_rank() != 0:  # rank 0's search marked its graph; mark this rank's the same way
+        strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,
+                         choice.alternatives)
+    return choice
+
+
 def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, fused: str,
-             on_unsupported: str, strategy="2d", cost_model=None, memory_limit=None) -> tuple:
+             on_unsupported: str, strategy="2d", cost_model=None, memory_limit=None,
+             search_budget=strategies.BUDGET_S) -> tuple:
     cap = _capture(model, args, kwargs)
     choice = None
     if grid.world > 1 and strategy == "1d":
         strategies.fixed(cap.gm, "1d")
     elif grid.world > 1 and strategy == "auto":
-        choice = strategies.choose(cap.gm, grid.shape, _cost_model(cost_model), memory_limit, indivisible, fused)
+        choice = _choose(cap, grid, cost_model, memory_limit, indivisible, fused, search_budget)
     elif grid.world > 1 and isinstance(strategy, strategies.Choice):  # a recompile repeats the first choice
         choice = strategy
         strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings, choice.alternatives)
@@ -509,7 +537,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 lowering: str = "broadcast", indivisible: str = "replicate",
                 fused: str = "regroup", on_unsupported: str = "replicate", timeout: float | None = None,
                 check_inputs: bool = False, strategy: str = "2d", cost_model=None,
-                memory_limit: float | None = None) -> ParallelModule:
+                memory_limit: float | None = None,
+                search_budget: float | None = strategies.BUDGET_S) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -527,6 +556,9 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             for published GPU-cluster figures (NVLink inside a node, InfiniBand across nodes).
         memory_limit: for strategy='auto': bytes per rank (parameters, gradients, Adam states and
             activations, estimated); None: no limit.
+        search_budget: for strategy='auto': seconds the search may take (default 30) before it stops
+            with the best plan found so far and a SearchWarning; None: no limit. Rank 0 searches and
+            sends its choice to the other ranks.
         example_inputs / example_kwargs: one call's inputs, used to capture the graph.
         lowering: 'broadcast' (the paper's stepwise SUMMA) or 'allgather' (gather panels, one matmul).
         indivisible: 'replicate' (default) runs a matmul whose weight dims q does not divide unsplit
@@ -575,7 +607,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         example_inputs = (example_inputs,)
     device = _input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
     options = {"lowering": lowering, "indivisible": indivisible, "fused": fused, "on_unsupported": on_unsupported,
-               "strategy": strategy, "cost_model": cost_model, "memory_limit": memory_limit}
+               "strategy": strategy, "cost_model": cost_model, "memory_limit": memory_limit,
+               "search_budget": search_budget}
     # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
     # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
     agree_on_options({"grid": tuple(grid), **options, "check_inputs": check_inputs, "timeout": timeout,

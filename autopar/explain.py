@@ -54,7 +54,8 @@ def strategy_summary(choice) -> list:
     return [
         f"strategy auto: estimated step {est.time_s * 1e3:.2f} ms (fixed 2d {base['2d'].time_s * 1e3:.2f} ms, "
         f"fixed 1d {base['1d'].time_s * 1e3:.2f} ms); memory estimate {est.memory_bytes / 2**20:.1f} MiB/rank; "
-        f"{choice.evaluated} assignments in {choice.solve_s:.2f} s",
+        f"{choice.evaluated} assignments in {choice.solve_s:.2f} s"
+        + ("" if getattr(choice, "complete", True) else " (search stopped at its time budget: best found so far)"),
         "  " + "; ".join(f"{k}: {v}" for k, v in choice.assignment.items()),
     ]
 

@@ -129,7 +129,8 @@ def _measure_activations(gm, cap, mesh):
 
 def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = "broadcast",
          indivisible: str = "replicate", fused: str = "regroup", measure_activations: bool | None = None,
-         strategy: str = "2d", cost_model=None, memory_limit: float | None = None) -> Plan:
+         strategy: str = "2d", cost_model=None, memory_limit: float | None = None,
+         search_budget: float | None = strategies.BUDGET_S) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone.
     With strategy='auto', `Plan.choice` holds the assignment, its estimate, each unit's alternatives and
     the estimates of fixed 2D and fixed 1D."""
@@ -141,7 +142,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
     comp, layouts = _compile(model, example_inputs, kwargs, Grid.for_planning(*mesh), lowering=lowering,
                              indivisible=indivisible, fused=fused, on_unsupported="replicate", strategy=strategy,
-                             cost_model=cost_model, memory_limit=memory_limit)
+                             cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget)
     gm, cap = comp.gm, comp.captured
     rows = graph_rows(gm, mesh)
     params = {}
@@ -182,7 +183,8 @@ def grid_shapes(devices: int) -> list:
 
 
 def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, cost_model=None,
-                memory_limit: float | None = None, indivisible: str = "replicate", fused: str = "regroup") -> tuple:
+                memory_limit: float | None = None, indivisible: str = "replicate", fused: str = "regroup",
+                search_budget: float | None = strategies.BUDGET_S) -> tuple:
     """The grid shape (R, C) with R*C = `devices` whose strategy='auto' assignment has the smallest
     estimated step time (within `memory_limit`), and a row per shape: the estimates of auto, fixed 2d
     and fixed 1d there. The model is captured once; each shape costs one strategy search."""
@@ -193,7 +195,7 @@ def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, 
     table = []
     for shape in grid_shapes(devices):
         try:
-            c = strategies.choose(cap.gm, shape, cm, memory_limit, indivisible, fused)
+            c = strategies.choose(cap.gm, shape, cm, memory_limit, indivisible, fused, search_budget=search_budget)
         except MemoryError as e:
             table.append({"grid": shape, "fits": False, "why": str(e)})
             continue

@@ -4,12 +4,10 @@ against the unmodified model on one process."""
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 
 import autopar
-from passes import strategy as S
 from tests.compare import group_excess
 
 CPU = {  # the gloo-like alpha-beta model of test_strategy.py: it makes the search mix 2d, 1d and rep
@@ -44,14 +42,8 @@ def bart_auto_parity(rank) -> dict:
     model, kw = bart()
     model.eval()  # dropout off: one process and the grid compute the same function
     ref = copy.deepcopy(model)
-    # parallelize has no search_budget option yet: every rank must finish the search (a search stopped
-    # by the clock could stop at a different assignment on each rank)
-    choose = S.choose
-    S.choose = functools.partial(choose, search_budget=None)
-    try:
-        pm = autopar.parallelize(model, grid=(2, 2), example_kwargs=kw, strategy="auto", cost_model=CPU)
-    finally:
-        S.choose = choose
+    # the default search_budget: rank 0 searches and sends its choice, so every rank runs one plan
+    pm = autopar.parallelize(model, grid=(2, 2), example_kwargs=kw, strategy="auto", cost_model=CPU)
     out, want = pm(**kw), ref(**kw)
     logits = out.logits.full_tensor() if hasattr(out.logits, "full_tensor") else out.logits
     out.loss.backward()
