@@ -48,7 +48,13 @@ class Pool:
             box.put((fn, args, kwargs))
         results, errors = [None] * self.world, []
         for _ in range(self.world):
-            rank, ok, value = self._next(fn, timeout)
+            try:
+                rank, ok, value = self._next(fn, timeout)
+            except AssertionError as hang:
+                if not errors:
+                    raise
+                rank, tb = errors[0]  # the others hung after this rank raised: its traceback is the story
+                raise AssertionError(f"{fn.__name__} failed on rank {rank} (then: {hang}):\n{tb}") from None
             if ok:
                 results[rank] = value
             else:
