@@ -43,7 +43,9 @@ class Compiled:
 
 
 _RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
-           "feature_dropout", "alpha_dropout", "randint", "randperm"}
+           "feature_dropout", "alpha_dropout", "randint", "randint_like", "randperm", "uniform", "uniform_",
+           "normal", "normal_", "exponential", "exponential_", "multinomial", "poisson", "rrelu",
+           "rrelu_with_noise", "cauchy_", "geometric_", "log_normal_", "random_"}
 
 
 def _draws_random(gm) -> bool:

@@ -29,6 +29,8 @@ def guarded(grid: Grid, what: str, axis, tag: str):
     except CollectiveError:
         raise
     except RuntimeError as e:
+        if not _from_backend(e):  # a local error (autograd, shapes) is not a peer's failure: say it as is
+            raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise CollectiveError(
             f"autopar: {what} over mesh axis {axis} for {tag!r} failed on rank {grid.rank} "
@@ -36,6 +38,15 @@ def guarded(grid: Grid, what: str, axis, tag: str):
             f"stopped calling the model (ranks must run the same steps); look at the other ranks' logs. "
             f"parallelize(..., timeout=seconds) bounds how long a stuck collective waits."
         ) from e
+
+
+_BACKEND_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "abort", "store")
+
+
+def _from_backend(e: RuntimeError) -> bool:
+    """A failure of the collective itself (a peer gone, a timeout), as opposed to a local error that
+    surfaced inside the call (gloo reports the former as plain RuntimeErrors naming its transport)."""
+    return isinstance(e, dist.DistError) or any(w in str(e).lower() for w in _BACKEND_WORDS)
 
 
 def wait(work, grid: Grid, what: str, axis, tag: str) -> None:
@@ -211,20 +222,6 @@ class DataParallelGrad(torch.autograd.Function):
         with guarded(grid, "all-reduce", "dp", tag):
             dist.all_reduce(g, group=grid.dp_group)
         return g / grid.dp, None, None
-
-
-class SyncedSum(torch.autograd.Function):
-    """Sum over the group whose result feeds split work (norm statistics): all-reduce both ways."""
-
-    @staticmethod
-    def forward(ctx, x, grid, axis, tag):
-        ctx.args = (grid, axis, tag)
-        return all_reduce(grid, axis, x, tag, "fwd")
-
-    @staticmethod
-    def backward(ctx, g):
-        grid, axis, tag = ctx.args
-        return all_reduce(grid, axis, g, tag, "bwd"), None, None, None
 
 
 class ToPartial(torch.autograd.Function):
