@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from passes.ops import comm
 from passes.ops.summa import LOWERINGS
 from passes import strategy as strategies
 from autopar import calibrate
+from autopar.guards import (agree_on_options, agree_on_plan, check_dtypes, check_mixed_dtypes, fingerprint,
+                            handshake)
 
 __all__ = ["parallelize", "ParallelModule", "FallbackWarning"]
 
@@ -109,7 +110,7 @@ def _capture(model, args, kwargs) -> Captured:
     cap.device = device
     if meta:
         retarget_meta(cap.gm, device)
-    _check_mixed_dtypes(cap.gm)
+    check_mixed_dtypes(cap.gm)
     return cap
 
 
@@ -129,7 +130,7 @@ def _choose(cap: Captured, grid: Grid, cost_model, memory_limit, indivisible, fu
             box[0] = ("ok", search())
         except (MemoryError, ValueError) as e:  # raised on every rank below, with rank 0's text
             box[0] = ("error", type(e).__name__, str(e))
-    with _guarded("sending rank 0's strategy choice"):
+    with handshake("sending rank 0's strategy choice"):
         dist.broadcast_object_list(box, src=0)
     if box[0][0] == "error":
         raise {"MemoryError": MemoryError, "ValueError": ValueError}[box[0][1]](box[0][2])
@@ -180,122 +181,6 @@ def _cost_model(spec) -> strategies.CostModel:
     if spec is None or isinstance(spec, strategies.CostModel):
         return spec or strategies.CostModel.from_dict(calibrate.DEFAULT)
     return strategies.CostModel.from_dict(calibrate.validate(spec) if isinstance(spec, dict) else calibrate.load(spec))
-
-
-def _plan_text(comp: Compiled, layouts: dict) -> str:
-    lines = comp.gm.code.splitlines()
-    lines += [f"param {n}: {lay}" for n, lay in sorted(layouts.items())]
-    return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def _guarded(what: str):
-    """A collective of parallelize itself (before the grid exists) that fails or times out."""
-    try:
-        yield
-    except RuntimeError as e:
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise comm.CollectiveError(
-            f"autopar: {what} failed on rank {dist.get_rank()}: {first}\n  A peer rank has "
-            f"probably exited, crashed or not called parallelize; every rank must call it with the same "
-            f"arguments. These handshakes wait up to the process group's timeout (init_process_group(timeout=...))."
-        ) from e
-
-
-def _gather(obj, what: str) -> list:
-    out = [None] * dist.get_world_size()
-    with _guarded(what):
-        dist.all_gather_object(out, obj)
-    return out
-
-
-def agree_on_options(options: dict) -> None:
-    """Every rank must pass the same grid and options; otherwise their collectives would not match
-    (a different grid would not even build the same process groups). Compared before anything else,
-    over all ranks; raises the same ValueError on every rank, naming the first option that differs."""
-    mine = {k: repr(v) for k, v in options.items()}
-    everyone = _gather(mine, "comparing parallelize options between ranks")
-    for key in mine:
-        values = [e.get(key) for e in everyone]
-        if len(set(values)) > 1:
-            where = ", ".join(f"rank {r}: {key}={v}" for r, v in enumerate(values) if v != values[0])
-            raise ValueError(
-                f"ranks called parallelize with different {key}: rank 0: {key}={values[0]}, {where}. Every rank "
-                f"must pass the same grid and options (they decide which collectives run, and ranks that "
-                f"disagree would hang or fail later)"
-            )
-
-
-def agree_on_plan(comp: Compiled, layouts: dict) -> None:
-    """Every rank must have built the same plan; otherwise their collectives would not match and the
-    job would hang later. Raises on every rank, naming the first difference."""
-    text = _plan_text(comp, layouts)
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    digests = _gather(digest, "comparing plans between ranks")
-    if len(set(digests)) == 1:
-        return
-    texts = _gather(text, "comparing plans between ranks")
-    other = next(r for r, d in enumerate(digests) if d != digests[0])
-    a, b = texts[0].splitlines(), texts[other].splitlines()
-    i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-    raise ValueError(
-        f"ranks built different plans: rank {other} differs from rank 0 at plan line {i + 1}:\n"
-        f"  rank 0:       {a[i].strip() if i < len(a) else '<end>'}\n"
-        f"  rank {other}: {b[i].strip() if i < len(b) else '<end>'}\n"
-        f"Every rank must call parallelize with the same model and example inputs of the same shapes and "
-        f"options (the inputs are full tensors, identical on every rank)."
-    )
-
-
-def _check_dtypes(first: Compiled, flat: list) -> None:
-    """An input of another floating dtype, or an integer where a float was captured (or the reverse),
-    is a mistake, not a new shape; other integer dtypes (int32 ids for int64) just compile anew."""
-    inputs = [n for n, (role, _) in zip(first.gm.graph.find_nodes(op="placeholder"), first.captured.sources)
-              if role == "input"]
-    for i, (t, node) in enumerate(zip(flat, inputs)):
-        want = getattr(node.meta.get("val"), "dtype", None)
-        if not isinstance(t, torch.Tensor) or want is None or t.dtype == want:
-            continue
-        if t.is_floating_point() or want.is_floating_point:
-            raise ValueError(
-                f"input {i} is {t.dtype}, but the model was parallelized with {want} for it; cast the input "
-                f"(torch.autocast handles mixed precision), or parallelize with an example of that dtype"
-            )
-
-
-_FLOAT_OPS = {"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "conv1d", "conv2d", "conv3d", "layer_norm",
-              "rms_norm", "scaled_dot_product_attention"}
-
-
-def _check_mixed_dtypes(gm: torch.fx.GraphModule) -> None:
-    """An integer tensor meeting floating weights in a matmul (say, token ids passed to a model that
-    expects features) traces, then fails at run time with a bare dtype error: name it now."""
-    from passes.propagate import module_path, source_line
-
-    for n in gm.graph.nodes:
-        name = getattr(getattr(n.target, "overloadpacket", None), "__name__", None)
-        if n.op != "call_function" or name not in _FLOAT_OPS:
-            continue
-        vals = [a.meta.get("val") for a in n.args if isinstance(a, torch.fx.Node)]
-        dtypes = [v.dtype for v in vals if isinstance(v, torch.Tensor)]
-        ints = [d for d in dtypes if not d.is_floating_point and not d.is_complex and d != torch.bool]  # bool: masks
-        if ints and any(d.is_floating_point for d in dtypes):
-            where = " ".join(x for x in (f"in module {module_path(n)}" if module_path(n) else "",
-                                         f"at {source_line(n)}" if source_line(n) else "") if x)
-            raise ValueError(
-                f"aten.{name} {where} mixes dtypes {[str(d) for d in dtypes]}: an integer tensor meets floating "
-                f"weights. Pass floating inputs where the model expects features (x.float()), or ids where "
-                f"it expects ids; the example inputs decide the dtypes the model is compiled for"
-            )
-
-
-def _fingerprint(t) -> str:
-    """Shape, dtype and a hash of the bytes: reordered data differs, identical data (NaN included) agrees."""
-    if not isinstance(t, torch.Tensor):
-        return repr(t)
-    data = t.detach().to("cpu").contiguous()
-    digest = hashlib.sha256(data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else ""
-    return f"{tuple(t.shape)} {t.dtype} {digest}"
 
 
 def _input_device(args, kwargs) -> torch.device:
@@ -377,7 +262,7 @@ class ParallelModule(nn.Module):
         flat = flatten_inputs(first.captured, args, kwargs)
         key = self._key(flat, self.training)
         if key not in self._compiled:  # a cached key already matched the dtypes of its compile
-            _check_dtypes(first, flat)
+            check_dtypes(first, flat)
             model = self._source
             was = model.training
             model.train(self.training)
@@ -439,7 +324,7 @@ class ParallelModule(nn.Module):
                 )
         if not getattr(self, "_check_inputs", False):
             return
-        mine = [_fingerprint(t) for t in flat]
+        mine = [fingerprint(t) for t in flat]
         everyone = [None] * self.grid.world
         with comm.guarded(self.grid, "check_inputs all-gather", "grid", "check_inputs"):
             dist.all_gather_object(everyone, mine, group=self.grid.world_group)
