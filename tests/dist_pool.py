@@ -29,6 +29,25 @@ def _worker(rank, world, port, inbox, outbox):
             outbox.put((rank, False, traceback.format_exc()))
 
 
+def _ready(rank):
+    return rank
+
+
+def start(world: int, tries: int = 3) -> "Pool":
+    """A pool whose ranks all joined their group: a port chosen free can be taken by another process
+    before rank 0 binds it, and a rank that dies at start would otherwise fail the next test."""
+    for attempt in range(tries):
+        pool = Pool(world)
+        try:
+            pool.run(_ready)
+            return pool
+        except AssertionError:
+            pool.close(force=True)
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 class Pool:
     def __init__(self, world: int):
         ctx = mp.get_context("spawn")
