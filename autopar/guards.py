@@ -4,8 +4,10 @@ they are made instead of failing deep inside a matmul."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
+import re
 
 import torch
 import torch.distributed as dist
@@ -74,8 +76,19 @@ def agree_on_plan(comp, layouts: dict) -> None:
         f"  rank 0:       {a[i].strip() if i < len(a) else '<end>'}\n"
         f"  rank {other}: {b[i].strip() if i < len(b) else '<end>'}\n"
         f"Every rank must call parallelize with the same model and example inputs of the same shapes and "
-        f"options (the inputs are full tensors, identical on every rank)."
+        f"options (the inputs are full tensors, identical on every rank)." + _reordered_hint(a, b)
     )
+
+
+def _reordered_hint(a: list, b: list) -> str:
+    """The same ops in another order: the model's Python code ran in a per-process order."""
+    ops = [collections.Counter(re.findall(r"torch\.ops\.[\w.]+", "\n".join(x))) for x in (a, b)]
+    if len(a) != len(b) or ops[0] != ops[1]:
+        return ""
+    return ("\nBoth ranks hold the same ops in a different order: the model's Python code ran in a per-process "
+            "order, typically by iterating over a set of strings, whose order Python's hash randomization "
+            "changes in every process (ModernBERT's rotary layer types do). Start every rank with the same "
+            "PYTHONHASHSEED, e.g. `PYTHONHASHSEED=0 torchrun ...`.")
 
 
 def check_dtypes(first, flat: list) -> None:

@@ -46,8 +46,12 @@ EXTRAS = [(f, (1, 4), "2d") for f in ("gpt2", "llama", "bert", "t5", "mixtral")]
 
 def _first_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    first = lines[0] if lines else ""
+    hint = next((ln for ln in lines[1:] if ln.startswith("Both ranks hold the same ops")), None)
+    if hint:  # the first line only says where the plans part; the hint says why
+        first = f"{first.split(':')[0]}: {hint}"
     # source paths relative to site-packages: the same text on every machine
-    return re.sub(r'File "[^"]*site-packages/', 'File "', f"{type(e).__name__}: {lines[0] if lines else ''}")
+    return re.sub(r'File "[^"]*site-packages/', 'File "', f"{type(e).__name__}: {first}")
 
 
 def _tensors(out) -> dict:
@@ -119,7 +123,8 @@ def family_parity(rank, name, grid=(2, 2), strategy="2d", batch=BATCH, seq=SEQ) 
         res["errs"] = compare(ref, want, pm, got)
     except Exception as e:  # reported per family; the sweep goes on
         res["error"] = _first_line(e)
-        res["refused"] = isinstance(e, (CaptureError, ShardingError))
+        # autopar's own refusals, with a named reason: no capture, no split, or ranks whose plans differ
+        res["refused"] = isinstance(e, (CaptureError, ShardingError)) or "ranks built different plans" in str(e)
     return res
 
 

@@ -27,6 +27,21 @@ def _err(fn):
     return None, ""
 
 
+class TwoBranches(nn.Module):
+    """Computes two independent branches in an order given per process, as a model iterating over a
+    set of strings does under hash randomization."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.order = order
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        outs = {name: torch.tanh(getattr(self, name)(x)).sum(-1) if name == "a" else torch.sigmoid(self.b(x)).mean(-1)
+                for name in self.order}
+        return outs["a"] + outs["b"]
+
+
 def options_differ(rank):
     """One rank passes another lowering / check_inputs / grid: every rank raises the same ValueError."""
     torch.manual_seed(0)
@@ -40,6 +55,9 @@ def options_differ(rank):
     out["grid"] = _err(lambda: autopar.parallelize(
         TinyGPT(cfg), grid=(1, 4) if rank == 3 else (2, 2), example_inputs=(ids, tgt)))
     out["bool grid"] = _err(lambda: autopar.parallelize(TinyGPT(cfg), grid=(True, 4), example_inputs=(ids, tgt)))
+    torch.manual_seed(0)
+    out["reordered"] = _err(lambda: autopar.parallelize(
+        TwoBranches("ab" if rank % 2 == 0 else "ba"), grid=(2, 2), example_inputs=(torch.randn(4, 8),)))
     out["timeout"] = _err(lambda: autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=-1))
     return out
 

@@ -20,6 +20,9 @@ def test_options_that_differ_between_ranks_raise_everywhere(pool4):
             assert f"ranks called parallelize with different {key}" in msg and value in msg, (rank, msg)
         kind, msg = r["bool grid"]
         assert kind == "ValueError" and "grid=(True, 4): expected (R, C) of positive ints" in msg, (rank, msg)
+        kind, msg = r["reordered"]  # same ops, other order: the hint names hash randomization
+        assert kind == "ValueError" and "ranks built different plans" in msg, (rank, msg)
+        assert "same ops in a different order" in msg and "PYTHONHASHSEED" in msg, (rank, msg)
         kind, msg = r["timeout"]
         assert kind == "ValueError" and "timeout=-1: expected a positive number of seconds" in msg, (rank, msg)
 
