@@ -57,6 +57,17 @@ def agree(grid, failure: BaseException | None, what: str) -> None:
     raise err from failure
 
 
+def on_rank0(grid, fn, *args) -> BaseException | None:
+    """Run fn(*args) on rank 0 only; the exception it raised (or None), for `agree`."""
+    if grid.rank != 0:
+        return None
+    try:
+        fn(*args)
+    except Exception as e:  # every rank raises it, in agree
+        return e
+    return None
+
+
 def _all_gather(grid, obj, group, what: str) -> list:
     out = [None] * dist.get_world_size(group)
     with guarded(grid, "all-gather of the outcome", AXES, what):

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from autopar import files as F
-from autopar.agree import AXES, agree
+from autopar.agree import AXES, agree, on_rank0
 from autopar.distributed_checkpoint import load_distributed, save_distributed  # noqa: F401  (part of this API)
 from autopar.safetensors_io import SafetensorsFile, write
 from passes.layout import parts, split_dim
@@ -238,21 +238,10 @@ def _config_json(pmodel) -> dict | None:
     return content
 
 
-def _attempt(grid, fn, *args):
-    """Run fn(*args) on rank 0 only; the exception it raised (or None), for `agree`."""
-    if grid.rank != 0:
-        return None
-    try:
-        fn(*args)
-    except Exception as e:  # every rank raises it, in agree
-        return e
-    return None
-
-
 def _clean_on_error(grid, written: list, fn, *args):
-    """`_attempt(fn)`; on failure the temporary files are removed before the ranks learn of it, so
+    """`on_rank0(fn)`; on failure the temporary files are removed before the ranks learn of it, so
     when any rank has raised, none is left."""
-    err = _attempt(grid, fn, *args)
+    err = on_rank0(grid, fn, *args)
     if err is not None:
         F.remove_quietly(written)
     return err
@@ -265,7 +254,7 @@ def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30) -> None:
     error on every rank and leaves the previous checkpoint's files in place (no temporary file stays)."""
     grid, path = pmodel.grid, os.fspath(path)
     what = f"autopar.save_pretrained({path!r})"
-    agree(grid, _attempt(grid, F.check_target, path), f"{what}: checking the target")
+    agree(grid, on_rank0(grid, F.check_target, path), f"{what}: checking the target")
     tensors, shards, total = _shards(pmodel, max_shard_bytes)
     written = []  # temporary files on rank 0
     try:

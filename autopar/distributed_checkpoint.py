@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from autopar import files as F
-from autopar.agree import AXES, agree, grid_group
+from autopar.agree import AXES, agree, grid_group, on_rank0
 from passes.ops.comm import guarded
 
 
@@ -54,16 +54,6 @@ def _prepare(path: str, staging: str) -> None:
     os.mkdir(staging)
 
 
-def _rank0(grid, fn, *args):
-    if grid.rank != 0:
-        return None
-    try:
-        fn(*args)
-    except Exception as e:  # every rank raises it, in agree
-        return e
-    return None
-
-
 def save_distributed(pmodel, path, optimizer=None) -> None:
     """DCP of `pmodel`'s state_dict (and `optimizer`'s, if given) at directory `path`; call on every
     rank (with a filesystem all ranks share). The previous checkpoint at `path` stays intact until
@@ -72,10 +62,10 @@ def save_distributed(pmodel, path, optimizer=None) -> None:
     path = os.fspath(path).rstrip("/") or "/"
     staging = path + F.TMP
     what = f"autopar.checkpoint.save_distributed({path!r})"
-    agree(grid, _rank0(grid, _prepare, path, staging), f"{what}: preparing {staging}")
+    agree(grid, on_rank0(grid, _prepare, path, staging), f"{what}: preparing {staging}")
     with guarded(grid, "torch.distributed.checkpoint.save", AXES, path):
         dcp.save(_state(pmodel, optimizer), checkpoint_id=staging, process_group=_dcp_group(grid))
-    agree(grid, _rank0(grid, F.replace_dir, staging, path), f"{what}: moving {staging} into place")
+    agree(grid, on_rank0(grid, F.replace_dir, staging, path), f"{what}: moving {staging} into place")
 
 
 def load_distributed(pmodel, path, optimizer=None) -> None:

@@ -13,18 +13,11 @@ import torch.nn as nn
 
 import autopar
 from models import GPTConfig, TinyGPT
+from tests.checks_robust import _err
 from tests.checks_engine import _data
 from tests.compare import excess, scaled_atol
 
 RTOL = 1e-4
-
-
-def _err(fn):
-    try:
-        fn()
-    except Exception as e:  # the test asserts on the type name and the text
-        return type(e).__name__, str(e)
-    return None, ""
 
 
 class TwoBranches(nn.Module):

@@ -15,18 +15,11 @@ import torch.distributed as dist
 
 import autopar
 from autopar import checkpoint
+from tests.checks_robust import _err
 from tests.checks_hf import build
 from tests.compare import excess
 
 GOOD_SHARD = 20_000  # bytes: the test GPT-2 splits into several shards
-
-
-def _err(fn):
-    try:
-        fn()
-    except Exception as e:  # the test asserts on the type name and the text
-        return type(e).__name__, str(e)
-    return None, ""
 
 
 def _gpt2(seed=0, grid=(2, 2), **options):

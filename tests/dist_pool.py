@@ -29,6 +29,17 @@ def _worker(rank, world, port, inbox, outbox):
             outbox.put((rank, False, traceback.format_exc()))
 
 
+def spawn_fresh(fn, world: int, *args) -> list:
+    """`world` new processes running fn(rank, world, port, *args), each joining a group of its own:
+    for checks that kill ranks or break their group. Returns the started processes."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
 def _ready(rank):
     return rank
 

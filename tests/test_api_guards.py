@@ -3,9 +3,8 @@
 import time
 
 import pytest
-import torch.multiprocessing as mp
 
-from autopar.launch import free_port
+from tests.dist_pool import spawn_fresh
 from tests import checks_api_guards as C
 
 
@@ -55,11 +54,7 @@ def test_full_state_dict_and_clipping(pool4):
 
 
 def _run_skipped(tmp_path, what):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=C.skipped_collective, args=(r, 4, port, str(tmp_path), what)) for r in range(4)]
-    for p in procs:
-        p.start()
+    procs = spawn_fresh(C.skipped_collective, 4, str(tmp_path), what)
     start = time.time()
     for p in procs[:3]:
         p.join(timeout=max(1, 90 - (time.time() - start)))

@@ -13,23 +13,16 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-import torch.multiprocessing as mp
 
 from autopar.checkpoint import _files
-from autopar.launch import free_port
 from autopar.safetensors_io import SafetensorsFile, write
+from tests.dist_pool import spawn_fresh
 from tests import checks_checkpoint as C
 from tests.compare import excess, failures
 
 
 def _spawn(fn, world, tmp_path):
-    """`world` fresh processes running fn(rank, world, port, tmp_path): each builds its own group."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=fn, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    return procs
+    return spawn_fresh(fn, world, str(tmp_path))
 
 
 def _forge(path, header, data=b"", length=None):

@@ -2,9 +2,8 @@
 
 import time
 
-import torch.multiprocessing as mp
 
-from autopar.launch import free_port
+from tests.dist_pool import spawn_fresh
 from tests import checks_robust as C
 
 
@@ -30,12 +29,7 @@ def test_bad_input_messages(pool4):
 
 
 def _spawn(fn, world, tmp_path):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=fn, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    return procs
+    return spawn_fresh(fn, world, str(tmp_path))
 
 
 def test_dying_rank_raises_on_the_others(tmp_path):
