@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from passes import Grid, capture, insert_collectives, localize, propagate
 from passes.capture import Captured, flatten_inputs, retarget_meta
+from passes.compat import pytree
 from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm

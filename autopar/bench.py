@@ -28,10 +28,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.launch import free_port, init_local
+from passes.compat import TorchDispatchMode
 
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)

@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from autopar.api import _cache_off_kwargs, _capture, _compile, _cost_model, check_strategy
 from passes import strategy as strategies
 from autopar.explain import graph_rows
+from passes.compat import fake_store, fake_tensor_mode, pytree
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
 
@@ -89,10 +89,7 @@ class Plan:
 def _measure_activations(gm, cap, mesh):
     """Run rank (0, 0)'s graph under FakeTensorMode on a fake process group: bytes saved for backward
     and the largest tensor. Needs no process group in this process (it makes a fake one)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=mesh[0] * mesh[1])
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=mesh[0] * mesh[1])
     try:
         grid = Grid(*mesh)
         for mod in gm.modules():  # point the planning modules at the fake groups
@@ -105,7 +102,7 @@ def _measure_activations(gm, cap, mesh):
             largest[0] = max(largest[0], saved[id(t)])
             return t
 
-        with FakeTensorMode():
+        with fake_tensor_mode():
             args = []
             for node, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), cap.sources):
                 v, lay = node.meta["val"], node.meta["autopar_layout"]

@@ -24,9 +24,9 @@ import traceback
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
+from passes.compat import call_spec, parse_to, pytree
 from passes.functionalize import functionalize, keep_parameter_views
 from passes.regions import inline_regions
 
@@ -65,7 +65,7 @@ def _unchanged_module_to():
     original = torch.nn.Module.to
 
     def to(self, *args, **kwargs):
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, _, memory_format = parse_to(*args, **kwargs)
         tensors = itertools.chain(self.parameters(), self.buffers())
         if memory_format is None and all(
                 (device is None or t.device == device)
@@ -131,11 +131,12 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
+    in_spec, out_spec = call_spec(ep)
     return Captured(
         gm=gm,
         sources=sources,
-        in_spec=ep.call_spec.in_spec,
-        out_spec=ep.call_spec.out_spec,
+        in_spec=in_spec,
+        out_spec=out_spec,
         constants=dict(ep.constants),
         buffers={k: buffers[k] for k in sig.buffers},
         persistent=persistent,

@@ -73,7 +73,7 @@ def _aliases(root: Node) -> set:
 def _functional(op):
     """aten.add_.Tensor -> aten.add.Tensor (or aten.unsqueeze_ -> the view aten.unsqueeze), or None
     when there is no such overload."""
-    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+    if not isinstance(op, OpOverload) or op.namespace != "aten":
         return None
     name = op.overloadpacket.__name__
     packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
@@ -173,7 +173,7 @@ def version_of(t: torch.Tensor) -> int:
 
 @torch.fx.node.has_side_effect
 def restore_version(t: torch.Tensor, version: int) -> None:
-    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    set_version_counter((t,), (version,))
 
 
 def keep_parameter_views(gm: GraphModule) -> GraphModule:

@@ -19,26 +19,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
+
+from passes.compat import StridedShard
 
 __all__ = ["Layout", "Partial", "Replicate", "Shard", "Strided", "REPLICATED", "local_shape", "ShardingError",
            "split_dim", "parts", "moved", "mesh_shape"]
-Strided = _StridedShard
+Strided = StridedShard
 
 
 def split_dim(p: Placement) -> int | None:
     """The tensor dim a placement splits (Shard or Strided), else None."""
-    return p.dim if isinstance(p, (Shard, _StridedShard)) else None
+    return p.dim if isinstance(p, (Shard, Strided)) else None
 
 
 def parts(p: Placement) -> int:
     """How many interleaved parts a split has: k for Strided(dim, k), 1 for Shard."""
-    return p.split_factor if isinstance(p, _StridedShard) else 1
+    return p.split_factor if isinstance(p, Strided) else 1
 
 
 def moved(p: Placement, dim: int) -> Placement:
     """The same kind of split, on another dim."""
-    return _StridedShard(dim, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(dim)
+    return Strided(dim, split_factor=p.split_factor) if isinstance(p, Strided) else Shard(dim)
 
 
 class ShardingError(ValueError):
@@ -46,7 +48,7 @@ class ShardingError(ValueError):
 
 
 def _short(p: Placement) -> str:
-    if isinstance(p, _StridedShard):
+    if isinstance(p, Strided):
         return f"S({p.dim})x{p.split_factor}"
     if isinstance(p, Shard):
         return f"S({p.dim})"

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
+from passes.compat import HigherOrderOperator
 from passes.functionalize import writes_first_arg
 from passes.layout import REPLICATED, Layout, ShardingError, mesh_shape, moved, parts, split_dim
 from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
@@ -96,7 +97,7 @@ def _strategy(node: Node, layouts: dict, mesh: tuple, indivisible: str) -> Strat
         return Strategy({}, None)  # waits for its consumer (see _claim)
     if writes_first_arg(node) and layouts.get(node.args[0]) is None:
         return Strategy({}, None)  # an update of an unplaced parameter waits for a reader to place it
-    if isinstance(node.target, torch._ops.HigherOrderOperator):
+    if isinstance(node.target, HigherOrderOperator):
         _refuse_higher_order(node)
     rule = lookup(node.target)
     if rule is None:

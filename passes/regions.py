@@ -36,8 +36,9 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 from torch.fx import GraphModule, Node
+
+from passes.compat import enter_autocast, exit_autocast, set_grad_enabled
 
 _higher = torch.ops.higher_order
 INLINED = (_higher.wrap_with_set_grad_enabled, _higher.wrap_with_autocast)
@@ -78,11 +79,11 @@ def _enter(gm: GraphModule, node: Node, mode: tuple):
     meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
     if node.target is _higher.wrap_with_set_grad_enabled:
         prev = gm.graph.call_function(torch.is_grad_enabled)
-        nodes = [prev, gm.graph.call_function(torch._C._set_grad_enabled, (mode[0],))]
-        exit_ = (torch._C._set_grad_enabled, prev)
+        nodes = [prev, gm.graph.call_function(set_grad_enabled, (mode[0],))]
+        exit_ = (set_grad_enabled, prev)
     else:
-        ctx = gm.graph.call_function(_enter_autocast, mode)
-        nodes, exit_ = [ctx], (_exit_autocast, ctx)
+        ctx = gm.graph.call_function(enter_autocast, mode)
+        nodes, exit_ = [ctx], (exit_autocast, ctx)
     for n in nodes:
         n.meta.update(meta)
 

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from models import GPTConfig, TinyGPT
+from passes.compat import TorchDispatchMode, pytree
 from tests.checks_engine import _data, _full
 from tests.checks_hf import build
 from tests.compare import excess, group_excess, scaled_atol
@@ -29,7 +29,7 @@ class LargestAllocation(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
+        for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and not t.is_meta:
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
         return out

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from passes import ShardingError, capture, propagate
+from passes.compat import HigherOrderOperator, set_grad_enabled
 from tests import checks_capture as C
 from tests.compare import failures
 
@@ -52,9 +53,9 @@ def test_regions_are_inlined_with_eager_grad_semantics():
     torch.manual_seed(0)
     model, x = Nested(), torch.randn(2, 4)
     cap = capture(model, (x,))
-    hops = [t for t in _calls(cap.gm) if isinstance(t, torch._ops.HigherOrderOperator)]
+    hops = [t for t in _calls(cap.gm) if isinstance(t, HigherOrderOperator)]
     assert not hops, hops
-    assert _calls(cap.gm).count(torch._C._set_grad_enabled) == 4  # two regions, each switched on and back
+    assert _calls(cap.gm).count(set_grad_enabled) == 4  # two regions, each switched on and back
     got = _run(cap, model, x)
     want = model(x)
     assert torch.equal(got, want)

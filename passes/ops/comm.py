@@ -14,6 +14,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from passes.compat import all_gather_single, reduce_scatter_single
 from passes.mesh import Grid
 
 
@@ -82,7 +83,7 @@ def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase
     out = torch.empty((grid.size(axis) * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t))
     with guarded(grid, "all-gather", axis, tag):
-        dist.all_gather_single(out, moved, group=grid.group(axis))
+        all_gather_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
 
 
@@ -94,7 +95,7 @@ def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     out = torch.empty((moved.shape[0] // grid.size(axis),) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis))
     with guarded(grid, "reduce-scatter", axis, tag):
-        dist.reduce_scatter_single(out, moved, group=grid.group(axis))
+        reduce_scatter_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()
 
 

@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
+from passes.compat import OpOverloadPacket
+
 RULES: dict = {}
 
 
@@ -39,7 +41,7 @@ def register(*ops):
 
     def deco(fn):
         for op in ops:
-            targets = [getattr(op, o) for o in op.overloads()] if isinstance(op, torch._ops.OpOverloadPacket) else [op]
+            targets = [getattr(op, o) for o in op.overloads()] if isinstance(op, OpOverloadPacket) else [op]
             for t in targets:
                 if t in RULES:
                     raise RuntimeError(f"two sharding rules for {t}: {RULES[t].__name__} and {fn.__name__}")

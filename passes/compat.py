@@ -1,0 +1,94 @@
+"""The private and undocumented torch APIs autopar relies on, in one place.
+
+torch makes no promise about names with a leading underscore, `_internal` modules or undocumented
+functions: any release may move or change them. Every such use in `passes/`, `autopar/` and the tests
+goes through this module, so that an upgrade of torch has one file to check. Each entry says where it
+lives, the torch versions it was checked on, and what stops working if it moves.
+
+pyproject.toml requires torch>=2.13; every entry was checked on 2.13.0 (CPU build). A moved name fails
+here, at `import passes`, with an ImportError or AttributeError naming it, except the two imported on
+first use (`fake_store`, `fake_tensor_mode`), which fail when `autopar.plan` measures activations.
+
+Aliases are the very objects torch defines (`set_grad_enabled is torch._C._set_grad_enabled`), so graphs
+that call them print and compare as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+# torch.utils._pytree: tree_leaves / tree_flatten / tree_unflatten and the TreeSpec of export's call
+# spec. Checked on 2.13.0. If it moves: capture (flattening the user's inputs), parallelize's output
+# layouts and plan's activation measurement fail to import.
+import torch.utils._pytree as pytree
+# torch._ops: the types of aten overloads, overload packets and higher-order ops (torch.cond, the
+# no_grad / autocast wrappers of export). Checked on 2.13.0. If they move: rule registration
+# (`passes.rules.register`), functionalize's aten check and propagate's refusal of higher-order ops.
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+# torch.amp.autocast_mode._enter_autocast / _exit_autocast: what export's own graphs call for an
+# autocast region. Checked on 2.13.0. If they move: `passes.regions` cannot inline autocast regions
+# (models using torch.autocast in forward fail to capture).
+from torch.amp.autocast_mode import _enter_autocast as enter_autocast
+from torch.amp.autocast_mode import _exit_autocast as exit_autocast
+# DTensor's interleaved split, `_StridedShard(dim, split_factor=k)`: the layout of a fused projection
+# (q|k|v) stored interleaved. Checked on 2.13.0 (a subclass of torch._C._distributed.StridedShard
+# there). If it moves or changes its fields (`dim`, `split_factor`): `passes.layout` fails to import,
+# and with it all of autopar.
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+# TorchDispatchMode: intercepts aten calls (bench's count of functional collectives' bytes, the train
+# checks' op counts). Checked on 2.13.0. If it moves: `autopar.bench` and tests/checks_train.py.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
+           "all_gather_single", "call_spec", "enter_autocast", "exit_autocast", "fake_store", "fake_tensor_mode",
+           "parse_to", "pytree", "reduce_scatter_single", "set_grad_enabled", "set_version_counter"]
+
+# torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.regions` inlines
+# no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
+# If it moves: models with `torch.no_grad()` inside forward fail to capture.
+set_grad_enabled = torch._C._set_grad_enabled
+
+# torch._C._nn._parse_to: Module.to's own argument parser (device, dtype, non_blocking, memory_format).
+# Checked on 2.13.0. If it moves: capture of models that call `self.x.to(dtype)` on a submodule inside
+# forward (Switch Transformers, NLLB-MoE) fails.
+parse_to = torch._C._nn._parse_to
+
+# torch._C._autograd._unsafe_set_version_counter((tensors), (versions)): puts back a parameter's version
+# after an in-place update under no_grad, so that autograd does not see it as modified. Checked on
+# 2.13.0. If it moves: graphs with in-place parameter updates in forward fail at run time.
+set_version_counter = torch._C._autograd._unsafe_set_version_counter
+
+# torch.distributed.all_gather_single / reduce_scatter_single(out, inp, group=...): the single-tensor
+# collectives that 2.13 offers in place of all_gather_into_tensor / reduce_scatter_tensor (deprecated
+# there); pyproject.toml's torch>=2.13 is partly for them. Not in torch's stable API docs. Checked on
+# 2.13.0. If they move or change signature: every all-gather and reduce-scatter autopar inserts
+# (`passes.ops.comm`) fails at run time.
+all_gather_single = dist.all_gather_single
+reduce_scatter_single = dist.reduce_scatter_single
+
+
+def call_spec(ep) -> tuple:
+    """(in_spec, out_spec) of an ExportedProgram: how the user's arguments flatten into the graph's
+    inputs and how its outputs unflatten. `ep.call_spec` is undocumented (checked on 2.13.0, where it is
+    built from `ep.module_call_graph[0].signature`). If it moves: every capture fails."""
+    spec = ep.call_spec
+    return spec.in_spec, spec.out_spec
+
+
+def fake_store():
+    """A store for `dist.init_process_group("fake", ...)`: a process group of any size that moves no data.
+    From torch.testing._internal.distributed.fake_pg (torch's test helpers), imported on first use.
+    Checked on 2.13.0. If it moves: `autopar.plan` cannot measure activation memory
+    (measure_activations=True); pass measure_activations=False meanwhile."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def fake_tensor_mode():
+    """A FakeTensorMode (torch._subclasses.fake_tensor), imported on first use: tensors with shapes and
+    dtypes but no storage. Checked on 2.13.0. If it moves: `autopar.plan` cannot measure activation
+    memory (measure_activations=True)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
