@@ -38,7 +38,7 @@ class Compiled:
     gm: torch.fx.GraphModule
     captured: Captured
     out_layouts: list  # per flat output: (Layout, global shape) or None for non-tensors
-    fallbacks: list
+    fallbacks: list  # [passes.propagate.Fallback]
     random: bool = False  # the graph draws random numbers (dropout)
     choice: object = None  # strategy="auto": the passes.strategy.Choice made
 
@@ -165,8 +165,8 @@ def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, f
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
         outs.append((a.meta["autopar_layout"], tuple(v.shape)) if isinstance(v, torch.Tensor) else None)
     if prop.gathering_fallbacks:
-        lines = "\n".join(f"  {n.name} ({n.target}) in {path or '<top>'}: {why}"
-                          for n, path, why, _ in prop.gathering_fallbacks)
+        lines = "\n".join(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'}: {f.reason}"
+                          for f in prop.gathering_fallbacks)
         warnings.warn(
             f"autopar: {len(prop.gathering_fallbacks)} op(s) run unsplit (gathered whole, computed on every "
             f"rank, split again):\n{lines}",

@@ -133,9 +133,9 @@ def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False)
         lines += strategy_summary(comp.choice)
     if comp.fallbacks:
         lines.append(f"fallbacks ({len(comp.fallbacks)}): run whole on every rank")
-        lines += [f"  {n.name} ({n.target}) in {path or '<top>'}: {why}"
-                  + ("" if gathers else " [inputs already whole: nothing gathered]")
-                  for n, path, why, gathers in comp.fallbacks]
+        lines += [f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'}: {f.reason}"
+                  + ("" if f.costly else " [inputs already whole: nothing gathered]")
+                  for f in comp.fallbacks]
     else:
         lines.append("fallbacks: none")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,12 +34,20 @@ from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
 
 
+class ParamPlacement(NamedTuple):
+    """How one parameter is stored on the grid."""
+    shape: tuple  # global shape
+    layout: str  # repr of its Layout, e.g. "S(0)S(1)"
+    bytes_per_rank: int  # of the block each rank holds
+    bytes_total: int  # of the whole tensor
+
+
 @dataclass
 class Plan:
     grid: tuple
     rows: list
-    fallbacks: list  # (node, module, reason, costly)
-    params: dict  # name -> (global shape, layout repr, bytes per rank, full bytes)
+    fallbacks: list  # [passes.propagate.Fallback]
+    params: dict  # name -> ParamPlacement
     comm_bytes_fwd: int = 0
     comm_bytes_bwd: int = 0
     flops_per_rank: int = 0
@@ -54,17 +63,17 @@ class Plan:
 
     @property
     def param_bytes_per_rank(self) -> int:
-        return sum(v[2] for v in self.params.values())
+        return sum(v.bytes_per_rank for v in self.params.values())
 
     @property
     def param_bytes_total(self) -> int:
-        return sum(v[3] for v in self.params.values())
+        return sum(v.bytes_total for v in self.params.values())
 
     @property
     def params_above_1_over_p(self) -> dict:
         """Parameters a rank holds more than 1/p of (replicated, or split one way only): name -> bytes."""
         p = self.grid[0] * self.grid[1]
-        return {n: v[2] for n, v in self.params.items() if v[2] * p > v[3]}
+        return {n: v.bytes_per_rank for n, v in self.params.items() if v.bytes_per_rank * p > v.bytes_total}
 
     def to_json(self) -> dict:
         return {
@@ -80,8 +89,8 @@ class Plan:
             "activation_bytes_per_rank": self.activation_bytes,
             "largest_tensor_bytes": self.largest_tensor_bytes,
             "params_above_1_over_p": self.params_above_1_over_p,
-            "fallback_nodes": [{"node": n.name, "op": str(n.target), "module": m, "reason": why, "costly": c}
-                               for n, m, why, c in self.fallbacks],
+            "fallback_nodes": [{"node": f.node.name, "op": str(f.node.target), "module": f.path,
+                                "reason": f.reason, "costly": f.costly} for f in self.fallbacks],
             "nodes": [asdict(r) for r in self.rows],
         }
 
@@ -147,7 +156,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         lay = layouts.get(name, REPLICATED)
         full = p.numel() * p.element_size()
         mine = math.prod(local_shape(tuple(p.shape), lay, mesh)) * p.element_size()
-        params[name] = (tuple(p.shape), repr(lay), mine, full)
+        params[name] = ParamPlacement(tuple(p.shape), repr(lay), mine, full)
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
                   flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice)
@@ -167,8 +176,8 @@ def compare_1d(pl: Plan, model, tokens: int, layers: int, hidden: int, dtype_byt
     ar = 2 * (p - 1) * tokens * hidden * dtype_bytes // p  # one ring all-reduce of [B, h]
     comm = layers * 4 * ar + ar
     params = 0
-    for name, (shape, _lay, _mine, full) in pl.params.items():
-        params += full // p if len(shape) >= 2 and shape[0] % p == 0 else full
+    for v in pl.params.values():
+        params += v.bytes_total // p if len(v.shape) >= 2 and v.shape[0] % p == 0 else v.bytes_total
     return {"p": p, "comm_bytes_per_rank_per_step": comm, "param_bytes_per_rank": params,
             "ratio_2d_over_1d_comm": pl.comm_bytes_per_rank_per_step / comm if comm else None,
             "ratio_2d_over_1d_params": pl.param_bytes_per_rank / params if params else None}

@@ -94,7 +94,7 @@ def sweep_table(model, args, kwargs, limit: int, tokens: int, layers: int, hidde
         q += 1
         pl = autopar.plan(model, grid=(q, q), example_inputs=args, example_kwargs=kwargs, measure_activations=False)
         one = autopar.compare_1d(pl, model, tokens, layers, hidden)
-        unsplit = sum(1 for f in pl.fallbacks if f[3])
+        unsplit = sum(1 for f in pl.fallbacks if f.costly)
         cheaper = "2d" if pl.comm_bytes_per_rank_per_step < one["comm_bytes_per_rank_per_step"] else "1d"
         out.append({"p": q * q, "2d_comm_bytes": pl.comm_bytes_per_rank_per_step, "1d_comm_bytes":
                     one["comm_bytes_per_rank_per_step"], "2d_param_bytes": pl.param_bytes_per_rank,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -38,16 +39,24 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 
 
+class Fallback(NamedTuple):
+    """An op no rule splits, run whole on every rank (its inputs gathered, its output split again)."""
+    node: Node
+    path: str  # module path of the op, "" at the top level
+    reason: str  # the strategy's note: "fallback: <why no rule applies>"
+    costly: bool  # it gathers a split input or keeps a weight whole (else its inputs were whole anyway)
+
+
 @dataclass
 class Propagation:
     param_layouts: dict = field(default_factory=dict)  # canonical name -> Layout
-    fallbacks: list = field(default_factory=list)  # (node, module path, reason, costly: bool)
+    fallbacks: list = field(default_factory=list)  # [Fallback]
 
     @property
     def gathering_fallbacks(self) -> list:
         """Fallbacks that gather a split input or keep a weight whole; the others run on inputs that
         were whole anyway (mask and position-id construction) and cost nothing."""
-        return [f for f in self.fallbacks if f[3]]
+        return [f for f in self.fallbacks if f.costly]
 
 
 def module_path(node: Node) -> str:
@@ -194,7 +203,7 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, ind
             if costly and on_unsupported == "error":
                 _refuse_fallback(node, strat.note.removeprefix("fallback: "))
             _check_inplace_fallback(node, layouts, costly)
-            res.fallbacks.append((node, module_path(node), strat.note, costly))
+            res.fallbacks.append(Fallback(node, module_path(node), strat.note, costly))
     elif node.op == "output":
         need = {}
         for out in node.all_input_nodes:

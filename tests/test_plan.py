@@ -36,12 +36,12 @@ def test_plan_8x8_on_one_process():
     ids = torch.zeros(8, 64, dtype=torch.long)
     pl = autopar.plan(model, grid=(8, 8), example_kwargs=dict(input_ids=ids, labels=ids))
     listed = pl.params_above_1_over_p
-    for name, (shape, _lay, mine, full) in pl.params.items():
+    for name, v in pl.params.items():
         if name not in listed:
-            assert mine * 64 == full, name
-    excess = sum(mine - pl.params[n][3] / 64 for n, mine in listed.items())
+            assert v.bytes_per_rank * 64 == v.bytes_total, name
+    excess = sum(mine - pl.params[n].bytes_total / 64 for n, mine in listed.items())
     assert pl.param_bytes_per_rank <= 1.05 * pl.param_bytes_total / 64 + excess
-    assert all(len(pl.params[n][0]) == 1 for n in listed), listed  # only norm weights stay 1/q
+    assert all(len(pl.params[n].shape) == 1 for n in listed), listed  # only norm weights stay 1/q
     j = pl.to_json()
     assert j["activation_bytes_per_rank"] > 0 and j["largest_tensor_bytes"] > 0
     assert not [f for f in j["fallback_nodes"] if f["costly"]]

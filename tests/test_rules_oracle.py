@@ -734,9 +734,9 @@ def test_no_rule_falls_back_to_replication():
     assert strat.inputs and all(lay == REPLICATED for lay in strat.inputs.values())
     assert strat.output == REPLICATED
     assert node.args[0].meta["autopar_layout"] == Layout((Shard(0), Shard(2)))  # so a gather is needed
-    entries = [(n, path, why) for n, path, why, _costly in res.fallbacks if n is node]
+    entries = [f for f in res.fallbacks if f.node is node]
     assert entries, res.fallbacks
-    _, path, why = entries[0]
+    path, why = entries[0].path, entries[0].reason
     assert path == "inner"
     assert "cumprod" in why
     # the ops after it still check out (the add sees a replicated input)
