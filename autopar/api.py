@@ -21,6 +21,7 @@ from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
 from passes.ops.summa import LOWERINGS
+from passes.rules import arg
 from passes import strategy as strategies
 from autopar import calibrate
 from autopar.guards import (agree_on_options, agree_on_plan, check_dtypes, check_mixed_dtypes, fingerprint,
@@ -54,7 +55,7 @@ def _draws_random(gm) -> bool:
         if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
             continue
         name = n.target.overloadpacket.__name__
-        if name in _RANDOM or (name == "scaled_dot_product_attention" and len(n.args) > 4 and n.args[4]):
+        if name in _RANDOM or (name == "scaled_dot_product_attention" and arg(n, 4, "dropout_p", 0.0)):
             return True
     return False
 

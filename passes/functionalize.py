@@ -32,6 +32,8 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from passes.compat import OpOverload, set_version_counter
+
 aten = torch.ops.aten
 
 

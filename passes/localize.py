@@ -13,6 +13,7 @@ import torch
 from torch.fx import GraphModule
 
 from passes.layout import local_shape
+from passes.rules import arg
 
 aten = torch.ops.aten
 _SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
@@ -25,7 +26,7 @@ def localize(gm: GraphModule, mesh) -> GraphModule:
             node.args = (node.args[0], list(size)) + tuple(node.args[2:])
         elif node.op == "call_function" and node.target in (aten.split.Tensor, aten.split_with_sizes.default):
             x = node.args[0]
-            dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(x.meta["val"].shape)
+            dim = arg(node, 2, "dim", 0) % len(x.meta["val"].shape)
             sizes = [local_shape(tuple(v.shape), lay, mesh, node.name)[dim]
                      for v, lay in zip(node.meta["val"], node.meta["autopar_layout"])]
             size_arg = sizes[0] if node.target == aten.split.Tensor else sizes

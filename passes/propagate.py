@@ -33,10 +33,9 @@ from passes.functionalize import writes_first_arg
 from passes.layout import REPLICATED, Layout, ShardingError, mesh_shape, moved, parts, split_dim
 from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
+from passes.rules.views import TRANSPOSES, permutation
 
-aten = torch.ops.aten
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 
 
 class Fallback(NamedTuple):
@@ -85,12 +84,7 @@ def _claim(node: Node, need: Layout, layouts: dict, res: Propagation) -> None:
         return
     src = node.args[0]
     nd = len(val(node).shape)
-    if node.target == aten.permute.default:
-        perm = [d % nd for d in node.args[1]]
-    else:
-        perm = list(range(nd))
-        a, b = (node.args[1] % nd, node.args[2] % nd) if node.target == aten.transpose.int else (0, nd - 1)
-        perm[a], perm[b] = perm[b], perm[a]
+    perm = permutation(node)
     back = Layout(tuple(moved(p, perm[p.dim % nd]) if split_dim(p) is not None else p for p in need.placements))
     node.meta["autopar_strategy"] = Strategy({src: back}, need)
     _claim(src, back, layouts, res)
@@ -102,7 +96,7 @@ def _strategy(node: Node, layouts: dict, mesh: tuple, indivisible: str) -> Strat
         return Strategy({}, REPLICATED)
     if not ins:
         return creation(node)
-    if node.target in _TRANSPOSES and layouts.get(node.args[0]) is None:
+    if node.target in TRANSPOSES and layouts.get(node.args[0]) is None:
         return Strategy({}, None)  # waits for its consumer (see _claim)
     if writes_first_arg(node) and layouts.get(node.args[0]) is None:
         return Strategy({}, None)  # an update of an unplaced parameter waits for a reader to place it

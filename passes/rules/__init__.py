@@ -18,6 +18,7 @@ import torch
 from torch.fx import Node
 
 from passes.compat import OpOverloadPacket
+from passes.layout import REPLICATED, Layout, Partial, Replicate, Shard, split_dim
 
 RULES: dict = {}
 
@@ -71,6 +72,28 @@ def is_tensors(node) -> bool:
 
 def tensor_inputs(node: Node) -> list:
     return [n for n in node.all_input_nodes if is_tensor(n) or is_tensors(n)]
+
+
+def arg(node: Node, i: int, name: str, default=None):
+    """Argument `i` of an aten call, called `name` in the op's schema: the graph holds it in `args`, or
+    in `kwargs` when it was passed by keyword, or nowhere when it has its default."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def whole_along(layouts: dict, x: Node, dim: int) -> Layout:
+    """x's layout (replicated if x is an unplaced parameter) with tensor dim `dim` and any partial axis
+    made whole: what an op that mixes values along `dim` (softmax, cat, a slice) needs."""
+    lay = (layouts[x] or REPLICATED).normalized(len(shape(x)))
+    return Layout(tuple(Replicate() if isinstance(p, Partial) or split_dim(p) == dim else p for p in lay.placements))
+
+
+def kept_row_split(lay: Layout | None, ndim: int) -> Shard | None:
+    """The split over mesh axis 0 (the rows) that a tensor laid out `lay` already has on one of its
+    lead dims (any dim but the last), else None: batch-side splits a matmul or norm keeps as they are."""
+    if lay is None:
+        return None
+    p = lay.normalized(ndim)[0]
+    return p if isinstance(p, Shard) and p.dim < ndim - 1 else None
 
 
 def lookup(target):

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from passes.layout import Layout
-from passes.rules import Strategy, Unsupported, register, shape
+from passes.rules import Strategy, Unsupported, arg, register, shape
 from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten
@@ -20,7 +20,7 @@ aten = torch.ops.aten
 @register(aten.scaled_dot_product_attention.default)
 def sdpa(node, layouts, mesh):
     query, key, value = node.args[:3]
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    mask = arg(node, 3, "attn_mask")
     qs, ks = shape(query), shape(key)
     if len(qs) != 4 or qs[:2] != ks[:2]:
         raise Unsupported("attention with other than [b, heads, s, d] inputs of equal head count")

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from passes.layout import REPLICATED, Layout, moved, split_dim
-from passes.rules import Strategy, Unsupported, register, shape, tensor_inputs
+from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs
 from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten
@@ -27,8 +27,8 @@ aten = torch.ops.aten
 @register(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
 def conv(node, layouts, mesh):
     x, w = node.args[:2]
-    b = node.args[2] if len(node.args) > 2 else None
-    groups = node.args[6] if len(node.args) > 6 else 1
+    b = arg(node, 2, "bias")
+    groups = arg(node, 6, "groups", 1)
     if groups != 1:
         raise Unsupported("grouped convolution")
     xs, ws = shape(x), shape(w)

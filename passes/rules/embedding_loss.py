@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import REPLICATED, Layout
-from passes.rules import Strategy, Unsupported, register, shape, val
+from passes.rules import Strategy, Unsupported, arg, register, shape, val
 
 aten = torch.ops.aten
 
@@ -52,9 +52,9 @@ def embedding(node, layouts, mesh):
 @register(aten.cross_entropy_loss.default)
 def cross_entropy(node, layouts, mesh):
     logits, target = node.args[:2]
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    weight = arg(node, 2, "weight")
+    reduction = arg(node, 3, "reduction", 1)
+    smoothing = arg(node, 5, "label_smoothing", 0.0)
     ls = shape(logits)
     if len(ls) != 2 or weight is not None or reduction not in (1, 2) or smoothing:
         raise Unsupported("cross_entropy other than mean or sum over [N, V] logits without weights/smoothing")

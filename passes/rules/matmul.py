@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim
-from passes.rules import Strategy, Unsupported, register, shape, val
+from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape, val
 
 aten = torch.ops.aten
 
@@ -29,12 +29,10 @@ def _param_name(node) -> str:
 def _row_split(x, layouts, mesh) -> Shard:
     """The lead dim of x that the mesh rows split: x's own row split if it has one, else the first
     lead dim divisible by the number of mesh rows."""
-    lay = layouts.get(x)
     xs = shape(x)
-    if lay is not None:
-        p = lay.normalized(len(xs))[0]
-        if isinstance(p, Shard) and p.dim < len(xs) - 1:
-            return p
+    kept = kept_row_split(layouts.get(x), len(xs))
+    if kept is not None:
+        return kept
     for d in range(len(xs) - 1):
         if xs[d] % mesh[0] == 0:
             return Shard(d)
@@ -103,7 +101,7 @@ def fused_parts(node) -> int:
                 frontier.append(u)
             elif u.target in _SPLITS:
                 nd = len(val(n).shape)
-                dim = (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % nd
+                dim = arg(u, 2, "dim", 0) % nd
                 pieces = val(u)
                 if dim == nd - 1 and len(pieces) > 1 and len({t.shape[dim] for t in pieces}) == 1:
                     return len(pieces)
@@ -179,7 +177,7 @@ def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
 @register(aten.linear.default)
 def linear(node, layouts, mesh):
     x, w = node.args[0], node.args[1]
-    bias = node.args[2] if len(node.args) > 2 else None
+    bias = arg(node, 2, "bias")
     # a weight already placed by a table: split by hidden only (a vocabulary R does not divide), or by
     # vocabulary over the columns (a 1D table): the matching 1D split
     if layouts.get(w) == Layout((Replicate(), Shard(1))):

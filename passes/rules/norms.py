@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from passes.layout import Layout
-from passes.rules import Strategy, Unsupported, register, shape
+from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape
 
 aten = torch.ops.aten
 
@@ -21,10 +21,9 @@ def _rows(lay, shape_, rows: int):
     """Keep a batch-side split over mesh axis 0 (any dim but the last), else split the batch dim:
     a replicated input is sliced for free, a partial one reduce-scattered (cheaper than all-reduced)."""
     nd = len(shape_)
-    if lay is not None:
-        p = lay.normalized(nd)[0]
-        if isinstance(p, Shard) and p.dim < nd - 1:
-            return p
+    kept = kept_row_split(lay, nd)
+    if kept is not None:
+        return kept
     return Shard(0) if nd >= 2 and shape_[0] % rows == 0 else Replicate()
 
 
@@ -45,13 +44,12 @@ def norm_strategy(node, layouts, mesh, x, params, n_norm):
 @register(aten.layer_norm.default)
 def layer_norm(node, layouts, mesh):
     x, normalized_shape = node.args[:2]
-    w = node.args[2] if len(node.args) > 2 else None
-    b = node.args[3] if len(node.args) > 3 else None
+    w, b = arg(node, 2, "weight"), arg(node, 3, "bias")
     return norm_strategy(node, layouts, mesh, x, (w, b), len(normalized_shape))
 
 
 @register(aten.rms_norm.default)
 def rms_norm(node, layouts, mesh):
     x, normalized_shape = node.args[:2]
-    w = node.args[2] if len(node.args) > 2 else None
+    w = arg(node, 2, "weight")
     return norm_strategy(node, layouts, mesh, x, (w,), len(normalized_shape))

@@ -13,8 +13,8 @@ import operator
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Layout, moved, parts, split_dim
-from passes.rules import Strategy, Unsupported, register, shape, tensor_inputs, val
+from passes.layout import REPLICATED, Layout, moved, parts, split_dim
+from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs, val, whole_along
 
 aten = torch.ops.aten
 
@@ -48,7 +48,7 @@ _DTYPE_ONLY = {aten.type_as.default: 1, aten.to.other: 1}
 def data_inputs(node) -> list:
     """The tensor inputs whose values the op reads (all but a dtype-only operand)."""
     skip = _DTYPE_ONLY.get(node.target)
-    other = node.args[skip] if skip is not None and len(node.args) > skip else None
+    other = arg(node, skip, "other") if skip is not None else None
     return [n for n in tensor_inputs(node) if n is not other]
 
 
@@ -128,7 +128,7 @@ def getitem(node, layouts, mesh):
 def _reduced_dims(node) -> tuple:
     x = node.args[0]
     nd = len(shape(x))
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = arg(node, 1, "dim")
     if dims is None or dims == []:
         return tuple(range(nd))
     dims = [dims] if isinstance(dims, int) else dims
@@ -141,11 +141,11 @@ def reduction(node, layouts, mesh):
     x = node.args[0]
     lay = layouts[x]
     if lay is None or lay.has_partial:
-        lay = Layout((Replicate(), Replicate())) if lay is None else lay
+        lay = REPLICATED if lay is None else lay
         lay = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
     lay = lay.normalized(len(shape(x)))
     dims = _reduced_dims(node)
-    keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+    keep = arg(node, 2, "keepdim", False)
     kind = "avg" if node.target in (aten.mean.dim, aten.mean.default) else "sum"
     out = []
     for p in lay.placements:
@@ -163,12 +163,5 @@ def reduction(node, layouts, mesh):
 def along_dim(node, layouts, mesh):
     """Ops that mix values along one dim: that dim must be whole, the others stay as they are."""
     x = node.args[0]
-    nd = len(shape(x))
-    dim = node.args[1] % nd
-    lay = layouts[x] or Layout((Replicate(), Replicate()))
-    lay = lay.normalized(nd)
-    ps = tuple(
-        Replicate() if isinstance(p, Partial) or split_dim(p) == dim else p
-        for p in lay.placements
-    )
-    return Strategy({x: Layout(ps)}, Layout(ps))
+    lay = whole_along(layouts, x, node.args[1] % len(shape(x)))
+    return Strategy({x: lay}, lay)

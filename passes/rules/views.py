@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Layout, moved, parts, split_dim
-from passes.rules import Strategy, register, shape, tensor_inputs, val
+from passes.layout import REPLICATED, Layout, moved, parts, split_dim
+from passes.rules import Strategy, arg, register, shape, tensor_inputs, val, whole_along
 
 aten = torch.ops.aten
+TRANSPOSES = (aten.transpose.int, aten.t.default, aten.permute.default)
 
 
 def _input_layout(layouts, x):
@@ -50,25 +51,22 @@ def _perm_rule(node, layouts, mesh, perm):
     return Strategy({x: need}, out)
 
 
-@register(aten.transpose.int)
-def transpose(node, layouts, mesh):
+def permutation(node) -> list:
+    """perm of a transpose, t or permute node: output dim i is input dim perm[i]."""
     nd = len(shape(node.args[0]))
+    if node.target == aten.permute.default:
+        return [d % nd for d in node.args[1]]
+    if node.target == aten.t.default:
+        return list(range(nd))[::-1]
     a, b = node.args[1] % nd, node.args[2] % nd
     perm = list(range(nd))
     perm[a], perm[b] = perm[b], perm[a]
-    return _perm_rule(node, layouts, mesh, perm)
+    return perm
 
 
-@register(aten.t.default)
-def t(node, layouts, mesh):
-    nd = len(shape(node.args[0]))
-    return _perm_rule(node, layouts, mesh, list(range(nd))[::-1])
-
-
-@register(aten.permute.default)
-def permute(node, layouts, mesh):
-    nd = len(shape(node.args[0]))
-    return _perm_rule(node, layouts, mesh, [d % nd for d in node.args[1]])
+@register(*TRANSPOSES)
+def transpose(node, layouts, mesh):
+    return _perm_rule(node, layouts, mesh, permutation(node))
 
 
 def reshape_groups(src, dst) -> list:
@@ -118,7 +116,7 @@ def reshape(node, layouts, mesh):
     x = node.args[0]
     # a view of an unplaced parameter stores it whole: propagate passes a consumer's request back
     # through transposes only, and would misread a view as one
-    lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
+    lay = _input_layout(layouts, x) or REPLICATED
     src, dst = shape(x), tuple(val(node).shape)
     need, out = _through(lay, reshape_mapping(src, dst), dst, mesh, src)
     return Strategy({x: need}, out)
@@ -127,7 +125,7 @@ def reshape(node, layouts, mesh):
 @register(aten.expand.default)
 def expand(node, layouts, mesh):
     x = node.args[0]
-    lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
+    lay = _input_layout(layouts, x) or REPLICATED
     src, dst = shape(x), tuple(val(node).shape)
     off = len(dst) - len(src)
     mapping = {d: d + off for d in range(len(src)) if src[d] == dst[d + off]}
@@ -135,25 +133,15 @@ def expand(node, layouts, mesh):
     return Strategy({x: need}, out)
 
 
-def _whole_along(layouts, x, dim):
-    """x's layout with `dim` (and any partial axis) made whole."""
-    lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
-    ps = tuple(
-        Replicate() if isinstance(p, Partial) or split_dim(p) == dim else p
-        for p in lay.placements
-    )
-    return Layout(ps)
-
-
 @register(aten.slice.Tensor, aten.narrow.default)
 def slice_(node, layouts, mesh):
     x = node.args[0]
     nd = len(shape(x))
-    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    dim = arg(node, 1, "dim", 0) % nd
     if shape(x)[dim] == val(node).shape[dim]:  # a full slice is a no-op on any layout
-        lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
+        lay = _input_layout(layouts, x) or REPLICATED
         return Strategy({x: lay}, lay)
-    lay = _whole_along(layouts, x, dim)
+    lay = whole_along(layouts, x, dim)
     return Strategy({x: lay}, lay)
 
 
@@ -161,7 +149,7 @@ def slice_(node, layouts, mesh):
 def select(node, layouts, mesh):
     x = node.args[0]
     dim = node.args[1] % len(shape(x))
-    lay = _whole_along(layouts, x, dim)
+    lay = whole_along(layouts, x, dim)
     out = tuple(moved(p, p.dim - (p.dim > dim)) if split_dim(p) is not None else p for p in lay.placements)
     return Strategy({x: lay}, Layout(out))
 
@@ -170,9 +158,9 @@ def select(node, layouts, mesh):
 def split(node, layouts, mesh):
     x = node.args[0]
     nd = len(shape(x))
-    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+    dim = arg(node, 2, "dim", 0) % nd
     if node.target == aten.unbind.int:
-        dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+        dim = arg(node, 1, "dim", 0) % nd
     n = len(val(node))
     have = _input_layout(layouts, x)
     sizes = {t.shape[dim] for t in val(node)}
@@ -181,7 +169,7 @@ def split(node, layouts, mesh):
         # a fused projection's output split into its n parts: each rank holds its block of every part
         out = Layout(tuple(Shard(dim) if split_dim(p) == dim else p for p in have.placements))
         return Strategy({x: have}, (out,) * n)
-    lay = _whole_along(layouts, x, dim)
+    lay = whole_along(layouts, x, dim)
     if node.target == aten.unbind.int:
         out = Layout(tuple(moved(p, p.dim - (p.dim > dim)) if split_dim(p) is not None else p for p in lay.placements))
         return Strategy({x: lay}, (out,) * n)
@@ -192,8 +180,8 @@ def split(node, layouts, mesh):
 def cat(node, layouts, mesh):
     xs = tensor_inputs(node)
     nd = len(val(node).shape)
-    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
-    lay = _whole_along(layouts, xs[0], dim)
+    dim = arg(node, 1, "dim", 0) % nd
+    lay = whole_along(layouts, xs[0], dim)
     return Strategy({x: lay for x in xs}, lay)
 
 
@@ -202,7 +190,7 @@ def repeat(node, layouts, mesh):
     x = node.args[0]
     reps = list(node.args[1])
     off = len(reps) - len(shape(x))
-    lay = _input_layout(layouts, x) or Layout((Replicate(), Replicate()))
+    lay = _input_layout(layouts, x) or REPLICATED
     ps = tuple(
         Replicate() if isinstance(p, Partial) or (split_dim(p) is not None and reps[p.dim + off] != 1) else p
         for p in lay.placements
