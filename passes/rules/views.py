@@ -13,6 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import REPLICATED, Layout, moved, parts, split_dim
 from passes.rules import Strategy, arg, register, shape, tensor_inputs, val, whole_along
+from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten
 TRANSPOSES = (aten.transpose.int, aten.t.default, aten.permute.default)
@@ -113,23 +114,22 @@ def reshape_mapping(src, dst) -> dict:
           aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
           aten.squeeze.default)
 def reshape(node, layouts, mesh):
+    return _mapped(node, layouts, mesh, reshape_mapping)
+
+
+@register(aten.expand.default)
+def expand(node, layouts, mesh):
+    return _mapped(node, layouts, mesh, dim_map)  # expand broadcasts like an elementwise op
+
+
+def _mapped(node, layouts, mesh, mapping):
+    """x's splits carried to the dims `mapping(in shape, out shape)` sends them to (see `_through`)."""
     x = node.args[0]
     # a view of an unplaced parameter stores it whole: propagate passes a consumer's request back
     # through transposes only, and would misread a view as one
     lay = _input_layout(layouts, x) or REPLICATED
     src, dst = shape(x), tuple(val(node).shape)
-    need, out = _through(lay, reshape_mapping(src, dst), dst, mesh, src)
-    return Strategy({x: need}, out)
-
-
-@register(aten.expand.default)
-def expand(node, layouts, mesh):
-    x = node.args[0]
-    lay = _input_layout(layouts, x) or REPLICATED
-    src, dst = shape(x), tuple(val(node).shape)
-    off = len(dst) - len(src)
-    mapping = {d: d + off for d in range(len(src)) if src[d] == dst[d + off]}
-    need, out = _through(lay, mapping, dst, mesh, src)
+    need, out = _through(lay, mapping(src, dst), dst, mesh, src)
     return Strategy({x: need}, out)
 
 
