@@ -36,7 +36,7 @@ def test_plan_8x8_on_one_process():
     ids = torch.zeros(8, 64, dtype=torch.long)
     pl = autopar.plan(model, grid=(8, 8), example_kwargs=dict(input_ids=ids, labels=ids))
     listed = pl.params_above_1_over_p
-    for name, (_shape, _lay, mine, full) in pl.params.items():
+    for name, (shape, _lay, mine, full) in pl.params.items():
         if name not in listed:
             assert mine * 64 == full, name
     excess = sum(mine - pl.params[n][3] / 64 for n, mine in listed.items())

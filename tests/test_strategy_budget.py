@@ -16,11 +16,7 @@ CM = S.CostModel.from_dict(CPU)
 
 
 def _graph(family):
-    if family == "bart":
-        model, kw = bart(meta=True)
-    else:
-        model, make_inputs = checks_hf.build(family)
-        kw = make_inputs(4, 8, 1)
+    model, kw = bart(meta=True) if family == "bart" else (checks_hf.build(family)[0], checks_hf.build(family)[1](4, 8, 1))
     return _capture(model, (), {**_cache_off_kwargs(model), **kw}).gm
 
 
