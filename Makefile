@@ -4,20 +4,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 
-.PHONY: demo test bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
+.PHONY: demo test lint bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,hf]'
+	$(BIN)/pip install -q -e '.[test,hf,lint]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+# lint first: it takes seconds, the suite minutes. pytest's paths and --doctest-modules are in pyproject.toml.
+test: lint
+	$(BIN)/python -m pytest -q
+
+# ruff and mypy, configured (and the choice of rules explained) in pyproject.toml
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
 
 bench: $(STAMP)
 	$(BIN)/python examples/bench_lowering.py
@@ -41,4 +47,4 @@ sweep-hf: $(STAMP)
 	$(BIN)/python examples/sweep_hf.py --out docs/models.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

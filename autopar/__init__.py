@@ -8,6 +8,7 @@ from autopar.plan import Plan, choose_grid, compare_1d, plan
 from passes import CaptureError, ShardingError
 from passes.strategy import SearchWarning
 
-__all__ = ["parallelize", "explain", "ParallelModule", "FallbackWarning", "CaptureError", "ShardingError", "SearchWarning",
-           "from_pretrained", "save_pretrained", "save_distributed", "load_distributed", "load_safetensors", "meta_init", "plan", "Plan", "compare_1d", "choose_grid"]
+__all__ = ["parallelize", "explain", "ParallelModule", "FallbackWarning", "CaptureError", "ShardingError",
+           "SearchWarning", "from_pretrained", "save_pretrained", "save_distributed", "load_distributed",
+           "load_safetensors", "meta_init", "plan", "Plan", "compare_1d", "choose_grid"]
 __version__ = "0.1.0"

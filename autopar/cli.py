@@ -110,7 +110,8 @@ def inspect_cmd(ns) -> int:
     if pl.choice is not None:
         c = pl.choice
         report["strategy_auto"] = {"assignment": c.assignment, "estimated_step_s": c.estimate.time_s,
-                                   "fixed_2d_step_s": c.baselines["2d"].time_s, "fixed_1d_step_s": c.baselines["1d"].time_s,
+                                   "fixed_2d_step_s": c.baselines["2d"].time_s,
+                                   "fixed_1d_step_s": c.baselines["1d"].time_s,
                                    "memory_estimate_bytes": c.estimate.memory_bytes, "alternatives_s": c.alternatives,
                                    "evaluated": c.evaluated, "solve_s": c.solve_s}
     if ns.vs == "1d":

@@ -63,7 +63,8 @@ def main():
     for name in MODELS:
         r = run(name)
         print(f"  {name:9s} {r['seconds']:5.1f} s  peak RSS {r['peak_rss_mb']:5.0f} MB  | per rank per step: "
-              f"2D {r['comm_gib']:.2f} GiB vs 1D {r['comm_1d_gib']:.2f} GiB received (2D/1D {r['comm_gib'] / r['comm_1d_gib']:.2f}); "
+              f"2D {r['comm_gib']:.2f} GiB vs 1D {r['comm_1d_gib']:.2f} GiB received "
+              f"(2D/1D {r['comm_gib'] / r['comm_1d_gib']:.2f}); "
               f"parameters {r['param_gib']:.3f} GiB (model/64 = {r['param_total_over_64_gib']:.3f}); saved for "
               f"backward {r['activation_gib']:.2f} GiB; costly fallbacks {r['costly_fallbacks'] or 'none'}")
     print("planning time against layer count (GPT-2-XL shape):")

@@ -84,11 +84,13 @@ FAMILIES = {
                      "logit soft-capping, sandwich norms, alternating sliding window"),
     "gemma3_text": Family("Gemma3ForCausalLM", "Gemma3TextConfig", _d(GQA, head_dim=8, sliding_window=4),
                           "causal", "decoder", "q/k norm, local/global rotary bases"),
-    "phi": Family("PhiForCausalLM", "PhiConfig", STD, "causal", "decoder", "partial rotary, parallel block, dense head bias"),
+    "phi": Family("PhiForCausalLM", "PhiConfig", STD, "causal", "decoder",
+                  "partial rotary, parallel block, dense head bias"),
     "phi3": Family("Phi3ForCausalLM", "Phi3Config", STD, "causal", "decoder", "fused qkv_proj and gate_up_proj"),
     "stablelm": Family("StableLmForCausalLM", "StableLmConfig", GQA, "causal", "decoder", "LayerNorm + partial rotary"),
     "olmo": Family("OlmoForCausalLM", "OlmoConfig", STD, "causal", "decoder", "non-parametric LayerNorm"),
-    "olmo2": Family("Olmo2ForCausalLM", "Olmo2Config", STD, "causal", "decoder", "q/k RMSNorm over all heads, post-norm"),
+    "olmo2": Family("Olmo2ForCausalLM", "Olmo2Config", STD, "causal", "decoder",
+                    "q/k RMSNorm over all heads, post-norm"),
     "starcoder2": Family("Starcoder2ForCausalLM", "Starcoder2Config", GQA, "causal", "decoder",
                          "LayerNorm with bias, GELU MLP with bias"),
     "cohere": Family("CohereForCausalLM", "CohereConfig", GQA, "causal", "decoder",
@@ -118,7 +120,8 @@ FAMILIES = {
                                 "causal", "decoder", "dense bias added after the residual, fused qkv"),
     "llama_left_pad": Family("LlamaForCausalLM", "LlamaConfig", GQA, "causal_left", "decoder",
                              "left padding: query rows with every key masked"),
-    "helium": Family("HeliumForCausalLM", "HeliumConfig", _d(GQA, head_dim=8), "causal", "decoder", "Llama-like, head_dim set"),
+    "helium": Family("HeliumForCausalLM", "HeliumConfig", _d(GQA, head_dim=8), "causal", "decoder",
+                     "Llama-like, head_dim set"),
     # MoE decoders
     "mixtral": Family("MixtralForCausalLM", "MixtralConfig", _d(MOE, num_local_experts=4), "causal", "moe",
                       "top-2 router, per-expert index_add"),
@@ -135,7 +138,8 @@ FAMILIES = {
                          "parallel experts as one batched weight"),
     "dbrx": Family("DbrxForCausalLM", "DbrxConfig",
                    dict(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=64, output_router_logits=True,
-                        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0), ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
+                        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
                    "causal", "moe", "experts stored as one fused parameter per layer, clip_qkv"),
     "jamba": Family("JambaForCausalLM", "JambaConfig",
                     _d(MOE, num_experts=4, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
@@ -156,7 +160,8 @@ FAMILIES = {
     "data2vec_text": Family("Data2VecTextForMaskedLM", "Data2VecTextConfig", _d(STD, max_position_embeddings=72),
                             "masked", "encoder", "as roberta"),
     "distilbert": Family("DistilBertForMaskedLM", "DistilBertConfig",
-                         dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64),
+                         dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                              max_position_embeddings=64),
                          "masked", "encoder", "no token types, q_lin/k_lin names"),
     "albert": Family("AlbertForMaskedLM", "AlbertConfig", _d(STD, embedding_size=16), "masked_types", "encoder",
                      "factorized embedding 16->32, one layer shared by both"),
@@ -179,13 +184,15 @@ FAMILIES = {
     "convbert": Family("ConvBertForMaskedLM", "ConvBertConfig", _d(STD, embedding_size=32), "masked_types", "encoder",
                        "span-based dynamic convolution, grouped linear"),
     "modernbert": Family("ModernBertForMaskedLM", "ModernBertConfig",
-                         _d(STD, global_attn_every_n_layers=2, local_attention=4, cls_token_id=0, sep_token_id=0), "masked", "encoder",
-                         "fused Wqkv, GeGLU, local/global attention"),
-    "big_bird": Family("BigBirdForMaskedLM", "BigBirdConfig", _d(STD, block_size=1, num_random_blocks=1, sep_token_id=0), "masked_types",
+                         _d(STD, global_attn_every_n_layers=2, local_attention=4, cls_token_id=0, sep_token_id=0),
+                         "masked", "encoder", "fused Wqkv, GeGLU, local/global attention"),
+    "big_bird": Family("BigBirdForMaskedLM", "BigBirdConfig",
+                       _d(STD, block_size=1, num_random_blocks=1, sep_token_id=0), "masked_types",
                        "encoder", "block-sparse attention with random blocks"),
     "funnel": Family("FunnelForMaskedLM", "FunnelConfig",
                      dict(vocab_size=VOCAB, block_sizes=[1, 1], num_decoder_layers=1, d_model=32, n_head=4, d_head=8,
-                          d_inner=64), "masked_types", "encoder", "sequence pooled by 2 between blocks, upsampled back"),
+                          d_inner=64), "masked_types", "encoder",
+                     "sequence pooled by 2 between blocks, upsampled back"),
     "mobilebert": Family("MobileBertForMaskedLM", "MobileBertConfig",
                          _d(STD, embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16,
                             num_feedforward_networks=2), "masked_types", "encoder",
@@ -203,7 +210,8 @@ FAMILIES = {
     # encoder-decoders
     "t5": Family("T5ForConditionalGeneration", "T5Config", T5, "seq2seq", "encoder-decoder",
                  "relative position bias, cross-attention, tied head rescaled"),
-    "mt5": Family("MT5ForConditionalGeneration", "MT5Config", T5, "seq2seq", "encoder-decoder", "gated-GELU T5, untied head"),
+    "mt5": Family("MT5ForConditionalGeneration", "MT5Config", T5, "seq2seq", "encoder-decoder",
+                  "gated-GELU T5, untied head"),
     "umt5": Family("UMT5ForConditionalGeneration", "UMT5Config", T5, "seq2seq", "encoder-decoder",
                    "relative bias in every layer"),
     "bart": Family("BartForConditionalGeneration", "BartConfig", BART, "seq2seq", "encoder-decoder",
@@ -212,7 +220,8 @@ FAMILIES = {
                     "pre-norm BART, labels shifted with the last token"),
     "pegasus": Family("PegasusForConditionalGeneration", "PegasusConfig", BART, "seq2seq", "encoder-decoder",
                       "sinusoidal positions"),
-    "marian": Family("MarianMTModel", "MarianConfig", BART, "seq2seq", "encoder-decoder", "sinusoidal, scaled embedding"),
+    "marian": Family("MarianMTModel", "MarianConfig", BART, "seq2seq", "encoder-decoder",
+                     "sinusoidal, scaled embedding"),
     "plbart": Family("PLBartForConditionalGeneration", "PLBartConfig", BART, "seq2seq", "encoder-decoder", "as mbart"),
     "m2m_100": Family("M2M100ForConditionalGeneration", "M2M100Config", BART, "seq2seq", "encoder-decoder",
                       "sinusoidal positions from the mask"),
@@ -221,7 +230,8 @@ FAMILIES = {
     "blenderbot": Family("BlenderbotForConditionalGeneration", "BlenderbotConfig", BART, "seq2seq", "encoder-decoder",
                          "pre-norm, learned positions without offset"),
     "led": Family("LEDForConditionalGeneration", "LEDConfig",
-                  _d(BART, max_encoder_position_embeddings=64, max_decoder_position_embeddings=64, attention_window=[4, 4]),
+                  _d(BART, max_encoder_position_embeddings=64, max_decoder_position_embeddings=64,
+                     attention_window=[4, 4]),
                   "seq2seq", "encoder-decoder", "Longformer sliding-chunk attention in the encoder"),
     "longt5": Family("LongT5ForConditionalGeneration", "LongT5Config",
                      _d(T5, encoder_attention_type="transient-global", local_radius=2, global_block_size=4),
@@ -244,16 +254,17 @@ FAMILIES = {
                    dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4,
                         num_labels=LABELS), "image32", "vision", "shifted windows, patch merging"),
     "segformer": Family("SegformerForImageClassification", "SegformerConfig",
-                        dict(image_size=32, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-                             patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
-                             num_labels=LABELS), "image32", "vision",
+                        dict(image_size=32, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                             hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+                             mlp_ratios=[2, 2], num_labels=LABELS), "image32", "vision",
                         "overlapping conv patches, spatially reduced keys, depthwise conv in the MLP"),
     "resnet": Family("ResNetForImageClassification", "ResNetConfig",
                      dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
-                          num_labels=LABELS), "image32", "vision", "convolutions and BatchNorm only (no matmul to split)"),
+                          num_labels=LABELS), "image32", "vision",
+                     "convolutions and BatchNorm only (no matmul to split)"),
     "convnext": Family("ConvNextForImageClassification", "ConvNextConfig",
-                       dict(image_size=32, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=LABELS), "image32",
-                       "vision", "depthwise convolutions, channels-last LayerNorm"),
+                       dict(image_size=32, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=LABELS),
+                       "image32", "vision", "depthwise convolutions, channels-last LayerNorm"),
 }
 
 
@@ -290,7 +301,8 @@ def masked(b, s, seed, types=False):
 
 def classify(b, s, seed):
     g = torch.Generator().manual_seed(seed + 100)
-    return dict(input_ids=_ids(b, s, seed), attention_mask=_padded(b, s), labels=torch.randint(0, LABELS, (b,), generator=g))
+    return dict(input_ids=_ids(b, s, seed), attention_mask=_padded(b, s),
+                labels=torch.randint(0, LABELS, (b,), generator=g))
 
 
 def seq2seq(b, s, seed):
@@ -302,11 +314,13 @@ def seq2seq(b, s, seed):
 def image(b, s, seed, size=16):
     """`s` is unused: images have a fixed size."""
     g = torch.Generator().manual_seed(seed)
-    return dict(pixel_values=torch.randn(b, 3, size, size, generator=g), labels=torch.randint(0, LABELS, (b,), generator=g))
+    return dict(pixel_values=torch.randn(b, 3, size, size, generator=g),
+                labels=torch.randint(0, LABELS, (b,), generator=g))
 
 
 MAKERS = {
-    "causal": causal, "causal_left": causal_left, "masked": masked, "masked_types": lambda b, s, seed: masked(b, s, seed, types=True),
+    "causal": causal, "causal_left": causal_left, "masked": masked,
+    "masked_types": lambda b, s, seed: masked(b, s, seed, types=True),
     "classify": classify, "seq2seq": seq2seq, "image": image, "image32": lambda b, s, seed: image(b, s, seed, 32),
 }
 

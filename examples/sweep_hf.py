@@ -178,7 +178,8 @@ def _cell(text: str, width: int = 140) -> str:
 
 
 def table(rows) -> str:
-    head = "| family | kind | grid | strategy | parity | worst excess | fallbacks gathered / free | params per rank (x 1/p) | time (s) | reason / note |"
+    head = ("| family | kind | grid | strategy | parity | worst excess | fallbacks gathered / free "
+            "| params per rank (x 1/p) | time (s) | reason / note |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         fam = hf_families.FAMILIES[r.family]
@@ -309,8 +310,8 @@ def main(argv=None):
                 row = Row(name, grid, strategy, "error", reason=_first_line(e))
             row.seconds = time.perf_counter() - t0
             rows.append(row)
-            print(f"{name:22s} {grid[0]}x{grid[1]} {strategy:4s} {row.status:8s} {row.seconds:6.1f}s {row.reason[:150]}",
-                  flush=True)
+            print(f"{name:22s} {grid[0]}x{grid[1]} {strategy:4s} {row.status:8s} {row.seconds:6.1f}s "
+                  f"{row.reason[:150]}", flush=True)
             if args.out:
                 with open(args.out, "w") as f:
                     f.write(document(rows, command, started))

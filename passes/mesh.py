@@ -53,6 +53,11 @@ class Grid:
     grids side by side (data parallel replicas: global rank = d*R*C + r*C + c). `shape` is (R, C);
     `size(axis)` is the number of members of a collective over `axis`."""
 
+    rank: int  # global rank
+    dp_index: int  # which of the dp grids holds this rank
+    r: int  # this rank's row in its grid
+    c: int  # this rank's column in its grid
+
     def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"
         if min(rows, cols, dp) < 1:
@@ -74,23 +79,24 @@ class Grid:
         self.dp_group = None
         self.world_group = None  # this grid's R*C ranks; None: the default group (dp == 1, no timeout)
         if not dist.is_initialized():
-            self.mesh = None
+            self.mesh: DeviceMesh | None = None
             self.same_col_group = self.same_row_group = None
         elif timeout is not None:
             self._build_with_timeout(timeout)
         else:
             if dp > 1:
                 full = init_device_mesh(device_type, (dp, rows, cols), mesh_dim_names=("dp",) + AXIS_NAMES)
-                self.mesh: DeviceMesh | None = full[AXIS_NAMES]
+                mesh = full[AXIS_NAMES]
                 self.dp_group = full.get_group("dp")
                 for d in range(dp):  # every rank creates every group, in the same order
                     group = dist.new_group(self._grid_ranks(d))
                     if d == self.dp_index:
                         self.world_group = group
             else:
-                self.mesh = init_device_mesh(device_type, (rows, cols), mesh_dim_names=AXIS_NAMES)
-            self.same_col_group = self.mesh.get_group(0)
-            self.same_row_group = self.mesh.get_group(1)
+                mesh = init_device_mesh(device_type, (rows, cols), mesh_dim_names=AXIS_NAMES)
+            self.mesh = mesh
+            self.same_col_group = mesh.get_group(0)
+            self.same_row_group = mesh.get_group(1)
 
     def _grid_ranks(self, d: int) -> list:
         return list(range(d * self.world, (d + 1) * self.world))
@@ -115,7 +121,8 @@ class Grid:
             base = d * R * C
             for kind in ("row", "col"):
                 for i in range(R if kind == "row" else C):
-                    ranks = [base + (i * C + j if kind == "row" else j * C + i) for j in range(C if kind == "row" else R)]
+                    others = range(C if kind == "row" else R)
+                    ranks = [base + (i * C + j if kind == "row" else j * C + i) for j in others]
                     group = dist.new_group(ranks, timeout=timeout)
                     if self.rank in ranks:
                         mine[kind] = group

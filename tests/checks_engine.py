@@ -205,7 +205,8 @@ def replicated_drift(rank, drift_rank):
     and the name of the nudged parameter. The parity checks read each rank's own copy, so this must
     show on `drift_rank` and on no rank outside its groups."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 16))
     x = torch.randn(4, 8, 16)
     pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))
     name, p = next((n, p) for n, p in pm.named_parameters() if any(isinstance(pl, Replicate) for pl in p.placements))

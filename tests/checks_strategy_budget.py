@@ -28,7 +28,8 @@ def bart(layers: int = 2, meta: bool = False):
                        max_position_embeddings=64, use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0,
                        decoder_start_token_id=0)
     g = torch.Generator().manual_seed(0)
-    kw = dict(input_ids=torch.randint(1, VOCAB, (4, 8), generator=g), labels=torch.randint(1, VOCAB, (4, 4), generator=g))
+    kw = dict(input_ids=torch.randint(1, VOCAB, (4, 8), generator=g),
+              labels=torch.randint(1, VOCAB, (4, 4), generator=g))
     if meta:
         with autopar.meta_init():
             return T.BartForConditionalGeneration(cfg), kw

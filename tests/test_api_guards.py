@@ -32,7 +32,8 @@ def test_check_inputs_compares_bytes(pool4):
     res = pool4.run(C.check_inputs_cases)
     for rank, r in enumerate(res):
         kind, msg = r["swapped"]
-        assert kind == "ValueError" and "input 0 differs between ranks of this grid" in msg and "[2]" in msg, (rank, msg)
+        assert kind == "ValueError", (rank, kind)
+        assert "input 0 differs between ranks of this grid" in msg and "[2]" in msg, (rank, msg)
         assert r["nan identical"] == (None, ""), (rank, r["nan identical"])
         kind, msg = r["int to float model"]
         assert kind == "ValueError" and "aten.linear in module lin" in msg and "torch.int64" in msg, (rank, msg)

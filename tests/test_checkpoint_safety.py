@@ -47,18 +47,21 @@ def _with(entry, **fields):
 
 FORGED = {  # name -> (header, data, words the refusal must contain)
     "points into another tensor": (*_with("b", data_offsets=[12, 24]), "tensor 'b': data_offsets [12, 24] overlaps"),
-    "relabelled dtype": (*_with("a", dtype="F16"), "tensor 'a': data_offsets [0, 16] span 16 bytes, but F16 [2, 2] needs 8"),
+    "relabelled dtype": (*_with("a", dtype="F16"),
+                         "tensor 'a': data_offsets [0, 16] span 16 bytes, but F16 [2, 2] needs 8"),
     "unknown dtype": (*_with("a", dtype="F128"), "tensor 'a': dtype 'F128' is not one of"),
     "negative shape": (*_with("b", shape=[-3]), "tensor 'b': shape [-3] must be a list of non-negative ints"),
     "float shape": (*_with("b", shape=[3.0]), "tensor 'b': shape [3.0] must be a list of non-negative ints"),
-    "offsets past the end": (*_with("b", data_offsets=[16, 40], shape=[6]), "the tensors cover 40 bytes of data, the file holds 28"),
+    "offsets past the end": (*_with("b", data_offsets=[16, 40], shape=[6]),
+                             "the tensors cover 40 bytes of data, the file holds 28"),
     "gap": (*_with("b", data_offsets=[20, 32]), "leaves a gap after the tensor before it"),
     "reversed offsets": (*_with("b", data_offsets=[28, 16]), "must be [begin, end] with 0 <= begin <= end"),
     "header is a list": ([1, 2], b"", "header is a JSON list, expected an object"),
     "header not JSON": (b"{not json", b"", "header is not UTF-8 JSON"),
     "metadata not strings": ({**_two_tensors()[0], "__metadata__": {"k": 1}}, _two_tensors()[1],
                              "__metadata__ must map strings to strings"),
-    "entry without offsets": ({"a": {"dtype": "F32", "shape": [0]}}, b"", "expected an object with dtype, shape and data_offsets"),
+    "entry without offsets": ({"a": {"dtype": "F32", "shape": [0]}}, b"",
+                              "expected an object with dtype, shape and data_offsets"),
 }
 
 
@@ -69,7 +72,7 @@ def test_forged_safetensors_refused_like_the_library(tmp_path, case):
     so the rule is the format's, not a stricter one of ours."""
     header, data, words = FORGED[case]
     path = _forge(tmp_path / "x.safetensors", header, data)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017  the library's error type is its own; that it refuses is the point
         safetensors.safe_open(path, framework="pt")
     with pytest.raises(ValueError, match="not a valid safetensors file") as e:
         SafetensorsFile(path)

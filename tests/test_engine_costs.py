@@ -46,4 +46,5 @@ def test_memory_per_rank(pool4):
             assert local * p <= full, f"rank {rank}: {name} holds {local} of {full} elements ({placements})"
         assert r["held"] <= 1.25 * r["full"] / p, f"rank {rank}: holds {r['held']} of {r['full']} parameters"
         ratio = r["saved"] * p / r["ref_saved"]
-        assert ratio <= 1.3, f"rank {rank}: saved-for-backward {r['saved']} B vs {r['ref_saved']} B on one process = {ratio:.2f}/p"
+        assert ratio <= 1.3, (f"rank {rank}: saved-for-backward {r['saved']} B vs {r['ref_saved']} B "
+                              f"on one process = {ratio:.2f}/p")

@@ -27,7 +27,8 @@ def test_gpt_parity_2x2(pool4, norm, mlp, lowering):
     """Catches any wrong forward value, gradient or optimizer state on a 2x2 grid: a SUMMA block
     taken from the wrong rank, a missing gradient all-reduce for a replicated bias or norm weight,
     a wrong local view size, a tied weight updated twice."""
-    _assert_all_small(pool4.run(C.gpt_parity, 2, dict(SMALL, norm=norm, mlp=mlp), lowering), f"2x2 {norm} {mlp} {lowering}")
+    results = pool4.run(C.gpt_parity, 2, dict(SMALL, norm=norm, mlp=mlp), lowering)
+    _assert_all_small(results, f"2x2 {norm} {mlp} {lowering}")
 
 
 @pytest.mark.parametrize("norm,mlp", [("layernorm", "gelu"), ("rmsnorm", "swiglu")])

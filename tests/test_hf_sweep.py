@@ -99,7 +99,8 @@ def test_pool_start_is_retried_then_refused(capsys):
             return [fn(r) for r in range(4)]
 
     assert isinstance(sweep_hf._start_pool(Flaky, 4, sweep_hf.ready), Flaky) and starts == [4, 4]
-    assert "pool of 4 ranks failed to start (AssertionError: ready: rank(s) [0] died); retrying" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "pool of 4 ranks failed to start (AssertionError: ready: rank(s) [0] died); retrying" in out
 
     class Dead(Flaky):
         def run(self, fn, timeout):

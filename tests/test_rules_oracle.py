@@ -1,12 +1,12 @@
 """The sharding rules against a brute-force oracle, in one process (no torch.distributed).
 
 For every node whose rule runs the aten op itself on each rank's blocks (no kernel, no fallback), the
-oracle simulates the R x C grid (square q x q and rectangular): it cuts the node's full inputs into the blocks each rank (r, c)
-holds under the layouts the rule *requires*, runs the op on those blocks with its sizes localized
-(what `passes.localize` does), reassembles the full result from the rank results under the output
-layout the rule *claims*, and compares that with the op on the full tensors. A rule that keeps a split
-through an op that mixes values across it, claims a wrong output layout, or forgets to gather an
-input fails here with the node, its layouts and the mismatch.
+oracle simulates the R x C grid (square q x q and rectangular): it cuts the node's full inputs into the
+blocks each rank (r, c) holds under the layouts the rule *requires*, runs the op on those blocks with
+its sizes localized (what `passes.localize` does), reassembles the full result from the rank results
+under the output layout the rule *claims*, and compares that with the op on the full tensors. A rule
+that keeps a split through an op that mixes values across it, claims a wrong output layout, or forgets
+to gather an input fails here with the node, its layouts and the mismatch.
 
 Layout semantics (see passes/layout.py): on rank (r, c), Shard(d) over mesh axis 0 holds block r of
 dim d (torch.chunk(q) along d), over axis 1 block c; Partial over an axis means the true value is the
@@ -143,8 +143,8 @@ def check_node(node, env, q: int) -> str | None:
         need[inp] = strat.inputs.get(inp, inp.meta["autopar_layout"])
     head = (
         f"{node.name} = {node.target}  q={q}  inputs "
-        + ", ".join(f"{i.name}{tuple(env[i].shape) if isinstance(env[i], torch.Tensor) else ''}:{repr(l)}"
-                    for i, l in need.items())
+        + ", ".join(f"{i.name}{tuple(env[i].shape) if isinstance(env[i], torch.Tensor) else ''}:{repr(lay)}"
+                    for i, lay in need.items())
         + f"  -> output {repr(out_lay)}"
     )
     grid = []
@@ -154,7 +154,7 @@ def check_node(node, env, q: int) -> str | None:
             for c in range(mesh_shape(q)[1]):
                 blocks = {i: cut(env[i], lay, q, r, c) for i, lay in need.items()}
 
-                def sub(a):
+                def sub(a, blocks=blocks):
                     return blocks[a] if isinstance(a, Node) and a in blocks else (env[a] if isinstance(a, Node) else a)
 
                 args = map_aggregate(node.args, sub)
@@ -205,8 +205,8 @@ def check_local_rules(module: nn.Module, args: tuple, q: int, expect=(), expect_
         if err:
             failures.append(err)
         lays = list(strat.inputs.values()) + [strat.output]
-        flat = [l for lay in lays for l in (lay if isinstance(lay, tuple) else (lay,))]
-        split_seen |= any(isinstance(l, Layout) and not l.is_replicated for l in flat)
+        flat = [one for lay in lays for one in (lay if isinstance(lay, tuple) else (lay,))]
+        split_seen |= any(isinstance(one, Layout) and not one.is_replicated for one in flat)
     assert not failures, f"{len(failures)} rule(s) disagree with the oracle:\n" + "\n".join(failures)
     assert checked, "no node was checked: the test would pass vacuously"
     if expect_split:

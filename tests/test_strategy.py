@@ -76,7 +76,8 @@ def test_block_shortcut_equals_the_whole_graph(build):
     assert ev.blocks is not None
     for i, option in enumerate(["2d", "1d", "rep", "mixed"]):
         assignment = {k: (S.OPTIONS[(i + j) % 3] if option == "mixed" else option) for j, k in enumerate(keys)}
-        assignment = {k: (v if v in next(u.options for u in units if u.key == k) else "1d") for k, v in assignment.items()}
+        assignment = {k: (v if v in next(u.options for u in units if u.key == k) else "1d")
+                      for k, v in assignment.items()}
         ev._set(assignment)
         short = ev._truncated()
         nodes = list(gm.graph.nodes)
@@ -155,7 +156,8 @@ def test_choose_grid_covers_every_shape_and_picks_the_fastest():
 
 def test_bad_strategy_options_are_refused():
     model, kw = _llama(layers=1)
-    with pytest.raises(ValueError, match="calibration version 7, this autopar reads version 1; re-run `autopar calibrate"):
+    expected = "calibration version 7, this autopar reads version 1; re-run `autopar calibrate"
+    with pytest.raises(ValueError, match=expected):
         autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="auto", cost_model={"version": 7},
                      measure_activations=False)
     with pytest.raises(ValueError, match="strategy='3d'"):

@@ -43,7 +43,8 @@ def test_dcp_save_resume_and_reshard(pool4, tmp_shared):
     from tests.conftest import get_pool
 
     for grid, strategy in (((1, 4), "1d"), ((4, 1), "2d"), ((2, 2), "auto")):
-        assert_every_rank(pool4.run(C.dcp_load_other_grid, tmp_shared, grid, strategy), f"DCP load at {grid} {strategy}")
+        results = pool4.run(C.dcp_load_other_grid, tmp_shared, grid, strategy)
+        assert_every_rank(results, f"DCP load at {grid} {strategy}")
 
     assert_every_rank(get_pool(1).run(C.dcp_load_other_grid, tmp_shared, 1), "DCP load at 1x1")
 

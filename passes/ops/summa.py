@@ -50,7 +50,8 @@ def _bcast_steps(grid: Grid, steps, tag, phase):
                 bufs.append(t)
                 works.append(None)
                 continue
-            buf = t.contiguous() if grid.index(axis) == src else torch.empty_like(t, memory_format=torch.contiguous_format)
+            mine = grid.index(axis) == src
+            buf = t.contiguous() if mine else torch.empty_like(t, memory_format=torch.contiguous_format)
             bufs.append(buf)
             works.append(comm.broadcast(grid, axis, buf, src, tag, phase, async_op=True))
         return bufs, works

@@ -64,16 +64,19 @@ def broadcast_strategy(node, layouts, out_shape, mesh, skip_dims=()) -> tuple:
         for n in ins:
             lay = layouts.get(n)
             p = lay[axis] if lay is not None else None
-            if split_dim(p) is not None:
-                od = dim_map(shape(n), out_shape).get(p.dim % len(shape(n)))
-                if od is not None and od not in skip_dims and od not in out_ps and out_shape[od] % (mesh[axis] * parts(p)) == 0:
+            d = None if p is None else split_dim(p)
+            if d is not None:
+                od = dim_map(shape(n), out_shape).get(d % len(shape(n)))
+                free = od is not None and od not in skip_dims and od not in out_ps
+                if free and out_shape[od] % (mesh[axis] * parts(p)) == 0:
                     chosen, kind = od, p
                     break
         if chosen is None:  # a partial input is reduce-scattered onto the first divisible dim it has
             full_dims = {od for n in ins if layouts.get(n) is not None and isinstance(layouts[n][axis], Partial)
                          for od in dim_map(shape(n), out_shape).values()}
             for od in sorted(full_dims):
-                if od not in skip_dims and od not in out_ps and out_shape[od] % mesh[axis] == 0 and od != len(out_shape) - 1:
+                free = od not in skip_dims and od not in out_ps and od != len(out_shape) - 1
+                if free and out_shape[od] % mesh[axis] == 0:
                     chosen = od
                     break
         out_ps.append(chosen)

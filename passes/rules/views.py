@@ -74,7 +74,9 @@ def reshape_groups(src, dst) -> list:
     """Pair up runs of input and output dims with equal products: [([in dims], [out dims]), ...]."""
     groups, i, j = [], 0, 0
     while i < len(src) or j < len(dst):
-        gi, gj, pi, pj = [], [], 1, 1
+        gi: list[int] = []
+        gj: list[int] = []
+        pi, pj = 1, 1
         while True:
             if pi == pj and gi and gj:
                 break
