@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from passes.cost import node_cost, node_flops, nodes_needing_grad
+from passes.cost import node_cost, nodes_needing_grad
+from passes.kernelspec import Site, flops
 from passes.propagate import module_path
 
 
@@ -27,6 +28,7 @@ class Row:
     note: str
     formula: str = ""  # the bytes as sympy expressions, with the values substituted
     flops: int = 0  # forward + backward FLOPs on this rank (matmul-like ops)
+    fallback: bool = False  # the op fell back to replication (runs whole on every rank)
 
 
 def _op_name(gm, node) -> str:
@@ -75,6 +77,7 @@ def graph_rows(gm, mesh) -> list:
             continue
         cost = node_cost(gm, node, mesh, grads)
         strat = node.meta.get("autopar_strategy")
+        own = strat is not None and not node.meta.get("autopar_inserted")  # the strategy is this op's
         lay = node.meta.get("autopar_layout")
         out.append(Row(
             node=node.name,
@@ -84,9 +87,10 @@ def graph_rows(gm, mesh) -> list:
             collectives=cost.collectives if cost else "",
             fwd_bytes=cost.fwd if cost else 0,
             bwd_bytes=cost.bwd if cost else 0,
-            note=(strat.note + _why(node) if strat is not None and not node.meta.get("autopar_inserted") else ""),
+            note=strat.note + _why(node) if own else "",
             formula=cost.formula if cost else "",
-            flops=node_flops(gm, node, mesh),
+            flops=flops(Site.inserted(node, mesh, grads), node.meta.get("autopar_kernel")),
+            fallback=own and strat.fallback,
         ))
     return out
 
@@ -104,7 +108,7 @@ def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False)
     moves bytes is followed by its cost as a sympy expression and the values it was evaluated at."""
     table = rows(pmodel)
     if only_communicating:
-        table = [r for r in table if r.fwd_bytes or r.bwd_bytes or r.note.startswith("fallback")]
+        table = [r for r in table if r.fwd_bytes or r.bwd_bytes or r.fallback]
     head = ("node", "op", "module", "layout", "collectives", "fwd/rank", "bwd/rank", "note")
     cells = [head] + [(r.node, r.op, r.module, r.layout, r.collectives, _fmt_bytes(r.fwd_bytes) if r.fwd_bytes else "",
                        _fmt_bytes(r.bwd_bytes) if r.bwd_bytes else "", r.note) for r in table]

@@ -6,8 +6,8 @@ per rank and per training step (forward + backward):
 
 - bytes received, per inserted module, with the conventions of `passes.mesh.CommLog` (equal to what a
   real run counts);
-- FLOPs of the matmul-like ops (SUMMA products, local attention, local batched matmuls): 2·m·k·n
-  per product, backward twice the forward;
+- FLOPs of the matmul-like ops (SUMMA products, local matmuls, attention): 2·m·k·n per product
+  that runs, the forward one and a backward one per operand that needs a gradient;
 - memory: parameters, gradients (same size), AdamW states (two per parameter), and -- when no
   process group is initialized in this process -- the bytes autograd saves for backward and the
   largest tensor saved or returned (temporaries inside kernels are not tracked), measured by running rank (0, 0)'s graph under FakeTensorMode on a fake

@@ -21,7 +21,7 @@ def group_by_module(pl) -> str:
         g = groups[key]
         g[0] += r.fwd_bytes
         g[1] += r.bwd_bytes
-        if r.note.startswith("fallback"):
+        if r.fallback:
             g[3].add(r.node)
     width = max([len(k) for k in groups] + [6])
     lines = [f"{'module':<{width}}  {'fwd MiB':>9}  {'bwd MiB':>9}  fallbacks",

@@ -11,9 +11,10 @@ call_module nodes on the GraphModule:
   split (or partial) over: each rank's backward then holds only its block's share of that input's
   gradient, and the all-reduce makes it whole (a LayerNorm weight, a bias, a position embedding);
 - a kernel module (SUMMA, sharded norm, vocab-split embedding, vocab-parallel cross-entropy) in place
-  of the aten call, when the rule named one.
+  of the aten call, when the rule named one (`Strategy.kernel`, a `passes.kernelspec.KernelSpec`).
 
-New nodes carry `autopar_layout`; kernels keep the replaced node's name, meta and strategy.
+Each module is built by its spec, which every new node carries in `autopar_kernel` (what `explain`
+and `passes.cost` ask), with `autopar_layout`; kernels keep the replaced node's name, meta and strategy.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.fx import GraphModule, Node
 
+from passes.kernelspec import GradSyncSpec, RedistributeSpec
 from passes.layout import Layout
 from passes.mesh import Grid
-from passes.ops import kernels
-
-aten = torch.ops.aten
 
 
 def gradsync_axes(consumer: Node, out_layout, inp: Node, need: Layout) -> tuple:
@@ -40,42 +39,15 @@ def gradsync_axes(consumer: Node, out_layout, inp: Node, need: Layout) -> tuple:
     return tuple(a for a in sorted(split) if isinstance(need[a], Replicate))
 
 
-def _add_module(gm: GraphModule, before: Node, name: str, module, arg: Node, layout) -> Node:
+def _add_module(gm: GraphModule, before: Node, name: str, spec, built: tuple, layout) -> Node:
+    module, (arg,) = built
     name = name.replace(".", "_")
     gm.add_submodule(name, module)
     with gm.graph.inserting_before(before):
         new = gm.graph.call_module(name, (arg,))
-    new.meta.update(val=arg.meta.get("val"), autopar_layout=layout, autopar_inserted=True,
+    new.meta.update(val=arg.meta.get("val"), autopar_layout=layout, autopar_inserted=True, autopar_kernel=spec,
                     nn_module_stack=before.meta.get("nn_module_stack", {}))  # explain groups it with its consumer
     return new
-
-
-def _kernel(node: Node, grid: Grid, lowering: str):
-    strat = node.meta["autopar_strategy"]
-    tag = node.name
-    if strat.kernel == "summa":
-        e = strat.extra
-        module = kernels.SummaLinear(grid, e["transposed"], e["flip"], tag, node.meta.get("autopar_lowering", lowering))
-        args = (e["x"], e["w"]) + ((e["bias"],) if e["bias"] is not None else ())
-    elif strat.kernel == "norm":
-        layer = node.target == aten.layer_norm.default
-        a = list(node.args) + [None] * 5
-        x, shape_, w = a[:3]
-        # layer_norm(x, shape, w, b, eps=1e-5, cudnn); rms_norm(x, shape, w, eps=None)
-        b, eps = (a[3], 1e-5 if a[4] is None else a[4]) if layer else (None, a[3])
-        module = kernels.ShardedNorm(grid, shape_[-1], eps, layer, tag)
-        args = (x, w, b)
-    elif strat.kernel == "embedding":
-        padding_idx = node.args[2] if len(node.args) > 2 else -1
-        module = kernels.VocabSplitEmbedding(grid, strat.extra["vocab_axis"], padding_idx, tag)
-        args = tuple(node.args[:2])
-    elif strat.kernel == "cross_entropy":
-        ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-        module = kernels.VocabParallelCrossEntropy(grid, ignore, tag, strat.extra["vocab_split"], strat.extra["sum"])
-        args = tuple(node.args[:2])
-    else:
-        raise AssertionError(f"unknown kernel {strat.kernel!r} on {node.name}")
-    return module, args
 
 
 def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast") -> GraphModule:
@@ -95,28 +67,31 @@ def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast")
             if have != need:
                 key = (inp, need, region)
                 if key not in cache:
-                    mod = kernels.Redistribute(grid, have, need, f"{inp.name}->{node.name}")
-                    cache[key] = _add_module(gm, node, f"autopar_redist_{inp.name}_{len(cache)}", mod, inp, need)
+                    spec = RedistributeSpec(have, need, f"{inp.name}->{node.name}")
+                    cache[key] = _add_module(gm, node, f"autopar_{spec.name}_{inp.name}_{len(cache)}", spec,
+                                             spec.build(inp, grid, lowering), need)
                 new = cache[key]
             sync = gradsync_axes(node, node.meta.get("autopar_layout"), inp, need)
             if sync:
                 key = (inp, need, sync, region)
                 if key not in cache:
-                    mod = kernels.GradSync(grid, sync, f"gradsync:{inp.name}")
-                    cache[key] = _add_module(gm, node, f"autopar_gradsync_{inp.name}_{len(cache)}", mod, new, need)
+                    spec = GradSyncSpec(sync, f"gradsync:{inp.name}")
+                    cache[key] = _add_module(gm, node, f"autopar_{spec.name}_{inp.name}_{len(cache)}", spec,
+                                             spec.build(new, grid, lowering), need)
                 new = cache[key]
             if new is not inp:
                 node.replace_input_with(inp, new)
                 routed[inp] = new
-        if strat.kernel is not None:
-            module, args = _kernel(node, grid, lowering)
+        spec = strat.kernel
+        if spec is not None:
+            module, args = spec.build(node, grid, lowering)
             args = tuple(routed.get(replaced.get(a, a), replaced.get(a, a)) if isinstance(a, Node) else a
                          for a in args)
-            name = f"autopar_{strat.kernel}_{node.name}"
+            name = f"autopar_{spec.name}_{node.name}"
             gm.add_submodule(name, module)
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_module(name, args)
-            new.meta.update(node.meta)
+            new.meta.update(node.meta, autopar_kernel=spec)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
             new.name = node.name

@@ -1,9 +1,10 @@
 """Per-op sharding rules: one pure function per op family, registered on aten overloads.
 
 A rule sees a node and the current layouts of its input nodes and returns a `Strategy`: the layout
-each tensor input must arrive in, the layout of each output, and optionally a `kernel` (a factory of
-the runtime module that replaces the aten call on every rank). It never edits the graph; mismatches
-between what an input has and what the rule needs become collectives in `insert_collectives`.
+each tensor input must arrive in, the layout of each output, and optionally a `kernel` (a typed
+`passes.kernelspec.KernelSpec` of the runtime module that replaces the aten call on every rank). It
+never edits the graph; mismatches between what an input has and what the rule needs become
+collectives in `insert_collectives`.
 
 An input layout of `None` is an unplaced parameter: the first rule that consumes it decides its
 placement by asking for a layout (see `propagate`).
@@ -11,13 +12,13 @@ placement by asking for a layout (see `propagate`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 
 from passes.compat import OpOverloadPacket
+from passes.kernelspec import KernelSpec
 from passes.layout import REPLICATED, Layout, Partial, Replicate, Shard, split_dim
 
 RULES: dict = {}
@@ -25,12 +26,11 @@ RULES: dict = {}
 
 @dataclass
 class Strategy:
-    inputs: dict  # Node -> Layout the input must arrive in
-    output: object  # Layout, or a tuple of Layouts for ops returning several tensors
-    kernel: Callable | None = None  # (node, grid, options) -> nn.Module run instead of the aten op
+    inputs: dict[Node, Layout]  # the layout each input must arrive in
+    output: Layout | tuple[Layout, ...]  # a tuple for ops returning several tensors
+    kernel: KernelSpec | None = None  # the module run instead of the aten op
     note: str = ""  # shown by explain, e.g. "SUMMA AB"
     fallback: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class Unsupported(Exception):

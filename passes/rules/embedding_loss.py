@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from passes.kernelspec import CrossEntropySpec, EmbeddingSpec
 from passes.layout import REPLICATED, Layout
 from passes.rules import Strategy, Unsupported, arg, register, shape, val
 
@@ -43,9 +44,8 @@ def embedding(node, layouts, mesh):
     return Strategy(
         {table: have, ids: REPLICATED},
         Layout(tuple(out)),
-        kernel="embedding" if vocab_axis is not None else None,
+        kernel=EmbeddingSpec(vocab_axis) if vocab_axis is not None else None,
         note="vocab-split lookup" if vocab_axis is not None else "",
-        extra={"vocab_axis": vocab_axis},
     )
 
 
@@ -65,7 +65,6 @@ def cross_entropy(node, layouts, mesh):
         {logits: Layout((Shard(0), Shard(1) if vocab_split else Replicate())),
          target: Layout((Shard(0), Replicate()))},
         REPLICATED,
-        kernel="cross_entropy",
+        kernel=CrossEntropySpec(vocab_split=vocab_split, reduce_sum=reduction == 2),
         note="vocab-parallel cross-entropy" if vocab_split else "cross-entropy on row blocks (vocab whole)",
-        extra={"vocab_split": vocab_split, "sum": reduction == 2},
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from passes.kernelspec import SummaSpec
 from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim
 from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape, val
 
@@ -77,9 +78,8 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     return Strategy(
         need,
         Layout((out_rows, Strided(out_last, split_factor=k) if fused else Shard(out_last))),
-        kernel="summa",
+        kernel=SummaSpec(x=x, w=w, bias=bias, transposed=transposed, flip=flip),
         note=("SUMMA ABT" if transposed else "SUMMA AB") + (f", fused x{k}: column blocks hold matching parts" if fused else ""),
-        extra={"transposed": transposed, "flip": flip, "x": x, "w": w, "bias": bias},
     )
 
 

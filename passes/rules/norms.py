@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from passes.kernelspec import NormSpec
 from passes.layout import Layout
 from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape
 
@@ -37,7 +38,8 @@ def norm_strategy(node, layouts, mesh, x, params, n_norm):
     p_lay = Layout((Replicate(), Shard(0) if split else Replicate()))
     need = {x: x_lay}
     need.update({p: p_lay for p in params if p is not None})
-    return Strategy(need, x_lay, kernel="norm" if split else None,
+    kernel = NormSpec(centered=node.target == aten.layer_norm.default) if split else None
+    return Strategy(need, x_lay, kernel=kernel,
                     note="norm stats all-reduced over the row" if split else "")
 
 

@@ -1,0 +1,369 @@
+"""What an inserted module is and what it costs, in one place: one `KernelSpec` per kind of module.
+
+A rule that needs a kernel names it in its Strategy with a typed spec (`SummaSpec(x=..., w=...,
+bias=..., transposed=..., flip=...)`, `NormSpec`, `EmbeddingSpec`, `CrossEntropySpec`); the insertion
+pass adds a `RedistributeSpec` where an input must change layout and a `GradSyncSpec` where its
+gradient must be summed, and records every inserted node's spec in `node.meta["autopar_kernel"]`.
+Everything that needs to know about an inserted module asks its spec:
+
+- the insertion pass: `build(node, grid, lowering)`, the nn.Module and its (unrouted) arguments;
+- `passes.cost` / `explain`: `cost(site)`, the bytes received per rank as sympy formulas;
+- `passes.estimate`: `terms(site)`, the same bytes as numbers, one launch per collective call;
+- both: `flops(site, spec)`, the one count of matmul work (kernels and local ops alike).
+
+A spec's bytes are its `steps`: (mesh axis, phase, bytes) of each collective call it makes, written
+once over values that are sympy symbols (the formulas) or numbers (the estimate). A `Site` holds the
+facts they read, from the graph before insertion (`Site.planned`) or after it (`Site.inserted`).
+
+>>> ce = CrossEntropySpec(vocab_split=True, reduce_sum=False)  # r rows of logits per rank
+>>> ce.steps(None, {k: symbol(k) for k in "RCr"}, exact=True)
+[(1, 'fwd', floor(4*r*(2*C - 2)/C)), (1, 'fwd', floor(8*r*(2*C - 2)/C)), (0, 'fwd', floor((16*R - 16)/R))]
+>>> ce.steps(None, {"R": 2, "C": 4, "r": 8}, exact=False)
+[(1, 'fwd', 48), (1, 'fwd', 96), (0, 'fwd', 8)]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, cast
+
+import sympy
+import torch
+from torch.fx import Node
+
+from passes.cost import (C, E, R, Cost, all_reduce_bytes, redistribute_steps, summa_ab_bytes,
+                         summa_abt_bytes, summa_axis_elems)
+from passes.layout import Layout, local_shape, mesh_shape
+from passes.mesh import Grid
+from passes.ops import kernels
+
+if TYPE_CHECKING:  # passes.rules imports this module for Strategy.kernel
+    from passes.rules import Strategy
+
+aten = torch.ops.aten
+MATMULS = {aten.linear.default: (0, 1), aten.addmm.default: (1, 2), aten.mm.default: (0, 1),
+           aten.matmul.default: (0, 1)}  # matmul-like op -> (activation arg, weight arg)
+SDPA = aten.scaled_dot_product_attention.default
+# local ops whose FLOPs are counted -> their operand args (q, k, v for attention)
+_OPERANDS = {**MATMULS, aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2), SDPA: (0, 1, 2)}
+_SYMBOLS = {"R": R, "C": C, "e": E}  # the grid and element-size symbols `passes.cost` shares
+
+
+def symbol(name: str) -> sympy.Symbol:
+    """The sympy symbol a value named `name` stands for in a formula."""
+    return _SYMBOLS.get(name) or sympy.Symbol(name, positive=True)
+
+
+def operands(node: Node) -> tuple:
+    """The operands of a local matmul-like op (or attention) whose FLOPs count; () for other ops."""
+    idx = _OPERANDS.get(node.target, ()) if node.op == "call_function" else ()
+    return tuple(node.args[i] for i in idx)
+
+
+@dataclass(frozen=True)
+class Site:
+    """One node as its costs see it: its tensor operands `args` (a kernel's in its argument order),
+    the layout each arrives in, the output's layout `out`, the grid (R, C), and whether each operand
+    needs a gradient. `planned` reads them before insertion (layouts as the rule asks), `inserted`
+    from the rewritten graph, so the estimate and `explain` count the same."""
+
+    node: Node
+    args: tuple
+    layouts: tuple
+    out: Layout | tuple  # the node's output layout (a tuple for multi-output ops, which no kernel has)
+    mesh: tuple
+    grads: tuple
+
+    @classmethod
+    def planned(cls, node: Node, strat: Strategy, layouts: dict, mesh, grads: set) -> Site:
+        args = strat.kernel.operands(node) if strat.kernel is not None else operands(node)
+        return cls(node, args, tuple(strat.inputs.get(a, layouts.get(a)) for a in args), strat.output,
+                   mesh_shape(mesh), tuple(a in grads for a in args))
+
+    @classmethod
+    def inserted(cls, node: Node, mesh, grads: set) -> Site:
+        args = tuple(node.args) if node.op == "call_module" else operands(node)
+        lays = tuple(a.meta.get("autopar_layout") if isinstance(a, Node) else None for a in args)
+        out = node.meta.get("autopar_layout")
+        return cls(node, args, lays, out, mesh_shape(mesh), tuple(a in grads for a in args))
+
+    def val(self, i: int) -> torch.Tensor:
+        return self.args[i].meta["val"]
+
+    def local(self, i: int) -> tuple:
+        """The block of operand i a rank holds as it arrives."""
+        return local_shape(tuple(self.val(i).shape), self.layouts[i], self.mesh, self.args[i].name)
+
+    def local_out(self) -> tuple:
+        return local_shape(tuple(self.node.meta["val"].shape), cast(Layout, self.out), self.mesh, self.node.name)
+
+
+class KernelSpec:
+    """One kind of inserted module (subclasses are frozen dataclasses of what the rule or the pass
+    decided). `name` makes the graph's module names, autopar_<name>_<node>. Bytes are received per
+    rank, with the conventions of `passes.mesh.CommLog`."""
+
+    name: ClassVar[str]
+
+    def operands(self, node: Node) -> tuple:
+        """The kernel's tensor arguments in the graph before insertion, in `build`'s order."""
+        return tuple(node.args[:2])
+
+    def build(self, node: Node, grid: Grid, lowering: str) -> tuple:
+        """(nn.Module, args) that replace `node` on every rank; args before routing."""
+        raise NotImplementedError(f"{type(self).__name__} does not build a module")
+
+    def values(self, site: Site) -> dict:
+        """Symbol name -> number: the sizes the bytes depend on, in the order `explain` prints them."""
+        return {}
+
+    def steps(self, site: Site, v: dict, exact: bool) -> list:
+        """(mesh axis, "fwd" | "bwd", bytes) of each collective call, over `v`: sympy symbols with
+        `exact`, else numbers (integer division, as the collective layer counts)."""
+        return []
+
+    def describe(self, site: Site) -> str:
+        """The collectives it runs, as `explain`'s column names them."""
+        return ""
+
+    def cost(self, site: Site) -> Cost:
+        """The bytes as formulas with the values they take here (what `explain --formulas` prints)."""
+        values = self.values(site)
+        steps = self.steps(site, {k: symbol(k) for k in values}, exact=True)
+        fwd = sum((b for _, phase, b in steps if phase == "fwd"), sympy.Integer(0))
+        bwd = sum((b for _, phase, b in steps if phase == "bwd"), sympy.Integer(0))
+        return Cost(self.describe(site), fwd, bwd, {symbol(k): n for k, n in values.items()})
+
+    def inserted_cost(self, node: Node, mesh, grads: set) -> Cost:
+        """`cost` of `node`, a module of the rewritten graph this spec describes."""
+        return self.cost(Site.inserted(node, mesh, grads))
+
+    def terms(self, site: Site) -> list:
+        """(axis, bytes, launches) of each collective call that moves data (axes of one member left out)."""
+        return [(a, b, 1) for a, _, b in self.steps(site, self.values(site), exact=False) if site.mesh[a] > 1]
+
+    def flops(self, site: Site) -> int:
+        return 0
+
+
+def _products(*needs_grad: bool) -> int:
+    """Products one matmul runs in a training step: the forward one, and one backward per operand
+    that needs a gradient (dX = dY W^T, dW = X^T dY)."""
+    return 1 + sum(needs_grad)
+
+
+@dataclass(frozen=True)
+class SummaSpec(KernelSpec):
+    """A linear x [..., K] . W (+ bias) as a SUMMA product (`kernels.SummaLinear`); W stored [K, N]
+    (AB) or [N, K] (ABT, `transposed`); `flip` when the local block must be transposed first."""
+
+    x: Node
+    w: Node
+    bias: Node | None
+    transposed: bool
+    flip: bool
+    name: ClassVar[str] = "summa"
+
+    def operands(self, node: Node) -> tuple:
+        return (self.x, self.w) + ((self.bias,) if self.bias is not None else ())
+
+    def build(self, node, grid, lowering):
+        lowering = node.meta.get("autopar_lowering", lowering)  # strategy='auto' picks one per product
+        return kernels.SummaLinear(grid, self.transposed, self.flip, node.name, lowering), self.operands(node)
+
+    def values(self, site):
+        x, y = site.val(0), site.node.meta["val"]
+        return {"R": site.mesh[0], "C": site.mesh[1], "e": y.element_size(), "M": math.prod(x.shape[:-1]),
+                "K": x.shape[-1], "N": y.shape[-1]}
+
+    def products(self, site: Site) -> int:
+        return _products(site.grads[0], site.grads[1])
+
+    def describe(self, site):
+        return ("SUMMA ABT: bcast W (col), reduce Y (row); bwd AB + ATB" if self.transposed
+                else "SUMMA AB: bcast X (row), W (col); bwd ABT + ATB")
+
+    def cost(self, site):
+        """Each product receives the same bytes; written as one fraction per product (`summa_ab_bytes`)."""
+        values = self.values(site)
+        M, K, N = (symbol(k) for k in "MKN")
+        fwd, bwd = (summa_abt_bytes if self.transposed else summa_ab_bytes)(M, K, N, self.products(site) - 1)
+        return Cost(self.describe(site), fwd, bwd, {symbol(k): n for k, n in values.items()})
+
+    def _per_axis(self, v: dict) -> list:
+        elems = summa_axis_elems(v["M"], v["K"], v["N"], v["R"], v["C"], self.transposed)
+        return [n * v["e"] / (v["R"] * v["C"]) for n in elems]
+
+    def axis_bytes(self, site: Site) -> list:
+        """Bytes one product receives over mesh axis 0 and over axis 1 (the estimate prices each axis)."""
+        return self._per_axis(self.values(site))
+
+    def steps(self, site, v, exact):
+        one = list(enumerate(self._per_axis(v)))
+        return [(a, phase, b) for phase, k in (("fwd", 1), ("bwd", self.products(site) - 1))
+                for _ in range(k) for a, b in one]
+
+    def launches(self, site: Site, lowering: str) -> int:
+        """Collective calls per product on each mesh axis with more than one member: the broadcast
+        lowering sends one panel per step of its R + C - gcd(R, C) steps, the all-gather one call."""
+        R_, C_ = site.mesh
+        return R_ + C_ - math.gcd(R_, C_) if lowering == "broadcast" else 1
+
+    def flops(self, site):
+        v = self.values(site)
+        return 2 * (v["M"] // v["R"]) * v["K"] * (v["N"] // v["C"]) * self.products(site)
+
+
+@dataclass(frozen=True)
+class NormSpec(KernelSpec):
+    """LayerNorm (`centered`) or RMSNorm over a hidden dim split over the mesh columns
+    (`kernels.ShardedNorm`): per-token statistics all-reduced in the row, `kernels.NORM_STATS` of them."""
+
+    centered: bool
+    name: ClassVar[str] = "norm"
+
+    def operands(self, node):
+        # layer_norm(x, shape, w, b, eps, cudnn); rms_norm(x, shape, w, eps)
+        a = list(node.args) + [None] * 4
+        return a[0], a[2], a[3] if self.centered else None
+
+    def build(self, node, grid, lowering):
+        a = list(node.args) + [None] * 5
+        eps = (1e-5 if a[4] is None else a[4]) if self.centered else a[3]
+        return kernels.ShardedNorm(grid, a[1][-1], eps, self.centered, node.name), self.operands(node)
+
+    def describe(self, site):
+        fwd, bwd = kernels.NORM_STATS[self.centered]
+        return f"all-reduce x{len(fwd)} (row) stats; bwd x{len(bwd)}"
+
+    def values(self, site):
+        return {"C": site.mesh[1], "t": math.prod(site.local_out()[:-1])}  # t: tokens this rank normalizes
+
+    def steps(self, site, v, exact):
+        size = kernels.norm_stat_size(site.val(0).dtype)
+        fwd, bwd = kernels.NORM_STATS[self.centered]
+        calls = [("fwd", k) for k in fwd] + ([("bwd", k) for k in bwd] if site.grads[0] else [])
+        return [(1, phase, all_reduce_bytes(k * size * v["t"], v["C"], exact)) for phase, k in calls]
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec(KernelSpec):
+    """Lookup in a table whose vocab dim is split over mesh axis `vocab_axis`
+    (`kernels.VocabSplitEmbedding`): no communication; the result is a partial sum."""
+
+    vocab_axis: int
+    name: ClassVar[str] = "embedding"
+
+    def build(self, node, grid, lowering):
+        padding_idx = node.args[2] if len(node.args) > 2 else -1
+        return kernels.VocabSplitEmbedding(grid, self.vocab_axis, padding_idx, node.name), self.operands(node)
+
+
+@dataclass(frozen=True)
+class CrossEntropySpec(KernelSpec):
+    """Mean (or, `reduce_sum`, summed) cross-entropy of logits [N, V] with rows over the mesh rows and,
+    if `vocab_split`, the vocabulary over the columns (`kernels.VocabParallelCrossEntropy`): the fp32
+    max and (sum-exp, target logit) of each row all-reduced in the row, the (loss, count) pair over
+    the column; backward local."""
+
+    vocab_split: bool
+    reduce_sum: bool
+    name: ClassVar[str] = "cross_entropy"
+
+    def build(self, node, grid, lowering):
+        ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        module = kernels.VocabParallelCrossEntropy(grid, ignore, node.name, self.vocab_split, self.reduce_sum)
+        return module, self.operands(node)
+
+    def describe(self, site):
+        return "all-reduce max, sum-exp, target (row); mean (col)" if self.vocab_split else "all-reduce mean (col)"
+
+    def values(self, site):
+        if not self.vocab_split:
+            return {"R": site.mesh[0]}
+        return {"R": site.mesh[0], "C": site.mesh[1], "r": site.local(0)[0]}  # r: rows of logits on this rank
+
+    def steps(self, site, v, exact):
+        out = []
+        if self.vocab_split:  # fp32 max [r], then (sum-exp, target) [2, r]
+            out += [(1, "fwd", all_reduce_bytes(4 * v["r"], v["C"], exact)),
+                    (1, "fwd", all_reduce_bytes(8 * v["r"], v["C"], exact))]
+        return out + [(0, "fwd", all_reduce_bytes(8, v["R"], exact))]  # fp32 (loss, count)
+
+
+@dataclass(frozen=True)
+class RedistributeSpec(KernelSpec):
+    """Move a tensor from layout `src` to `dst` (`kernels.Redistribute`); `tag` names it in the
+    collective log."""
+
+    src: Layout
+    dst: Layout
+    tag: str = field(default="", compare=False)
+    name: ClassVar[str] = "redist"
+
+    def build(self, node, grid, lowering):
+        return kernels.Redistribute(grid, self.src, self.dst, self.tag), (node,)
+
+    def describe(self, site):
+        _, names = redistribute_steps(self.src, self.dst, site.mesh, 1, 1, grad=False)
+        return ", ".join(names)
+
+    def values(self, site):
+        v = site.val(0)
+        n = math.prod(local_shape(tuple(v.shape), self.src, site.mesh))  # n: elements this rank holds before
+        return {"R": site.mesh[0], "C": site.mesh[1], "e": v.element_size(), "n": n}
+
+    def steps(self, site, v, exact):
+        moves, _ = redistribute_steps(self.src, self.dst, (v["R"], v["C"]), v["n"], v["e"], site.grads[0], exact)
+        return moves
+
+
+@dataclass(frozen=True)
+class GradSyncSpec(KernelSpec):
+    """All-reduce the gradient of a replicated tensor over mesh `axes` in backward (`kernels.GradSync`)."""
+
+    axes: tuple
+    tag: str = field(default="", compare=False)
+    name: ClassVar[str] = "gradsync"
+
+    def build(self, node, grid, lowering):
+        return kernels.GradSync(grid, self.axes, self.tag), (node,)
+
+    def describe(self, site):
+        return f"bwd all-reduce over axes {self.axes}"
+
+    def values(self, site):
+        v = site.val(0)
+        return {"R": site.mesh[0], "C": site.mesh[1], "e": v.element_size(), "n": math.prod(site.local_out())}
+
+    def steps(self, site, v, exact):
+        if not site.grads[0]:
+            return []
+        return [(a, "bwd", all_reduce_bytes(v["n"] * v["e"], (v["R"], v["C"])[a], exact)) for a in self.axes]
+
+
+def flops(site: Site, spec: KernelSpec | None = None) -> int:
+    """Forward + backward FLOPs of one node on one rank, 2 m k n per product that runs (see
+    `_products`): a kernel counts its own, a local matmul-like op or attention is counted here from
+    its blocks, every other op is 0. The one count `explain`, `plan` and the estimate use."""
+    if spec is not None:
+        return spec.flops(site)
+    if site.node.op != "call_function" or site.node.target not in _OPERANDS:
+        return 0
+    if site.node.target == SDPA:
+        return _attention_flops(site)
+    y = site.node.meta.get("val")
+    if not isinstance(site.layouts[0], Layout) or not isinstance(y, torch.Tensor):
+        return 0
+    k = site.local(0)[-1]
+    return 2 * math.prod(local_shape(tuple(y.shape), cast(Layout, site.out), site.mesh)) * k * _products(*site.grads[:2])
+
+
+def _attention_flops(site: Site) -> int:
+    """S = Q K^T [b, h, s, sk] then O = P V; backward dQ, dK from dS, and dP (needed when Q or K
+    needs a gradient), dV."""
+    b, h, s, d = local_shape(tuple(site.val(0).shape), cast(Layout, site.out), site.mesh)
+    sk = site.val(1).shape[-2]
+    gq, gk, gv = site.grads[:3]
+    return 2 * b * h * s * sk * d * (_products(gq, gk) + _products(gq or gk, gv))
