@@ -357,7 +357,8 @@ def flops(site: Site, spec: KernelSpec | None = None) -> int:
     if not isinstance(site.layouts[0], Layout) or not isinstance(y, torch.Tensor):
         return 0
     k = site.local(0)[-1]
-    return 2 * math.prod(local_shape(tuple(y.shape), cast(Layout, site.out), site.mesh)) * k * _products(*site.grads[:2])
+    out = local_shape(tuple(y.shape), cast(Layout, site.out), site.mesh)
+    return 2 * math.prod(out) * k * _products(*site.grads[:2])
 
 
 def _attention_flops(site: Site) -> int:
