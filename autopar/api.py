@@ -17,14 +17,12 @@ from passes.capture import flatten_inputs
 from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
-from passes.options import Options
+from passes.options import DEFAULTS, Options
 from autopar.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
 from autopar.pipeline import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
                               refuse_kv_cache, signature)
 
 __all__ = ["parallelize", "ParallelModule", "FallbackWarning"]
-
-_DEFAULTS = Options()  # parallelize's keyword defaults are the Options defaults
 
 
 def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
@@ -114,8 +112,9 @@ class ParallelModule(nn.Module):
 
     @property
     def materialized(self) -> bool:
-        """Whether the parameter blocks hold values. False after parallelizing a model built on the meta
-        device, until a checkpoint load sets it (a load of every parameter block sets it True)."""
+        """Whether the parameter blocks hold values: False after parallelizing a model built on the meta
+        device (a call then raises) until a load fills every block and sets it (load_state_dict,
+        autopar.load_safetensors, autopar.load_distributed)."""
         return self._materialized
 
     @materialized.setter
@@ -286,12 +285,12 @@ class ParallelModule(nn.Module):
 
 
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
-                lowering: str = _DEFAULTS.lowering, indivisible: str = _DEFAULTS.indivisible,
-                fused: str = _DEFAULTS.fused, on_unsupported: str = _DEFAULTS.on_unsupported,
-                timeout: float | None = _DEFAULTS.timeout, check_inputs: bool = _DEFAULTS.check_inputs,
-                strategy: str = _DEFAULTS.strategy, cost_model=_DEFAULTS.cost_model,
-                memory_limit: float | None = _DEFAULTS.memory_limit,
-                search_budget: float | None = _DEFAULTS.search_budget) -> ParallelModule:
+                lowering: str = DEFAULTS.lowering, indivisible: str = DEFAULTS.indivisible,
+                fused: str = DEFAULTS.fused, on_unsupported: str = DEFAULTS.on_unsupported,
+                timeout: float | None = DEFAULTS.timeout, check_inputs: bool = DEFAULTS.check_inputs,
+                strategy: str = DEFAULTS.strategy, cost_model=DEFAULTS.cost_model,
+                memory_limit: float | None = DEFAULTS.memory_limit,
+                search_budget: float | None = DEFAULTS.search_budget) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:

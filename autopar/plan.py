@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 
 from autopar.pipeline import cache_off_kwargs, capture, compile_program, resolve_cost_model
 from passes import strategy as strategies
-from passes.options import Options
+from passes.options import DEFAULTS, Options
 from autopar.explain import graph_rows
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
@@ -128,14 +128,11 @@ def _measure_activations(gm, cap, mesh):
         dist.destroy_process_group()
 
 
-_DEFAULTS = Options()  # plan's keyword defaults are parallelize's, the Options defaults
-
-
-def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = _DEFAULTS.lowering,
-         indivisible: str = _DEFAULTS.indivisible, fused: str = _DEFAULTS.fused,
-         measure_activations: bool | None = None, strategy: str = _DEFAULTS.strategy,
-         cost_model=_DEFAULTS.cost_model, memory_limit: float | None = _DEFAULTS.memory_limit,
-         search_budget: float | None = _DEFAULTS.search_budget) -> Plan:
+def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = DEFAULTS.lowering,
+         indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
+         measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
+         cost_model=DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
+         search_budget: float | None = DEFAULTS.search_budget) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
     the options are validated as `parallelize` validates them (ops without a split form are planned
     replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
@@ -188,9 +185,9 @@ def grid_shapes(devices: int) -> list:
     return [(r, devices // r) for r in range(1, devices + 1) if devices % r == 0]
 
 
-def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, cost_model=_DEFAULTS.cost_model,
-                memory_limit: float | None = _DEFAULTS.memory_limit, indivisible: str = _DEFAULTS.indivisible,
-                fused: str = _DEFAULTS.fused, search_budget: float | None = _DEFAULTS.search_budget) -> tuple:
+def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, cost_model=DEFAULTS.cost_model,
+                memory_limit: float | None = DEFAULTS.memory_limit, indivisible: str = DEFAULTS.indivisible,
+                fused: str = DEFAULTS.fused, search_budget: float | None = DEFAULTS.search_budget) -> tuple:
     """The grid shape (R, C) with R*C = `devices` whose strategy='auto' assignment has the smallest
     estimated step time (within `memory_limit`), and a row per shape: the estimates of auto, fixed 2d
     and fixed 1d there. The model is captured once; each shape costs one strategy search."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 from passes.ops.summa import LOWERINGS
 
-__all__ = ["Options", "BUDGET_S", "STRATEGIES"]
+__all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES"]
 
 BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
 STRATEGIES = ("2d", "1d", "auto")
@@ -52,9 +52,8 @@ class Options:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits "
                              f"over the grid's columns) or 'auto' (chosen per matmul from estimated step time)")
-        from passes.estimate import CostModel  # passes.estimate imports propagate, which imports this module
-
-        if not (self.cost_model is None or isinstance(self.cost_model, (CostModel, dict, str, os.PathLike))):
+        if self.cost_model is not None and not isinstance(self.cost_model, (_cost_model_class(), dict, str,
+                                                                              os.PathLike)):
             raise ValueError(f"cost_model={self.cost_model!r}: expected None (published GPU-cluster figures), the "
                              f"path or dict of JSON that `autopar calibrate` wrote, or a passes.estimate.CostModel")
         if self.memory_limit is not None and not (_number(self.memory_limit) and self.memory_limit > 0):
@@ -79,6 +78,12 @@ class Options:
         return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
 
+def _cost_model_class() -> type:
+    from passes.estimate import CostModel  # imported late: passes.estimate imports propagate, which imports us
+
+    return CostModel
+
+
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -87,3 +92,6 @@ def _one_of(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r}: expected one of {allowed}; pass one of these, or leave {name} out "
                          f"for the default {allowed[0]!r}")
+
+
+DEFAULTS = Options()  # the keyword defaults of parallelize, plan and choose_grid
