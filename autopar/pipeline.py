@@ -45,6 +45,8 @@ class FallbackWarning(UserWarning):
 
 @dataclass
 class Compiled:
+    """The per-rank program for one input signature, and what running it needs."""
+
     gm: torch.fx.GraphModule
     captured: Captured
     out_layouts: list  # per flat output: (Layout, global shape) or None for non-tensors

@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 from passes.functionalize import writes_first_arg
 from passes.layout import REPLICATED, Layout, ShardingError, mesh_shape, moved, parts, split_dim
-from passes.options import Options
+from passes.options import DEFAULTS, Options
 from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
 
@@ -209,9 +209,9 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
 
 def propagate(gm: GraphModule, mesh, options: Options | None = None) -> Propagation:
     """`mesh`: the grid shape (R, C), or q for q x q. `options`: how indivisible weights, fused
-    projections and ops without a split form are handled (default: `Options()`, parallelize's)."""
+    projections and ops without a split form are handled (default: `DEFAULTS`, parallelize's)."""
     mesh = mesh_shape(mesh)
-    options = Options() if options is None else options
+    options = DEFAULTS if options is None else options
     res = Propagation()
     layouts: dict = {}
     for node in gm.graph.nodes:

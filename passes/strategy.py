@@ -48,7 +48,7 @@ from torch.fx import GraphModule, Node
 from passes.cost import nodes_needing_grad
 from passes.estimate import MATMULS, CostModel, Estimate, price
 from passes.layout import mesh_shape
-from passes.options import BUDGET_S, Options
+from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.propagate import Propagation, module_path, propagate_node
 
 __all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
@@ -298,11 +298,11 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
     """The assignment of strategies to `gm`'s units with the smallest estimated step time whose
     per-rank memory estimate is at most `options.memory_limit` bytes, searched for at most
     `options.search_budget` seconds (None: no limit; when it runs out, the best found so far, with a
-    `SearchWarning`); `options` defaults to `Options()`, and its `cost_model` is not read: `cm` is the
+    `SearchWarning`); `options` defaults to `DEFAULTS`, and its `cost_model` is not read: `cm` is the
     model already resolved. Leaves `autopar_choice` and `autopar_lowering` set on the matmul nodes for
     the propagation that follows."""
     t0 = time.perf_counter()
-    options = Options() if options is None else options
+    options = DEFAULTS if options is None else options
     memory_limit, search_budget = options.memory_limit, options.search_budget
     units = find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
@@ -383,7 +383,7 @@ def fixed(gm: GraphModule, strategy: str) -> None:
 
 def estimate_fixed(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options | None = None) -> Estimate:
     """The estimate of one fixed strategy ("2d", "1d" or "rep") for every unit of `gm` on `mesh`, with
-    `options` (default `Options()`) for indivisible weights, fused projections and optimizer states."""
+    `options` (default `DEFAULTS`) for indivisible weights, fused projections and optimizer states."""
     units = find_units(gm)
-    ev = _Evaluator(gm, mesh, cm, units, Options() if options is None else options)
+    ev = _Evaluator(gm, mesh, cm, units, DEFAULTS if options is None else options)
     return ev.estimate({u.key: strategy if strategy in u.options else "1d" for u in units})
