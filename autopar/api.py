@@ -1,194 +1,28 @@
 """`parallelize`: run the passes and wrap the per-rank graph in a module that behaves like the
-original: same call signature, original parameter names (as DTensors), DTensor or plain outputs."""
+original: same call signature, original parameter names (as DTensors), DTensor or plain outputs.
+The passes themselves run in `autopar.pipeline`, once per input signature."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import inspect
-import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from passes.compat import pytree
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from passes import Grid, capture, insert_collectives, localize, propagate
-from passes.capture import Captured, flatten_inputs, retarget_meta
-from passes.compat import pytree
+from passes import Grid
+from passes.capture import flatten_inputs
 from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
-from passes.ops.summa import LOWERINGS
-from passes.rules import arg
-from passes import strategy as strategies
-from autopar import calibrate
-from autopar.guards import (agree_on_options, agree_on_plan, check_dtypes, check_mixed_dtypes, fingerprint,
-                            handshake)
+from passes.options import DEFAULTS, Options
+from autopar.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
+from autopar.pipeline import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
+                              refuse_kv_cache, signature)
 
 __all__ = ["parallelize", "ParallelModule", "FallbackWarning"]
-
-
-class FallbackWarning(UserWarning):
-    """Some ops run unsplit (gathered whole on every rank): correct, but slower and bigger."""
-
-
-@dataclass
-class Compiled:
-    gm: torch.fx.GraphModule
-    captured: Captured
-    out_layouts: list  # per flat output: (Layout, global shape) or None for non-tensors
-    fallbacks: list  # [passes.propagate.Fallback]
-    random: bool = False  # the graph draws random numbers (dropout)
-    choice: object = None  # strategy="auto": the passes.strategy.Choice made
-
-
-_RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
-           "feature_dropout", "alpha_dropout", "randint", "randint_like", "randperm", "uniform", "uniform_",
-           "normal", "normal_", "exponential", "exponential_", "multinomial", "poisson", "rrelu",
-           "rrelu_with_noise", "cauchy_", "geometric_", "log_normal_", "random_"}
-
-
-def _draws_random(gm) -> bool:
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
-            continue
-        name = n.target.overloadpacket.__name__
-        if name in _RANDOM or (name == "scaled_dot_product_attention" and arg(n, 4, "dropout_p", 0.0)):
-            return True
-    return False
-
-
-@contextlib.contextmanager
-def _no_kv_cache(model):
-    """HF models return a KV-cache object when config.use_cache is on, which export cannot trace and the
-    2D engine does not shard: capture with it off, and put the user's setting back afterwards."""
-    config = getattr(model, "config", None)
-    had = getattr(config, "use_cache", None)
-    if had:
-        config.use_cache = False
-    try:
-        yield
-    finally:
-        if had:
-            config.use_cache = had
-
-
-def _refuse_kv_cache(kwargs) -> None:
-    if kwargs and kwargs.get("use_cache"):
-        raise ValueError(
-            "use_cache=True asks for a generation KV cache, which autopar does not support: the 2D engine "
-            "compiles training/evaluation forwards only. Call the model without use_cache (autopar turns it "
-            "off) or with use_cache=False; for generation use the original model."
-        )
-
-
-def _cache_off_kwargs(model) -> dict:
-    """use_cache=False for models whose forward takes it (T5 builds a cache from the call argument even
-    when its config says no); passed on every capture and call unless the user gives it."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"use_cache": False} if "use_cache" in params else {}
-
-
-def check_strategy(strategy) -> None:
-    if strategy not in ("2d", "1d", "auto"):
-        raise ValueError(f"strategy={strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits over "
-                         f"the grid's columns) or 'auto' (chosen per matmul from estimated step time)")
-
-
-def _capture(model, args, kwargs) -> Captured:
-    _refuse_kv_cache(kwargs)
-    device = _input_device(args, kwargs)
-    meta = any(p.is_meta for p in model.parameters())
-    if meta:  # trace all on meta (inputs too, so ops mixing them agree), then point the graph at `device`
-        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    with _no_kv_cache(model):
-        cap = capture(model, args, kwargs)
-    cap.device = device
-    if meta:
-        retarget_meta(cap.gm, device)
-    check_mixed_dtypes(cap.gm)
-    return cap
-
-
-def _choose(cap: Captured, grid: Grid, cost_model, memory_limit, indivisible, fused, search_budget):
-    """strategy='auto': one search, on global rank 0 when ranks run (a search stopped by its time
-    budget could end elsewhere on another rank, and one search spares the others' CPU), its Choice (or
-    its error) sent to every rank."""
-    def search():
-        return strategies.choose(cap.gm, grid.shape, _cost_model(cost_model), memory_limit, indivisible, fused,
-                                 search_budget=search_budget)
-
-    if grid.mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
-        return search()
-    box = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", search())
-        except (MemoryError, ValueError) as e:  # raised on every rank below, with rank 0's text
-            box[0] = ("error", type(e).__name__, str(e))
-    with handshake("sending rank 0's strategy choice"):
-        dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "error":
-        raise {"MemoryError": MemoryError, "ValueError": ValueError}[box[0][1]](box[0][2])
-    choice = box[0][1]
-    if dist.get_rank() != 0:  # rank 0's search marked its graph; mark this rank's the same way
-        strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,
-                         choice.alternatives)
-    return choice
-
-
-def _compile(model, args, kwargs, grid: Grid, lowering: str, indivisible: str, fused: str,
-             on_unsupported: str, strategy="2d", cost_model=None, memory_limit=None,
-             search_budget=strategies.BUDGET_S) -> tuple:
-    cap = _capture(model, args, kwargs)
-    choice = None
-    if grid.world > 1 and strategy == "1d":
-        strategies.fixed(cap.gm, "1d")
-    elif grid.world > 1 and strategy == "auto":
-        choice = _choose(cap, grid, cost_model, memory_limit, indivisible, fused, search_budget)
-    elif grid.world > 1 and isinstance(strategy, strategies.Choice):  # a recompile repeats the first choice
-        choice = strategy
-        strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings, choice.alternatives)
-    prop = propagate(cap.gm, grid.shape, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported)
-    if grid.world > 1:
-        gm = insert_collectives(cap.gm, grid, lowering)
-        localize(gm, grid.shape)
-    else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
-        gm = cap.gm
-    out_node = gm.graph.output_node()
-    outs = []
-    for a in pytree.tree_leaves(out_node.args[0]):
-        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-        outs.append((a.meta["autopar_layout"], tuple(v.shape)) if isinstance(v, torch.Tensor) else None)
-    if prop.gathering_fallbacks:
-        lines = "\n".join(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'}: {f.reason}"
-                          for f in prop.gathering_fallbacks)
-        warnings.warn(
-            f"autopar: {len(prop.gathering_fallbacks)} op(s) run unsplit (gathered whole, computed on every "
-            f"rank, split again):\n{lines}",
-            FallbackWarning,
-            stacklevel=3,
-        )
-    return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm), choice), prop.param_layouts
-
-
-def _cost_model(spec) -> strategies.CostModel:
-    """None (published GPU-cluster figures), a CostModel, a dict or a path of `autopar calibrate` JSON."""
-    if spec is None or isinstance(spec, strategies.CostModel):
-        return spec or strategies.CostModel.from_dict(calibrate.DEFAULT)
-    return strategies.CostModel.from_dict(calibrate.validate(spec) if isinstance(spec, dict) else calibrate.load(spec))
-
-
-def _input_device(args, kwargs) -> torch.device:
-    for t in pytree.tree_leaves((args, kwargs or {})):
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
 
 
 def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
@@ -220,13 +54,16 @@ class ParallelModule(nn.Module):
     """The 2D-parallel model on one rank. Call it like the original, on every rank, with the same
     full inputs. A call with new input shapes or a new train/eval mode is compiled once and cached."""
 
-    def __init__(self, model: nn.Module, grid: Grid, first: Compiled, key, param_layouts: dict, options: dict):
+    def __init__(self, model: nn.Module, grid: Grid, first: Compiled, param_layouts: dict, options: Options):
+        """`first`: the program compiled for parallelize's example inputs (its strategy='auto' choice,
+        if any, is repeated by every later compile); `param_layouts`: its parameter layouts."""
         super().__init__()
         object.__setattr__(self, "_source", model)  # kept to capture new shapes / modes; not a child
         self.grid = grid
         self._options = options
         self._param_layouts = param_layouts
-        self._compiled = {key: first}
+        self._compiled = {first.signature: first}
+        self._last = first
         device = first.captured.device
         for name, p in model.named_parameters():
             _set_path(self, name, _shard(p, param_layouts.get(name, REPLICATED), grid, device), "param")
@@ -238,7 +75,7 @@ class ParallelModule(nn.Module):
                 )
             _set_path(self, name, b.detach().clone(), "buffer", name in first.captured.persistent)
         self._persistent_buffers = set(first.captured.persistent)
-        self._cache_off = _cache_off_kwargs(model)  # use_cache=False for forwards that take it
+        self._cache_off = cache_off_kwargs(model)  # use_cache=False for forwards that take it
         if grid.dp > 1:  # replicas start from replica 0's values, whatever each rank built
             for p in self.parameters():
                 dist.broadcast(p.to_local().data, src=dist.get_global_rank(grid.dp_group, 0), group=grid.dp_group)
@@ -251,24 +88,50 @@ class ParallelModule(nn.Module):
         self.train(model.training)
 
     @property
+    def program(self) -> Compiled:
+        """The compiled program (`autopar.pipeline.Compiled`) of the most recent call; before the first
+        call, the one compiled for parallelize's example inputs. For inspection (`explain`, benchmarks)."""
+        return self._last
+
+    @property
     def graph_module(self) -> torch.fx.GraphModule:
-        """The compiled per-rank graph for the most recent call (for inspection)."""
+        """The per-rank graph of `program` (for inspection): the most recent call's, or before the
+        first call the one compiled for parallelize's example inputs."""
         return self._last.gm
 
-    def _key(self, flat, training):
-        return (training,) + tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
+    @property
+    def source_model(self) -> nn.Module:
+        """The model this was built from (unchanged, not a child module): new shapes and modes are
+        captured from it, and checkpoints read its config and tied names."""
+        return self._source
+
+    @property
+    def persistent_buffer_names(self) -> frozenset:
+        """Names of the buffers a state_dict (and a checkpoint) holds: the model's persistent ones."""
+        return frozenset(self._persistent_buffers)
+
+    @property
+    def materialized(self) -> bool:
+        """Whether the parameter blocks hold values: False after parallelizing a model built on the meta
+        device (a call then raises) until a load fills every block and sets it (load_state_dict,
+        autopar.load_safetensors, autopar.load_distributed)."""
+        return self._materialized
+
+    @materialized.setter
+    def materialized(self, value: bool) -> None:
+        self._materialized = bool(value)
 
     def _get(self, args, kwargs):
         first = next(iter(self._compiled.values()))
         flat = flatten_inputs(first.captured, args, kwargs)
-        key = self._key(flat, self.training)
+        key = signature(flat, self.training)
         if key not in self._compiled:  # a cached key already matched the dtypes of its compile
             check_dtypes(first, flat)
             model = self._source
             was = model.training
             model.train(self.training)
             try:
-                comp, layouts = _compile(model, args, kwargs, self.grid, **self._options)
+                comp, layouts = compile_program(model, args, kwargs, self.grid, self._options, first.choice)
             finally:
                 model.train(was)
             changed = {n: (self._param_layouts.get(n), lay) for n, lay in layouts.items()
@@ -288,7 +151,7 @@ class ParallelModule(nn.Module):
                 "yet: load them with autopar.load_safetensors(pmodel, path) or torch.distributed.checkpoint, "
                 "or build it with autopar.from_pretrained(path, ...)"
             )
-        _refuse_kv_cache(kwargs)
+        refuse_kv_cache(kwargs)
         kwargs = {**self._cache_off, **kwargs}
         comp, flat = self._get(args, kwargs)
         self._last = comp
@@ -323,7 +186,7 @@ class ParallelModule(nn.Module):
                     f"input {i} (shape {tuple(t.shape)}) is on {t.device}, but this rank's parameter blocks are "
                     f"on {device}; pass every input on {device} (the model was parallelized with inputs there)"
                 )
-        if not getattr(self, "_check_inputs", False):
+        if not self._options.check_inputs:
             return
         mine = [fingerprint(t) for t in flat]
         everyone = [None] * self.grid.world
@@ -422,11 +285,12 @@ class ParallelModule(nn.Module):
 
 
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
-                lowering: str = "broadcast", indivisible: str = "replicate",
-                fused: str = "regroup", on_unsupported: str = "replicate", timeout: float | None = None,
-                check_inputs: bool = False, strategy: str = "2d", cost_model=None,
-                memory_limit: float | None = None,
-                search_budget: float | None = strategies.BUDGET_S) -> ParallelModule:
+                lowering: str = DEFAULTS.lowering, indivisible: str = DEFAULTS.indivisible,
+                fused: str = DEFAULTS.fused, on_unsupported: str = DEFAULTS.on_unsupported,
+                timeout: float | None = DEFAULTS.timeout, check_inputs: bool = DEFAULTS.check_inputs,
+                strategy: str = DEFAULTS.strategy, cost_model=DEFAULTS.cost_model,
+                memory_limit: float | None = DEFAULTS.memory_limit,
+                search_budget: float | None = DEFAULTS.search_budget) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -470,22 +334,13 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         check_inputs: verify on every call that all ranks of a grid passed the same inputs (one small
             all-gather per call); off by default.
     """
-    if lowering not in LOWERINGS:
-        raise ValueError(f"lowering={lowering!r}: expected one of {LOWERINGS}")
-    if indivisible not in ("error", "replicate"):
-        raise ValueError(f"indivisible={indivisible!r}: expected 'error' or 'replicate'")
-    if fused not in ("regroup", "interleave"):
-        raise ValueError(f"fused={fused!r}: expected 'regroup' or 'interleave'")
-    if on_unsupported not in ("replicate", "error"):
-        raise ValueError(f"on_unsupported={on_unsupported!r}: expected 'replicate' or 'error'")
-    check_strategy(strategy)
+    options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
+                      strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
+                      search_budget=search_budget, check_inputs=check_inputs, timeout=timeout)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "
                          f"(dp, R, C) for dp data-parallel replicas of an R x C grid")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r}: expected a positive number of seconds, or None for the process "
-                         f"group's own timeout")
     if not torch.distributed.is_initialized():
         raise RuntimeError(
             "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
@@ -493,23 +348,13 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         )
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    device = _input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
-    options = {"lowering": lowering, "indivisible": indivisible, "fused": fused, "on_unsupported": on_unsupported,
-               "strategy": strategy, "cost_model": cost_model, "memory_limit": memory_limit,
-               "search_budget": search_budget}
+    device = input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
     # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
     # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
-    agree_on_options({"grid": tuple(grid), **options, "check_inputs": check_inputs, "timeout": timeout,
-                      "device type": device.type})
+    agree_on_options(tuple(grid), options, device.type)
     delta = datetime.timedelta(seconds=timeout) if timeout is not None else None
     g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
-    example_kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}  # _compile refuses use_cache=True
-    comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
-    if comp.choice is not None:  # other input shapes reuse this choice (the parameters are laid out for it)
-        options["strategy"] = comp.choice
-    flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)
+    example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
+    comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)
     agree_on_plan(comp, layouts)
-    pm = ParallelModule(model, g, comp, None, layouts, options)
-    pm._check_inputs = check_inputs
-    pm._compiled = {pm._key(flat, model.training): comp}
-    return pm
+    return ParallelModule(model, g, comp, layouts, options)

@@ -119,10 +119,10 @@ def _local_bytes(model):
 def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
     """The planner's estimated step time (s) of one configuration (alpha-beta model)."""
     from passes import strategy as S
-    from autopar.api import _capture, _cost_model
+    from autopar.pipeline import capture, resolve_cost_model
 
-    gm = _capture(model, (), _batch(0)).gm
-    cm = _cost_model(cost_model)
+    gm = capture(model, (), _batch(0)).gm
+    cm = resolve_cost_model(cost_model)
     if strategy == "auto":
         return S.choose(gm, grid, cm).estimate.time_s
     return S.estimate_fixed(gm, grid, cm, strategy).time_s
@@ -194,7 +194,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model):
         if k in estimates:
             res[k]["estimated_step_s"] = estimates[k]
     if rank == 0:
-        res[auto]["assignment"] = configs[auto]._last.choice.assignment
+        res[auto]["assignment"] = configs[auto].program.choice.assignment
     everyone = [None] * world
     dist.all_gather_object(everyone, res)
     if rank == 0:

@@ -133,7 +133,7 @@ def _aliases(pmodel) -> dict:
     """Canonical parameter name -> every name the source model has for the same tensor (tied weights)."""
     names: dict = {}
     by_id = {}
-    for name, p in pmodel._source.named_parameters(remove_duplicate=False):
+    for name, p in pmodel.source_model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
     for group in by_id.values():
         for name in group:
@@ -167,7 +167,7 @@ def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
         bar.close()
         for f in handles.values():
             f.close()
-    pmodel._materialized = True
+    pmodel.materialized = True
 
 
 def _progress(total: int, enabled: bool):
@@ -212,7 +212,7 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
 def _shards(pmodel, max_shard_bytes: int) -> tuple:
     """(name -> tensor of every saved parameter and persistent buffer, [[names of shard i]], total bytes)."""
     tensors = dict(pmodel.named_parameters())
-    tensors.update((n, b) for n, b in pmodel.named_buffers() if n in pmodel._persistent_buffers)
+    tensors.update((n, b) for n, b in pmodel.named_buffers() if n in pmodel.persistent_buffer_names)
     shards, cur, cur_bytes = [], [], 0
     for n, t in tensors.items():
         size = t.numel() * t.element_size()
@@ -229,12 +229,12 @@ def _shards(pmodel, max_shard_bytes: int) -> tuple:
 def _config_json(pmodel) -> dict | None:
     """config.json's content, naming the source model's class in `architectures` when the config
     does not, so that `from_pretrained(path)` finds the class without model_class=."""
-    config = getattr(pmodel._source, "config", None)
+    config = getattr(pmodel.source_model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         return None
     content = json.loads(config.to_json_string(use_diff=True))
     if not content.get("architectures"):
-        content["architectures"] = [type(pmodel._source).__name__]
+        content["architectures"] = [type(pmodel.source_model).__name__]
     return content
 
 

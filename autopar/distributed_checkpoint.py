@@ -84,4 +84,4 @@ def load_distributed(pmodel, path, optimizer=None) -> None:
         dcp.load(state, checkpoint_id=path, process_group=_dcp_group(grid))
     set_state_dict(pmodel, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))
-    pmodel._materialized = True
+    pmodel.materialized = True

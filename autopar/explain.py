@@ -64,7 +64,7 @@ def strategy_summary(choice) -> list:
 
 def rows(pmodel) -> list:
     """The table's rows for the graph of the model's most recent call (or its first compile)."""
-    comp = getattr(pmodel, "_last", None) or next(iter(pmodel._compiled.values()))
+    comp = pmodel.program
     return graph_rows(comp.gm, pmodel.grid.shape)
 
 
@@ -125,7 +125,7 @@ def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False)
     held = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
     full = sum(p.numel() * p.element_size() for p in pmodel.parameters())
     (R, C), p = pmodel.grid.shape, pmodel.grid.world
-    comp = getattr(pmodel, "_last", None) or next(iter(pmodel._compiled.values()))
+    comp = pmodel.program
     lines += [
         "",
         f"grid {R}x{C}; bytes received per rank per training step: forward {_fmt_bytes(fwd)}, "

@@ -42,11 +42,12 @@ def _gather(obj, what: str) -> list:
     return out
 
 
-def agree_on_options(options: dict) -> None:
-    """Every rank must pass the same grid and options; otherwise their collectives would not match
-    (a different grid would not even build the same process groups). Compared before anything else,
-    over all ranks; raises the same ValueError on every rank, naming the first option that differs."""
-    mine = {k: repr(v) for k, v in options.items()}
+def agree_on_options(grid: tuple, options, device_type: str) -> None:
+    """Every rank must pass the same grid, `passes.options.Options` and device type; otherwise their
+    collectives would not match (a different grid would not even build the same process groups).
+    Compared before anything else, over all ranks, by the repr of each value; raises the same
+    ValueError on every rank, naming the first option that differs."""
+    mine = {k: repr(v) for k, v in [("grid", grid), *options.items(), ("device type", device_type)]}
     everyone = _gather(mine, "comparing parallelize options between ranks")
     for key in mine:
         values = [e.get(key) for e in everyone]

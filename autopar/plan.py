@@ -26,8 +26,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from autopar.api import _cache_off_kwargs, _capture, _compile, _cost_model, check_strategy
+from autopar.pipeline import cache_off_kwargs, capture, compile_program, resolve_cost_model
 from passes import strategy as strategies
+from passes.options import DEFAULTS, Options
 from autopar.explain import graph_rows
 from passes.compat import fake_store, fake_tensor_mode, pytree
 from passes.layout import REPLICATED, local_shape
@@ -133,22 +134,24 @@ def _measure_activations(gm, cap, mesh):
         dist.destroy_process_group()
 
 
-def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = "broadcast",
-         indivisible: str = "replicate", fused: str = "regroup", measure_activations: bool | None = None,
-         strategy: str = "2d", cost_model=None, memory_limit: float | None = None,
-         search_budget: float | None = strategies.BUDGET_S) -> Plan:
-    """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone.
-    With strategy='auto', `Plan.choice` holds the assignment, its estimate, each unit's alternatives and
-    the estimates of fixed 2D and fixed 1D."""
+def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = DEFAULTS.lowering,
+         indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
+         measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
+         cost_model=DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
+         search_budget: float | None = DEFAULTS.search_budget) -> Plan:
+    """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
+    the options are validated as `parallelize` validates them (ops without a split form are planned
+    replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
+    `Plan.choice` holds the assignment, its estimate, each unit's alternatives and the estimates of
+    fixed 2D and fixed 1D."""
+    options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
+                      cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget)
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
-    check_strategy(strategy)
     mesh = tuple(grid)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
-    comp, layouts = _compile(model, example_inputs, kwargs, Grid.for_planning(*mesh), lowering=lowering,
-                             indivisible=indivisible, fused=fused, on_unsupported="replicate", strategy=strategy,
-                             cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget)
+    kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
+    comp, layouts = compile_program(model, example_inputs, kwargs, Grid.for_planning(*mesh), options)
     gm, cap = comp.gm, comp.captured
     rows = graph_rows(gm, mesh)
     params = {}
@@ -188,20 +191,22 @@ def grid_shapes(devices: int) -> list:
     return [(r, devices // r) for r in range(1, devices + 1) if devices % r == 0]
 
 
-def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, cost_model=None,
-                memory_limit: float | None = None, indivisible: str = "replicate", fused: str = "regroup",
-                search_budget: float | None = strategies.BUDGET_S) -> tuple:
+def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, cost_model=DEFAULTS.cost_model,
+                memory_limit: float | None = DEFAULTS.memory_limit, indivisible: str = DEFAULTS.indivisible,
+                fused: str = DEFAULTS.fused, search_budget: float | None = DEFAULTS.search_budget) -> tuple:
     """The grid shape (R, C) with R*C = `devices` whose strategy='auto' assignment has the smallest
     estimated step time (within `memory_limit`), and a row per shape: the estimates of auto, fixed 2d
     and fixed 1d there. The model is captured once; each shape costs one strategy search."""
+    options = Options(strategy="auto", cost_model=cost_model, memory_limit=memory_limit, indivisible=indivisible,
+                      fused=fused, search_budget=search_budget)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    kwargs = {**_cache_off_kwargs(model), **(example_kwargs or {})}
-    cap = _capture(model, example_inputs, kwargs)
-    cm = _cost_model(cost_model)
+    kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
+    cap = capture(model, example_inputs, kwargs)
+    cm = resolve_cost_model(options.cost_model)
     table = []
     for shape in grid_shapes(devices):
         try:
-            c = strategies.choose(cap.gm, shape, cm, memory_limit, indivisible, fused, search_budget=search_budget)
+            c = strategies.choose(cap.gm, shape, cm, options)
         except MemoryError as e:
             table.append({"grid": shape, "fits": False, "why": str(e)})
             continue

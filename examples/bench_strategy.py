@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import autopar
-from autopar.api import _capture, _cost_model
+from autopar.pipeline import capture, resolve_cost_model
 from autopar.bench import BATCH, CONFIG, SEQ
 from passes import strategy as S
 
@@ -48,14 +48,14 @@ def main() -> None:
     ap.add_argument("--cost-model", metavar="FILE")
     ap.add_argument("--models", nargs="+", default=["bench", "gpt2-xl", "llama-7b"])
     ns = ap.parse_args()
-    cm = _cost_model(ns.cost_model)
+    cm = resolve_cost_model(ns.cost_model)
     print(f"cost model: {cm.source}; alpha {cm.alpha} s, beta {cm.beta} B/s, {cm.flops:.3g} FLOP/s\n")
     print("| model | p | fixed 2D (square) | fixed 1D (1 x p) | auto | grid | auto / best fixed | solve (all shapes) |")
     print("|---|---|---|---|---|---|---|---|")
     for name in ns.models:
         model, kw = build(name)
         t0 = time.perf_counter()
-        gm = _capture(model, (), kw).gm
+        gm = capture(model, (), kw).gm
         capture_s = time.perf_counter() - t0
         for p, q in ((4, 2), (16, 4), (64, 8)):
             t2d = S.estimate_fixed(gm, (q, q), cm, "2d").time_s

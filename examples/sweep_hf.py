@@ -110,7 +110,7 @@ def family_parity(rank, name, grid=(2, 2), strategy="2d", batch=BATCH, seq=SEQ) 
             warnings.simplefilter("always")
             pm = autopar.parallelize(model, grid=grid, example_kwargs=kw, strategy=strategy)
         res["warnings"] = sum(issubclass(w.category, autopar.FallbackWarning) for w in caught)
-        comp = next(iter(pm._compiled.values()))
+        comp = pm.program
         res["gathered"] = [str(f.node.target).replace("aten.", "") for f in comp.fallbacks if f.costly]
         res["free"] = sum(not f.costly for f in comp.fallbacks)
         res["held"] = sum(p.to_local().numel() * p.element_size() for p in pm.parameters())

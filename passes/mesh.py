@@ -34,18 +34,15 @@ class CommLog:
     """
 
     bytes: dict = field(default_factory=lambda: defaultdict(int))
-    calls: dict = field(default_factory=lambda: defaultdict(int))
 
     def add(self, tag: str, phase: str, nbytes: int) -> None:
         self.bytes[(tag, phase)] += int(nbytes)
-        self.calls[(tag, phase)] += 1
 
     def total(self, prefix: str = "") -> int:
         return sum(v for (tag, _), v in self.bytes.items() if tag.startswith(prefix))
 
     def reset(self) -> None:
         self.bytes.clear()
-        self.calls.clear()
 
 
 class Grid:

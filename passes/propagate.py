@@ -31,6 +31,7 @@ from torch.fx import GraphModule, Node
 from passes.compat import HigherOrderOperator
 from passes.functionalize import writes_first_arg
 from passes.layout import REPLICATED, Layout, ShardingError, mesh_shape, moved, parts, split_dim
+from passes.options import DEFAULTS, Options
 from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
 from passes.rules.views import TRANSPOSES, permutation
@@ -168,11 +169,12 @@ def rule_key(node: Node, layouts: dict) -> tuple:
     return node, node.meta.get("autopar_choice"), tuple(layouts.get(n) for n in node.all_input_nodes)
 
 
-def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, indivisible: str = "error",
-                   fused: str = "regroup", on_unsupported: str = "replicate", cache: dict | None = None) -> None:
-    """Give one node its layout (and strategy), its inputs having theirs in `layouts`. Rules are pure
-    functions of the node, its inputs' layouts and its strategy choice: `cache` (shared by many runs
-    over one graph, as the strategy search does) keeps their results under that key."""
+def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, options: Options,
+                   cache: dict | None = None) -> None:
+    """Give one node its layout (and strategy), its inputs having theirs in `layouts`, as `options`
+    (indivisible, fused, on_unsupported) say. Rules are pure functions of the node, its inputs' layouts
+    and its strategy choice: `cache` (shared by many runs over one graph, as the strategy search does)
+    keeps their results under that key."""
     if node.op == "placeholder":
         role = node.meta.get("autopar_role")
         layouts[node] = res.param_layouts.get(node.meta.get("autopar_param")) if role == "param" else REPLICATED
@@ -180,21 +182,21 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, ind
         layouts[node] = REPLICATED
     elif node.op == "call_function":
         if cache is None:
-            strat = _strategy(node, layouts, mesh, indivisible)
+            strat = _strategy(node, layouts, mesh, options.indivisible)
         else:
             key = rule_key(node, layouts)
             strat = cache.get(key)
             if strat is None:
-                strat = cache[key] = _strategy(node, layouts, mesh, indivisible)
+                strat = cache[key] = _strategy(node, layouts, mesh, options.indivisible)
         # a fallback costs something when it gathers a split input or keeps a weight whole
         costly = strat.fallback and any(layouts.get(n) != REPLICATED for n in strat.inputs)
         for inp, need in strat.inputs.items():
             if layouts.get(inp) is None:
-                _claim(inp, _storable(need, fused), layouts, res)
+                _claim(inp, _storable(need, options.fused), layouts, res)
         node.meta["autopar_strategy"] = strat
         layouts[node] = strat.output
         if strat.fallback:
-            if costly and on_unsupported == "error":
+            if costly and options.on_unsupported == "error":
                 _refuse_fallback(node, strat.note.removeprefix("fallback: "))
             _check_inplace_fallback(node, layouts, costly)
             res.fallbacks.append(Fallback(node, module_path(node), strat.note, costly))
@@ -209,19 +211,20 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, ind
         raise NotImplementedError(f"node {node.name}: op kind {node.op} is not handled")
 
 
-def propagate(gm: GraphModule, mesh, indivisible: str = "error", fused: str = "regroup",
-              on_unsupported: str = "replicate") -> Propagation:
-    """`mesh`: the grid shape (R, C), or q for q x q."""
+def propagate(gm: GraphModule, mesh, options: Options | None = None) -> Propagation:
+    """`mesh`: the grid shape (R, C), or q for q x q. `options`: how indivisible weights, fused
+    projections and ops without a split form are handled (default: `DEFAULTS`, parallelize's)."""
     mesh = mesh_shape(mesh)
+    options = DEFAULTS if options is None else options
     res = Propagation()
     layouts: dict = {}
     for node in gm.graph.nodes:
-        propagate_node(node, layouts, res, mesh, indivisible, fused, on_unsupported)
+        propagate_node(node, layouts, res, mesh, options)
     for node in gm.graph.nodes:  # in-place updates of parameters, now placed by their readers
         if writes_first_arg(node) and layouts.get(node) is None:
             if layouts.get(node.args[0]) is None:  # updated, never read: kept whole
                 _claim(node.args[0], REPLICATED, layouts, res)
-            propagate_node(node, layouts, res, mesh, indivisible, fused, on_unsupported)
+            propagate_node(node, layouts, res, mesh, options)
     for node in gm.graph.nodes:  # parameters nobody placed (unused, or a tied twin) and waiting views
         if layouts.get(node) is None:
             name = node.meta.get("autopar_param")

@@ -40,7 +40,7 @@ import math
 import re
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.fx import GraphModule, Node
@@ -48,6 +48,7 @@ from torch.fx import GraphModule, Node
 from passes.cost import nodes_needing_grad
 from passes.estimate import MATMULS, CostModel, Estimate, price
 from passes.layout import mesh_shape
+from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.propagate import Propagation, module_path, propagate_node
 
 __all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
@@ -59,7 +60,6 @@ EMBED_OPTIONS = ("2d", "1d")
 EXHAUSTIVE = 1024  # assignments enumerated outright; more: the coordinate search
 GROUP = 81  # assignments one step of the coordinate search enumerates at most (4 three-way variables)
 ROUNDS = 4  # coordinate-search rounds at most (it stops earlier once a round changes nothing)
-BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
 PROGRESS_S = 5.0  # a search still running after this many seconds warns once that it is
 _THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
             aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.clone.default,
@@ -162,12 +162,12 @@ class Choice:
 
 
 class _Evaluator:
-    def __init__(self, gm, mesh, cm, units, indivisible, fused, optimizer_states):
+    def __init__(self, gm, mesh, cm, units, options: Options):
         self.gm, self.mesh, self.cm, self.units = gm, mesh_shape(mesh), cm, units
-        self.options = dict(indivisible=indivisible, fused=fused, on_unsupported="replicate")
+        self.options = replace(options, on_unsupported="replicate")  # a fallback is priced, never refused
         self.grads = nodes_needing_grad(gm)
         self.blocks = repeated_blocks(gm)
-        self.state_factor = 2 + optimizer_states  # parameter + gradient + optimizer states
+        self.state_factor = 2 + options.optimizer_states  # parameter + gradient + optimizer states
         self.cache, self.rules, self.costs = {}, {}, {}  # estimates; rule results; node costs
 
     def _set(self, assignment: dict) -> None:
@@ -181,7 +181,7 @@ class _Evaluator:
             if isinstance(item, dict):  # alias: nodes skipped take the layouts of the ones that stand in
                 layouts.update({n: layouts[m] for n, m in item.items()})
                 continue
-            propagate_node(item, layouts, res, self.mesh, **self.options, cache=self.rules)
+            propagate_node(item, layouts, res, self.mesh, self.options, cache=self.rules)
         return layouts
 
     def estimate(self, assignment: dict) -> Estimate:
@@ -294,22 +294,20 @@ def _coordinate_search(search: _Search, groups: list, opts: dict, best: dict) ->
             return
 
 
-def choose(gm: GraphModule, mesh, cm: CostModel, memory_limit: float | None = None,
-           indivisible: str = "replicate", fused: str = "regroup", optimizer_states: int = 2,
-           search_budget: float | None = BUDGET_S) -> Choice:
+def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None) -> Choice:
     """The assignment of strategies to `gm`'s units with the smallest estimated step time whose
-    per-rank memory estimate is at most `memory_limit` bytes, searched for at most `search_budget`
-    seconds (None: no limit; when it runs out, the best found so far, with a `SearchWarning`). Leaves
-    `autopar_choice` and `autopar_lowering` set on the matmul nodes for the propagation that follows."""
+    per-rank memory estimate is at most `options.memory_limit` bytes, searched for at most
+    `options.search_budget` seconds (None: no limit; when it runs out, the best found so far, with a
+    `SearchWarning`); `options` defaults to `DEFAULTS`, and its `cost_model` is not read: `cm` is the
+    model already resolved. Leaves `autopar_choice` and `autopar_lowering` set on the matmul nodes for
+    the propagation that follows."""
     t0 = time.perf_counter()
-    if search_budget is not None and (isinstance(search_budget, bool) or not isinstance(search_budget, (int, float))
-                                      or not search_budget >= 0):
-        raise ValueError(f"search_budget={search_budget!r}: expected seconds >= 0 (e.g. {BUDGET_S:g}) or None "
-                         f"for no time limit")
+    options = DEFAULTS if options is None else options
+    memory_limit, search_budget = options.memory_limit, options.search_budget
     units = find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
     opts = {u.key: u.options for u in units}
-    ev = _Evaluator(gm, mesh, cm, units, indivisible, fused, optimizer_states)
+    ev = _Evaluator(gm, mesh, cm, units, options)
     fits = (lambda e: True) if memory_limit is None else (lambda e: e.memory_bytes <= memory_limit)
     space = math.prod(len(opts[k]) for k in keys)
     search = _Search(ev, keys, fits, search_budget, space, t0)
@@ -383,8 +381,9 @@ def fixed(gm: GraphModule, strategy: str) -> None:
             n.meta["autopar_choice"] = strategy
 
 
-def estimate_fixed(gm: GraphModule, mesh, cm: CostModel, strategy: str, optimizer_states: int = 2) -> Estimate:
-    """The estimate of one fixed strategy ("2d", "1d" or "rep") for every unit of `gm` on `mesh`."""
+def estimate_fixed(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options | None = None) -> Estimate:
+    """The estimate of one fixed strategy ("2d", "1d" or "rep") for every unit of `gm` on `mesh`, with
+    `options` (default `DEFAULTS`) for indivisible weights, fused projections and optimizer states."""
     units = find_units(gm)
-    ev = _Evaluator(gm, mesh, cm, units, "replicate", "regroup", optimizer_states)
+    ev = _Evaluator(gm, mesh, cm, units, DEFAULTS if options is None else options)
     return ev.estimate({u.key: strategy if strategy in u.options else "1d" for u in units})

@@ -10,8 +10,9 @@ import torch
 import transformers
 
 import autopar
-from autopar.api import _capture
+from autopar.pipeline import capture
 from passes import strategy as S
+from passes.options import Options
 
 CPU = {  # an alpha-beta model in the range `autopar calibrate` measures on gloo here (slow links)
     "version": 1, "source": "test", "grid": [2, 2], "backend": "gloo", "device": "cpu",
@@ -41,7 +42,7 @@ def _gpt2(layers=5, hidden=64, heads=4, vocab=256, batch=4, seq=16):
 
 
 def _captured(model, kw):
-    return _capture(model, (), kw).gm
+    return capture(model, (), kw).gm
 
 
 def test_units_group_shared_inputs_and_blocks_share_variables():
@@ -72,7 +73,7 @@ def test_block_shortcut_equals_the_whole_graph(build):
     gm = _captured(*build())
     units = S.find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
-    ev = S._Evaluator(gm, (2, 2), S.CostModel.from_dict(CPU), units, "replicate", "regroup", 2)
+    ev = S._Evaluator(gm, (2, 2), S.CostModel.from_dict(CPU), units, Options())
     assert ev.blocks is not None
     for i, option in enumerate(["2d", "1d", "rep", "mixed"]):
         assignment = {k: (S.OPTIONS[(i + j) % 3] if option == "mixed" else option) for j, k in enumerate(keys)}
@@ -135,11 +136,11 @@ def test_memory_limit_is_respected_and_an_impossible_one_is_refused():
     gm = _captured(model, kw)
     free = S.choose(gm, (2, 2), S.CostModel.from_dict(CPU))
     limit = free.estimate.memory_bytes - 1
-    tight = S.choose(gm, (2, 2), S.CostModel.from_dict(CPU), memory_limit=limit)
+    tight = S.choose(gm, (2, 2), S.CostModel.from_dict(CPU), Options(memory_limit=limit))
     assert tight.estimate.memory_bytes <= limit
     assert tight.estimate.time_s >= free.estimate.time_s
     with pytest.raises(MemoryError) as e:
-        S.choose(gm, (2, 2), S.CostModel.from_dict(CPU), memory_limit=1.0)
+        S.choose(gm, (2, 2), S.CostModel.from_dict(CPU), Options(memory_limit=1.0))
     assert "memory_limit=0.00 GiB" in str(e.value) and "smallest estimate" in str(e.value)
 
 

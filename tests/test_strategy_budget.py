@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from autopar.api import _cache_off_kwargs, _capture
+from autopar.pipeline import cache_off_kwargs, capture
 from passes import strategy as S
+from passes.options import Options
 from tests import checks_hf
 from tests.checks_strategy_budget import CPU, bart, bart_auto_parity
 from tests.compare import assert_every_rank
@@ -17,7 +18,7 @@ CM = S.CostModel.from_dict(CPU)
 
 def _graph(family):
     model, kw = bart(meta=True) if family == "bart" else (checks_hf.build(family)[0], checks_hf.build(family)[1](4, 8, 1))
-    return _capture(model, (), {**_cache_off_kwargs(model), **kw}).gm
+    return capture(model, (), {**cache_off_kwargs(model), **kw}).gm
 
 
 def _variables(gm):
@@ -51,10 +52,10 @@ def test_encoder_decoder_search_is_bounded(family):
     units, keys, opts = _variables(gm)
     bound = 2 + S.ROUNDS * S.GROUP * len(keys)
     assert math.prod(len(o) for o in opts.values()) > 100 * bound, "the model no longer tests a large space"
-    c = S.choose(gm, (2, 2), CM, search_budget=None)
+    c = S.choose(gm, (2, 2), CM, Options(search_budget=None))
     assert c.complete and c.evaluated <= bound, (c.evaluated, bound)
     assert c.estimate.time_s <= min(b.time_s for b in c.baselines.values()) * (1 + 1e-12)
-    ev = S._Evaluator(gm, (2, 2), CM, units, "replicate", "regroup", 2)
+    ev = S._Evaluator(gm, (2, 2), CM, units, Options())
     for k in keys:
         for o in opts[k]:
             moved = ev.estimate({**c.assignment, k: o}).time_s
@@ -69,7 +70,7 @@ def test_budget_stops_the_search_with_a_warning():
     with pytest.warns(S.SearchWarning, match=r"strategy search stopped at its time budget \(search_budget=0 s\) "
                       r"after 2 of 2834352 assignments: the plan uses the best found so far, estimated .* Pass a "
                       r"larger search_budget \(seconds; None: no limit\)"):
-        c = S.choose(gm, (2, 2), CM, search_budget=0)
+        c = S.choose(gm, (2, 2), CM, Options(search_budget=0))
     assert not c.complete and c.evaluated == 2
     fastest = min(c.baselines, key=lambda s: c.baselines[s].time_s)
     assert c.assignment == {k: fastest for k in keys}
@@ -82,7 +83,7 @@ def test_budget_messages_and_bad_budget(monkeypatch):
     monkeypatch.setattr(S, "PROGRESS_S", 0.0)
     monkeypatch.setattr(S, "ROUNDS", 1)
     with pytest.warns(S.SearchWarning) as rec:
-        S.choose(gm, (2, 2), CM, search_budget=None)
+        S.choose(gm, (2, 2), CM, Options(search_budget=None))
     notes = [str(w.message) for w in rec if "still running" in str(w.message)]
     assert len(notes) == 1, notes
     assert notes[0].startswith("strategy search still running after 0 s: 2 of 2834352 assignments of 15 unit "
@@ -90,11 +91,11 @@ def test_budget_messages_and_bad_budget(monkeypatch):
     assert notes[0].endswith("no time limit (search_budget=None)"), notes[0]
     with pytest.raises(MemoryError, match=r"the smallest estimate among 2 assignments is .* GiB \(the search "
                                           r"stopped at search_budget=0 s; a larger one may find one\)"):
-        S.choose(gm, (2, 2), CM, memory_limit=1.0, search_budget=0)
+        S.choose(gm, (2, 2), CM, Options(memory_limit=1.0, search_budget=0))
     for bad in (-1, "30", True):
         with pytest.raises(ValueError, match=r"search_budget=.*: expected seconds >= 0 \(e.g. 30\) or None for no "
                                              r"time limit"):
-            S.choose(gm, (2, 2), CM, search_budget=bad)
+            Options(search_budget=bad)
 
 
 def test_auto_planned_bart_matches_one_process(pool4):

@@ -1,0 +1,212 @@
+"""The compile pipeline `parallelize`, `plan` and the benchmarks share: one input signature in, one
+per-rank program out.
+
+    capture          the model's aten graph for one call (torch.export, KV cache off, meta-aware)
+    compile_program  capture, then (strategy='auto') choose, propagate, insert collectives, localize
+    resolve_cost_model  the alpha-beta model strategy='auto' prices with, from what the user passed
+
+>>> import torch
+>>> from passes.mesh import Grid
+>>> from passes.options import Options
+>>> comp, layouts = compile_program(torch.nn.Linear(4, 2), (torch.randn(2, 4),), {}, Grid.for_planning(2, 2),
+...                                 Options())
+>>> layouts["weight"], comp.signature
+(S(1)S(0), (True, ((2, 4), torch.float32)))
+
+A `Compiled` is the program for one signature: the rewritten GraphModule, where its inputs come from,
+the layouts of its outputs and the fallbacks it runs. `ParallelModule` keeps one per (mode, shapes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from passes import Grid, capture as capture_graph, insert_collectives, localize, propagate
+from passes import strategy as strategies
+from passes.capture import Captured, flatten_inputs, retarget_meta
+from passes.compat import pytree
+from passes.options import Options
+from passes.rules import arg
+from autopar import calibrate
+from autopar.guards import check_mixed_dtypes, handshake
+
+__all__ = ["Compiled", "FallbackWarning", "capture", "compile_program", "resolve_cost_model", "signature",
+           "cache_off_kwargs", "refuse_kv_cache", "input_device"]
+
+
+class FallbackWarning(UserWarning):
+    """Some ops run unsplit (gathered whole on every rank): correct, but slower and bigger."""
+
+
+@dataclass
+class Compiled:
+    """The per-rank program for one input signature, and what running it needs."""
+
+    gm: torch.fx.GraphModule
+    captured: Captured
+    out_layouts: list  # per flat output: (Layout, global shape) or None for non-tensors
+    fallbacks: list  # [passes.propagate.Fallback]
+    random: bool = False  # the graph draws random numbers (dropout)
+    choice: object = None  # strategy="auto": the passes.strategy.Choice made
+    signature: tuple = ()  # the (training, input shapes and dtypes) it was compiled for; see `signature`
+
+
+_RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+           "feature_dropout", "alpha_dropout", "randint", "randint_like", "randperm", "uniform", "uniform_",
+           "normal", "normal_", "exponential", "exponential_", "multinomial", "poisson", "rrelu",
+           "rrelu_with_noise", "cauchy_", "geometric_", "log_normal_", "random_"}
+
+
+def _draws_random(gm) -> bool:
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
+            continue
+        name = n.target.overloadpacket.__name__
+        if name in _RANDOM or (name == "scaled_dot_product_attention" and arg(n, 4, "dropout_p", 0.0)):
+            return True
+    return False
+
+
+def signature(flat: list, training: bool) -> tuple:
+    """The cache key of a call: train/eval mode, and each flat input's shape and dtype (repr of a
+    non-tensor). Calls with equal signatures run the same program."""
+    return (training,) + tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model):
+    """HF models return a KV-cache object when config.use_cache is on, which export cannot trace and the
+    2D engine does not shard: capture with it off, and put the user's setting back afterwards."""
+    config = getattr(model, "config", None)
+    had = getattr(config, "use_cache", None)
+    if had:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if had:
+            config.use_cache = had
+
+
+def refuse_kv_cache(kwargs) -> None:
+    """A call that asks for a generation KV cache is refused before anything is traced or run."""
+    if kwargs and kwargs.get("use_cache"):
+        raise ValueError(
+            "use_cache=True asks for a generation KV cache, which autopar does not support: the 2D engine "
+            "compiles training/evaluation forwards only. Call the model without use_cache (autopar turns it "
+            "off) or with use_cache=False; for generation use the original model."
+        )
+
+
+def cache_off_kwargs(model) -> dict:
+    """use_cache=False for models whose forward takes it (T5 builds a cache from the call argument even
+    when its config says no); passed on every capture and call unless the user gives it."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
+def input_device(args, kwargs) -> torch.device:
+    """The device of the first tensor among the inputs (CPU when there is none): where the shards go."""
+    for t in pytree.tree_leaves((args, kwargs or {})):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def capture(model, args, kwargs) -> Captured:
+    """The model's graph for one call. A model with meta parameters is traced all on meta and the
+    graph pointed back at the inputs' device; matmuls mixing integer inputs and floating weights are
+    refused by name."""
+    refuse_kv_cache(kwargs)
+    device = input_device(args, kwargs)
+    meta = any(p.is_meta for p in model.parameters())
+    if meta:  # trace all on meta (inputs too, so ops mixing them agree), then point the graph at `device`
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    with _no_kv_cache(model):
+        cap = capture_graph(model, args, kwargs)
+    cap.device = device
+    if meta:
+        retarget_meta(cap.gm, device)
+    check_mixed_dtypes(cap.gm)
+    return cap
+
+
+def resolve_cost_model(spec) -> strategies.CostModel:
+    """None (published GPU-cluster figures), a CostModel, a dict or a path of `autopar calibrate` JSON."""
+    if spec is None or isinstance(spec, strategies.CostModel):
+        return spec or strategies.CostModel.from_dict(calibrate.DEFAULT)
+    return strategies.CostModel.from_dict(calibrate.validate(spec) if isinstance(spec, dict) else calibrate.load(spec))
+
+
+def _choose(cap: Captured, grid: Grid, options: Options):
+    """strategy='auto': one search, on global rank 0 when ranks run (a search stopped by its time
+    budget could end elsewhere on another rank, and one search spares the others' CPU), its Choice (or
+    its error) sent to every rank."""
+    def search():
+        return strategies.choose(cap.gm, grid.shape, resolve_cost_model(options.cost_model), options)
+
+    if grid.mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return search()
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", search())
+        except (MemoryError, ValueError) as e:  # raised on every rank below, with rank 0's text
+            box[0] = ("error", type(e).__name__, str(e))
+    with handshake("sending rank 0's strategy choice"):
+        dist.broadcast_object_list(box, src=0)
+    if box[0][0] == "error":
+        raise {"MemoryError": MemoryError, "ValueError": ValueError}[box[0][1]](box[0][2])
+    choice = box[0][1]
+    if dist.get_rank() != 0:  # rank 0's search marked its graph; mark this rank's the same way
+        strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,
+                         choice.alternatives)
+    return choice
+
+
+def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=None) -> tuple:
+    """(Compiled, parameter name -> Layout) for one call of `model` on `grid`: capture, the strategy
+    of each matmul unit (options.strategy; with `choice`, a Choice made before, which a recompile for
+    new shapes repeats instead of searching again), propagate, insert collectives, localize. Ops that
+    run gathered whole are named in one FallbackWarning. A 1x1 grid runs the captured graph as it is."""
+    cap = capture(model, args, kwargs)
+    chosen = None
+    if grid.world > 1 and options.strategy == "1d":
+        strategies.fixed(cap.gm, "1d")
+    elif grid.world > 1 and choice is not None:
+        chosen = choice
+        strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,
+                         choice.alternatives)
+    elif grid.world > 1 and options.strategy == "auto":
+        chosen = _choose(cap, grid, options)
+    prop = propagate(cap.gm, grid.shape, options)
+    if grid.world > 1:
+        gm = insert_collectives(cap.gm, grid, options.lowering)
+        localize(gm, grid.shape)
+    else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
+        gm = cap.gm
+    out_node = gm.graph.output_node()
+    outs = []
+    for a in pytree.tree_leaves(out_node.args[0]):
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        outs.append((a.meta["autopar_layout"], tuple(v.shape)) if isinstance(v, torch.Tensor) else None)
+    if prop.gathering_fallbacks:
+        lines = "\n".join(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'}: {f.reason}"
+                          for f in prop.gathering_fallbacks)
+        warnings.warn(
+            f"autopar: {len(prop.gathering_fallbacks)} op(s) run unsplit (gathered whole, computed on every "
+            f"rank, split again):\n{lines}",
+            FallbackWarning,
+            stacklevel=3,
+        )
+    key = signature(flatten_inputs(cap, args, kwargs), model.training)
+    return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm), chosen, key), prop.param_layouts

@@ -1,0 +1,97 @@
+"""The options of a compile, validated once.
+
+`parallelize` and `plan` build one `Options` from their keyword arguments and pass it down to the
+passes (`strategy.choose`, `propagate`), so every stage reads the same values with the same defaults
+and no stage re-checks them. A bad value raises a `ValueError` naming the option, the value given,
+the values expected and what to pass instead, before anything is captured.
+
+>>> Options().indivisible
+'replicate'
+>>> Options(lowering="ring")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+ValueError: lowering='ring': expected one of ('broadcast', 'allgather'); pass one of these, or leave lowering ...
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from passes.ops.summa import LOWERINGS
+
+__all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES"]
+
+BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
+STRATEGIES = ("2d", "1d", "auto")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a model is compiled and run; the defaults are `parallelize`'s. See `parallelize` for what
+    each option means. `optimizer_states` (per-parameter tensors of the optimizer; AdamW: 2) only
+    enters strategy='auto''s memory estimate; `check_inputs` and `timeout` only the run time."""
+
+    lowering: str = "broadcast"
+    indivisible: str = "replicate"
+    fused: str = "regroup"
+    on_unsupported: str = "replicate"
+    strategy: str = "2d"
+    cost_model: object = None  # None, a CostModel, a dict or a path of `autopar calibrate` JSON
+    memory_limit: float | None = None  # bytes per rank, for strategy='auto'
+    search_budget: float | None = BUDGET_S  # seconds, for strategy='auto'
+    check_inputs: bool = False
+    timeout: float | None = None  # seconds
+    optimizer_states: int = 2
+
+    def __post_init__(self) -> None:
+        _one_of("lowering", self.lowering, LOWERINGS)
+        _one_of("indivisible", self.indivisible, ("replicate", "error"))
+        _one_of("fused", self.fused, ("regroup", "interleave"))
+        _one_of("on_unsupported", self.on_unsupported, ("replicate", "error"))
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits "
+                             f"over the grid's columns) or 'auto' (chosen per matmul from estimated step time)")
+        if self.cost_model is not None and not isinstance(self.cost_model, (_cost_model_class(), dict, str,
+                                                                              os.PathLike)):
+            raise ValueError(f"cost_model={self.cost_model!r}: expected None (published GPU-cluster figures), the "
+                             f"path or dict of JSON that `autopar calibrate` wrote, or a passes.estimate.CostModel")
+        if self.memory_limit is not None and not (_number(self.memory_limit) and self.memory_limit > 0):
+            raise ValueError(f"memory_limit={self.memory_limit!r}: expected a positive number of bytes per rank "
+                             f"(e.g. 40 * 2**30), or None for no limit")
+        if self.search_budget is not None and not (_number(self.search_budget) and self.search_budget >= 0):
+            raise ValueError(f"search_budget={self.search_budget!r}: expected seconds >= 0 (e.g. {BUDGET_S:g}) or "
+                             f"None for no time limit")
+        if not isinstance(self.check_inputs, bool):
+            raise ValueError(f"check_inputs={self.check_inputs!r}: expected True (compare every call's inputs "
+                             f"across the ranks of a grid) or False")
+        if self.timeout is not None and not (_number(self.timeout) and self.timeout > 0):
+            raise ValueError(f"timeout={self.timeout!r}: expected a positive number of seconds, or None for the "
+                             f"process group's own timeout")
+        if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) \
+                or self.optimizer_states < 0:
+            raise ValueError(f"optimizer_states={self.optimizer_states!r}: expected the number of tensors the "
+                             f"optimizer keeps per parameter (AdamW: 2, SGD with momentum: 1, plain SGD: 0)")
+
+    def items(self) -> list:
+        """(name, value) of every option, in declaration order (what ranks compare before compiling)."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+
+def _cost_model_class() -> type:
+    from passes.estimate import CostModel  # imported late: passes.estimate imports propagate, which imports us
+
+    return CostModel
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _one_of(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {allowed}; pass one of these, or leave {name} out "
+                         f"for the default {allowed[0]!r}")
+
+
+DEFAULTS = Options()  # the keyword defaults of parallelize, plan and choose_grid
