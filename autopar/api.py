@@ -22,7 +22,7 @@ from passes.layout import REPLICATED, Layout
 from passes.ops import comm
 from passes.ops.summa import LOWERINGS
 from passes import strategy as strategies
-from autopar import calibrate
+from autopar import calibrate, hf_compat
 from autopar.guards import (agree_on_options, agree_on_plan, check_dtypes, check_mixed_dtypes, fingerprint,
                             handshake)
 
@@ -248,21 +248,34 @@ class ParallelModule(nn.Module):
             if first_name.setdefault(id(p), name) != name:
                 self._tied[name] = first_name[id(p)]
         self.train(model.training)
+        hf_compat.attach(self, model)  # Trainer and accelerate see the original model, tensor parallel
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks that share one batch (R*C), the tensor-parallel size transformers and accelerate read."""
+        return self.grid.world
+
+    _tp_size = tp_size
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
         """The compiled per-rank graph for the most recent call (for inspection)."""
         return self._last.gm
 
-    def _key(self, flat, training):
-        return (training,) + tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
+    def _key(self, args, kwargs, training):
+        """A call's cache key: the mode, the keywords given (a new set, such as the Trainer's added
+        num_items_in_batch, is captured anew), and each input's shape and dtype."""
+        kwargs = kwargs or {}
+        flat = pytree.tree_leaves((tuple(args), {k: kwargs[k] for k in sorted(kwargs)}))
+        return (training, tuple(sorted(kwargs))) + tuple(
+            (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
 
     def _get(self, args, kwargs):
-        first = next(iter(self._compiled.values()))
-        flat = flatten_inputs(first.captured, args, kwargs)
-        key = self._key(flat, self.training)
+        key = self._key(args, kwargs, self.training)
         if key not in self._compiled:  # a cached key already matched the dtypes of its compile
-            check_dtypes(first, flat)
+            same = next((c for k, c in self._compiled.items() if k[1] == key[1]), None)  # same keywords
+            if same is not None:
+                check_dtypes(same, flatten_inputs(same.captured, args, kwargs))
             model = self._source
             was = model.training
             model.train(self.training)
@@ -274,11 +287,12 @@ class ParallelModule(nn.Module):
                        if self._param_layouts.get(n, lay) != lay}
             if changed:
                 raise NotImplementedError(
-                    f"new input shapes {[k for k in key[1:]]} lead to other parameter layouts "
+                    f"new input shapes {[k for k in key[2:]]} lead to other parameter layouts "
                     f"({changed}); call the model with the shapes it was parallelized for"
                 )
             self._compiled[key] = comp
-        return self._compiled[key], flat
+        comp = self._compiled[key]
+        return comp, flatten_inputs(comp.captured, args, kwargs)
 
     def forward(self, *args, **kwargs):
         if not self._materialized:
@@ -506,9 +520,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     comp, layouts = _compile(model, example_inputs, example_kwargs, g, **options)
     if comp.choice is not None:  # other input shapes reuse this choice (the parameters are laid out for it)
         options["strategy"] = comp.choice
-    flat = flatten_inputs(comp.captured, example_inputs, example_kwargs)
     agree_on_plan(comp, layouts)
     pm = ParallelModule(model, g, comp, None, layouts, options)
     pm._check_inputs = check_inputs
-    pm._compiled = {pm._key(flat, model.training): comp}
+    pm._compiled = {pm._key(example_inputs, example_kwargs, model.training): comp}
     return pm
