@@ -24,6 +24,7 @@ def _close_lists(got, want, what):
     assert len(got) == len(want) and got, (what, got, want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w) <= LOSS_RTOL * abs(w), f"{what} step {i + 1}: {g} vs one process {w}"
+    print(f"{what}: max relative difference {max(abs(g - w) / abs(w) for g, w in zip(got, want)):.2g}")
 
 
 def _same_run(res, ref, what):
