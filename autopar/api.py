@@ -18,6 +18,7 @@ from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
 from passes.options import DEFAULTS, Options
+from autopar import hf_compat
 from autopar.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
 from autopar.pipeline import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
                               refuse_kv_cache, signature)
@@ -86,6 +87,14 @@ class ParallelModule(nn.Module):
             if first_name.setdefault(id(p), name) != name:
                 self._tied[name] = first_name[id(p)]
         self.train(model.training)
+        hf_compat.attach(self, model)  # Trainer and accelerate see the original model, tensor parallel
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks that share one batch (R*C), the tensor-parallel size transformers and accelerate read."""
+        return self.grid.world
+
+    _tp_size = tp_size
 
     @property
     def program(self) -> Compiled:
@@ -122,11 +131,12 @@ class ParallelModule(nn.Module):
         self._materialized = bool(value)
 
     def _get(self, args, kwargs):
+        key = signature(args, kwargs, self.training)
         first = next(iter(self._compiled.values()))
-        flat = flatten_inputs(first.captured, args, kwargs)
-        key = signature(flat, self.training)
         if key not in self._compiled:  # a cached key already matched the dtypes of its compile
-            check_dtypes(first, flat)
+            same = next((c for k, c in self._compiled.items() if k[1] == key[1]), None)  # same keywords
+            if same is not None:
+                check_dtypes(same, flatten_inputs(same.captured, args, kwargs))
             model = self._source
             was = model.training
             model.train(self.training)
@@ -138,11 +148,12 @@ class ParallelModule(nn.Module):
                        if self._param_layouts.get(n, lay) != lay}
             if changed:
                 raise NotImplementedError(
-                    f"new input shapes {[k for k in key[1:]]} lead to other parameter layouts "
+                    f"new input shapes {[k for k in key[2:]]} lead to other parameter layouts "
                     f"({changed}); call the model with the shapes it was parallelized for"
                 )
             self._compiled[key] = comp
-        return self._compiled[key], flat
+        comp = self._compiled[key]
+        return comp, flatten_inputs(comp.captured, args, kwargs)
 
     def forward(self, *args, **kwargs):
         if not self._materialized:

@@ -11,7 +11,7 @@ per-rank program out.
 >>> comp, layouts = compile_program(torch.nn.Linear(4, 2), (torch.randn(2, 4),), {}, Grid.for_planning(2, 2),
 ...                                 Options())
 >>> layouts["weight"], comp.signature
-(S(1)S(0), (True, ((2, 4), torch.float32)))
+(S(1)S(0), (True, (), ((2, 4), torch.float32)))
 
 A `Compiled` is the program for one signature: the rewritten GraphModule, where its inputs come from,
 the layouts of its outputs and the fallbacks it runs. `ParallelModule` keeps one per (mode, shapes).
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from passes import Grid, capture as capture_graph, insert_collectives, localize, propagate
 from passes import strategy as strategies
-from passes.capture import Captured, flatten_inputs, retarget_meta
+from passes.capture import Captured, retarget_meta
 from passes.compat import pytree
 from passes.options import Options
 from passes.rules import arg
@@ -73,10 +73,14 @@ def _draws_random(gm) -> bool:
     return False
 
 
-def signature(flat: list, training: bool) -> tuple:
-    """The cache key of a call: train/eval mode, and each flat input's shape and dtype (repr of a
+def signature(args, kwargs, training: bool) -> tuple:
+    """The cache key of a call: train/eval mode, the keywords given (a new set, such as the Trainer's
+    added num_items_in_batch, is captured anew), and each input's shape and dtype (repr of a
     non-tensor). Calls with equal signatures run the same program."""
-    return (training,) + tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
+    kwargs = kwargs or {}
+    flat = pytree.tree_leaves((tuple(args), {k: kwargs[k] for k in sorted(kwargs)}))
+    return (training, tuple(sorted(kwargs))) + tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
 
 
 @contextlib.contextmanager
@@ -208,5 +212,5 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
             FallbackWarning,
             stacklevel=3,
         )
-    key = signature(flatten_inputs(cap, args, kwargs), model.training)
+    key = signature(args, kwargs, model.training)
     return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm), chosen, key), prop.param_layouts

@@ -1,0 +1,76 @@
+"""What transformers' Trainer and accelerate read off a model, answered for a ParallelModule.
+
+Trainer keeps only the dataset columns the model's `forward` names, passes `num_items_in_batch` when
+that signature takes `**kwargs`, and treats a model as tensor parallel when it reports a `tp_size`:
+then accelerate does not wrap it in DDP, and the data loader gives every rank of a tensor-parallel
+group the same batch (one data-parallel replica per group). A grid is exactly such a group, so a
+ParallelModule reports R*C as its `tp_size` and the number of grid replicas as its data-parallel size.
+Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GridParallelism:
+    """The grid as transformers' `config.distributed_config` describes a sharded model: `tp_size`
+    ranks share one batch, `dp_size` replicas see different batches (replicated, not sharded)."""
+
+    tp_size: int
+    dp_size: int
+
+    @property
+    def dp_replicate_size(self) -> int:
+        return self.dp_size
+
+    @property
+    def fsdp_size(self) -> int:
+        return 1
+
+
+# read by Trainer off the model: whether to pass num_items_in_batch, which loss (a causal LM's shifts
+# its labels, so Trainer counts labels[..., 1:]), which input counts tokens
+MIRRORED = ("accepts_loss_kwargs", "loss_type", "main_input_name")
+
+
+def attach(pmodel, model) -> None:
+    """Give `pmodel` the original forward's signature, a `config` carrying its grid, and the
+    original's `MIRRORED` attributes that it has."""
+    signed = signed_forward(pmodel, model)
+    if signed is not None:
+        pmodel.forward = signed
+    pmodel.config = config_view(model, pmodel.grid)
+    for name in MIRRORED:
+        if hasattr(model, name):
+            setattr(pmodel, name, getattr(model, name))
+
+
+def signed_forward(pmodel, model):
+    """`pmodel.forward` bound with `model.forward`'s signature (None when it has none to read), so
+    that `inspect.signature(pmodel.forward)` names the original parameters, `**kwargs` included."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+    def forward(self, *args, **kwargs):
+        return type(self).forward(self, *args, **kwargs)
+
+    forward.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+    forward.__doc__ = type(pmodel).forward.__doc__
+    return types.MethodType(forward, pmodel)  # a bound method: copy.deepcopy rebinds it to the copy
+
+
+def config_view(model, grid):
+    """A shallow copy of `model.config` (or an empty namespace for a model without one) whose
+    `distributed_config` is the grid; the source model's config is left as it was."""
+    source = getattr(model, "config", None)
+    view = copy.copy(source) if source is not None else types.SimpleNamespace()
+    view.distributed_config = GridParallelism(tp_size=grid.world, dp_size=grid.dp)
+    return view
