@@ -178,7 +178,7 @@ def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
                 if alias not in converted:
                     converted.update(src.run(pmodel._source, read_whole))
                 whole = converted.pop(alias)
-                _check_shape(path, f"{alias} (from {src.describe()})", whole.shape, tensor)
+                _check_shape(path, f"{alias} (computed by {src.ops()} from {len(src.keys)} keys)", whole.shape, tensor)
                 block = _read_block(lambda chosen: whole[tuple(slice(a, b) for a, b in chosen)], ranges)
             local = tensor.to_local() if getattr(tensor, "placements", ()) else tensor
             with torch.no_grad():

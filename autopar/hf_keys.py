@@ -90,9 +90,8 @@ class Conversion:
         out = conv.convert(self.first, model=model, config=model.config)
         return {n: t[0] if isinstance(t, list) else t for n, t in out.items()}
 
-    def describe(self) -> str:
-        ops = ", ".join(type(op).__name__ for op in self.converter.operations)
-        return f"{ops} of {[k for k, _ in self.keys]}"
+    def ops(self) -> str:
+        return ", ".join(type(op).__name__ for op in self.converter.operations)
 
 
 @dataclass
@@ -130,7 +129,14 @@ def load_plan(model: nn.Module, shapes: dict) -> LoadPlan:
             conv = conversions.setdefault(name, Conversion(by_pattern[pattern], name))
             conv.keys.append((key, pattern))
     for conv in conversions.values():
-        outs = conv.run(model, lambda k: torch.empty(shapes[k], device="meta"))  # names and shapes only
+        try:
+            outs = conv.run(model, lambda k: torch.empty(shapes[k], device="meta"))  # names and shapes only
+        except Exception as e:  # transformers' own message says which op, not which keys
+            raise ValueError(
+                f"transformers converts the checkpoint keys {[k for k, _ in conv.keys][:8]} into {conv.first!r} "
+                f"with {conv.ops()}, which fails on their shapes "
+                f"{[shapes[k] for k, _ in conv.keys][:8]}: {e}. Check that the checkpoint was written for "
+                f"this config (transformers' from_pretrained refuses it too)") from e
         conv.targets = {n: tuple(t.shape) for n, t in outs.items()}
         sources.update((n, conv) for n in outs if n in state)
     info = types.SimpleNamespace(missing_keys=set(state) - set(sources), unexpected_keys=set(unexpected))

@@ -45,3 +45,13 @@ def reload(rank, src, out_dir, model_class, kwargs, want, grid, into_built=False
     autopar.save_pretrained(pm, out_dir)
     notes = [str(w.message) for w in caught if issubclass(w.category, autopar.CheckpointWarning)]
     return {"excess": errs, "outputs": sorted(got), "warnings": notes}
+
+
+def missing_refused(rank, src, kwargs):
+    """A LlamaModel file under an untied LlamaForCausalLM: nothing fills lm_head.weight."""
+    import transformers
+
+    from tests.checks_robust import _err
+
+    return _err(lambda: autopar.from_pretrained(src, grid=(2, 2), example_kwargs=kwargs, progress=False,
+                                                model_class=transformers.LlamaForCausalLM))

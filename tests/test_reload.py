@@ -114,8 +114,9 @@ def _roundtrip(pool, tmp_path, name: str, grid):
     assert failures([res["excess"] for res in r]) == {}
     assert r[0]["outputs"] == sorted(want)
     skipped = sorted(info["unexpected_keys"])  # transformers' own list; autopar warns with the same keys
-    assert all(all(k in w for k in skipped) for w in r[0]["warnings"]) and bool(r[0]["warnings"]) == bool(skipped), (
-        skipped, r[0]["warnings"])
+    assert len(r[0]["warnings"]) == bool(skipped), (skipped, r[0]["warnings"])
+    assert all(f"{len(skipped)} checkpoint key(s) fill nothing and were skipped" in w and all(k in w for k in skipped)
+               for w in r[0]["warnings"]), (skipped, r[0]["warnings"])
     assert all(res["warnings"] == [] for res in r[1:])  # rank 0 alone warns
     ref.save_pretrained(ref_out)
     assert _keys(out) == _keys(ref_out)  # the key names and shapes transformers writes
@@ -138,3 +139,42 @@ def test_transformers_checkpoint_roundtrip_2x2(pool4, tmp_path, name):
 def test_transformers_checkpoint_roundtrip_1x4(pool4, tmp_path, name):
     """As at 2x2 on a 1x4 grid: blocks of a quarter of a dim, from renamed and converted tensors."""
     _roundtrip(pool4, tmp_path, name, (1, 4))
+
+
+def test_missing_parameter_refused_on_every_rank(pool4, tmp_path):
+    """Catches a parameter left uninitialized (its block holds whatever memory it got) where the
+    checkpoint has no tensor for it: transformers initializes it at random with a warning; autopar
+    refuses, naming it, on every rank."""
+    model, make = _build(Case("llama", "", saved="LlamaModel", loaded="LlamaModel"))
+    model.save_pretrained(str(tmp_path))
+    r = pool4.run(C.missing_refused, str(tmp_path), make(4, 8, 1))
+    for kind, msg in r:
+        assert kind == "KeyError" and "holds no tensor for 1 parameter(s) of LlamaForCausalLM: ['lm_head.weight']" in msg
+        assert "does not initialize missing parameters at random" in msg, msg
+
+
+def test_failing_conversion_names_the_keys():
+    """Catches transformers' own conversion error surfacing without the checkpoint keys it was
+    converting: a Mixtral file whose second expert has another shape than the first."""
+    from autopar import hf_keys
+    from autopar.checkpoint import meta_init
+
+    fam = FAMILIES["mixtral"]
+    with meta_init():
+        model = transformers.MixtralForCausalLM(getattr(transformers, fam.config)(**{**TOKENS, **fam.kw}))
+    shapes = {"model.layers.0.block_sparse_moe.experts.0.w1.weight": (64, 32),
+              "model.layers.0.block_sparse_moe.experts.1.w1.weight": (64, 16),
+              "model.layers.0.block_sparse_moe.experts.0.w3.weight": (64, 32),
+              "model.layers.0.block_sparse_moe.experts.1.w3.weight": (64, 32)}
+    with pytest.raises(ValueError, match=r"transformers converts the checkpoint keys \['model.layers.0.block_sparse_moe"
+                                         r".experts.0.w1.weight', .* into 'model.layers.0.mlp.experts.gate_up_proj' "
+                                         r"with MergeModulelist, Concatenate, which fails on their shapes"):
+        hf_keys.load_plan(model, shapes)
+
+
+def test_hf_keys_doctest():
+    import doctest
+
+    from autopar import hf_keys
+
+    assert doctest.testmod(hf_keys).failed == 0
