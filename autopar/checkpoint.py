@@ -2,12 +2,15 @@
 
 - `meta_init()`: build a model on the meta device: no parameter is ever allocated at full size.
 - `from_pretrained(path, grid, ...)`: config.json -> model on meta -> `parallelize` -> each rank reads
-  only its blocks from the safetensors files (single file or index-sharded).
+  only its blocks from the safetensors files (single file or index-sharded). Checkpoint keys are
+  matched to the model's names by transformers' own rules (`autopar.hf_keys`); a tensor transformers
+  computes from several keys (stacked experts) is computed whole on each rank, one group at a time.
 - `save_pretrained(pmodel, path)`: parameters gathered one at a time, written by rank 0 into
-  safetensors shards of at most `max_shard_bytes`, with config.json. Only the files it writes are
-  replaced (each atomically, after every shard is complete), so other files in `path` survive and an
-  interrupted save leaves the previous checkpoint loadable. Every rank agrees on each step's outcome,
-  so a failure on rank 0 alone raises on all ranks instead of leaving them waiting in a gather.
+  safetensors shards of at most `max_shard_bytes` under the keys transformers writes, with
+  config.json. Only the files it writes are replaced (each atomically, after every shard is
+  complete), so other files in `path` survive and an interrupted save leaves the previous checkpoint
+  loadable. Every rank agrees on each step's outcome, so a failure on rank 0 alone raises on all
+  ranks instead of leaving them waiting in a gather.
 - `save_distributed` / `load_distributed` (autopar.distributed_checkpoint): torch.distributed.checkpoint
   of the model (and optimizer), saved to a fresh directory swapped in when every rank finished.
 """
@@ -344,9 +347,8 @@ def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30) -> None:
                     del whole
                 gathered.append(full)
             written.append(F.temp_path(path, fname))
-            agree(grid, _clean_on_error(grid, written, _write_shard, written[-1], fname, gathered, pmodel._source, index),
-                  f"{what}: writing {fname}")
-            del gathered
+            err = _clean_on_error(grid, written, _write_shard, written[-1], fname, gathered, pmodel._source, index)
+            agree(grid, err, f"{what}: writing {fname}")
         agree(grid, _clean_on_error(grid, written, _finish, path, len(shards), index, _config_json(pmodel)),
               f"{what}: finishing")
     finally:  # a failed collective: nothing was agreed, rank 0 still cleans up
@@ -358,8 +360,8 @@ def _write_shard(tmp: str, fname: str, gathered: list, source, index: dict) -> N
     """Rank 0: each gathered group under the keys transformers' save_pretrained writes for it
     (`hf_keys.revert`), written into `tmp` and recorded in `index`."""
     block = {}
-    for group in gathered:
-        block.update((k, t.contiguous()) for k, t in hf_keys.revert(source, group).items())
+    while gathered:  # each group's gathered tensors are dropped once converted: one shard and one group at most
+        block.update((k, t.contiguous()) for k, t in hf_keys.revert(source, gathered.pop(0)).items())
     write(tmp, block, {"format": "pt"})
     index["weight_map"].update(dict.fromkeys(block, fname))
     index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in block.values())
