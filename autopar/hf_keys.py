@@ -45,15 +45,18 @@ TESTED = "5.24"  # the transformers version these imports were checked against
 @functools.lru_cache(maxsize=None)
 def _transformers() -> types.SimpleNamespace:
     """transformers' own key-mapping machinery. `get_model_conversion_mapping` is public (PEFT uses it);
-    the rest lives in `core_model_loading` / `modeling_utils` without a stability promise, so a missing
-    name is reported with the version it was tested with."""
+    the rest lives in `core_model_loading` / `modeling_utils` without a stability promise, as do the
+    two model members used below (`_adjust_missing_and_unexpected_keys`, `_weight_conversions`), so a
+    missing name is reported with the version it was tested with."""
     import transformers
 
     try:
+        if not hasattr(transformers.PreTrainedModel, "_adjust_missing_and_unexpected_keys"):
+            raise ImportError("PreTrainedModel._adjust_missing_and_unexpected_keys is gone")
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (PrefixChange, WeightConverter, WeightRenaming, apply_converters,
                                                      dot_natural_key, rename_source_key, revert_weight_conversion)
-        from transformers.modeling_utils import PreTrainedModel, remove_tied_weights_from_state_dict
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
     except ImportError as e:
         raise ImportError(
             f"autopar reads and writes checkpoint key names with transformers' own rules (transformers "
@@ -62,15 +65,15 @@ def _transformers() -> types.SimpleNamespace:
         ) from None
     return types.SimpleNamespace(**{f.__name__: f for f in (
         get_model_conversion_mapping, PrefixChange, WeightConverter, WeightRenaming, apply_converters, dot_natural_key,
-        rename_source_key, revert_weight_conversion, PreTrainedModel, remove_tied_weights_from_state_dict)})
+        rename_source_key, revert_weight_conversion, remove_tied_weights_from_state_dict)})
 
 
 def is_transformers_model(model: nn.Module) -> bool:
     try:
-        import transformers  # noqa: F401
+        import transformers
     except ImportError:
         return False
-    return isinstance(model, _transformers().PreTrainedModel)
+    return isinstance(model, transformers.PreTrainedModel)
 
 
 @dataclass
@@ -140,7 +143,7 @@ def load_plan(model: nn.Module, shapes: dict) -> LoadPlan:
         conv.targets = {n: tuple(t.shape) for n, t in outs.items()}
         sources.update((n, conv) for n in outs if n in state)
     info = types.SimpleNamespace(missing_keys=set(state) - set(sources), unexpected_keys=set(unexpected))
-    model._adjust_missing_and_unexpected_keys(info)  # transformers' ignore patterns, in its own words
+    model._adjust_missing_and_unexpected_keys(info)  # transformers' ignore patterns (checked in _transformers)
     used = [t for t in transforms if t.was_used()]
     return LoadPlan(sources, sorted(info.unexpected_keys, key=T.dot_natural_key), info.missing_keys, used)
 

@@ -11,6 +11,7 @@ tied embeddings, T5's four names for one matrix, BERT's decoder) and a base mode
 under a model with a head, and the reverse.
 """
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -118,6 +119,8 @@ def _roundtrip(pool, tmp_path, name: str, grid):
     assert all(f"{len(skipped)} checkpoint key(s) fill nothing and were skipped" in w and all(k in w for k in skipped)
                for w in r[0]["warnings"]), (skipped, r[0]["warnings"])
     assert all(res["warnings"] == [] for res in r[1:])  # rank 0 alone warns
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["architectures"] == [cls.__name__]  # autopar.from_pretrained(out) needs no model_class=
     ref.save_pretrained(ref_out)
     assert _keys(out) == _keys(ref_out)  # the key names and shapes transformers writes
     back, info = cls.from_pretrained(out, output_loading_info=True)
@@ -179,3 +182,19 @@ def test_hf_keys_doctest():
     from autopar import hf_keys
 
     assert doctest.testmod(hf_keys).failed == 0
+
+
+def test_moved_transformers_internals_named(monkeypatch):
+    """Catches an AttributeError deep in a load when transformers moves one of the internals autopar
+    calls: the error names the missing piece, the installed version and the tested one."""
+    from autopar import hf_keys
+
+    monkeypatch.delattr(transformers.PreTrainedModel, "_adjust_missing_and_unexpected_keys")
+    hf_keys._transformers.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=rf"transformers {transformers.__version__} lacks one of them "
+                                              r"\(PreTrainedModel._adjust_missing_and_unexpected_keys is gone\); "
+                                              rf"install transformers>=5 \(tested: {hf_keys.TESTED}\)"):
+            hf_keys._transformers()
+    finally:
+        hf_keys._transformers.cache_clear()
