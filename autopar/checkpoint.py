@@ -301,14 +301,14 @@ def _shards(pmodel, max_shard_bytes: int) -> tuple:
 
 
 def _config_json(pmodel) -> dict | None:
-    """config.json's content, naming the source model's class in `architectures` when the config
-    does not, so that `from_pretrained(path)` finds the class without model_class=."""
+    """config.json's content, naming the source model's class in `architectures` (as transformers'
+    save_pretrained does, even when the config named another class: a LlamaModel loaded from a
+    LlamaForCausalLM file saves as LlamaModel), so that `from_pretrained(path)` needs no model_class=."""
     config = getattr(pmodel._source, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         return None
     content = json.loads(config.to_json_string(use_diff=True))
-    if not content.get("architectures"):
-        content["architectures"] = [type(pmodel._source).__name__]
+    content["architectures"] = [type(pmodel._source).__name__]
     return content
 
 
