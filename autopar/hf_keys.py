@@ -79,11 +79,10 @@ def is_transformers_model(model: nn.Module) -> bool:
 @dataclass
 class Conversion:
     """A transformers `WeightConverter` (stacking experts, splitting a fused projection, ...) with the
-    checkpoint keys it reads, in transformers' order, and the model names it fills."""
+    checkpoint keys it reads, in transformers' order."""
     converter: object
     first: str  # the name transformers keys the conversion by (its first target)
     keys: list = field(default_factory=list)  # [(checkpoint key, source pattern)]
-    targets: dict = field(default_factory=dict)  # model name -> shape, from a run on meta tensors
 
     def run(self, model: nn.Module, read) -> dict:
         """{model name: full tensor}, with `read(key)` giving the whole checkpoint tensor `key`."""
@@ -140,7 +139,6 @@ def load_plan(model: nn.Module, shapes: dict) -> LoadPlan:
                 f"with {conv.ops()}, which fails on their shapes "
                 f"{[shapes[k] for k, _ in conv.keys][:8]}: {e}. Check that the checkpoint was written for "
                 f"this config (transformers' from_pretrained refuses it too)") from e
-        conv.targets = {n: tuple(t.shape) for n, t in outs.items()}
         sources.update((n, conv) for n in outs if n in state)
     info = types.SimpleNamespace(missing_keys=set(state) - set(sources), unexpected_keys=set(unexpected))
     model._adjust_missing_and_unexpected_keys(info)  # transformers' ignore patterns (checked in _transformers)
@@ -156,12 +154,10 @@ def keep_conversions(model: nn.Module, used: list) -> None:
 
 
 def save_names(model: nn.Module) -> list:
-    """The state-dict names transformers' `save_pretrained` writes, before renaming: every parameter
-    and persistent buffer, less `_keys_to_ignore_on_save`, one name per tied group (the one
-    transformers keeps)."""
+    """The state-dict names transformers' `save_pretrained` writes for a transformers `model`, before
+    renaming: every parameter and persistent buffer, less `_keys_to_ignore_on_save`, one name per tied
+    group (the one transformers keeps)."""
     state = model.state_dict()
-    if not is_transformers_model(model):
-        return list(state)
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
     return list(_transformers().remove_tied_weights_from_state_dict(state, model))
