@@ -2,12 +2,15 @@
 
 - `meta_init()`: build a model on the meta device: no parameter is ever allocated at full size.
 - `from_pretrained(path, grid, ...)`: config.json -> model on meta -> `parallelize` -> each rank reads
-  only its blocks from the safetensors files (single file or index-sharded).
+  only its blocks from the safetensors files (single file or index-sharded). Checkpoint keys are
+  matched to the model's names by transformers' own rules (`autopar.hf_keys`); a tensor transformers
+  computes from several keys (stacked experts) is computed whole on each rank, one group at a time.
 - `save_pretrained(pmodel, path)`: parameters gathered one at a time, written by rank 0 into
-  safetensors shards of at most `max_shard_bytes`, with config.json. Only the files it writes are
-  replaced (each atomically, after every shard is complete), so other files in `path` survive and an
-  interrupted save leaves the previous checkpoint loadable. Every rank agrees on each step's outcome,
-  so a failure on rank 0 alone raises on all ranks instead of leaving them waiting in a gather.
+  safetensors shards of at most `max_shard_bytes` under the keys transformers writes, with
+  config.json. Only the files it writes are replaced (each atomically, after every shard is
+  complete), so other files in `path` survive and an interrupted save leaves the previous checkpoint
+  loadable. Every rank agrees on each step's outcome, so a failure on rank 0 alone raises on all
+  ranks instead of leaving them waiting in a gather.
 - `save_distributed` / `load_distributed` (autopar.distributed_checkpoint): torch.distributed.checkpoint
   of the model (and optimizer), saved to a fresh directory swapped in when every rank finished.
 """
@@ -15,13 +18,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import warnings
 
 import torch
 import torch.nn as nn
 
 from autopar import files as F
+from autopar import hf_keys
 from autopar.agree import AXES, agree, on_rank0
 from autopar.distributed_checkpoint import load_distributed, save_distributed  # noqa: F401  (part of this API)
 from autopar.safetensors_io import SafetensorsFile, write
@@ -29,6 +35,10 @@ from passes.layout import parts, split_dim
 from passes.ops.comm import guarded
 
 INDEX, SINGLE = F.INDEX, F.SINGLE
+
+
+class CheckpointWarning(UserWarning):
+    """A load that skipped checkpoint keys or kept a buffer's computed value."""
 
 
 @contextlib.contextmanager
@@ -77,11 +87,11 @@ def block_ranges(shape, placements, grid) -> list:
     return ranges
 
 
-def _read_block(f: SafetensorsFile, key: str, ranges: list) -> torch.Tensor:
-    """Concatenate the reads of every combination of ranges, dim by dim."""
+def _read_block(read, ranges: list) -> torch.Tensor:
+    """Concatenate `read(chosen)` over every combination of ranges (one (start, stop) per dim), dim by dim."""
     def rec(d, chosen):
         if d == len(ranges):
-            return f.read(key, chosen)
+            return read(chosen)
         pieces = [rec(d + 1, chosen + [r]) for r in ranges[d]]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
     return rec(0, [])
@@ -142,32 +152,87 @@ def _aliases(pmodel) -> dict:
 
 
 def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
-    """Fill every parameter (and persistent buffer) of `pmodel` with its block from `path`."""
+    """Fill every parameter (and persistent buffer) of `pmodel` with its block from `path`. Checkpoint
+    keys are matched to the model's names by transformers' own rules (`autopar.hf_keys`): renamed
+    keys, a base model's checkpoint for a model with a head (or the reverse), tied names. A tensor that
+    transformers computes from several keys (stacked experts, a split fused projection) is computed
+    whole on every rank, then cut to the rank's block."""
     files = _files(path)
-    aliases = _aliases(pmodel)
     handles: dict = {}
-    items = list(pmodel.named_parameters()) + [(n, b) for n, b in pmodel.named_buffers() if n in files]
-    bar = _progress(len(items), pmodel.grid.rank == 0 and progress)
+
+    def handle(key):
+        return handles.get(files[key]) or handles.setdefault(files[key], SafetensorsFile(files[key]))
+
+    def read_whole(key):
+        f = handle(key)
+        return f.read(key, [(0, n) for n in f.shape(key)])
+
+    bar = None
     try:
-        for name, tensor in items:
-            key = next((a for a in aliases.get(name, [name]) if a in files), None)
-            if key is None:
-                raise KeyError(f"{path}: no tensor for parameter {name!r} (also tried {aliases.get(name, [])}); "
-                               f"the checkpoint has e.g. {sorted(files)[:5]}")
-            f = handles.get(files[key]) or handles.setdefault(files[key], SafetensorsFile(files[key]))
-            if tuple(f.shape(key)) != tuple(tensor.shape):
-                raise ValueError(f"{path}: {key} has shape {f.shape(key)}, the model expects {tuple(tensor.shape)}")
-            placements = getattr(tensor, "placements", ())
-            block = _read_block(f, key, block_ranges(tuple(tensor.shape), placements, pmodel.grid))
-            local = tensor.to_local() if placements else tensor
+        todo = _sources(pmodel, path, {k: tuple(handle(k).shape(k)) for k in files})
+        bar = _progress(len(todo), pmodel.grid.rank == 0 and progress)
+        converted: dict = {}  # model name -> whole tensor computed by a conversion, until its block is read
+        for _name, tensor, (alias, src) in todo:
+            ranges = block_ranges(tuple(tensor.shape), getattr(tensor, "placements", ()), pmodel.grid)
+            if isinstance(src, str):
+                _check_shape(path, src, handle(src).shape(src), tensor)
+                block = _read_block(functools.partial(handle(src).read, src), ranges)
+            else:
+                if alias not in converted:
+                    converted.update(src.run(pmodel.source_model, read_whole))
+                whole = converted.pop(alias)
+                _check_shape(path, f"{alias} (computed by {src.ops()} from {len(src.keys)} keys)", whole.shape, tensor)
+                block = _read_block(lambda chosen, whole=whole: whole[tuple(slice(a, b) for a, b in chosen)], ranges)
+            local = tensor.to_local() if getattr(tensor, "placements", ()) else tensor
             with torch.no_grad():
                 local.copy_(block)
             bar.update(1)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         for f in handles.values():
             f.close()
     pmodel.materialized = True
+
+
+def _sources(pmodel, path: str, shapes: dict) -> list:
+    """[(name, tensor, (checkpoint name, key or Conversion))] for every parameter and persistent buffer
+    of `pmodel` that the checkpoint fills. A parameter it does not fill is refused (transformers would
+    initialize it at random); a buffer keeps the value the model computed, with a warning."""
+    plan = hf_keys.load_plan(pmodel.source_model, shapes)
+    hf_keys.keep_conversions(pmodel.source_model, plan.used)
+    aliases = _aliases(pmodel)
+    todo, missing, kept = [], [], []
+    buffers = [(n, b) for n, b in pmodel.named_buffers() if n in pmodel.persistent_buffer_names]
+    for is_param, items in ((True, pmodel.named_parameters()), (False, buffers)):
+        for name, tensor in items:
+            src = next(((a, plan.sources[a]) for a in aliases.get(name, [name]) if a in plan.sources), None)
+            if src is not None:
+                todo.append((name, tensor, src))
+            elif is_param:
+                missing.append(name)
+            elif name in plan.missing:  # not covered by the model's _keys_to_ignore_on_load_missing
+                kept.append(name)
+    if missing:
+        raise KeyError(
+            f"{path}: the checkpoint holds no tensor for {len(missing)} parameter(s) of "
+            f"{type(pmodel.source_model).__name__}: {missing[:8]}{' ...' if len(missing) > 8 else ''}; checkpoint keys "
+            f"that fill nothing: {plan.unexpected[:8]}{' ...' if len(plan.unexpected) > 8 else ''}. "
+            f"autopar does not initialize missing parameters at random as transformers does: load a checkpoint "
+            f"of this architecture (config.json's `architectures`, or pass model_class=)")
+    if pmodel.grid.rank == 0 and (kept or plan.unexpected):
+        warnings.warn(
+            f"autopar.load_safetensors({path!r}): {len(plan.unexpected)} checkpoint key(s) fill nothing and "
+            f"were skipped: {plan.unexpected[:8]}{' ...' if len(plan.unexpected) > 8 else ''}; "
+            f"{len(kept)} buffer(s) not in the checkpoint keep the values the model computed: {kept[:8]}",
+            CheckpointWarning, stacklevel=3)
+    return todo
+
+
+def _check_shape(path: str, what: str, shape, tensor) -> None:
+    if tuple(shape) != tuple(tensor.shape):
+        raise ValueError(f"{path}: {what} has shape {tuple(shape)}, the model expects {tuple(tensor.shape)}; "
+                         f"check that config.json matches the weights")
 
 
 def _progress(total: int, enabled: bool):
@@ -210,31 +275,40 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
 
 
 def _shards(pmodel, max_shard_bytes: int) -> tuple:
-    """(name -> tensor of every saved parameter and persistent buffer, [[names of shard i]], total bytes)."""
-    tensors = dict(pmodel.named_parameters())
-    tensors.update((n, b) for n, b in pmodel.named_buffers() if n in pmodel.persistent_buffer_names)
+    """(name -> tensor of every saved parameter and persistent buffer, [[[names of a group] of shard i]]).
+    A transformers model saves the names its own save_pretrained saves, in groups that convert back to
+    checkpoint keys together (`hf_keys.save_groups`); another model, every parameter then every
+    persistent buffer, each alone."""
+    source = pmodel.source_model
+    own = dict(pmodel.named_parameters())
+    own.update((n, b) for n, b in pmodel.named_buffers() if n in pmodel.persistent_buffer_names)
+    if hf_keys.is_transformers_model(source):
+        aliases = _aliases(pmodel)
+        tensors = {n: own[n] if n in own else own[aliases[n][0]] for n in hf_keys.save_names(source)}
+    else:
+        tensors = own
     shards, cur, cur_bytes = [], [], 0
-    for n, t in tensors.items():
-        size = t.numel() * t.element_size()
+    for group in hf_keys.save_groups(source, list(tensors)):
+        size = sum(tensors[n].numel() * tensors[n].element_size() for n in group)
         if cur and cur_bytes + size > max_shard_bytes:
             shards.append(cur)
             cur, cur_bytes = [], 0
-        cur.append(n)
+        cur.append(group)
         cur_bytes += size
     if cur:
         shards.append(cur)
-    return tensors, shards, sum(t.numel() * t.element_size() for t in tensors.values())
+    return tensors, shards
 
 
 def _config_json(pmodel) -> dict | None:
-    """config.json's content, naming the source model's class in `architectures` when the config
-    does not, so that `from_pretrained(path)` finds the class without model_class=."""
+    """config.json's content, naming the source model's class in `architectures` (as transformers'
+    save_pretrained does, even when the config named another class: a LlamaModel loaded from a
+    LlamaForCausalLM file saves as LlamaModel), so that `from_pretrained(path)` needs no model_class=."""
     config = getattr(pmodel.source_model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         return None
     content = json.loads(config.to_json_string(use_diff=True))
-    if not content.get("architectures"):
-        content["architectures"] = [type(pmodel.source_model).__name__]
+    content["architectures"] = [type(pmodel.source_model).__name__]
     return content
 
 
@@ -255,30 +329,42 @@ def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30) -> None:
     grid, path = pmodel.grid, os.fspath(path)
     what = f"autopar.save_pretrained({path!r})"
     agree(grid, on_rank0(grid, F.check_target, path), f"{what}: checking the target")
-    tensors, shards, total = _shards(pmodel, max_shard_bytes)
+    tensors, shards = _shards(pmodel, max_shard_bytes)
+    index = {"metadata": {"total_size": 0}, "weight_map": {}}  # filled on rank 0
     written = []  # temporary files on rank 0
     try:
         for i, shard in enumerate(shards):
             fname = F.shard_name(i, len(shards))
-            block = {}
-            for n in shard:
-                t = tensors[n]
-                with guarded(grid, "full_tensor gather", AXES, f"save_pretrained: {n}"):
-                    full = t.full_tensor() if hasattr(t, "full_tensor") else t  # every rank calls it
-                if grid.rank == 0:
-                    block[n] = full.detach().cpu().contiguous()
-                del full
+            gathered = []
+            for group in shard:
+                full = {}
+                for n in group:
+                    t = tensors[n]
+                    with guarded(grid, "full_tensor gather", AXES, f"save_pretrained: {n}"):
+                        whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # every rank calls it
+                    if grid.rank == 0:
+                        full[n] = whole.detach().cpu().contiguous()
+                    del whole
+                gathered.append(full)
             written.append(F.temp_path(path, fname))
-            agree(grid, _clean_on_error(grid, written, write, written[-1], block, {"format": "pt"}),
-                  f"{what}: writing {fname}")
-            del block
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {n: F.shard_name(i, len(shards)) for i, s in enumerate(shards) for n in s}}
+            err = _clean_on_error(grid, written, _write_shard, written[-1], fname, gathered, pmodel.source_model, index)
+            agree(grid, err, f"{what}: writing {fname}")
         agree(grid, _clean_on_error(grid, written, _finish, path, len(shards), index, _config_json(pmodel)),
               f"{what}: finishing")
     finally:  # a failed collective: nothing was agreed, rank 0 still cleans up
         if grid.rank == 0:
             F.remove_quietly(written)
+
+
+def _write_shard(tmp: str, fname: str, gathered: list, source, index: dict) -> None:
+    """Rank 0: each gathered group under the keys transformers' save_pretrained writes for it
+    (`hf_keys.revert`), written into `tmp` and recorded in `index`."""
+    block = {}
+    while gathered:  # each group's gathered tensors are dropped once converted: one shard and one group at most
+        block.update((k, t.contiguous()) for k, t in hf_keys.revert(source, gathered.pop(0)).items())
+    write(tmp, block, {"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(block, fname))
+    index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in block.values())
 
 
 def _finish(path: str, n: int, index: dict, config: dict | None) -> None:
