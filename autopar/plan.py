@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from autopar.pipeline import cache_off_kwargs, capture, compile_program, resolve_cost_model
 from passes import strategy as strategies
+from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options
 from autopar.explain import graph_rows
 from passes.compat import fake_store, fake_tensor_mode, pytree
@@ -115,7 +116,7 @@ def _measure_activations(gm, cap, mesh):
         with fake_tensor_mode():
             args = []
             for node, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), cap.sources):
-                v, lay = node.meta["val"], node.meta["autopar_layout"]
+                v, lay = node.meta["val"], node.meta[LAYOUT]
                 if not isinstance(v, torch.Tensor):  # a constant input (use_cache=False, ...)
                     args.append(v)
                     continue

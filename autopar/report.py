@@ -7,6 +7,7 @@ import html as _html
 from collections import defaultdict
 
 from passes.layout import REPLICATED
+from passes.meta import LAYOUT
 
 
 def _mib(n) -> str:
@@ -59,7 +60,7 @@ def dot(pl) -> str:
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        lay = repr(node.meta.get("autopar_layout", REPLICATED))
+        lay = repr(node.meta.get(LAYOUT, REPLICATED))
         comm = node.op == "call_module"
         label = f"{node.name}\\n{lay}"
         shape = "box" if comm else "ellipse"

@@ -22,6 +22,7 @@ import torch
 from passes.insert_collectives import gradsync_axes
 from passes.kernelspec import MATMULS, GradSyncSpec, RedistributeSpec, Site, SummaSpec, flops
 from passes.layout import Layout, local_shape
+from passes.meta import ROLE, STRATEGY
 from passes.propagate import rule_key
 
 __all__ = ["MATMULS", "CostModel", "Estimate", "price"]
@@ -107,7 +108,7 @@ def _node_cost(node, strat, layouts, mesh, grads, cm) -> _NodeCost:
         if sync:
             synced = Site(inp, (inp,), (need,), need, mesh, (inp in grads,))
             shared.append(((inp, need, sync), GradSyncSpec(sync).terms(synced)))
-        if inp.op == "placeholder" and inp.meta.get("autopar_role") == "param":
+        if inp.op == "placeholder" and inp.meta.get(ROLE) == "param":
             params.append((inp, _local_elems(v, have, mesh) * v.element_size()))
     spec, site = strat.kernel, Site.planned(node, strat, layouts, mesh, grads)
     summa = _summa(spec, site, cm) if isinstance(spec, SummaSpec) else None
@@ -127,7 +128,7 @@ def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: se
     est, seen = Estimate(), set()
     params_seen = set() if params_seen is None else params_seen
     for node in nodes:
-        strat = node.meta.get("autopar_strategy")
+        strat = node.meta.get(STRATEGY)
         if node.op == "placeholder" or strat is None:
             continue
         if cache is None:

@@ -48,6 +48,7 @@ from torch.fx import GraphModule, Node
 from passes.cost import nodes_needing_grad
 from passes.estimate import MATMULS, CostModel, Estimate, price
 from passes.layout import mesh_shape
+from passes.meta import CHOICE, CHOICE_WHY, LOWERING, ROLE
 from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.propagate import Propagation, module_path, propagate_node
 
@@ -82,7 +83,7 @@ def _source(n) -> Node:
 
 def _param_of(n) -> Node | None:
     n = _source(n)
-    return n if isinstance(n, Node) and n.op == "placeholder" and n.meta.get("autopar_role") == "param" else None
+    return n if isinstance(n, Node) and n.op == "placeholder" and n.meta.get(ROLE) == "param" else None
 
 
 def _generic(path: str) -> str:
@@ -173,7 +174,7 @@ class _Evaluator:
     def _set(self, assignment: dict) -> None:
         for u in self.units:
             for n in u.nodes:
-                n.meta["autopar_choice"] = assignment[u.key]
+                n.meta[CHOICE] = assignment[u.key]
 
     def _run(self, sequence) -> tuple:
         layouts, res = {}, Propagation()
@@ -299,7 +300,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
     per-rank memory estimate is at most `options.memory_limit` bytes, searched for at most
     `options.search_budget` seconds (None: no limit; when it runs out, the best found so far, with a
     `SearchWarning`); `options` defaults to `DEFAULTS`, and its `cost_model` is not read: `cm` is the
-    model already resolved. Leaves `autopar_choice` and `autopar_lowering` set on the matmul nodes for
+    model already resolved. Leaves `CHOICE` and `LOWERING` (`passes.meta`) set on the matmul nodes for
     the propagation that follows."""
     t0 = time.perf_counter()
     options = DEFAULTS if options is None else options
@@ -366,19 +367,19 @@ def apply(gm: GraphModule, units, assignment: dict, lowerings: dict, alternative
     alternatives) and SUMMA nodes with their lowering."""
     for u in units:
         for n in u.nodes:
-            n.meta["autopar_choice"] = assignment[u.key]
+            n.meta[CHOICE] = assignment[u.key]
             if alternatives is not None:
-                n.meta["autopar_choice_why"] = (assignment[u.key], alternatives[u.key])
+                n.meta[CHOICE_WHY] = (assignment[u.key], alternatives[u.key])
     for node in gm.graph.nodes:
         if node.name in lowerings:
-            node.meta["autopar_lowering"] = lowerings[node.name]
+            node.meta[LOWERING] = lowerings[node.name]
 
 
 def fixed(gm: GraphModule, strategy: str) -> None:
     """Mark every unit for one fixed strategy ("2d" or "1d")."""
     for u in find_units(gm):
         for n in u.nodes:
-            n.meta["autopar_choice"] = strategy
+            n.meta[CHOICE] = strategy
 
 
 def estimate_fixed(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options | None = None) -> Estimate:

@@ -18,13 +18,14 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.kernelspec import SummaSpec
 from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim
+from passes.meta import CHOICE, PARAM
 from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape, val
 
 aten = torch.ops.aten
 
 
 def _param_name(node) -> str:
-    return node.meta.get("autopar_param", node.name)
+    return node.meta.get(PARAM, node.name)
 
 
 def _row_split(x, layouts, mesh) -> Shard:
@@ -166,9 +167,9 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
 
 
 def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
-    """The strategy `node.meta["autopar_choice"]` names (default: 2D SUMMA) for an unplaced weight; a
+    """The strategy `node.meta[CHOICE]` names (default: 2D SUMMA) for an unplaced weight; a
     weight already placed by an earlier use (tied to an embedding) keeps its layout's strategy."""
-    choice = node.meta.get("autopar_choice", "2d")
+    choice = node.meta.get(CHOICE, "2d")
     if choice == "2d" or layouts.get(w) is not None:
         return summa_strategy(node, layouts, mesh, x, w, bias, n_first)
     return one_d_strategy(node, layouts, mesh, x, w, bias, n_first, choice)
