@@ -118,7 +118,8 @@ def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False)
     lines.append("  ".join("-" * w for w in widths))
     for r, c in zip(table, cells[1:]):
         # the note (last column) is never cut: it carries the auto strategy's reasons
-        lines.append("  ".join(c[i][:60].ljust(widths[i]) if i < len(head) - 1 else c[i] for i in range(len(head))).rstrip())
+        lines.append("  ".join(c[i][:60].ljust(widths[i]) if i < len(head) - 1 else c[i]
+                               for i in range(len(head))).rstrip())
         if formulas and r.formula:
             lines.append(f"    why: {r.formula}")
     fwd = sum(r.fwd_bytes for r in table)

@@ -10,8 +10,9 @@ per rank and per training step (forward + backward):
   that runs, the forward one and a backward one per operand that needs a gradient;
 - memory: parameters, gradients (same size), AdamW states (two per parameter), and -- when no
   process group is initialized in this process -- the bytes autograd saves for backward and the
-  largest tensor saved or returned (temporaries inside kernels are not tracked), measured by running rank (0, 0)'s graph under FakeTensorMode on a fake
-  process group of the grid's size (nothing is allocated).
+  largest tensor saved or returned (temporaries inside kernels are not tracked), measured by running
+  rank (0, 0)'s graph under FakeTensorMode on a fake process group of the grid's size (nothing is
+  allocated).
 
 `compare_1d` gives the same step's bytes and parameter memory for Megatron-style 1D tensor
 parallelism at p = q·q, from its analytic volume (DESIGN.md section 1).
@@ -121,7 +122,8 @@ def _measure_activations(gm, cap, mesh):
                     args.append(v)
                     continue
                 shape = local_shape(tuple(v.shape), lay, mesh)
-                args.append(torch.zeros(shape, dtype=v.dtype, requires_grad=role == "param" and v.dtype.is_floating_point))
+                grad = role == "param" and v.dtype.is_floating_point
+                args.append(torch.zeros(shape, dtype=v.dtype, requires_grad=grad))
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outs = gm(*args)
             tensors = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -216,5 +218,6 @@ def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, 
                       "assignment": c.assignment, "solve_s": c.solve_s})
     ok = [row for row in table if row["fits"]]
     if not ok:
-        raise MemoryError(f"no grid shape of {devices} devices fits memory_limit: " + "; ".join(r["why"] for r in table))
+        raise MemoryError(f"no grid shape of {devices} devices fits memory_limit: "
+                          + "; ".join(r["why"] for r in table))
     return min(ok, key=lambda row: row["auto_s"])["grid"], table

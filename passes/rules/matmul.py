@@ -80,7 +80,8 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
         need,
         Layout((out_rows, Strided(out_last, split_factor=k) if fused else Shard(out_last))),
         kernel=SummaSpec(x=x, w=w, bias=bias, transposed=transposed, flip=flip),
-        note=("SUMMA ABT" if transposed else "SUMMA AB") + (f", fused x{k}: column blocks hold matching parts" if fused else ""),
+        note=("SUMMA ABT" if transposed else "SUMMA AB")
+        + (f", fused x{k}: column blocks hold matching parts" if fused else ""),
     )
 
 
@@ -151,7 +152,8 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
         need = {x: Layout((rows, Replicate())), w: Layout((Replicate(), n_split(nd)))}
         if bias is not None:
             need[bias] = Layout((Replicate(), n_split(0)))
-        return Strategy(need, Layout((out_rows, n_split(out_last))), note="1D column split" + (f", fused x{k}" if fused else ""))
+        note = "1D column split" + (f", fused x{k}" if fused else "")
+        return Strategy(need, Layout((out_rows, n_split(out_last))), note=note)
     if kind == "row":
         if K % C:
             raise ShardingError(f"weight {_param_name(w)} of shape {tuple(ws)}: in-features {K} not divisible "
