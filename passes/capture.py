@@ -39,8 +39,8 @@ class CaptureError(RuntimeError):
 class Captured:
     gm: torch.fx.GraphModule
     sources: list  # per placeholder: (role, key) with key a name or a user-input index
-    in_spec: object
-    out_spec: object
+    in_spec: pytree.TreeSpec  # export's call spec: (args, kwargs) of the captured call
+    out_spec: pytree.TreeSpec
     constants: dict
     buffers: dict  # canonical name -> tensor (full)
     persistent: set
@@ -98,14 +98,15 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             f"forward(). Generation caches must be off (use_cache=False)."
         ) from e
 
-    canonical = {}
+    canonical: dict[int, str] = {}  # id(parameter) -> its first name
     for name, p in model.named_parameters():
         canonical.setdefault(id(p), name)
     buffers = dict(model.named_buffers())
     sig = ep.graph_signature
     gm = functionalize(inline_regions(ep.graph_module))
     placeholders = gm.graph.find_nodes(op="placeholder")
-    sources, user_i, persistent = [], 0, set()
+    sources: list[tuple[str, str | int]] = []  # per placeholder: (role, name or user-input index)
+    user_i, persistent = 0, set()
     for node, spec in zip(placeholders, sig.input_specs):
         if spec.kind == InputKind.PARAMETER:
             name = canonical[id(model.get_parameter(spec.target))]

@@ -80,7 +80,7 @@ def _summa(spec: SummaSpec, site: Site, cm: CostModel) -> Estimate:
     lat = {lo: sum(cm.alpha[a] * spec.launches(site, lo) for a in range(2) if mesh[a] > 1) * products
            for lo in ("broadcast", "allgather")}
     times = {"broadcast": lat["broadcast"] + max(bw, compute), "allgather": lat["allgather"] + bw + compute}
-    lowering = min(times, key=times.get)
+    lowering = min(times, key=times.__getitem__)
     return Estimate(time_s=times[lowering], bytes_per_axis=[b * products for b in per_axis],
                     lowerings={site.node.name: lowering})
 
@@ -96,7 +96,8 @@ class _NodeCost:
 
 
 def _node_cost(node, strat, layouts, mesh, grads, cm) -> _NodeCost:
-    shared, params = [], []
+    shared: list[tuple[tuple, list]] = []  # ((input, layout) or (input, layout, axes), terms)
+    params = []
     for inp, need in strat.inputs.items():
         have, v = layouts.get(inp), inp.meta.get("val")
         if not isinstance(v, torch.Tensor) or not isinstance(have, Layout):
@@ -131,6 +132,7 @@ def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: se
         strat = node.meta.get(STRATEGY)
         if node.op == "placeholder" or strat is None:
             continue
+        nc: _NodeCost | None
         if cache is None:
             nc = _node_cost(node, strat, layouts, mesh, grads, cm)
         else:

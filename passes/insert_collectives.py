@@ -69,18 +69,18 @@ def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast")
             if have != need:
                 key = (inp, need, region)
                 if key not in cache:
-                    spec = RedistributeSpec(have, need, f"{inp.name}->{node.name}")
-                    cache[key] = _add_module(gm, node, f"autopar_{spec.name}_{inp.name}_{len(cache)}", spec,
-                                             spec.build(inp, grid, lowering), need)
+                    redist = RedistributeSpec(have, need, f"{inp.name}->{node.name}")
+                    cache[key] = _add_module(gm, node, f"autopar_{redist.name}_{inp.name}_{len(cache)}", redist,
+                                             redist.build(inp, grid, lowering), need)
                 new = cache[key]
             sync = gradsync_axes(node, node.meta.get(LAYOUT), inp, need)
             if sync:
-                key = (inp, need, sync, region)
-                if key not in cache:
-                    spec = GradSyncSpec(sync, f"gradsync:{inp.name}")
-                    cache[key] = _add_module(gm, node, f"autopar_{spec.name}_{inp.name}_{len(cache)}", spec,
-                                             spec.build(new, grid, lowering), need)
-                new = cache[key]
+                sync_key = (inp, need, sync, region)
+                if sync_key not in cache:
+                    gsync = GradSyncSpec(sync, f"gradsync:{inp.name}")
+                    cache[sync_key] = _add_module(gm, node, f"autopar_{gsync.name}_{inp.name}_{len(cache)}", gsync,
+                                                  gsync.build(new, grid, lowering), need)
+                new = cache[sync_key]
             if new is not inp:
                 node.replace_input_with(inp, new)
                 routed[inp] = new

@@ -72,7 +72,7 @@ class Site:
     node: Node
     args: tuple
     layouts: tuple
-    out: Layout | tuple  # the node's output layout (a tuple for multi-output ops, which no kernel has)
+    out: Layout | tuple | None  # the output's layout (a tuple for multi-output ops, which no kernel has; None: none)
     mesh: tuple
     grads: tuple
 

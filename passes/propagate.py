@@ -182,6 +182,7 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
     elif node.op == "get_attr":
         layouts[node] = REPLICATED
     elif node.op == "call_function":
+        strat: Strategy | None
         if cache is None:
             strat = _strategy(node, layouts, mesh, options.indivisible)
         else:
@@ -202,12 +203,12 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
             _check_inplace_fallback(node, layouts, costly)
             res.fallbacks.append(Fallback(node, module_path(node), strat.note, costly))
     elif node.op == "output":
-        need = {}
+        summed = {}  # partial outputs: the caller gets the sum
         for out in node.all_input_nodes:
             lay = layouts[out]
             if isinstance(lay, Layout) and lay.has_partial:
-                need[out] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
-        node.meta[STRATEGY] = Strategy(need, None)
+                summed[out] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
+        node.meta[STRATEGY] = Strategy(summed, None)
     else:
         raise NotImplementedError(f"node {node.name}: op kind {node.op} is not handled")
 
