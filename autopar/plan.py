@@ -15,7 +15,7 @@ per rank and per training step (forward + backward):
   allocated).
 
 `compare_1d` gives the same step's bytes and parameter memory for Megatron-style 1D tensor
-parallelism at p = q·q, from its analytic volume (DESIGN.md section 1).
+parallelism at p = q·q, from its analytic volume (docs/design.md section 1).
 """
 
 from __future__ import annotations
