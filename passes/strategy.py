@@ -195,7 +195,7 @@ class _Evaluator:
         if key in self.cache:
             return self.cache[key]
         self._set(assignment)
-        est = self._truncated(self.blocks) if self.blocks else None
+        est = self._truncated()
         if est is None:
             nodes = list(self.gm.graph.nodes)
             est = price(nodes, self._run(nodes), self.mesh, self.grads, self.cm, cache=self.costs)
@@ -203,8 +203,13 @@ class _Evaluator:
         self.cache[key] = est
         return est
 
-    def _truncated(self, pieces: list) -> Estimate | None:
-        pre, *blocks, post = pieces  # repeated_blocks: [pre, block 0, ..., post]
+    def _truncated(self) -> Estimate | None:
+        """The estimate that prices blocks 0-2 alone (the last block takes block 2's layouts) and counts
+        block 1 once per middle block; None when the graph has no repeated blocks or they are not yet
+        steady after two (then the whole graph is priced)."""
+        if self.blocks is None:
+            return None
+        pre, *blocks, post = self.blocks
         b0, b1, b2, last = blocks[0], blocks[1], blocks[2], blocks[-1]
         alias = dict(zip(last, b2))
         layouts = self._run(pre + b0 + b1 + b2 + [alias] + post)
