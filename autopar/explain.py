@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from passes.cost import node_cost, nodes_needing_grad
 from passes.kernelspec import Site, flops
+from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, STRATEGY
 from passes.propagate import module_path
 
 
@@ -42,7 +43,7 @@ def _op_name(gm, node) -> str:
 def _why(node) -> str:
     """strategy='auto': the option chosen for this node's unit against the alternatives, as the best
     estimated step time with the unit forced to each."""
-    why = node.meta.get("autopar_choice_why")
+    why = node.meta.get(CHOICE_WHY)
     if not why:
         return ""
     chosen, alts = why
@@ -76,9 +77,9 @@ def graph_rows(gm, mesh) -> list:
         if node.op not in ("call_function", "call_module"):
             continue
         cost = node_cost(gm, node, mesh, grads)
-        strat = node.meta.get("autopar_strategy")
-        own = strat is not None and not node.meta.get("autopar_inserted")  # the strategy is this op's
-        lay = node.meta.get("autopar_layout")
+        strat = node.meta.get(STRATEGY)
+        own = strat is not None and not node.meta.get(INSERTED)  # the strategy is this op's
+        lay = node.meta.get(LAYOUT)
         out.append(Row(
             node=node.name,
             op=_op_name(gm, node),
@@ -89,7 +90,7 @@ def graph_rows(gm, mesh) -> list:
             bwd_bytes=cost.bwd if cost else 0,
             note=strat.note + _why(node) if own else "",
             formula=cost.formula if cost else "",
-            flops=flops(Site.inserted(node, mesh, grads), node.meta.get("autopar_kernel")),
+            flops=flops(Site.inserted(node, mesh, grads), node.meta.get(KERNEL)),
             fallback=own and strat.fallback,
         ))
     return out
@@ -117,7 +118,8 @@ def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False)
     lines.append("  ".join("-" * w for w in widths))
     for r, c in zip(table, cells[1:]):
         # the note (last column) is never cut: it carries the auto strategy's reasons
-        lines.append("  ".join(c[i][:60].ljust(widths[i]) if i < len(head) - 1 else c[i] for i in range(len(head))).rstrip())
+        lines.append("  ".join(c[i][:60].ljust(widths[i]) if i < len(head) - 1 else c[i]
+                               for i in range(len(head))).rstrip())
         if formulas and r.formula:
             lines.append(f"    why: {r.formula}")
     fwd = sum(r.fwd_bytes for r in table)

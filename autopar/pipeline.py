@@ -31,6 +31,7 @@ from passes import Grid, capture as capture_graph, insert_collectives, localize,
 from passes import strategy as strategies
 from passes.capture import Captured, retarget_meta
 from passes.compat import pytree
+from passes.meta import LAYOUT
 from passes.options import Options
 from passes.rules import arg
 from autopar import calibrate
@@ -202,7 +203,7 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
     outs = []
     for a in pytree.tree_leaves(out_node.args[0]):
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-        outs.append((a.meta["autopar_layout"], tuple(v.shape)) if isinstance(v, torch.Tensor) else None)
+        outs.append((a.meta[LAYOUT], tuple(v.shape)) if isinstance(v, torch.Tensor) else None)
     if prop.gathering_fallbacks:
         lines = "\n".join(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'}: {f.reason}"
                           for f in prop.gathering_fallbacks)

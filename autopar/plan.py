@@ -10,11 +10,12 @@ per rank and per training step (forward + backward):
   that runs, the forward one and a backward one per operand that needs a gradient;
 - memory: parameters, gradients (same size), AdamW states (two per parameter), and -- when no
   process group is initialized in this process -- the bytes autograd saves for backward and the
-  largest tensor saved or returned (temporaries inside kernels are not tracked), measured by running rank (0, 0)'s graph under FakeTensorMode on a fake
-  process group of the grid's size (nothing is allocated).
+  largest tensor saved or returned (temporaries inside kernels are not tracked), measured by running
+  rank (0, 0)'s graph under FakeTensorMode on a fake process group of the grid's size (nothing is
+  allocated).
 
 `compare_1d` gives the same step's bytes and parameter memory for Megatron-style 1D tensor
-parallelism at p = q·q, from its analytic volume (DESIGN.md section 1).
+parallelism at p = q·q, from its analytic volume (docs/design.md section 1).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from autopar.pipeline import cache_off_kwargs, capture, compile_program, resolve_cost_model
 from passes import strategy as strategies
+from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options
 from autopar.explain import graph_rows
 from passes.compat import fake_store, fake_tensor_mode, pytree
@@ -115,12 +117,13 @@ def _measure_activations(gm, cap, mesh):
         with fake_tensor_mode():
             args = []
             for node, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), cap.sources):
-                v, lay = node.meta["val"], node.meta["autopar_layout"]
+                v, lay = node.meta["val"], node.meta[LAYOUT]
                 if not isinstance(v, torch.Tensor):  # a constant input (use_cache=False, ...)
                     args.append(v)
                     continue
                 shape = local_shape(tuple(v.shape), lay, mesh)
-                args.append(torch.zeros(shape, dtype=v.dtype, requires_grad=role == "param" and v.dtype.is_floating_point))
+                grad = role == "param" and v.dtype.is_floating_point
+                args.append(torch.zeros(shape, dtype=v.dtype, requires_grad=grad))
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outs = gm(*args)
             tensors = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -215,5 +218,6 @@ def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, 
                       "assignment": c.assignment, "solve_s": c.solve_s})
     ok = [row for row in table if row["fits"]]
     if not ok:
-        raise MemoryError(f"no grid shape of {devices} devices fits memory_limit: " + "; ".join(r["why"] for r in table))
+        raise MemoryError(f"no grid shape of {devices} devices fits memory_limit: "
+                          + "; ".join(r["why"] for r in table))
     return min(ok, key=lambda row: row["auto_s"])["grid"], table

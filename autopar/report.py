@@ -7,6 +7,7 @@ import html as _html
 from collections import defaultdict
 
 from passes.layout import REPLICATED
+from passes.meta import LAYOUT
 
 
 def _mib(n) -> str:
@@ -33,7 +34,8 @@ def group_by_module(pl) -> str:
         "",
         f"grid {pl.grid[0]}x{pl.grid[1]}, per rank per training step: {_mib(j['comm_bytes_per_rank_per_step'])} MiB "
         f"received, {j['flops_per_rank_per_step'] / 1e12:.3f} TFLOP (matmuls)",
-        f"memory per rank: parameters {_mib(j['param_bytes_per_rank'])} MiB (model {_mib(j['param_bytes_total'])} MiB), "
+        f"memory per rank: parameters {_mib(j['param_bytes_per_rank'])} MiB "
+        f"(model {_mib(j['param_bytes_total'])} MiB), "
         f"gradients {_mib(j['grad_bytes_per_rank'])} MiB, AdamW states {_mib(j['adamw_state_bytes_per_rank'])} MiB, "
         f"saved for backward {_mib(j['activation_bytes_per_rank'])} MiB, largest tensor "
         f"{_mib(j['largest_tensor_bytes'])} MiB",
@@ -59,7 +61,7 @@ def dot(pl) -> str:
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        lay = repr(node.meta.get("autopar_layout", REPLICATED))
+        lay = repr(node.meta.get(LAYOUT, REPLICATED))
         comm = node.op == "call_module"
         label = f"{node.name}\\n{lay}"
         shape = "box" if comm else "ellipse"
@@ -104,7 +106,8 @@ def sweep_table(model, args, kwargs, limit: int, tokens: int, layers: int, hidde
     best_2d = min((r for r in out if not r["2d_ops_unsplit"]), key=lambda r: r["2d_comm_bytes"], default=None)
     best_1d = min(out, key=lambda r: r["1d_comm_bytes"], default=None)
     if best_2d and best_1d:
-        scheme, p, n = (("2d", best_2d["p"], best_2d["2d_comm_bytes"]) if best_2d["2d_comm_bytes"] <= best_1d["1d_comm_bytes"]
+        two_d = best_2d["2d_comm_bytes"] <= best_1d["1d_comm_bytes"]
+        scheme, p, n = (("2d", best_2d["p"], best_2d["2d_comm_bytes"]) if two_d
                         else ("1d", best_1d["p"], best_1d["1d_comm_bytes"]))
         out.append({"cheapest": f"{scheme} at p={p}: {n / 2**20:.1f} MiB received per rank per step"})
     return out

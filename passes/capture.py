@@ -3,15 +3,14 @@
 Uses `torch.export.export(strict=False)`, then inlines `torch.no_grad()` / autocast regions
 (`passes.regions`) and rewrites in-place ops on intermediate tensors out of place
 (`passes.functionalize`), so that rules see plain aten ops. Parameters, buffers and constants
-become placeholders; the pass records on each placeholder what it stands for in
-`node.meta["autopar_role"]`
+become placeholders; the pass records on each placeholder what it stands for in `node.meta[ROLE]`
 ('param' | 'buffer' | 'constant' | 'input') and, for parameters, the canonical name (the first name
 `named_parameters()` gives a tensor shared by several modules, e.g. a tied embedding) in
-`node.meta["autopar_param"]`.
+`node.meta[PARAM]` (the keys are `passes.meta`'s).
 
 >>> import torch
 >>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
->>> [n.meta["autopar_role"] for n in cap.gm.graph.find_nodes(op="placeholder")]
+>>> [n.meta[ROLE] for n in cap.gm.graph.find_nodes(op="placeholder")]
 ['param', 'param', 'input']
 """
 
@@ -28,6 +27,7 @@ from torch.export.graph_signature import InputKind
 
 from passes.compat import call_spec, parse_to, pytree
 from passes.functionalize import functionalize, keep_parameter_views
+from passes.meta import PARAM, ROLE
 from passes.regions import inline_regions
 
 
@@ -39,8 +39,8 @@ class CaptureError(RuntimeError):
 class Captured:
     gm: torch.fx.GraphModule
     sources: list  # per placeholder: (role, key) with key a name or a user-input index
-    in_spec: object
-    out_spec: object
+    in_spec: pytree.TreeSpec  # export's call spec: (args, kwargs) of the captured call
+    out_spec: pytree.TreeSpec
     constants: dict
     buffers: dict  # canonical name -> tensor (full)
     persistent: set
@@ -98,29 +98,30 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             f"forward(). Generation caches must be off (use_cache=False)."
         ) from e
 
-    canonical = {}
+    canonical: dict[int, str] = {}  # id(parameter) -> its first name
     for name, p in model.named_parameters():
         canonical.setdefault(id(p), name)
     buffers = dict(model.named_buffers())
     sig = ep.graph_signature
     gm = functionalize(inline_regions(ep.graph_module))
     placeholders = gm.graph.find_nodes(op="placeholder")
-    sources, user_i, persistent = [], 0, set()
+    sources: list[tuple[str, str | int]] = []  # per placeholder: (role, name or user-input index)
+    user_i, persistent = 0, set()
     for node, spec in zip(placeholders, sig.input_specs):
         if spec.kind == InputKind.PARAMETER:
             name = canonical[id(model.get_parameter(spec.target))]
-            node.meta.update(autopar_role="param", autopar_param=name)
+            node.meta.update({ROLE: "param", PARAM: name})
             sources.append(("param", name))
         elif spec.kind == InputKind.BUFFER:
-            node.meta["autopar_role"] = "buffer"
+            node.meta[ROLE] = "buffer"
             sources.append(("buffer", spec.target))
             if spec.persistent:
                 persistent.add(spec.target)
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            node.meta["autopar_role"] = "constant"
+            node.meta[ROLE] = "constant"
             sources.append(("constant", spec.target))
         else:
-            node.meta["autopar_role"] = "input"
+            node.meta[ROLE] = "input"
             sources.append(("input", user_i))
             user_i += 1
     keep_parameter_views(gm)

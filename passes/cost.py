@@ -6,8 +6,8 @@ bytes are its spec's (`passes.kernelspec`); this module holds the volumes they s
 Uses the conventions of `passes.mesh.CommLog` (broadcast: N on each non-root; reduce: (g-1)N on the
 destination; all-gather: (g-1)N; reduce-scatter: floor((g-1)N/g); all-reduce: floor(2(g-1)N/g)), so
 for a training step the numbers equal what the collective layer counts at run time -- a test runs a
-real step and compares. Requires `autopar_kernel`, `autopar_layout` and `val` on the inserted nodes and
-`autopar_layout` and `val` on their inputs.
+real step and compares. Requires `KERNEL`, `LAYOUT` and `val` in the meta of the inserted nodes and
+`LAYOUT` and `val` in their inputs' (keys from `passes.meta`).
 
 >>> import sympy
 >>> M, K, N = sympy.symbols("M K N", positive=True)
@@ -25,6 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
 from passes.layout import parts, split_dim
+from passes.meta import KERNEL, ROLE
 
 R, C, E = sympy.symbols("R C e", positive=True, integer=True)  # mesh axis 0 has R members, axis 1 C
 
@@ -129,7 +130,7 @@ def nodes_needing_grad(gm: torch.fx.GraphModule) -> set:
         v = node.meta.get("val")
         floating = isinstance(v, torch.Tensor) and v.dtype.is_floating_point or isinstance(v, (tuple, list))
         if node.op == "placeholder":
-            if node.meta.get("autopar_role") == "param" and floating:
+            if node.meta.get(ROLE) == "param" and floating:
                 out.add(node)
         elif floating and any(a in out for a in node.all_input_nodes):
             out.add(node)
@@ -138,12 +139,12 @@ def nodes_needing_grad(gm: torch.fx.GraphModule) -> set:
 
 def node_cost(gm: torch.fx.GraphModule, node: Node, mesh, grads: set | None = None) -> Cost | None:
     """The bytes an inserted module of the rewritten graph receives, from the spec the insertion pass
-    recorded on it (`node.meta["autopar_kernel"]`); None for an op that is not a module, `Cost("")` for
+    recorded on it (`node.meta[KERNEL]`); None for an op that is not a module, `Cost("")` for
     a module without one. `grads`: nodes_needing_grad(gm), computed once per graph by the caller;
     `mesh`: (R, C) or q."""
     if node.op != "call_module":
         return None
-    spec = node.meta.get("autopar_kernel")
+    spec = node.meta.get(KERNEL)
     if spec is None:
         return Cost("")
     return spec.inserted_cost(node, mesh, grads if grads is not None else nodes_needing_grad(gm))

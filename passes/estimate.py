@@ -22,6 +22,7 @@ import torch
 from passes.insert_collectives import gradsync_axes
 from passes.kernelspec import MATMULS, GradSyncSpec, RedistributeSpec, Site, SummaSpec, flops
 from passes.layout import Layout, local_shape
+from passes.meta import ROLE, STRATEGY
 from passes.propagate import rule_key
 
 __all__ = ["MATMULS", "CostModel", "Estimate", "price"]
@@ -79,7 +80,7 @@ def _summa(spec: SummaSpec, site: Site, cm: CostModel) -> Estimate:
     lat = {lo: sum(cm.alpha[a] * spec.launches(site, lo) for a in range(2) if mesh[a] > 1) * products
            for lo in ("broadcast", "allgather")}
     times = {"broadcast": lat["broadcast"] + max(bw, compute), "allgather": lat["allgather"] + bw + compute}
-    lowering = min(times, key=times.get)
+    lowering = min(times, key=times.__getitem__)
     return Estimate(time_s=times[lowering], bytes_per_axis=[b * products for b in per_axis],
                     lowerings={site.node.name: lowering})
 
@@ -95,7 +96,8 @@ class _NodeCost:
 
 
 def _node_cost(node, strat, layouts, mesh, grads, cm) -> _NodeCost:
-    shared, params = [], []
+    shared: list[tuple[tuple, list]] = []  # ((input, layout) or (input, layout, axes), terms)
+    params = []
     for inp, need in strat.inputs.items():
         have, v = layouts.get(inp), inp.meta.get("val")
         if not isinstance(v, torch.Tensor) or not isinstance(have, Layout):
@@ -107,7 +109,7 @@ def _node_cost(node, strat, layouts, mesh, grads, cm) -> _NodeCost:
         if sync:
             synced = Site(inp, (inp,), (need,), need, mesh, (inp in grads,))
             shared.append(((inp, need, sync), GradSyncSpec(sync).terms(synced)))
-        if inp.op == "placeholder" and inp.meta.get("autopar_role") == "param":
+        if inp.op == "placeholder" and inp.meta.get(ROLE) == "param":
             params.append((inp, _local_elems(v, have, mesh) * v.element_size()))
     spec, site = strat.kernel, Site.planned(node, strat, layouts, mesh, grads)
     summa = _summa(spec, site, cm) if isinstance(spec, SummaSpec) else None
@@ -127,9 +129,10 @@ def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: se
     est, seen = Estimate(), set()
     params_seen = set() if params_seen is None else params_seen
     for node in nodes:
-        strat = node.meta.get("autopar_strategy")
+        strat = node.meta.get(STRATEGY)
         if node.op == "placeholder" or strat is None:
             continue
+        nc: _NodeCost | None
         if cache is None:
             nc = _node_cost(node, strat, layouts, mesh, grads, cm)
         else:

@@ -33,6 +33,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from passes.compat import OpOverload, set_version_counter
+from passes.meta import REGION, ROLE
 
 aten = torch.ops.aten
 
@@ -183,21 +184,21 @@ def keep_parameter_views(gm: GraphModule) -> GraphModule:
     autograd's view of it intact: each rank's parameter arrives as the view `DTensor.to_local()` makes
     inside an autograd Function, and autograd refuses to differentiate through such a view once its
     version counter moved. The update is applied as eager applies it to a leaf (same storage, not
-    recorded), with the version counter put back. Requires `autopar_role` on placeholders. (Eager
+    recorded), with the version counter put back. Requires `node.meta[ROLE]` on placeholders. (Eager
     would also raise if this forward had saved the parameter for backward before updating it; here
     the backward uses the updated values.)"""
     for node in list(gm.graph.nodes):
         if not writes_first_arg(node):
             continue
         root = _root(node.args[0])
-        if root.op != "placeholder" or root.meta.get("autopar_role") != "param":
+        if root.op != "placeholder" or root.meta.get(ROLE) != "param":
             continue
         with gm.graph.inserting_before(node):
             version = gm.graph.call_function(version_of, (root,))
         with gm.graph.inserting_after(node):
             restore = gm.graph.call_function(restore_version, (root, version))
         for n in (version, restore):
-            n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "autopar_region")
+            n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace", REGION)
                            if k in node.meta})
     gm.graph.lint()
     gm.recompile()

@@ -1,8 +1,8 @@
 """Collective insertion: make every input arrive in the layout its rule asked for, and swap the ops
 that need communication for their sharded kernels.
 
-Requires `autopar_layout` / `autopar_strategy` from `propagate`. For each consumer it inserts, as
-call_module nodes on the GraphModule:
+Requires `node.meta[LAYOUT]` and `node.meta[STRATEGY]` from `propagate` (the keys are `passes.meta`'s).
+For each consumer it inserts, as call_module nodes on the GraphModule:
 
 - `Redistribute(src -> dst)` where an input's layout differs from the one required (one per distinct
   (input, layout) pair, shared by the consumers that need it, except across the boundary of a
@@ -13,8 +13,9 @@ call_module nodes on the GraphModule:
 - a kernel module (SUMMA, sharded norm, vocab-split embedding, vocab-parallel cross-entropy) in place
   of the aten call, when the rule named one (`Strategy.kernel`, a `passes.kernelspec.KernelSpec`).
 
-Each module is built by its spec, which every new node carries in `autopar_kernel` (what `explain`
-and `passes.cost` ask), with `autopar_layout`; kernels keep the replaced node's name, meta and strategy.
+Each module is built by its spec, which every new node carries in `KERNEL` (what `explain` and
+`passes.cost` ask), with `LAYOUT`; Redistribute and GradSync nodes are marked `INSERTED`; kernels keep
+the replaced node's name, meta and strategy.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.fx import GraphModule, Node
 from passes.kernelspec import GradSyncSpec, RedistributeSpec
 from passes.layout import Layout
 from passes.mesh import Grid
+from passes.meta import INSERTED, KERNEL, LAYOUT, REGION, STRATEGY
 
 
 def gradsync_axes(consumer: Node, out_layout, inp: Node, need: Layout) -> tuple:
@@ -45,8 +47,8 @@ def _add_module(gm: GraphModule, before: Node, name: str, spec, built: tuple, la
     gm.add_submodule(name, module)
     with gm.graph.inserting_before(before):
         new = gm.graph.call_module(name, (arg,))
-    new.meta.update(val=arg.meta.get("val"), autopar_layout=layout, autopar_inserted=True, autopar_kernel=spec,
-                    nn_module_stack=before.meta.get("nn_module_stack", {}))  # explain groups it with its consumer
+    new.meta.update({"val": arg.meta.get("val"), LAYOUT: layout, INSERTED: True, KERNEL: spec,
+                     "nn_module_stack": before.meta.get("nn_module_stack", {})})  # explain groups it with its consumer
     return new
 
 
@@ -54,31 +56,31 @@ def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast")
     cache: dict = {}
     replaced: dict = {}  # node swapped for a kernel -> its kernel node
     for node in list(gm.graph.nodes):
-        strat = node.meta.get("autopar_strategy")
-        if strat is None or node.meta.get("autopar_inserted"):
+        strat = node.meta.get(STRATEGY)
+        if strat is None or node.meta.get(INSERTED):
             continue
         routed = {}
         # a collective made inside a no_grad region carries no gradient: never share it with one outside
-        region = node.meta.get("autopar_region")
+        region = node.meta.get(REGION)
         for inp, need in strat.inputs.items():
             inp = replaced.get(inp, inp)
-            have = inp.meta["autopar_layout"]
+            have = inp.meta[LAYOUT]
             new = inp
             if have != need:
                 key = (inp, need, region)
                 if key not in cache:
-                    spec = RedistributeSpec(have, need, f"{inp.name}->{node.name}")
-                    cache[key] = _add_module(gm, node, f"autopar_{spec.name}_{inp.name}_{len(cache)}", spec,
-                                             spec.build(inp, grid, lowering), need)
+                    redist = RedistributeSpec(have, need, f"{inp.name}->{node.name}")
+                    cache[key] = _add_module(gm, node, f"autopar_{redist.name}_{inp.name}_{len(cache)}", redist,
+                                             redist.build(inp, grid, lowering), need)
                 new = cache[key]
-            sync = gradsync_axes(node, node.meta.get("autopar_layout"), inp, need)
+            sync = gradsync_axes(node, node.meta.get(LAYOUT), inp, need)
             if sync:
-                key = (inp, need, sync, region)
-                if key not in cache:
-                    spec = GradSyncSpec(sync, f"gradsync:{inp.name}")
-                    cache[key] = _add_module(gm, node, f"autopar_{spec.name}_{inp.name}_{len(cache)}", spec,
-                                             spec.build(new, grid, lowering), need)
-                new = cache[key]
+                sync_key = (inp, need, sync, region)
+                if sync_key not in cache:
+                    gsync = GradSyncSpec(sync, f"gradsync:{inp.name}")
+                    cache[sync_key] = _add_module(gm, node, f"autopar_{gsync.name}_{inp.name}_{len(cache)}", gsync,
+                                                  gsync.build(new, grid, lowering), need)
+                new = cache[sync_key]
             if new is not inp:
                 node.replace_input_with(inp, new)
                 routed[inp] = new
@@ -91,7 +93,8 @@ def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast")
             gm.add_submodule(name, module)
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_module(name, args)
-            new.meta.update(node.meta, autopar_kernel=spec)
+            new.meta.update(node.meta)
+            new.meta[KERNEL] = spec
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
             new.name = node.name

@@ -3,7 +3,7 @@
 A rule that needs a kernel names it in its Strategy with a typed spec (`SummaSpec(x=..., w=...,
 bias=..., transposed=..., flip=...)`, `NormSpec`, `EmbeddingSpec`, `CrossEntropySpec`); the insertion
 pass adds a `RedistributeSpec` where an input must change layout and a `GradSyncSpec` where its
-gradient must be summed, and records every inserted node's spec in `node.meta["autopar_kernel"]`.
+gradient must be summed, and records every inserted node's spec in `node.meta[KERNEL]`.
 Everything that needs to know about an inserted module asks its spec:
 
 - the insertion pass: `build(node, grid, lowering)`, the nn.Module and its (unrouted) arguments;
@@ -36,6 +36,7 @@ from passes.cost import (C, E, R, Cost, all_reduce_bytes, redistribute_steps, su
                          summa_abt_bytes, summa_axis_elems)
 from passes.layout import Layout, local_shape, mesh_shape
 from passes.mesh import Grid
+from passes.meta import LAYOUT, LOWERING
 from passes.ops import kernels
 
 if TYPE_CHECKING:  # passes.rules imports this module for Strategy.kernel
@@ -71,7 +72,7 @@ class Site:
     node: Node
     args: tuple
     layouts: tuple
-    out: Layout | tuple  # the node's output layout (a tuple for multi-output ops, which no kernel has)
+    out: Layout | tuple | None  # the output's layout (a tuple for multi-output ops, which no kernel has; None: none)
     mesh: tuple
     grads: tuple
 
@@ -84,8 +85,8 @@ class Site:
     @classmethod
     def inserted(cls, node: Node, mesh, grads: set) -> Site:
         args = tuple(node.args) if node.op == "call_module" else operands(node)
-        lays = tuple(a.meta.get("autopar_layout") if isinstance(a, Node) else None for a in args)
-        out = node.meta.get("autopar_layout")
+        lays = tuple(a.meta.get(LAYOUT) if isinstance(a, Node) else None for a in args)
+        out = node.meta.get(LAYOUT)
         return cls(node, args, lays, out, mesh_shape(mesh), tuple(a in grads for a in args))
 
     def val(self, i: int) -> torch.Tensor:
@@ -169,7 +170,7 @@ class SummaSpec(KernelSpec):
         return (self.x, self.w) + ((self.bias,) if self.bias is not None else ())
 
     def build(self, node, grid, lowering):
-        lowering = node.meta.get("autopar_lowering", lowering)  # strategy='auto' picks one per product
+        lowering = node.meta.get(LOWERING, lowering)  # strategy='auto' picks one per product
         return kernels.SummaLinear(grid, self.transposed, self.flip, node.name, lowering), self.operands(node)
 
     def values(self, site):

@@ -1,8 +1,8 @@
 """Propagation: give every node of a captured graph a layout.
 
-Requires `node.meta["val"]` (from torch.export) and `node.meta["autopar_role"]` on placeholders (from
-`capture`). Adds `node.meta["autopar_layout"]` (a Layout, or a tuple for multi-output ops) and, on
-call nodes, `node.meta["autopar_strategy"]` (the rule's Strategy).
+Requires `node.meta["val"]` (from torch.export) and `node.meta[ROLE]` on placeholders (from
+`capture`). Adds `node.meta[LAYOUT]` (a Layout, or a tuple for multi-output ops) and, on
+call nodes, `node.meta[STRATEGY]` (the rule's Strategy).
 
 One pass in topological order. User inputs, buffers and constants start replicated; a parameter has
 no layout until its first consumer asks for one, so a weight is stored the way its matmul or lookup
@@ -14,7 +14,7 @@ an unplaced parameter wait for their consumer and pass its request back to the p
 >>> from passes.capture import capture
 >>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(2, 4),))
 >>> res = propagate(cap.gm, mesh=(2, 2))
->>> [(n.name, n.meta["autopar_layout"]) for n in cap.gm.graph.nodes if n.op != "output"]
+>>> [(n.name, n.meta[LAYOUT]) for n in cap.gm.graph.nodes if n.op != "output"]
 [('p_weight', S(1)S(0)), ('p_bias', RS(0)), ('input', RR), ('linear', S(0)S(1))]
 """
 
@@ -31,6 +31,7 @@ from torch.fx import GraphModule, Node
 from passes.compat import HigherOrderOperator
 from passes.functionalize import writes_first_arg
 from passes.layout import REPLICATED, Layout, ShardingError, mesh_shape, moved, parts, split_dim
+from passes.meta import CHOICE, LAYOUT, PARAM, ROLE, STRATEGY
 from passes.options import DEFAULTS, Options
 from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
@@ -81,13 +82,13 @@ def _claim(node: Node, need: Layout, layouts: dict, res: Propagation) -> None:
     """Place an unplaced parameter (or a transpose chain of one) as its consumer asks."""
     layouts[node] = need
     if node.op == "placeholder":
-        res.param_layouts[node.meta["autopar_param"]] = need
+        res.param_layouts[node.meta[PARAM]] = need
         return
     src = node.args[0]
     nd = len(val(node).shape)
     perm = permutation(node)
     back = Layout(tuple(moved(p, perm[p.dim % nd]) if split_dim(p) is not None else p for p in need.placements))
-    node.meta["autopar_strategy"] = Strategy({src: back}, need)
+    node.meta[STRATEGY] = Strategy({src: back}, need)
     _claim(src, back, layouts, res)
 
 
@@ -166,7 +167,7 @@ def _refuse_fallback(node: Node, why: str) -> None:
 
 def rule_key(node: Node, layouts: dict) -> tuple:
     """What a rule's result depends on: the node, its strategy choice and its inputs' layouts."""
-    return node, node.meta.get("autopar_choice"), tuple(layouts.get(n) for n in node.all_input_nodes)
+    return node, node.meta.get(CHOICE), tuple(layouts.get(n) for n in node.all_input_nodes)
 
 
 def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, options: Options,
@@ -176,11 +177,12 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
     and its strategy choice: `cache` (shared by many runs over one graph, as the strategy search does)
     keeps their results under that key."""
     if node.op == "placeholder":
-        role = node.meta.get("autopar_role")
-        layouts[node] = res.param_layouts.get(node.meta.get("autopar_param")) if role == "param" else REPLICATED
+        role = node.meta.get(ROLE)
+        layouts[node] = res.param_layouts.get(node.meta.get(PARAM)) if role == "param" else REPLICATED
     elif node.op == "get_attr":
         layouts[node] = REPLICATED
     elif node.op == "call_function":
+        strat: Strategy | None
         if cache is None:
             strat = _strategy(node, layouts, mesh, options.indivisible)
         else:
@@ -193,7 +195,7 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
         for inp, need in strat.inputs.items():
             if layouts.get(inp) is None:
                 _claim(inp, _storable(need, options.fused), layouts, res)
-        node.meta["autopar_strategy"] = strat
+        node.meta[STRATEGY] = strat
         layouts[node] = strat.output
         if strat.fallback:
             if costly and options.on_unsupported == "error":
@@ -201,12 +203,12 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
             _check_inplace_fallback(node, layouts, costly)
             res.fallbacks.append(Fallback(node, module_path(node), strat.note, costly))
     elif node.op == "output":
-        need = {}
+        summed = {}  # partial outputs: the caller gets the sum
         for out in node.all_input_nodes:
             lay = layouts[out]
             if isinstance(lay, Layout) and lay.has_partial:
-                need[out] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
-        node.meta["autopar_strategy"] = Strategy(need, None)
+                summed[out] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
+        node.meta[STRATEGY] = Strategy(summed, None)
     else:
         raise NotImplementedError(f"node {node.name}: op kind {node.op} is not handled")
 
@@ -227,7 +229,7 @@ def propagate(gm: GraphModule, mesh, options: Options | None = None) -> Propagat
             propagate_node(node, layouts, res, mesh, options)
     for node in gm.graph.nodes:  # parameters nobody placed (unused, or a tied twin) and waiting views
         if layouts.get(node) is None:
-            name = node.meta.get("autopar_param")
+            name = node.meta.get(PARAM)
             layouts[node] = res.param_layouts.setdefault(name, REPLICATED) if name else REPLICATED
-        node.meta["autopar_layout"] = layouts[node]
+        node.meta[LAYOUT] = layouts[node]
     return res

@@ -14,7 +14,7 @@ update of a parameter or buffer is allowed and is not recorded by autograd, and 
 the very tensor it updated (a parameter used after `weight.mul_(0.99)` still receives its gradient).
 Both functions are side-effectful to torch.fx, so dead-code elimination keeps them.
 
-Adds `node.meta["autopar_region"]` (the name of the call it came from; nested regions join their names
+Adds `node.meta[REGION]` (the name of the call it came from; nested regions join their names
 with '/') on every inlined node: collectives are not shared across a region's boundary (a
 redistribution made under no_grad carries no gradient). Other higher-order ops (torch.cond, ...) stay
 and are refused by `propagate` with the op, module path and source line.
@@ -39,6 +39,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from passes.compat import enter_autocast, exit_autocast, set_grad_enabled
+from passes.meta import REGION
 
 _higher = torch.ops.higher_order
 INLINED = (_higher.wrap_with_set_grad_enabled, _higher.wrap_with_autocast)
@@ -68,8 +69,8 @@ def _copy_body(gm: GraphModule, node: Node, body: GraphModule, inputs: tuple, re
         for key in ("nn_module_stack", "stack_trace"):  # the body may lack them: the call has them
             if not new.meta.get(key) and node.meta.get(key):
                 new.meta[key] = node.meta[key]
-        inner = sub.meta.get("autopar_region")
-        new.meta["autopar_region"] = f"{region}/{inner}" if inner else region
+        inner = sub.meta.get(REGION)
+        new.meta[REGION] = f"{region}/{inner}" if inner else region
         env[sub] = new
     raise AssertionError(f"region body of {node.name} has no output node")
 

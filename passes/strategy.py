@@ -48,6 +48,7 @@ from torch.fx import GraphModule, Node
 from passes.cost import nodes_needing_grad
 from passes.estimate import MATMULS, CostModel, Estimate, price
 from passes.layout import mesh_shape
+from passes.meta import CHOICE, CHOICE_WHY, LOWERING, ROLE
 from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.propagate import Propagation, module_path, propagate_node
 
@@ -82,7 +83,7 @@ def _source(n) -> Node:
 
 def _param_of(n) -> Node | None:
     n = _source(n)
-    return n if isinstance(n, Node) and n.op == "placeholder" and n.meta.get("autopar_role") == "param" else None
+    return n if isinstance(n, Node) and n.op == "placeholder" and n.meta.get(ROLE) == "param" else None
 
 
 def _generic(path: str) -> str:
@@ -91,7 +92,8 @@ def _generic(path: str) -> str:
 
 def find_units(gm: GraphModule) -> list:
     """The choice units of a captured graph, in graph order."""
-    groups, tables = {}, set()
+    groups: dict[Node, Unit] = {}  # a matmul's input (views stripped) -> the unit of matmuls reading it
+    tables = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == aten.embedding.default and _param_of(node.args[0]):
             tables.add(_param_of(node.args[0]))
@@ -132,7 +134,8 @@ def repeated_blocks(gm: GraphModule) -> list | None:
     if first is None:
         return None
     last = max(i for i, b in enumerate(ids) if b is not None)
-    runs, cur = [], None
+    runs: list[tuple[str | None, list[Node]]] = []  # (block id, its nodes) in graph order
+    cur = None
     for i in range(first, last + 1):
         if ids[i] is None or ids[i] != cur:
             if ids[i] is None or any(r[0] == ids[i] for r in runs):
@@ -168,15 +171,18 @@ class _Evaluator:
         self.grads = nodes_needing_grad(gm)
         self.blocks = repeated_blocks(gm)
         self.state_factor = 2 + options.optimizer_states  # parameter + gradient + optimizer states
-        self.cache, self.rules, self.costs = {}, {}, {}  # estimates; rule results; node costs
+        self.cache: dict[tuple, Estimate] = {}  # sorted assignment items -> estimate
+        self.rules: dict = {}  # propagate.rule_key -> the rule's Strategy
+        self.costs: dict = {}  # propagate.rule_key -> the node's priced costs (estimate.price)
 
     def _set(self, assignment: dict) -> None:
         for u in self.units:
             for n in u.nodes:
-                n.meta["autopar_choice"] = assignment[u.key]
+                n.meta[CHOICE] = assignment[u.key]
 
-    def _run(self, sequence) -> tuple:
-        layouts, res = {}, Propagation()
+    def _run(self, sequence) -> dict:
+        layouts: dict = {}  # node -> layout
+        res = Propagation()
         for item in sequence:
             if isinstance(item, dict):  # alias: nodes skipped take the layouts of the ones that stand in
                 layouts.update({n: layouts[m] for n, m in item.items()})
@@ -189,7 +195,7 @@ class _Evaluator:
         if key in self.cache:
             return self.cache[key]
         self._set(assignment)
-        est = self._truncated() if self.blocks else None
+        est = self._truncated()
         if est is None:
             nodes = list(self.gm.graph.nodes)
             est = price(nodes, self._run(nodes), self.mesh, self.grads, self.cm, cache=self.costs)
@@ -198,13 +204,19 @@ class _Evaluator:
         return est
 
     def _truncated(self) -> Estimate | None:
+        """The estimate that prices blocks 0-2 alone (the last block takes block 2's layouts) and counts
+        block 1 once per middle block; None when the graph has no repeated blocks or they are not yet
+        steady after two (then the whole graph is priced)."""
+        if self.blocks is None:
+            return None
         pre, *blocks, post = self.blocks
         b0, b1, b2, last = blocks[0], blocks[1], blocks[2], blocks[-1]
         alias = dict(zip(last, b2))
         layouts = self._run(pre + b0 + b1 + b2 + [alias] + post)
         if [layouts.get(n) for n in b1] != [layouts.get(n) for n in b2]:
             return None  # not yet steady after two blocks: price the whole graph
-        est, params = Estimate(), set()
+        est = Estimate()
+        params: set[Node] = set()  # parameters already counted (a tied table)
         for part, k in ((pre, 1), (b0, 1), (b1, len(blocks) - 2), (b2, 1), (post, 1)):
             est.add(price(part, layouts, self.mesh, self.grads, self.cm, params, self.costs), k)
         return est
@@ -247,7 +259,7 @@ def _windows(keys: list, opts: dict) -> list:
 def search_groups(keys: list, opts: dict) -> list:
     """The groups of variables the coordinate search enumerates in turn: each stack's variables, then
     those outside stacks (graph order within each), a group above GROUP assignments split into windows."""
-    scopes = {}
+    scopes: dict[str | None, list[str]] = {}  # stack (None: outside stacks) -> its unit keys
     for k in keys:
         scopes.setdefault(_stack(k), []).append(k)
     rest = scopes.pop(None, [])
@@ -299,7 +311,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
     per-rank memory estimate is at most `options.memory_limit` bytes, searched for at most
     `options.search_budget` seconds (None: no limit; when it runs out, the best found so far, with a
     `SearchWarning`); `options` defaults to `DEFAULTS`, and its `cost_model` is not read: `cm` is the
-    model already resolved. Leaves `autopar_choice` and `autopar_lowering` set on the matmul nodes for
+    model already resolved. Leaves `CHOICE` and `LOWERING` (`passes.meta`) set on the matmul nodes for
     the propagation that follows."""
     t0 = time.perf_counter()
     options = DEFAULTS if options is None else options
@@ -311,7 +323,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
     fits = (lambda e: True) if memory_limit is None else (lambda e: e.memory_bytes <= memory_limit)
     space = math.prod(len(opts[k]) for k in keys)
     search = _Search(ev, keys, fits, search_budget, space, t0)
-    baselines = {s: {k: s for k in keys} for s in ("2d", "1d")}
+    baselines: dict[str, dict[str, str]] = {s: {k: s for k in keys} for s in ("2d", "1d")}
     for a in baselines.values():
         search.run(a, timed=False)
     complete = True
@@ -320,13 +332,15 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
             for combo in itertools.product(*(opts[k] for k in keys)):
                 search.run(dict(zip(keys, combo)))
         else:
-            start = dict(min(baselines.values(), key=lambda a: ev.estimate(a).time_s))
+            faster = min(baselines.values(), key=lambda a: ev.estimate(a).time_s)
+            start = dict(faster)
             _coordinate_search(search, search_groups(keys, opts), opts, start)
     except _OutOfTime:
         complete = False
     tried, assignment = search.tried, search.best()
     stopped = "" if complete else f" (the search stopped at search_budget={search_budget} s; a larger one may find one)"
     if assignment is None:
+        assert memory_limit is not None, "without a memory limit every assignment fits"
         smallest = min(e.memory_bytes for e in tried.values())
         raise MemoryError(
             f"no strategy fits memory_limit={memory_limit / 2**30:.2f} GiB per rank on a {mesh_shape(mesh)} grid: "
@@ -366,19 +380,19 @@ def apply(gm: GraphModule, units, assignment: dict, lowerings: dict, alternative
     alternatives) and SUMMA nodes with their lowering."""
     for u in units:
         for n in u.nodes:
-            n.meta["autopar_choice"] = assignment[u.key]
+            n.meta[CHOICE] = assignment[u.key]
             if alternatives is not None:
-                n.meta["autopar_choice_why"] = (assignment[u.key], alternatives[u.key])
+                n.meta[CHOICE_WHY] = (assignment[u.key], alternatives[u.key])
     for node in gm.graph.nodes:
         if node.name in lowerings:
-            node.meta["autopar_lowering"] = lowerings[node.name]
+            node.meta[LOWERING] = lowerings[node.name]
 
 
 def fixed(gm: GraphModule, strategy: str) -> None:
     """Mark every unit for one fixed strategy ("2d" or "1d")."""
     for u in find_units(gm):
         for n in u.nodes:
-            n.meta["autopar_choice"] = strategy
+            n.meta[CHOICE] = strategy
 
 
 def estimate_fixed(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options | None = None) -> Estimate:

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from passes import ShardingError, capture, propagate
 from passes.compat import HigherOrderOperator, set_grad_enabled
+from passes.meta import LAYOUT
 from tests import checks_capture as C
 from tests.compare import failures
 
@@ -104,7 +105,7 @@ def test_inplace_on_partial_sum_is_rewritten():
     cap = capture(model, C._inputs("inplace", 4, 0))
     propagate(cap.gm, (2, 2))
     total = next(n for n in cap.gm.graph.nodes if n.target == aten.sum.dim_IntList)
-    assert "P(sum)" in str(total.meta["autopar_layout"]), total.meta["autopar_layout"]
+    assert "P(sum)" in str(total.meta[LAYOUT]), total.meta[LAYOUT]
     assert [u.target for u in total.users] == [aten.mul.Tensor]
     left = [t for t in _calls(cap.gm) if getattr(t, "overloadpacket", aten.add).__name__.endswith("_")]
     assert not left, left

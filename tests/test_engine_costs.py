@@ -9,7 +9,7 @@ ELT = 4  # fp32
 
 
 def summa_volume(q, tokens, h_in, h_out):
-    """DESIGN.md section 2: bytes received per rank for one SUMMA linear in a training step."""
+    """docs/design.md section 1: bytes received per rank for one SUMMA linear in a training step."""
     return 3 * (q - 1) * (tokens * h_in + h_in * h_out) * ELT // (q * q)
 
 

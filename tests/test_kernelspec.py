@@ -8,6 +8,7 @@ import autopar
 from examples.models import GPTConfig, TinyGPT
 from passes.cost import node_cost, nodes_needing_grad
 from passes.kernelspec import KernelSpec, Site, SummaSpec
+from passes.meta import KERNEL
 
 
 def _tiny_gpt():
@@ -25,7 +26,7 @@ def test_formulas_and_numbers_are_one_source(grid):
     gm, grads = pl.gm, nodes_needing_grad(pl.gm)
     kinds = set()
     for node in gm.graph.find_nodes(op="call_module"):
-        spec = node.meta["autopar_kernel"]
+        spec = node.meta[KERNEL]
         assert isinstance(spec, KernelSpec), node.name
         assert node.target.startswith(f"autopar_{spec.name}_"), (node.target, spec)
         kinds.add(spec.name)
@@ -46,7 +47,7 @@ def test_flops_count_the_products_that_run():
     summa = [r for r in pl.rows if r.op.startswith("SummaLinear")]
     per_product = [2 * 8 * 16 * 32 // 4, 2 * 8 * 32 * 8 // 4]  # 2 m k n / (R C)
     assert [r.flops for r in summa] == [2 * per_product[0], 3 * per_product[1]]  # no dX for the input
-    specs = [n.meta["autopar_kernel"] for n in pl.gm.graph.find_nodes(op="call_module")]
+    specs = [n.meta[KERNEL] for n in pl.gm.graph.find_nodes(op="call_module")]
     assert sum(isinstance(s, SummaSpec) for s in specs) == 2
 
     rep = autopar.plan(model, grid=(2, 2), example_inputs=(x,), strategy="auto", measure_activations=False,

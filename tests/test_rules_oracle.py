@@ -30,6 +30,7 @@ from torch.fx.node import map_aggregate
 from passes.capture import capture
 from passes.layout import REPLICATED, Layout, mesh_shape
 from passes.localize import localize
+from passes.meta import LAYOUT, STRATEGY
 from passes.propagate import propagate
 from passes.rules import lookup
 
@@ -133,14 +134,14 @@ def full_values(gm, inputs) -> dict:
 
 def check_node(node, env, q: int) -> str | None:
     """Simulate one node on the q x q grid; return a failure description, or None."""
-    strat = node.meta["autopar_strategy"]
+    strat = node.meta[STRATEGY]
     out_lay = strat.output
     need = {}
     for inp in node.all_input_nodes:
         if not _is_tensor_value(env.get(inp)):
             continue
         # an input the rule does not name stays as it is (insert_collectives leaves it alone)
-        need[inp] = strat.inputs.get(inp, inp.meta["autopar_layout"])
+        need[inp] = strat.inputs.get(inp, inp.meta[LAYOUT])
     head = (
         f"{node.name} = {node.target}  q={q}  inputs "
         + ", ".join(f"{i.name}{tuple(env[i].shape) if isinstance(env[i], torch.Tensor) else ''}:{repr(lay)}"
@@ -195,7 +196,7 @@ def check_local_rules(module: nn.Module, args: tuple, q: int, expect=(), expect_
     localize(gm, q)  # view/reshape/expand/unflatten sizes become block sizes, as on the ranks
     checked, failures, split_seen = [], [], False
     for node in gm.graph.nodes:
-        strat = node.meta.get("autopar_strategy")
+        strat = node.meta.get(STRATEGY)
         if node.op != "call_function" or strat is None:
             continue
         if strat.kernel is not None or strat.fallback or not _is_tensor_value(env.get(node)):
@@ -681,10 +682,10 @@ def test_oracle_catches_a_wrong_rule():
     node = next(n for n in cap.gm.graph.nodes if n.target == aten.softmax.int)
     src = node.args[0]
     bad = Layout((Shard(0), Shard(2)))
-    node.meta["autopar_strategy"] = Strategy({src: bad}, bad)
+    node.meta[STRATEGY] = Strategy({src: bad}, bad)
     assert "softmax" in (check_node(node, env, 2) or "")
     good = Layout((Shard(0), Replicate()))
-    node.meta["autopar_strategy"] = Strategy({src: good}, good)
+    node.meta[STRATEGY] = Strategy({src: good}, good)
     assert check_node(node, env, 2) is None
 
 
@@ -729,11 +730,11 @@ def test_no_rule_falls_back_to_replication():
     cap = capture(module, args)
     res = propagate(cap.gm, mesh=2)
     node = next(n for n in cap.gm.graph.nodes if n.target == aten.cumprod.default)
-    strat = node.meta["autopar_strategy"]
+    strat = node.meta[STRATEGY]
     assert strat.fallback and strat.kernel is None
     assert strat.inputs and all(lay == REPLICATED for lay in strat.inputs.values())
     assert strat.output == REPLICATED
-    assert node.args[0].meta["autopar_layout"] == Layout((Shard(0), Shard(2)))  # so a gather is needed
+    assert node.args[0].meta[LAYOUT] == Layout((Shard(0), Shard(2)))  # so a gather is needed
     entries = [f for f in res.fallbacks if f.node is node]
     assert entries, res.fallbacks
     path, why = entries[0].path, entries[0].reason

@@ -17,7 +17,11 @@ CM = S.CostModel.from_dict(CPU)
 
 
 def _graph(family):
-    model, kw = bart(meta=True) if family == "bart" else (checks_hf.build(family)[0], checks_hf.build(family)[1](4, 8, 1))
+    if family == "bart":
+        model, kw = bart(meta=True)
+    else:
+        model, inputs = checks_hf.build(family)[:2]
+        kw = inputs(4, 8, 1)
     return capture(model, (), {**cache_off_kwargs(model), **kw}).gm
 
 

@@ -155,7 +155,8 @@ class Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         grid, axis, dim, tag, parts = ctx.args
-        return _unstride(grid, axis, all_gather(grid, axis, g, dim, tag, "bwd"), dim, parts), None, None, None, None, None
+        whole = _unstride(grid, axis, all_gather(grid, axis, g, dim, tag, "bwd"), dim, parts)
+        return whole, None, None, None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):

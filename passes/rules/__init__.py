@@ -13,6 +13,7 @@ placement by asking for a layout (see `propagate`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx import Node
@@ -27,7 +28,9 @@ RULES: dict = {}
 @dataclass
 class Strategy:
     inputs: dict[Node, Layout]  # the layout each input must arrive in
-    output: Layout | tuple[Layout, ...]  # a tuple for ops returning several tensors
+    # a tuple for ops returning several tensors; None: no layout of its own (the graph's output node,
+    # or a transpose / in-place update of an unplaced parameter, which waits for a consumer to place it)
+    output: Layout | tuple[Layout, ...] | None
     kernel: KernelSpec | None = None  # the module run instead of the aten op
     note: str = ""  # shown by explain, e.g. "SUMMA AB"
     fallback: bool = False
@@ -52,7 +55,9 @@ def register(*ops):
     return deco
 
 
-def val(node) -> object:
+def val(node) -> Any:
+    """The example value torch.export recorded for `node` (a fake tensor; a tuple of them for a
+    multi-output op; a SymInt or a plain number for size arithmetic); None for a non-node argument."""
     return node.meta.get("val") if isinstance(node, Node) else None
 
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.kernelspec import CrossEntropySpec, EmbeddingSpec
 from passes.layout import REPLICATED, Layout
+from passes.meta import CHOICE
 from passes.rules import Strategy, Unsupported, arg, register, shape, val
 
 aten = torch.ops.aten
@@ -27,7 +28,7 @@ def embedding(node, layouts, mesh):
     table, ids = node.args[:2]
     V, h = shape(table)
     have = layouts.get(table)
-    if have is None and node.meta.get("autopar_choice") in ("1d", "col") and V % mesh[1] == 0:
+    if have is None and node.meta.get(CHOICE) in ("1d", "col") and V % mesh[1] == 0:
         have = Layout((Replicate(), Shard(0)))  # 1D: vocab over the columns (Megatron's vocab-parallel table)
     if have is None:  # a vocabulary R does not divide keeps the hidden split (an LM head tied to it
         # then runs a local matmul whose output is a partial sum over the columns)

@@ -18,13 +18,14 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.kernelspec import SummaSpec
 from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim
+from passes.meta import CHOICE, PARAM
 from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape, val
 
 aten = torch.ops.aten
 
 
 def _param_name(node) -> str:
-    return node.meta.get("autopar_param", node.name)
+    return node.meta.get(PARAM, node.name)
 
 
 def _row_split(x, layouts, mesh) -> Shard:
@@ -79,7 +80,8 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
         need,
         Layout((out_rows, Strided(out_last, split_factor=k) if fused else Shard(out_last))),
         kernel=SummaSpec(x=x, w=w, bias=bias, transposed=transposed, flip=flip),
-        note=("SUMMA ABT" if transposed else "SUMMA AB") + (f", fused x{k}: column blocks hold matching parts" if fused else ""),
+        note=("SUMMA ABT" if transposed else "SUMMA AB")
+        + (f", fused x{k}: column blocks hold matching parts" if fused else ""),
     )
 
 
@@ -150,7 +152,8 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
         need = {x: Layout((rows, Replicate())), w: Layout((Replicate(), n_split(nd)))}
         if bias is not None:
             need[bias] = Layout((Replicate(), n_split(0)))
-        return Strategy(need, Layout((out_rows, n_split(out_last))), note="1D column split" + (f", fused x{k}" if fused else ""))
+        note = "1D column split" + (f", fused x{k}" if fused else "")
+        return Strategy(need, Layout((out_rows, n_split(out_last))), note=note)
     if kind == "row":
         if K % C:
             raise ShardingError(f"weight {_param_name(w)} of shape {tuple(ws)}: in-features {K} not divisible "
@@ -166,9 +169,9 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
 
 
 def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
-    """The strategy `node.meta["autopar_choice"]` names (default: 2D SUMMA) for an unplaced weight; a
+    """The strategy `node.meta[CHOICE]` names (default: 2D SUMMA) for an unplaced weight; a
     weight already placed by an earlier use (tied to an embedding) keeps its layout's strategy."""
-    choice = node.meta.get("autopar_choice", "2d")
+    choice = node.meta.get(CHOICE, "2d")
     if choice == "2d" or layouts.get(w) is not None:
         return summa_strategy(node, layouts, mesh, x, w, bias, n_first)
     return one_d_strategy(node, layouts, mesh, x, w, bias, n_first, choice)
