@@ -22,7 +22,12 @@ __version__ = "0.1.0"
 
 class _Package(types.ModuleType):
     def __getattr__(self, name):
-        if name not in _HOME:
+        if name not in _HOME:  # a submodule (autopar.trainer, ...), as when the names above loaded them all
+            try:
+                return importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{__name__}.{name}":
+                    raise
             raise AttributeError(f"module 'autopar' has no attribute {name!r}")
         value = getattr(importlib.import_module(_HOME[name]), name)
         setattr(self, name, value)
