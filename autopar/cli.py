@@ -88,8 +88,8 @@ def build_callable(spec: str):
 
 
 def parse_grid(text: str) -> tuple:
-    """'RxC' (e.g. 2x4): the grid syntax of every autopar command. argparse turns the ValueError into a
-    usage error naming the flag."""
+    """'RxC' (e.g. 2x4): the grid syntax of every autopar command. As an argparse `type`, its
+    ArgumentTypeError becomes a usage error naming the flag."""
     try:
         r, c = (int(x) for x in text.lower().split("x"))
     except ValueError:
@@ -128,6 +128,7 @@ def inspect_cmd(ns) -> int:
     if ns.plot:  # before torch loads and the minutes of planning
         require_matplotlib("autopar inspect --plot")
     import autopar
+
     overrides = dict(kv.split("=", 1) for kv in ns.set)
     overrides = {k: _value(v) for k, v in overrides.items()}
     if ":" in ns.model:
