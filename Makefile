@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
+PLOT_STAMP := $(VENV)/.installed-0.1.0-plot  # matplotlib, for the targets that draw
 
 .PHONY: demo test lint bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
 
@@ -12,6 +13,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,hf,lint]'
 	touch $(STAMP)
+
+$(PLOT_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[plot]'
+	touch $(PLOT_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
@@ -31,7 +36,7 @@ bench: $(STAMP)
 bench-load: $(STAMP)
 	$(BIN)/python examples/bench_load.py
 
-bench-compare: $(STAMP)
+bench-compare: $(PLOT_STAMP)
 	$(BIN)/python -m autopar bench --plot docs/bench.png
 
 bench-strategy: $(STAMP)

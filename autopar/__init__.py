@@ -1,14 +1,48 @@
-"""autopar: 2D (Optimus / SUMMA) tensor parallelism for unmodified PyTorch models."""
+"""autopar: 2D (Optimus / SUMMA) tensor parallelism for unmodified PyTorch models.
 
-from autopar.api import FallbackWarning, ParallelModule, parallelize
-from autopar.checkpoint import CheckpointWarning, from_pretrained, load_safetensors, meta_init, save_pretrained
-from autopar.distributed_checkpoint import load_distributed, save_distributed
-from autopar.explain import explain
-from autopar.plan import Plan, choose_grid, compare_1d, plan
-from passes import CaptureError, ShardingError
-from passes.strategy import SearchWarning
+The names below are imported on first use, so that `autopar --help` answers without loading torch.
+"""
 
-__all__ = ["parallelize", "explain", "ParallelModule", "FallbackWarning", "CaptureError", "ShardingError",
-           "SearchWarning", "CheckpointWarning", "from_pretrained", "save_pretrained", "save_distributed",
-           "load_distributed", "load_safetensors", "meta_init", "plan", "Plan", "compare_1d", "choose_grid"]
+import importlib
+import sys
+import types
+
+_HOME = {
+    "parallelize": "autopar.api", "ParallelModule": "autopar.api", "FallbackWarning": "autopar.pipeline",
+    "explain": "autopar.explain", "CaptureError": "passes", "ShardingError": "passes",
+    "SearchWarning": "passes.strategy", "from_pretrained": "autopar.checkpoint",
+    "save_pretrained": "autopar.checkpoint",
+    "CheckpointWarning": "autopar.checkpoint", "load_safetensors": "autopar.checkpoint",
+    "meta_init": "autopar.checkpoint", "save_distributed": "autopar.distributed_checkpoint",
+    "load_distributed": "autopar.distributed_checkpoint", "plan": "autopar.plan", "Plan": "autopar.plan",
+    "compare_1d": "autopar.plan", "choose_grid": "autopar.plan",
+}
+__all__ = list(_HOME)
 __version__ = "0.1.0"
+
+
+class _Package(types.ModuleType):
+    def __getattr__(self, name):
+        if name not in _HOME:  # a submodule (autopar.trainer, ...), as when the names above loaded them all
+            try:
+                return importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{__name__}.{name}":
+                    raise
+            raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+        value = getattr(importlib.import_module(_HOME[name]), name)
+        setattr(self, name, value)
+        return value
+
+    def __setattr__(self, name, value):
+        # importing the submodule autopar.plan (or .explain) binds it on the package; the function
+        # of the same name stays `autopar.plan`, as it was when these names were imported eagerly
+        if _HOME.get(name) == f"autopar.{name}" and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(_HOME))
+
+
+sys.modules[__name__].__class__ = _Package

@@ -264,16 +264,20 @@ def markdown(res: dict, overhead: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from autopar.cli import add_bench_arguments
+
     parser = argparse.ArgumentParser(prog="autopar bench")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--plot", metavar="FILE")
-    parser.add_argument("--cost-model", metavar="FILE", help="`autopar calibrate` JSON for strategy='auto' "
-                                                             "(default: measured here first, on 2x2)")
-    ns = parser.parse_args(argv)
+    add_bench_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(ns) -> int:
+    """The benchmark for parsed flags (see `autopar bench --help`)."""
     import tempfile
 
+    from autopar.report import require_matplotlib
+
+    plt = require_matplotlib("autopar bench --plot") if ns.plot else None  # before minutes of measuring
     tmp = tempfile.mkdtemp()
     cost_model = ns.cost_model
     if cost_model is None:
@@ -289,12 +293,7 @@ def main(argv=None) -> int:
     else:
         print(f"Llama-style model {CONFIG}, batch {BATCH} x {SEQ} tokens, gloo on CPU\n")
         print(markdown(res, overhead))
-    if ns.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    if plt is not None:
         names = list(res)
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
         labels = ("step time (s)", "received per rank per step (B)", "saved for backward per rank (B)")

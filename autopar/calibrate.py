@@ -29,7 +29,7 @@ KEYS = ("version", "source", "grid", "backend", "device", "axes", "flops_per_s",
 AXIS_KEYS = ("alpha_s", "beta_bytes_per_s", "points")
 SIZES = (4096, 65536, 1 << 20, 4 << 20)  # bytes per collective: latency-bound up to bandwidth-bound
 MATMUL_N = 1024  # fp32 [n, n] @ [n, n] for the matmul rate
-RERUN = "re-run `autopar calibrate --grid R C` to write a fresh one"
+RERUN = "re-run `autopar calibrate --grid RxC` to write a fresh one"
 
 DEFAULT = {
     "version": VERSION,

@@ -10,14 +10,13 @@ example_kwargs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
 
-import torch
-
-import autopar
-from autopar.report import dot, group_by_module, html, plot, sweep_table
+# torch, transformers and autopar's modules are imported where a command needs them: `--help` and
+# argument errors answer in a fraction of a second instead of the seconds importing torch takes
 
 
 def _value(text: str):
@@ -29,7 +28,10 @@ def _value(text: str):
 
 def build_hf(model_type: str, overrides: dict, batch: int, seq: int):
     """A transformers model of `model_type` on the meta device, and one step's inputs."""
+    import torch
     import transformers
+
+    import autopar
 
     try:
         config = transformers.AutoConfig.for_model(model_type)
@@ -40,7 +42,8 @@ def build_hf(model_type: str, overrides: dict, batch: int, seq: int):
         keys = sorted(k for k in config.to_dict() if not k.startswith("_"))
         raise SystemExit(f"autopar inspect: {type(config).__name__} has no key(s) {bad}; valid keys: {', '.join(keys)}")
     # built again from the overrides (not set afterwards): derived fields such as head_dim follow them
-    config = transformers.AutoConfig.for_model(model_type, **overrides)
+    with _rejected(model_type, overrides):
+        config = transformers.AutoConfig.for_model(model_type, **overrides)
     config.use_cache = False
     for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
                  "AutoModelForImageClassification"):
@@ -49,7 +52,7 @@ def build_hf(model_type: str, overrides: dict, batch: int, seq: int):
             break
     else:
         raise SystemExit(f"autopar inspect: no LM or classification head for {type(config).__name__}")
-    with autopar.meta_init():
+    with autopar.meta_init(), _rejected(model_type, overrides):
         model = cls.from_config(config)
     if auto == "AutoModelForImageClassification":
         size = getattr(config, "image_size", 224)
@@ -61,6 +64,21 @@ def build_hf(model_type: str, overrides: dict, batch: int, seq: int):
     return model, (), kwargs
 
 
+@contextlib.contextmanager
+def _rejected(model_type: str, overrides: dict):
+    """transformers' refusal of a config value (a ValueError from the config's validation or the
+    model's constructor, ~10 frames deep) as one line naming the values given and the reason."""
+    try:
+        yield
+    except Exception as e:  # huggingface_hub's validation error is no ValueError; its cause is
+        cause = e.__cause__ if e.__cause__ is not None else e
+        if not isinstance(cause, (ValueError, TypeError)):
+            raise
+        given = " ".join(f"--set {k}={json.dumps(v)}" for k, v in overrides.items()) or "the class defaults"
+        reason = " ".join(str(cause).split())
+        raise SystemExit(f"autopar inspect: {model_type} rejects {given}: {reason}") from None
+
+
 def build_callable(spec: str):
     mod, _, fn = spec.partition(":")
     out = getattr(importlib.import_module(mod), fn)()
@@ -69,12 +87,32 @@ def build_callable(spec: str):
     return model, args if isinstance(args, tuple) else (args,), kwargs
 
 
-def _grid(text: str) -> tuple:
+def parse_grid(text: str) -> tuple:
+    """'RxC' (e.g. 2x4): the grid syntax of every autopar command. As an argparse `type`, its
+    ArgumentTypeError becomes a usage error naming the flag."""
     try:
         r, c = (int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"autopar inspect: --grid {text!r}: expected RxC, e.g. 8x8") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RxC, e.g. 2x2 or 1x4") from None
+    if min(r, c) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: both R and C must be positive, e.g. 2x2 or 1x4")
     return r, c
+
+
+def _inspect_grid(text: str):
+    return text if text == "auto" else parse_grid(text)
+
+
+def _calibrate_grid(parser, words: list) -> tuple:
+    """calibrate's --grid: RxC like inspect's, or the two numbers `R C` it took before."""
+    if len(words) == 2 and all(w.isdigit() for w in words):
+        words = ["x".join(words)]
+    if len(words) != 1:
+        parser.error(f"argument --grid: {' '.join(words)!r}: expected RxC, e.g. 2x2 or 1x4")
+    try:
+        return parse_grid(words[0])
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"argument --grid: {e}")
 
 
 def _layers_hidden(model) -> tuple:
@@ -85,6 +123,12 @@ def _layers_hidden(model) -> tuple:
 
 
 def inspect_cmd(ns) -> int:
+    from autopar.report import dot, group_by_module, html, plot, require_matplotlib, sweep_table
+
+    if ns.plot:  # before torch loads and the minutes of planning
+        require_matplotlib("autopar inspect --plot")
+    import autopar
+
     overrides = dict(kv.split("=", 1) for kv in ns.set)
     overrides = {k: _value(v) for k, v in overrides.items()}
     if ":" in ns.model:
@@ -99,7 +143,7 @@ def inspect_cmd(ns) -> int:
             raise SystemExit("autopar inspect: --grid auto needs --devices N (how many ranks to arrange)")
         grid, grids = autopar.choose_grid(model, ns.devices, args, kwargs, cost_model=ns.cost_model, memory_limit=limit)
     else:
-        grid = _grid(ns.grid)
+        grid = ns.grid
     pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
                       cost_model=ns.cost_model, memory_limit=limit)
     layers, hidden = _layers_hidden(model)
@@ -156,12 +200,12 @@ def calibrate_cmd(ns) -> int:
     import functools
     import os
 
+    import torch
+
     from autopar.calibrate import SIZES, check_args, main_worker
     from autopar.launch import run
 
     (R, C), sizes = ns.grid, tuple(ns.sizes or SIZES)
-    if min(R, C) < 1:
-        raise SystemExit(f"autopar calibrate: --grid {R} {C}: both must be positive, e.g. --grid 2 2")
     try:
         check_args(sizes, ns.repeats)
     except ValueError as e:
@@ -172,27 +216,49 @@ def calibrate_cmd(ns) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from autopar.bench import main as bench_main
+def add_bench_arguments(p) -> None:
+    """`autopar bench`'s flags (kept here, away from torch, so `--help` is quick)."""
+    p.add_argument("--rounds", type=int, default=3, metavar="N",
+                   help="rounds over all configurations, alternated to spread machine noise (default 3)")
+    p.add_argument("--steps", type=int, default=3, metavar="N",
+                   help="training steps per configuration per round; the first of round 1 is warm-up (default 3)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a Markdown table")
+    p.add_argument("--plot", metavar="FILE", help="also draw step time, bytes and saved activations per "
+                                                  "configuration as bars (needs matplotlib: pip install "
+                                                  "'autopar[plot]')")
+    p.add_argument("--cost-model", metavar="FILE", help="`autopar calibrate` JSON for strategy='auto' "
+                                                        "(default: measured here first, on 2x2)")
 
-        return bench_main(argv[1:])
+
+def bench_cmd(ns) -> int:
+    from autopar.report import require_matplotlib
+
+    if ns.plot:  # before torch loads and the minutes of measuring
+        require_matplotlib("autopar bench --plot")
+    from autopar.bench import run
+
+    return run(ns)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="2D tensor parallelism planner")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("bench", help="measure 2D against PyTorch 1D TP and one process (see autopar.bench)")
+    p = sub.add_parser("bench", help="measure 2D against PyTorch 1D TP and one process (see autopar.bench)")
+    add_bench_arguments(p)
     p = sub.add_parser("inspect", help="plan a model on a grid and print its costs")
     p.add_argument("model", help="a transformers model type (gpt2, llama, ...) or module:callable")
-    p.add_argument("--grid", default="2x2", help="RxC, e.g. 8x8 or 2x4; 'auto' picks the shape for --devices")
+    p.add_argument("--grid", default=(2, 2), type=_inspect_grid, metavar="RxC",
+                   help="the grid, e.g. 8x8 or 2x4 (default 2x2); 'auto' picks the shape for --devices")
     p.add_argument("--devices", type=int, help="with --grid auto: the number of ranks to arrange")
     p.add_argument("--strategy", choices=["2d", "1d", "auto"],
                    help="how weight matmuls are split (default 2d; auto with --grid auto)")
     p.add_argument("--cost-model", metavar="FILE", help="JSON from `autopar calibrate` (default: published "
                                                         "NVLink/InfiniBand figures)")
     p.add_argument("--memory-limit", type=float, metavar="GIB", help="per-rank memory limit for --strategy auto")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (a JSON value, else a string); repeatable")
     p.add_argument("--vs", choices=["1d"], help="also report Megatron-style 1D at the same p")
     p.add_argument("--sweep", type=int, metavar="N", help="compare all square grids and 1D with p <= N")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -200,13 +266,22 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="FILE", help="plot bytes and parameters per rank against p, 2D and 1D "
                                                    "(a sweep up to --sweep or 64; needs matplotlib)")
     p = sub.add_parser("calibrate", help="measure the alpha-beta communication model and matmul rate here")
-    p.add_argument("--grid", type=int, nargs=2, required=True, metavar=("R", "C"), help="rows and columns")
+    p.add_argument("--grid", nargs="+", required=True, metavar="RxC",
+                   help="the grid to measure on, e.g. 2x2 (the older form `--grid 2 2` is read too)")
     p.add_argument("--out", default="autopar-calibration.json", help="where to write the JSON")
     p.add_argument("--sizes", type=int, nargs="+", metavar="BYTES",
                    help="message sizes in bytes, multiples of 4 (default 4096 65536 1048576 4194304)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per size (median taken)")
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if ns.cmd == "bench":
+        return bench_cmd(ns)
     if ns.cmd == "calibrate":
+        ns.grid = _calibrate_grid(parser, ns.grid)
         return calibrate_cmd(ns)
     for kv in ns.set:
         if "=" not in kv:

@@ -2,8 +2,9 @@
 
 One row per op of the per-rank graph: its name, the aten op or inserted module, the user's module
 path, the layout of its result, the collectives it runs and the bytes each rank receives for them
-in the forward and the backward of one training step. A summary follows: bytes per step, parameter
-bytes held by this rank against the whole model, and every op that fell back to replication.
+in the forward and the backward of one training step. By default only the ops that move bytes or
+fell back to replication are listed (`verbose=True`: every op). A summary follows: bytes per step,
+parameter bytes held by this rank against the whole model, and every op that fell back.
 """
 
 from __future__ import annotations
@@ -104,12 +105,12 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False) -> str:
-    """A readable table of the compiled model (see the module docstring). With `formulas`, each row that
-    moves bytes is followed by its cost as a sympy expression and the values it was evaluated at."""
-    table = rows(pmodel)
-    if only_communicating:
-        table = [r for r in table if r.fwd_bytes or r.bwd_bytes or r.fallback]
+def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
+    """A readable table of the compiled model (see the module docstring): the ops that move bytes or
+    fell back, or with `verbose` every op. With `formulas`, each row that moves bytes is followed by
+    its cost as a sympy expression and the values it was evaluated at."""
+    every = rows(pmodel)
+    table = every if verbose else [r for r in every if r.fwd_bytes or r.bwd_bytes or r.fallback]
     head = ("node", "op", "module", "layout", "collectives", "fwd/rank", "bwd/rank", "note")
     cells = [head] + [(r.node, r.op, r.module, r.layout, r.collectives, _fmt_bytes(r.fwd_bytes) if r.fwd_bytes else "",
                        _fmt_bytes(r.bwd_bytes) if r.bwd_bytes else "", r.note) for r in table]
@@ -128,7 +129,9 @@ def explain(pmodel, *, only_communicating: bool = False, formulas: bool = False)
     full = sum(p.numel() * p.element_size() for p in pmodel.parameters())
     (R, C), p = pmodel.grid.shape, pmodel.grid.world
     comp = pmodel.program
+    hidden = len(every) - len(table)
     lines += [
+        *([f"({hidden} more ops move no bytes; explain(pmodel, verbose=True) lists every op)"] if hidden else []),
         "",
         f"grid {R}x{C}; bytes received per rank per training step: forward {_fmt_bytes(fwd)}, "
         f"backward {_fmt_bytes(bwd)}, total {_fmt_bytes(fwd + bwd)}",

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +31,7 @@ from passes import strategy as strategies
 from passes.capture import Captured, retarget_meta
 from passes.compat import pytree
 from passes.meta import LAYOUT
+from passes.mesh import warn
 from passes.options import Options
 from passes.rules import arg
 from autopar import calibrate
@@ -207,7 +207,7 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
     if prop.gathering_fallbacks:
         lines = "\n".join(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'}: {f.reason}"
                           for f in prop.gathering_fallbacks)
-        warnings.warn(
+        warn(
             f"autopar: {len(prop.gathering_fallbacks)} op(s) run unsplit (gathered whole, computed on every "
             f"rank, split again):\n{lines}",
             FallbackWarning,

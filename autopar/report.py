@@ -6,9 +6,6 @@ from __future__ import annotations
 import html as _html
 from collections import defaultdict
 
-from passes.layout import REPLICATED
-from passes.meta import LAYOUT
-
 
 def _mib(n) -> str:
     return f"{n / 2**20:.2f}" if n is not None else "-"
@@ -56,6 +53,9 @@ def _color(layout: str) -> str:
 
 def dot(pl) -> str:
     """The per-rank graph in Graphviz DOT: nodes colored by layout, collectives drawn as boxes."""
+    from passes.layout import REPLICATED  # here, not above: `require_matplotlib` runs before torch loads
+    from passes.meta import LAYOUT
+
     gm = pl.gm
     lines = ["digraph autopar {", "  rankdir=TB; node [style=filled, fontsize=10];"]
     for node in gm.graph.nodes:
@@ -113,15 +113,23 @@ def sweep_table(model, args, kwargs, limit: int, tokens: int, layers: int, hidde
     return out
 
 
-def plot(rows: list, path: str) -> None:
-    """Bytes and parameter memory per rank against p, 2D and 1D (needs matplotlib)."""
+def require_matplotlib(what: str):
+    """matplotlib.pyplot drawing to files (the Agg backend); without matplotlib, a SystemExit saying
+    how to install it. Commands call it before their work starts, not after."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("autopar inspect --plot needs matplotlib: pip install 'autopar[plot]'") from None
+        raise SystemExit(f"{what} needs matplotlib, which is not installed: pip install 'autopar[plot]' "
+                         "(in a checkout: pip install -e '.[plot]'), or leave out --plot") from None
+    return plt
+
+
+def plot(rows: list, path: str) -> None:
+    """Bytes and parameter memory per rank against p, 2D and 1D (needs matplotlib)."""
+    plt = require_matplotlib("autopar inspect --plot")
     rows = [r for r in rows if "p" in r]
     ps = [r["p"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))

@@ -52,7 +52,7 @@ def main(rank: int) -> None:
     )
     logit_err = ((logits.full_tensor() - ref_logits).abs().max() / ref_logits.abs().max()).item()
     if rank == 0:
-        print(autopar.explain(pmodel, only_communicating=True))
+        print(autopar.explain(pmodel))
         print()
         print(f"loss: 2x2 grid {loss.item():.6f}, one process {ref_loss.item():.6f}")
         print(f"max relative error vs one process: logits {logit_err:.1e}, gradients {grad_err:.1e}, "

@@ -41,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "all_gather_single", "call_spec", "enter_autocast", "exit_autocast", "fake_store", "fake_tensor_mode",
-           "parse_to", "pytree", "reduce_scatter_single", "set_grad_enabled", "set_version_counter"]
+           "parse_to", "pytree", "reduce_scatter_single", "register_flattened_mesh", "set_grad_enabled",
+           "set_version_counter"]
 
 # torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.regions` inlines
 # no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
@@ -92,3 +93,15 @@ def fake_tensor_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+def register_flattened_mesh(mesh, name: str, flat) -> None:
+    """Record `flat` (a 1-D DeviceMesh over all of `mesh`'s ranks) as `mesh` flattened under `name`.
+
+    DeviceMesh keeps its flattened meshes in the root mesh's private `_flatten_mapping` (found with the
+    private `_get_root_mesh()`); DTensor looks there when it reduces a value partial over every mesh
+    axis (the total norm of torch's `clip_grad_norm_`). `DeviceMesh._flatten` would create a new group,
+    without the grid's timeout. Checked on 2.13.0. If it moves: `passes.mesh.Grid` fails at
+    construction with an AttributeError naming it; without it clipping still works, with DTensor's
+    warning about sequential all-reduces on every rank."""
+    mesh._get_root_mesh()._flatten_mapping[name] = flat

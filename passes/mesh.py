@@ -14,14 +14,29 @@ are all-reduced in the same-row group and batch means in the same-column group.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from passes.compat import register_flattened_mesh
 
 AXIS_NAMES = ("r", "c")  # mesh axis 0 is indexed by r, axis 1 by c
+FLAT_NAME = "rc"  # both axes flattened: the grid's R*C ranks in row-major order
+
+
+def warn(message: str, category: type[Warning], stacklevel: int = 1) -> None:
+    """`warnings.warn`, shown by global rank 0 only: every rank compiles the same program and would
+    print the same text once per rank. The other ranks still pass it through the warning filters
+    (recorded, not shown), so a filter that turns it into an error raises on every rank alike and
+    control flow never depends on the rank. Without a process group: an ordinary warning."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        with warnings.catch_warnings(record=True):
+            warnings.warn(message, category, stacklevel=stacklevel + 1)
+        return
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 @dataclass
@@ -94,6 +109,8 @@ class Grid:
             self.mesh = mesh
             self.same_col_group = mesh.get_group(0)
             self.same_row_group = mesh.get_group(1)
+        if self.mesh is not None:
+            self._flatten_mesh(self.mesh)
 
     def _grid_ranks(self, d: int) -> list:
         return list(range(d * self.world, (d + 1) * self.world))
@@ -135,6 +152,20 @@ class Grid:
         ids = torch.arange(dp * R * C).reshape(dp, R, C)[self.dp_index]
         self.mesh = DeviceMesh.from_group([self.same_col_group, self.same_row_group], self.device_type,
                                           mesh=ids, mesh_dim_names=AXIS_NAMES)
+
+    def _flatten_mesh(self, mesh: DeviceMesh) -> None:
+        """Give DTensor the grid's own R*C group as the mesh flattened over both axes, so that a
+        reduction of a value partial on both axes (the total norm in torch's `clip_grad_norm_` over our
+        DTensor gradients) is one all-reduce over the grid instead of one per axis, which DTensor warns
+        about on every rank ("2 sequential all_reduce operations ... may give inconsistent results").
+        The group is `world_group` (built with `timeout` when one is given) or the default group: no
+        new group, and the bound on DTensor's collectives holds. torch looks flattened meshes up in the
+        root mesh's `_flatten_mapping` by layout; `DeviceMesh._flatten` would build a group without
+        our timeout."""
+        group = self.world_group or dist.group.WORLD
+        ranks = self._grid_ranks(self.dp_index)
+        flat = DeviceMesh.from_group(group, self.device_type, mesh=ranks, mesh_dim_names=(FLAT_NAME,))
+        register_flattened_mesh(mesh, FLAT_NAME, flat)
 
     def group(self, axis: int):
         """Process group of a collective over mesh `axis` (0: same column, 1: same row)."""

@@ -39,7 +39,6 @@ import itertools
 import math
 import re
 import time
-import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,6 +48,7 @@ from passes.cost import nodes_needing_grad
 from passes.estimate import MATMULS, CostModel, Estimate, price
 from passes.layout import mesh_shape
 from passes.meta import CHOICE, CHOICE_WHY, LOWERING, ROLE
+from passes.mesh import warn
 from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.propagate import Propagation, module_path, propagate_node
 
@@ -282,7 +282,7 @@ class _Search:
             best = self.best()
             so_far = (f"best estimate so far {self.ev.estimate(best).time_s * 1e3:.3f} ms per step" if best
                       else "none fits the memory limit yet")
-            warnings.warn(
+            warn(
                 f"strategy search still running after {spent:.0f} s: {len(self.tried)} of {self.space} assignments "
                 f"of {len(self.keys)} unit variables evaluated, {so_far}; "
                 + ("no time limit (search_budget=None)" if self.budget_s is None else
@@ -351,7 +351,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
                         for o in opts[k]} for i, k in enumerate(keys)}
     est = ev.estimate(assignment)
     if not complete:
-        warnings.warn(
+        warn(
             f"strategy search stopped at its time budget (search_budget={search_budget} s) after {len(tried)} of "
             f"{space} assignments: the plan uses the best found so far, estimated {est.time_s * 1e3:.3f} ms per "
             f"step (fixed 2d {ev.estimate(baselines['2d']).time_s * 1e3:.3f} ms, fixed 1d "

@@ -114,6 +114,39 @@ def state_dict_and_clip(rank):
     return out
 
 
+def clipping_is_quiet(rank):
+    """Both clipping paths on a 2x2 grid: pm.clip_grad_norm_ and torch's function over the DTensor
+    gradients. Returns each path's norm (as a float, for comparison across ranks), its distance to one
+    process's norm, and the times DTensor asked to warn about sequential all-reduces."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    ids, tgt = _data(cfg, 4, 8)
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(ids, tgt))
+    ref(ids, tgt)[1].backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e6)
+    # DTensor warns once per process and mesh (a set of keys already warned about): count the calls,
+    # so that a warning printed by an earlier check on this long-lived rank cannot hide one
+    asked, original = [], _redistribute._warn_flatten_optimization_not_possible
+    _redistribute._warn_flatten_optimization_not_possible = lambda *a, **k: asked.append(a[-1])
+    out = {}
+    try:
+        for name, clip in (("pm", lambda: pm.clip_grad_norm_(1e6)),
+                           ("torch", lambda: torch.nn.utils.clip_grad_norm_(pm.parameters(), 1e6))):
+            pm.zero_grad()
+            pm(ids, tgt)[1].backward()
+            total = clip()
+            total = total.full_tensor() if isinstance(total, DTensor) else total
+            out[name] = (float(total), excess(total, want, RTOL, 0.0))
+    finally:
+        _redistribute._warn_flatten_optimization_not_possible = original
+    out["dtensor warnings"] = asked
+    return out
+
+
 def skipped_collective(rank, world, port, outdir, what):
     """Run as a fresh process group with timeout=5: rank 3 stays alive but skips the call; the others
     must raise within the timeout instead of the process group's 30 minutes."""

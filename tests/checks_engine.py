@@ -153,7 +153,8 @@ class DataDependent(torch.nn.Module):
 
 
 def indivisible_replicate(rank):
-    """A weight that q does not divide runs unsplit with a warning, and stays correct."""
+    """A weight that q does not divide runs unsplit with a warning, and stays correct; with the warning
+    made an error, parallelize raises it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 7), torch.nn.GELU(), torch.nn.Linear(7, 4))
     x = torch.randn(4, 16)
@@ -169,7 +170,14 @@ def indivisible_replicate(rank):
     errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                              prefix="grad "))
     msgs = [str(w.message) for w in caught if issubclass(w.category, autopar.FallbackWarning)]
-    return errs, msgs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.FallbackWarning)
+        try:
+            autopar.parallelize(copy.deepcopy(model), grid=(2, 2), example_inputs=(x,))
+            raised = ""
+        except autopar.FallbackWarning as e:
+            raised = type(e).__name__
+    return errs, msgs, raised
 
 
 def everyday_use(rank):

@@ -122,7 +122,7 @@ def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extr
     full = sum(p.numel() for p in pm.parameters())
     choice = next(iter(pm._compiled.values())).choice
     return {"excess": errs, "warned": warned, "unsplit_2d": unsplit, "fraction": held * 4 / full,
-            "explain": autopar.explain(pm) if rank == 0 else "",
+            "explain": autopar.explain(pm, verbose=True) if rank == 0 else "",
             "assignment": choice.assignment if choice is not None else None}
 
 

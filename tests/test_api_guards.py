@@ -54,6 +54,20 @@ def test_full_state_dict_and_clipping(pool4):
         assert kind == "ValueError" and "'tok.weight' has shape (3, 3)" in msg, (rank, msg)
 
 
+def test_clipping_is_quiet_and_agrees(pool4):
+    """torch.nn.utils.clip_grad_norm_ over the DTensor gradients reduced the total norm with one
+    all-reduce per mesh axis, and DTensor printed "2 sequential all_reduce operations ... may give
+    inconsistent results" on every rank. With the grid's flattened mesh it is one all-reduce, silent;
+    pm.clip_grad_norm_ never went through DTensor. Both norms: one process's, bit-equal on every rank."""
+    res = pool4.run(C.clipping_is_quiet)
+    for rank, r in enumerate(res):
+        assert r["dtensor warnings"] == [], (rank, r["dtensor warnings"])
+        for path in ("pm", "torch"):
+            norm, err = r[path]
+            assert err <= 1, (rank, path, norm, err)
+            assert norm == res[0][path][0], (rank, path, norm, res[0][path][0])
+
+
 def _run_skipped(tmp_path, what):
     procs = spawn_fresh(C.skipped_collective, 4, str(tmp_path), what)
     start = time.time()

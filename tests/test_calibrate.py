@@ -103,7 +103,7 @@ def test_fit_alpha_beta():
 def test_cli_end_to_end(tmp_path):
     """`python -m autopar calibrate` spawns its own 2 gloo ranks and writes a loadable file."""
     out = tmp_path / "cal.json"
-    cmd = [sys.executable, "-m", "autopar", "calibrate", "--grid", "1", "2", "--out", str(out),
+    cmd = [sys.executable, "-m", "autopar", "calibrate", "--grid", "1x2", "--out", str(out),
            "--repeats", "2", "--sizes", "4096", "65536"]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

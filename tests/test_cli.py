@@ -1,0 +1,83 @@
+"""The command line a user meets first: quick help, help for every flag, one grid syntax, optional
+dependencies checked before the work starts, transformers' refusals as one line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autopar import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_LLAMA = ["--set", "num_hidden_layers=1", "--set", "vocab_size=256", "--batch", "2", "--seq", "8"]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["inspect", "--help"], ["calibrate", "--help"]])
+def test_help_does_not_import_torch(argv):
+    """`autopar --help` took 5 s: the package and the CLI imported torch before parsing a flag."""
+    code = ("import sys; from autopar.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
+    r = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "usage: autopar" in r.stdout
+
+
+def test_every_flag_has_help():
+    """`bench --rounds/--steps/--json` showed no help text."""
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            assert action.help, f"autopar {name} {'/'.join(action.option_strings) or action.dest}: no help text"
+
+
+def test_grid_syntax_is_rxc_everywhere(capsys):
+    """`calibrate --grid R C` and `inspect --grid RxC` differed; both read RxC, calibrate still reads
+    its older `R C`, and anything else is a usage error naming the flag and the form expected."""
+    parser = cli._parser()
+    assert parser.parse_args(["inspect", "gpt2", "--grid", "2x4"]).grid == (2, 4)
+    assert parser.parse_args(["inspect", "gpt2", "--grid", "auto"]).grid == "auto"
+    assert parser.parse_args(["inspect", "gpt2"]).grid == (2, 2)
+    for words in (["2x4"], ["2X4"], ["2", "4"]):
+        assert cli._calibrate_grid(parser, words) == (2, 4), words
+    for argv, why in ((["inspect", "gpt2", "--grid", "2by2"], "'2by2': expected RxC, e.g. 2x2 or 1x4"),
+                      (["inspect", "gpt2", "--grid", "0x2"], "'0x2': both R and C must be positive"),
+                      (["calibrate", "--grid", "2", "2", "2"], "'2 2 2': expected RxC"),
+                      (["calibrate", "--grid", "2,2"], "'2,2': expected RxC")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert "argument --grid: " + why in err, (argv, err)
+
+
+@pytest.mark.parametrize("argv", [["bench", "--plot", "out.png"], ["inspect", "gpt2", "--plot", "out.png"]])
+def test_plot_without_matplotlib_fails_first(argv, monkeypatch):
+    """`bench --plot` ran for minutes, then died with ModuleNotFoundError: matplotlib."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.delitem(sys.modules, "autopar.bench", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert f"autopar {argv[0]} --plot needs matplotlib" in str(e.value)
+    assert "pip install 'autopar[plot]'" in str(e.value)
+    assert "autopar.bench" not in sys.modules  # nothing measured before the check
+
+
+@pytest.mark.parametrize("model,sets,why", [
+    ("llama", ["hidden_size=99"], "The hidden size (99) is not a multiple of the number of attention heads (32)"),
+    ("gpt2", ["n_embd=99", "n_layer=1"], "`embed_dim` must be divisible by num_heads (got `embed_dim`: 99"),
+    ("gpt2", ["n_layer=abc"], "'n_layer' expected int, got str"),
+])
+def test_bad_config_value_is_one_line(model, sets, why):
+    """`inspect --set hidden_size=99` printed transformers' 11-frame traceback."""
+    argv = ["inspect", model, *SMALL_LLAMA[2:4]] if model == "gpt2" else ["inspect", model, *SMALL_LLAMA]
+    for kv in sets:
+        argv += ["--set", kv]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"autopar inspect: {model} rejects "), msg
+    assert sets[0].replace("=abc", '="abc"') in msg and why in msg, msg
