@@ -18,7 +18,7 @@ from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
 from passes.options import DEFAULTS, Options
-from autopar import hf_compat
+from autopar import hf_compat, outputs
 from autopar.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
 from autopar.pipeline import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
                               refuse_kv_cache, signature)
@@ -290,9 +290,7 @@ class ParallelModule(nn.Module):
         lay, shape = lay_shape
         if lay.is_replicated:
             return out
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(out, self.grid.mesh, list(lay.placements), run_check=False,
-                                  shape=torch.Size(shape), stride=stride)
+        return outputs.wrap(out, self.grid, lay.placements, shape)
 
 
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
