@@ -1,7 +1,7 @@
 """`parallelize`: run the passes and wrap the per-rank graph in a module that behaves like the
-original: same call signature, original parameter names (as DTensors), split outputs as `autopar.outputs.Output` DTensors (a loss
-written for one process runs on them) and replicated ones as plain tensors.
-The passes themselves run in `autopar.pipeline`, once per input signature."""
+original: same call signature, original parameter names (as DTensors), split outputs as
+`autopar.outputs.Output` DTensors (a loss written for one process runs on them), replicated ones as
+plain tensors. The passes themselves run in `autopar.pipeline`, once per input signature."""
 
 from __future__ import annotations
 
