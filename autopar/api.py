@@ -1,6 +1,7 @@
 """`parallelize`: run the passes and wrap the per-rank graph in a module that behaves like the
-original: same call signature, original parameter names (as DTensors), DTensor or plain outputs.
-The passes themselves run in `autopar.pipeline`, once per input signature."""
+original: same call signature, original parameter names (as DTensors), split outputs as
+`autopar.outputs.Output` DTensors (a loss written for one process runs on them), replicated ones as
+plain tensors. The passes themselves run in `autopar.pipeline`, once per input signature."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
 from passes.options import DEFAULTS, Options
-from autopar import hf_compat
+from autopar import hf_compat, outputs
 from autopar.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
 from autopar.pipeline import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
                               refuse_kv_cache, signature)
@@ -290,9 +291,7 @@ class ParallelModule(nn.Module):
         lay, shape = lay_shape
         if lay.is_replicated:
             return out
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(out, self.grid.mesh, list(lay.placements), run_check=False,
-                                  shape=torch.Size(shape), stride=stride)
+        return outputs.wrap(out, self.grid, lay.placements, shape)
 
 
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,

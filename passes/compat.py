@@ -41,13 +41,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "all_gather_single", "call_spec", "enter_autocast", "exit_autocast", "fake_store", "fake_tensor_mode",
-           "parse_to", "pytree", "reduce_scatter_single", "register_flattened_mesh", "set_grad_enabled",
-           "set_version_counter"]
+           "disable_torch_function_subclass", "legacy_reduction", "parse_to", "pytree", "reduce_scatter_single",
+           "register_flattened_mesh", "set_grad_enabled", "set_version_counter"]
 
 # torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.regions` inlines
 # no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
 # If it moves: models with `torch.no_grad()` inside forward fail to capture.
 set_grad_enabled = torch._C._set_grad_enabled
+
+# torch._C.DisableTorchFunctionSubclass: the context in which a tensor subclass's __torch_function__
+# runs torch's own implementation (the pattern torch's subclassing docs show). Checked on 2.13.0. If it
+# moves: `autopar.outputs.Output` (the outputs a user computes a loss on) fails to import.
+disable_torch_function_subclass = torch._C.DisableTorchFunctionSubclass
+
+# torch.nn._reduction.legacy_get_string(size_average, reduce): what torch's loss functions do with
+# their deprecated size_average/reduce arguments. Checked on 2.13.0. If it moves: `autopar.outputs`
+# fails to import (a user's loss on the outputs).
+from torch.nn._reduction import legacy_get_string as legacy_reduction  # noqa: E402
 
 # torch._C._nn._parse_to: Module.to's own argument parser (device, dtype, non_blocking, memory_format).
 # Checked on 2.13.0. If it moves: capture of models that call `self.x.to(dtype)` on a submodule inside
