@@ -76,12 +76,19 @@ def _draws_random(gm) -> bool:
 
 def signature(args, kwargs, training: bool) -> tuple:
     """The cache key of a call: train/eval mode, the keywords given (a new set, such as the Trainer's
-    added num_items_in_batch, is captured anew), and each input's shape and dtype (repr of a
-    non-tensor). Calls with equal signatures run the same program."""
+    added num_items_in_batch, is captured anew), each input's shape and dtype (repr of a non-tensor),
+    and, last, the autocast regions the call runs in when any is on (a program captured without
+    autocast computes in the parameters' dtype: the same call under autocast is captured anew, so its
+    outputs have the dtypes one process gives). Calls with equal signatures run the same program."""
     kwargs = kwargs or {}
     flat = pytree.tree_leaves((tuple(args), {k: kwargs[k] for k in sorted(kwargs)}))
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
     return (training, tuple(sorted(kwargs))) + tuple(
-        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat) + \
+        ((("autocast",) + autocast,) if autocast else ())
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")  # the autocast states a call's signature records
 
 
 @contextlib.contextmanager

@@ -159,11 +159,13 @@ def autocast_dtypes(rank, grid):
     pm, ref = _parallel(model, grid, example_kwargs=kw)
     labels = _labels(4, 8, 5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        same = pm(**kw)  # the keywords parallelize captured with, now under autocast
         got = pm(**kw, output_hidden_states=True)
         want = ref(**kw, output_hidden_states=True, use_cache=False)
         own = F.cross_entropy(got.logits.flatten(0, 1), labels.flatten())
         own_want = F.cross_entropy(want.logits.flatten(0, 1), labels.flatten())
     pairs = {"logits": (got.logits.full_tensor(), want.logits), "loss": (got.loss, want.loss),
+             "logits, capture's keywords": (same.logits.full_tensor(), want.logits),
              "own loss": (own, own_want)}
     pairs.update({f"hidden {i}": (h.full_tensor(), w) for i, (h, w) in enumerate(zip(got.hidden_states,
                                                                                      want.hidden_states))})
@@ -175,5 +177,6 @@ def autocast_dtypes(rank, grid):
     ref_params = dict(ref.named_parameters())
     errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                              rtol=BF16_RTOL, frac=BF16_ATOL_FRAC, prefix="grad "))
-    dtypes = dict(got=_dtypes(got), want=_dtypes(want), own=(own.dtype, own_want.dtype))
+    dtypes = dict(got=_dtypes(got), want=_dtypes(want), own=(own.dtype, own_want.dtype),
+                  same=(same.logits.dtype, same.loss.dtype))
     return dict(excess=errs, dtypes=dtypes, output_type=type(got.logits) is Output)

@@ -75,5 +75,6 @@ def test_autocast_dtypes_match_one_process(pool4, grid):
     for rank, r in enumerate(res):
         assert r["dtypes"]["got"] == r["dtypes"]["want"], (rank, r["dtypes"])
         assert r["dtypes"]["got"]["logits"] == torch.bfloat16, r["dtypes"]
+        assert r["dtypes"]["same"] == (r["dtypes"]["want"]["logits"], r["dtypes"]["want"]["loss"]), r["dtypes"]
         assert r["dtypes"]["own"] == (torch.float32, torch.float32), r["dtypes"]
         assert r["output_type"], rank
