@@ -34,10 +34,12 @@ def test_hf_ragged_batches(pool4, family, grid):
     _check(pool4.run(C.ragged_parity, family, grid), f"{family} {grid}")
 
 
-def test_repo_model_ragged_batches_1d(pool4):
+@pytest.mark.parametrize("options", [dict(strategy="1d"), dict(lowering="allgather")], ids=["1d", "allgather"])
+def test_repo_model_ragged_batches_options(pool4, options):
     """strategy='1d' recompiles keep its column/row splits (pinned layouts are read as their 1D form,
-    not redone as SUMMA)."""
-    _check(pool4.run(C.ragged_parity, "tiny", (2, 2), strategy="1d"), "TinyGPT 1d")
+    not redone as SUMMA); the all-gather lowering's weight gradient for a batch whole over the rows
+    is this row's slice, not a reduce-scatter of R equal copies."""
+    _check(pool4.run(C.ragged_parity, "tiny", (2, 2), **options), f"TinyGPT {options}")
 
 
 def test_new_parameter_is_named(pool4):
