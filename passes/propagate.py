@@ -6,9 +6,11 @@ call nodes, `node.meta["autopar_strategy"]` (the rule's Strategy).
 
 One pass in topological order. User inputs, buffers and constants start replicated; a parameter has
 no layout until its first consumer asks for one, so a weight is stored the way its matmul or lookup
-wants it (unless `pinned` gives its layout: a recompile for new input shapes keeps the stored blocks). A tied parameter (one tensor, two uses) keeps the layout of its first use; the second use
+wants it. A tied parameter (one tensor, two uses) keeps the layout of its first use; the second use
 sees it already placed and adapts (an LM head on an embedding table becomes SUMMA ABT). Transposes of
-an unplaced parameter wait for their consumer and pass its request back to the parameter.
+an unplaced parameter wait for their consumer and pass its request back to the parameter. A recompile
+for new input shapes passes the first compile's layouts as `pinned`: every parameter starts placed,
+so the stored blocks serve every shape.
 
 >>> import torch
 >>> from passes.capture import capture

@@ -35,13 +35,14 @@ def _model(family: str):
     return model, lambda b, s, seed: ((), make(b, s, seed))
 
 
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _loss_and_logits(out):
-    if isinstance(out, tuple):  # TinyGPT with targets: (logits, loss)
-        logits, loss = out
-    else:
-        logits, loss = out.logits, out.loss
-    full = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
-    return full(loss), full(logits)
+    """(loss, logits) as full tensors, from TinyGPT's (logits, loss) or a transformers output."""
+    logits, loss = out if isinstance(out, tuple) else (out.logits, out.loss)
+    return _full(loss), _full(logits)
 
 
 def ragged_parity(rank, family: str, grid=(2, 2), **options):

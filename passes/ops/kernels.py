@@ -94,7 +94,8 @@ class SummaLinear(nn.Module):
         return y if b is None else y + b.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"{'ABT' if self.transposed else 'AB'}, lowering={self.lowering}" + (", rows whole" if self.rows_whole else "")
+        whole = ", rows whole" if self.rows_whole else ""
+        return f"{'ABT' if self.transposed else 'AB'}, lowering={self.lowering}{whole}"
 
 
 def _row_sum(grid: Grid, t: torch.Tensor, tag: str, phase: str) -> torch.Tensor:
