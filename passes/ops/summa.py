@@ -142,7 +142,7 @@ class SummaAB(torch.autograd.Function):
     """C = A B; backward dA = ABT(dC, B), dB = ATB(A, dC)."""
 
     @staticmethod
-    def forward(ctx, a, b, grid, tag, lowering, rows_whole):
+    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False):
         ctx.save_for_backward(a, b)
         ctx.args = (grid, tag, lowering, rows_whole)
         return ab(grid, a, b, tag, "fwd", lowering)
@@ -160,7 +160,7 @@ class SummaABT(torch.autograd.Function):
     """C = A B^T; backward dA = AB(dC, B), dB = ATB(dC, A)."""
 
     @staticmethod
-    def forward(ctx, a, b, grid, tag, lowering, rows_whole):
+    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False):
         ctx.save_for_backward(a, b)
         ctx.args = (grid, tag, lowering, rows_whole)
         return abt(grid, a, b, tag, "fwd", lowering)
