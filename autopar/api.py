@@ -18,6 +18,7 @@ from passes.capture import flatten_inputs
 from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
+from passes.meta import PARAM
 from passes.options import DEFAULTS, Options
 from autopar import hf_compat, outputs
 from autopar.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
@@ -142,19 +143,33 @@ class ParallelModule(nn.Module):
             was = model.training
             model.train(self.training)
             try:
-                comp, layouts = compile_program(model, args, kwargs, self.grid, self._options, first.choice)
+                comp, _ = compile_program(model, args, kwargs, self.grid, self._options, first.choice,
+                                          pinned=self._param_layouts)
             finally:
                 model.train(was)
-            changed = {n: (self._param_layouts.get(n), lay) for n, lay in layouts.items()
-                       if self._param_layouts.get(n, lay) != lay}
-            if changed:
-                raise NotImplementedError(
-                    f"new input shapes {[k for k in key[2:]]} lead to other parameter layouts "
-                    f"({changed}); call the model with the shapes it was parallelized for"
-                )
+            self._check_parameters(comp, args, kwargs)
             self._compiled[key] = comp
         comp = self._compiled[key]
         return comp, flatten_inputs(comp.captured, args, kwargs)
+
+    def _check_parameters(self, comp: Compiled, args, kwargs) -> None:
+        """A recompile keeps every parameter's stored layout (pinned); what it cannot keep is a parameter
+        that is new or has another shape than when the model was parallelized."""
+        for node in comp.captured.gm.graph.nodes:
+            name = node.meta.get(PARAM)
+            if name is None or not isinstance(node.meta.get("val"), torch.Tensor):
+                continue
+            now = tuple(node.meta["val"].shape)
+            was = tuple(self.get_parameter(name).shape) if name in self._param_layouts else None
+            if now != was:
+                shapes = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                raise NotImplementedError(
+                    f"parameter {name!r} has shape {now} in a call with input shapes {shapes}, but "
+                    + (f"shape {was} when the model was parallelized" if was else "did not exist when the model "
+                       "was parallelized (a parameter created during a call)")
+                    + "; its stored blocks cannot serve this call. Give it its final shape before parallelize "
+                    "(run one call of the original model first), or call with the shapes it was parallelized for"
+                )
 
     def forward(self, *args, **kwargs):
         if not self._materialized:

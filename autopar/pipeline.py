@@ -185,10 +185,11 @@ def _choose(cap: Captured, grid: Grid, options: Options):
     return choice
 
 
-def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=None) -> tuple:
+def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=None, pinned=None) -> tuple:
     """(Compiled, parameter name -> Layout) for one call of `model` on `grid`: capture, the strategy
     of each matmul unit (options.strategy; with `choice`, a Choice made before, which a recompile for
-    new shapes repeats instead of searching again), propagate, insert collectives, localize. Ops that
+    new shapes repeats instead of searching again), propagate, insert collectives, localize. `pinned`:
+    the parameter layouts of an earlier compile, kept as they are (see `passes.propagate`). Ops that
     run gathered whole are named in one FallbackWarning. A 1x1 grid runs the captured graph as it is."""
     cap = capture(model, args, kwargs)
     chosen = None
@@ -200,7 +201,7 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
                          choice.alternatives)
     elif grid.world > 1 and options.strategy == "auto":
         chosen = _choose(cap, grid, options)
-    prop = propagate(cap.gm, grid.shape, options)
+    prop = propagate(cap.gm, grid.shape, options, pinned)
     if grid.world > 1:
         gm = insert_collectives(cap.gm, grid, options.lowering)
         localize(gm, grid.shape)

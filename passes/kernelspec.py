@@ -157,13 +157,17 @@ def _products(*needs_grad: bool) -> int:
 @dataclass(frozen=True)
 class SummaSpec(KernelSpec):
     """A linear x [..., K] . W (+ bias) as a SUMMA product (`kernels.SummaLinear`); W stored [K, N]
-    (AB) or [N, K] (ABT, `transposed`); `flip` when the local block must be transposed first."""
+    (AB) or [N, K] (ABT, `transposed`); `flip` when the local block must be transposed first;
+    `rows_whole` when x is not split over the mesh rows (a batch they do not divide): every row then
+    computes all M rows, priced here as a product of R times M rows (an upper bound: the weight
+    gradient's reduce over the rows is skipped)."""
 
     x: Node
     w: Node
     bias: Node | None
     transposed: bool
     flip: bool
+    rows_whole: bool = False
     name: ClassVar[str] = "summa"
 
     def operands(self, node: Node) -> tuple:
@@ -171,11 +175,13 @@ class SummaSpec(KernelSpec):
 
     def build(self, node, grid, lowering):
         lowering = node.meta.get(LOWERING, lowering)  # strategy='auto' picks one per product
-        return kernels.SummaLinear(grid, self.transposed, self.flip, node.name, lowering), self.operands(node)
+        return (kernels.SummaLinear(grid, self.transposed, self.flip, node.name, lowering, self.rows_whole),
+                self.operands(node))
 
     def values(self, site):
         x, y = site.val(0), site.node.meta["val"]
-        return {"R": site.mesh[0], "C": site.mesh[1], "e": y.element_size(), "M": math.prod(x.shape[:-1]),
+        rows = math.prod(x.shape[:-1]) * (site.mesh[0] if self.rows_whole else 1)
+        return {"R": site.mesh[0], "C": site.mesh[1], "e": y.element_size(), "M": rows,
                 "K": x.shape[-1], "N": y.shape[-1]}
 
     def products(self, site: Site) -> int:
@@ -266,15 +272,18 @@ class CrossEntropySpec(KernelSpec):
     """Mean (or, `reduce_sum`, summed) cross-entropy of logits [N, V] with rows over the mesh rows and,
     if `vocab_split`, the vocabulary over the columns (`kernels.VocabParallelCrossEntropy`): the fp32
     max and (sum-exp, target logit) of each row all-reduced in the row, the (loss, count) pair over
-    the column; backward local."""
+    the column (unless `rows_whole`: a row count the mesh rows do not divide, every row holding all
+    of them); backward local."""
 
     vocab_split: bool
     reduce_sum: bool
+    rows_whole: bool = False
     name: ClassVar[str] = "cross_entropy"
 
     def build(self, node, grid, lowering):
         ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-        module = kernels.VocabParallelCrossEntropy(grid, ignore, node.name, self.vocab_split, self.reduce_sum)
+        module = kernels.VocabParallelCrossEntropy(grid, ignore, node.name, self.vocab_split, self.reduce_sum,
+                                                   self.rows_whole)
         return module, self.operands(node)
 
     def describe(self, site):
@@ -290,7 +299,7 @@ class CrossEntropySpec(KernelSpec):
         if self.vocab_split:  # fp32 max [r], then (sum-exp, target) [2, r]
             out += [(1, "fwd", all_reduce_bytes(4 * v["r"], v["C"], exact)),
                     (1, "fwd", all_reduce_bytes(8 * v["r"], v["C"], exact))]
-        return out + [(0, "fwd", all_reduce_bytes(8, v["R"], exact))]  # fp32 (loss, count)
+        return out if self.rows_whole else out + [(0, "fwd", all_reduce_bytes(8, v["R"], exact))]  # fp32 (loss, count)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ One pass in topological order. User inputs, buffers and constants start replicat
 no layout until its first consumer asks for one, so a weight is stored the way its matmul or lookup
 wants it. A tied parameter (one tensor, two uses) keeps the layout of its first use; the second use
 sees it already placed and adapts (an LM head on an embedding table becomes SUMMA ABT). Transposes of
-an unplaced parameter wait for their consumer and pass its request back to the parameter.
+an unplaced parameter wait for their consumer and pass its request back to the parameter. A recompile
+for new input shapes passes the first compile's layouts as `pinned`: every parameter starts placed,
+so the stored blocks serve every shape.
 
 >>> import torch
 >>> from passes.capture import capture
@@ -213,12 +215,15 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
         raise NotImplementedError(f"node {node.name}: op kind {node.op} is not handled")
 
 
-def propagate(gm: GraphModule, mesh, options: Options | None = None) -> Propagation:
+def propagate(gm: GraphModule, mesh, options: Options | None = None, pinned: dict | None = None) -> Propagation:
     """`mesh`: the grid shape (R, C), or q for q x q. `options`: how indivisible weights, fused
-    projections and ops without a split form are handled (default: `DEFAULTS`, parallelize's)."""
+    projections and ops without a split form are handled (default: `DEFAULTS`, parallelize's).
+    `pinned`: parameter name -> Layout already decided (by the first compile of a model called with
+    new shapes): those parameters start placed, rules adapt to them and claim nothing, so the stored
+    blocks serve every input shape; a consumer that needs another layout gets a redistribution."""
     mesh = mesh_shape(mesh)
     options = DEFAULTS if options is None else options
-    res = Propagation()
+    res = Propagation(param_layouts=dict(pinned or {}))
     layouts: dict = {}
     for node in gm.graph.nodes:
         propagate_node(node, layouts, res, mesh, options)

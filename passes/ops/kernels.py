@@ -79,19 +79,23 @@ class GradSync(nn.Module):
 
 
 class SummaLinear(nn.Module):
-    """y = x W (+ b) with x [..., K/q] and a local weight block; see `passes.ops.summa`."""
+    """y = x W (+ b) with x [..., K/q] and a local weight block; see `passes.ops.summa`. `rows_whole`:
+    x is not split over the mesh rows (a batch they do not divide), every row computes all of it."""
 
-    def __init__(self, grid: Grid, transposed: bool, flip: bool, tag: str, lowering: str):
+    def __init__(self, grid: Grid, transposed: bool, flip: bool, tag: str, lowering: str, rows_whole: bool = False):
         super().__init__()
         self.grid, self.transposed, self.flip, self.tag, self.lowering = grid, transposed, flip, tag, lowering
+        self.rows_whole = rows_whole
 
     def forward(self, x, w, b=None):
         w = w.t() if self.flip else w
-        y = summa_matmul(self.grid, x, w, transposed=self.transposed, tag=self.tag, lowering=self.lowering)
+        y = summa_matmul(self.grid, x, w, transposed=self.transposed, tag=self.tag, lowering=self.lowering,
+                         rows_whole=self.rows_whole)
         return y if b is None else y + b.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"{'ABT' if self.transposed else 'AB'}, lowering={self.lowering}"
+        whole = ", rows whole" if self.rows_whole else ""
+        return f"{'ABT' if self.transposed else 'AB'}, lowering={self.lowering}{whole}"
 
 
 def _row_sum(grid: Grid, t: torch.Tensor, tag: str, phase: str) -> torch.Tensor:
@@ -197,7 +201,7 @@ class VocabSplitEmbedding(nn.Module):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, target, grid, ignore_index, tag, vocab_split=True, reduce_sum=False):
+    def forward(ctx, z, target, grid, ignore_index, tag, vocab_split=True, reduce_sum=False, rows_whole=False):
         zf = z.float()  # [n/q, V/q] (or [n/q, V] when the vocabulary is whole)
         m = zf.max(-1).values
         if vocab_split:
@@ -214,7 +218,9 @@ class _VocabParallelCE(torch.autograd.Function):
             sums = comm.all_reduce(grid, 1, sums, tag, "fwd")
         valid = target != ignore_index
         per_token = torch.where(valid, torch.log(sums[0]) + m - sums[1], 0.0)  # ignored rows may be NaN
-        tot = comm.all_reduce(grid, 0, torch.stack([per_token.sum(), valid.sum().to(zf.dtype)]), tag, "fwd")
+        tot = torch.stack([per_token.sum(), valid.sum().to(zf.dtype)])
+        if not rows_whole:  # each mesh row holds a block of the rows: sum them
+            tot = comm.all_reduce(grid, 0, tot, tag, "fwd")
         ctx.save_for_backward(e, sums[0], local, inside, valid, tot[1])
         ctx.dtype, ctx.reduce_sum = z.dtype, reduce_sum
         return tot[0] if reduce_sum else tot[0] / tot[1]  # fp32; the module casts
@@ -231,20 +237,22 @@ class _VocabParallelCE(torch.autograd.Function):
         # -softmax * 0: zero, but NaN where the row holds a NaN or +inf (its softmax is NaN) -- one
         # process's gradient there, kept for parity
         grad = torch.where(valid[:, None], grad * scale, grad * 0)
-        return grad.to(ctx.dtype), None, None, None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """Mean (or sum) cross-entropy over logits [N, V] split rows over mesh rows and (if `vocab_split`) vocab over
-    mesh columns; statistics all-reduced, full logits never gathered; backward local."""
+    """Mean (or sum) cross-entropy over logits [N, V] split rows over mesh rows (all of them on every
+    row if `rows_whole`) and (if `vocab_split`) vocab over mesh columns; statistics all-reduced, full
+    logits never gathered; backward local."""
 
-    def __init__(self, grid: Grid, ignore_index: int, tag: str, vocab_split: bool = True, reduce_sum: bool = False):
+    def __init__(self, grid: Grid, ignore_index: int, tag: str, vocab_split: bool = True, reduce_sum: bool = False,
+                 rows_whole: bool = False):
         super().__init__()
         self.grid, self.ignore_index, self.tag = grid, ignore_index, tag
-        self.vocab_split, self.reduce_sum = vocab_split, reduce_sum
+        self.vocab_split, self.reduce_sum, self.rows_whole = vocab_split, reduce_sum, rows_whole
 
     def forward(self, logits, target):
         loss = _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag, self.vocab_split,
-                                      self.reduce_sum)
+                                      self.reduce_sum, self.rows_whole)
         # under autocast torch's cross_entropy runs (and returns) fp32; otherwise it keeps the logits' dtype
         return loss if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)

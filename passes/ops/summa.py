@@ -115,16 +115,26 @@ def abt(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadca
     return _reduce_steps(grid, AXIS_SAME_ROW, partials, 1, tag, phase)
 
 
-def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast"):
+def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast", rows_whole: bool = False):
+    """`rows_whole`: every mesh row holds all m rows of a and b (a batch the rows do not divide), so
+    each row forms its own [K/R, n] block in full and nothing is summed over the rows."""
     a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [m, n]  ->  [K/R, n]
-    if lowering == "allgather":
-        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase)  # [m, K]
-        return comm.reduce_scatter(grid, AXIS_SAME_COL, a_panel.t() @ b, 0, tag, phase)  # [K/R, n]
     R, C = grid.shape
     ka = a.shape[1]
+    if lowering == "allgather":
+        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase)  # [m, K]
+        if rows_whole:
+            kr = ka * C // R
+            r = grid.index(AXIS_SAME_COL)
+            return a_panel[:, r * kr:(r + 1) * kr].t() @ b  # [K/R, n]
+        return comm.reduce_scatter(grid, AXIS_SAME_COL, a_panel.t() @ b, 0, tag, phase)  # [K/R, n]
     segs = segments(ka * C, C, R)
+    if rows_whole:  # only the pieces of this row's block; the whole row group skips the same steps
+        segs = [seg for seg in segs if seg[3] == grid.index(AXIS_SAME_COL)]
     steps = [[(a[:, s - i * ka:e - i * ka], AXIS_SAME_ROW, i)] for s, e, i, _ in segs]
     partials = [(j, a_s.t() @ b) for (_, _, _, j), (a_s,) in zip(segs, _bcast_steps(grid, steps, tag, phase))]
+    if rows_whole:
+        return torch.cat([p for _, p in partials], 0) if len(partials) > 1 else partials[0][1]
     return _reduce_steps(grid, AXIS_SAME_COL, partials, 0, tag, phase)
 
 
@@ -132,42 +142,44 @@ class SummaAB(torch.autograd.Function):
     """C = A B; backward dA = ABT(dC, B), dB = ATB(A, dC)."""
 
     @staticmethod
-    def forward(ctx, a, b, grid, tag, lowering):
+    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False):
         ctx.save_for_backward(a, b)
-        ctx.args = (grid, tag, lowering)
+        ctx.args = (grid, tag, lowering, rows_whole)
         return ab(grid, a, b, tag, "fwd", lowering)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        grid, tag, lowering = ctx.args
+        grid, tag, lowering, rows_whole = ctx.args
         da = abt(grid, g, b, tag, "bwd", lowering) if ctx.needs_input_grad[0] else None
-        db = atb(grid, a, g, tag, "bwd", lowering) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None
+        db = atb(grid, a, g, tag, "bwd", lowering, rows_whole) if ctx.needs_input_grad[1] else None
+        return da, db, None, None, None, None
 
 
 class SummaABT(torch.autograd.Function):
     """C = A B^T; backward dA = AB(dC, B), dB = ATB(dC, A)."""
 
     @staticmethod
-    def forward(ctx, a, b, grid, tag, lowering):
+    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False):
         ctx.save_for_backward(a, b)
-        ctx.args = (grid, tag, lowering)
+        ctx.args = (grid, tag, lowering, rows_whole)
         return abt(grid, a, b, tag, "fwd", lowering)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        grid, tag, lowering = ctx.args
+        grid, tag, lowering, rows_whole = ctx.args
         da = ab(grid, g, b, tag, "bwd", lowering) if ctx.needs_input_grad[0] else None
-        db = atb(grid, g, a, tag, "bwd", lowering) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None
+        db = atb(grid, g, a, tag, "bwd", lowering, rows_whole) if ctx.needs_input_grad[1] else None
+        return da, db, None, None, None, None
 
 
-def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str):
+def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str, rows_whole: bool = False):
     """x [..., K] block (r, c) times a weight block; `transposed` says the block is of B^T [N, K].
 
-    Leading dims of x are flattened into the row dim M; the result has x's leading dims.
+    Leading dims of x are flattened into the row dim M; the result has x's leading dims. With
+    `rows_whole` every mesh row holds all of M (a batch the rows do not divide): the products run the
+    same, and the weight's gradient is not summed over the rows (see `atb`).
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
@@ -178,5 +190,5 @@ def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [m, k]
     fn = SummaABT if transposed else SummaAB
-    out = fn.apply(x2, w, grid, tag, lowering)  # [m, n]
+    out = fn.apply(x2, w, grid, tag, lowering, rows_whole)  # [m, n]
     return out.view(*lead, out.shape[-1])

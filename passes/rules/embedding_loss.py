@@ -7,7 +7,8 @@ hidden dim split over the columns; the consumer turns it into batch blocks with 
 
 Cross-entropy: logits [N, V] with rows over mesh rows and vocab over columns. The max, the sum of
 exponentials and the target logit are all-reduced in the same-row group, the mean over tokens in the
-same-column group; the full logits are never gathered. Backward is local.
+same-column group; the full logits are never gathered. Backward is local. A row count the mesh rows
+do not divide (a ragged last batch) stays whole on every row, and the mean needs no column sum.
 """
 
 from __future__ import annotations
@@ -59,13 +60,12 @@ def cross_entropy(node, layouts, mesh):
     ls = shape(logits)
     if len(ls) != 2 or weight is not None or reduction not in (1, 2) or smoothing:
         raise Unsupported("cross_entropy other than mean or sum over [N, V] logits without weights/smoothing")
-    if ls[0] % mesh[0]:
-        raise Unsupported(f"{ls[0]} rows of logits not divisible by the {mesh[0]} mesh rows")
+    rows_whole = ls[0] % mesh[0] != 0  # a ragged batch: every mesh row takes all the rows
+    rows = Replicate() if rows_whole else Shard(0)
     vocab_split = ls[1] % mesh[1] == 0  # else each row block holds whole rows of logits
     return Strategy(
-        {logits: Layout((Shard(0), Shard(1) if vocab_split else Replicate())),
-         target: Layout((Shard(0), Replicate()))},
+        {logits: Layout((rows, Shard(1) if vocab_split else Replicate())), target: Layout((rows, Replicate()))},
         REPLICATED,
-        kernel=CrossEntropySpec(vocab_split=vocab_split, reduce_sum=reduction == 2),
+        kernel=CrossEntropySpec(vocab_split=vocab_split, reduce_sum=reduction == 2, rows_whole=rows_whole),
         note="vocab-parallel cross-entropy" if vocab_split else "cross-entropy on row blocks (vocab whole)",
     )

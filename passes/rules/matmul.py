@@ -18,8 +18,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.kernelspec import SummaSpec
 from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim
-from passes.meta import CHOICE, PARAM
+from passes.meta import CHOICE, PARAM, ROLE
 from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape, val
+from passes.rules.views import TRANSPOSES
 
 aten = torch.ops.aten
 
@@ -28,20 +29,17 @@ def _param_name(node) -> str:
     return node.meta.get(PARAM, node.name)
 
 
-def _row_split(x, layouts, mesh) -> Shard:
-    """The lead dim of x that the mesh rows split: x's own row split if it has one, else the first
-    lead dim divisible by the number of mesh rows."""
+def _rows(node, x, layouts, mesh) -> tuple:
+    """(x's placement over the mesh rows, the output's): x's own split of a lead dim if it has one,
+    else the first lead dim divisible by the number of mesh rows; when none is (a ragged last batch),
+    x stays whole over the rows and every row computes all of it, the weight split as ever."""
     xs = shape(x)
-    kept = kept_row_split(layouts.get(x), len(xs))
-    if kept is not None:
-        return kept
-    for d in range(len(xs) - 1):
-        if xs[d] % mesh[0] == 0:
-            return Shard(d)
-    raise ShardingError(
-        f"no leading dim of the matmul input {x.name} {tuple(xs)} is divisible by the grid's {mesh[0]} rows; "
-        f"the batch (or sequence) size must be a multiple of {mesh[0]}"
-    )
+    rows = kept_row_split(layouts.get(x), len(xs))
+    if rows is None:
+        rows = next((Shard(d) for d in range(len(xs) - 1) if xs[d] % mesh[0] == 0), Replicate())
+    if isinstance(rows, Replicate):
+        return rows, rows
+    return rows, Shard(rows.dim if rows.dim < len(val(node).shape) - 1 else 0)
 
 
 def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
@@ -67,9 +65,8 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     if fused:
         ab = Layout((Shard(kd), Strided(nd, split_factor=k)))
     w_lay = abt if transposed else ab
-    rows = _row_split(x, layouts, mesh)
+    rows, out_rows = _rows(node, x, layouts, mesh)
     last = len(shape(x)) - 1
-    out_rows = Shard(rows.dim if rows.dim < len(val(node).shape) - 1 else 0)
     n_split = Strided(0, split_factor=k) if fused else Shard(0)
     need = {x: Layout((rows, Shard(last))), w: w_lay}
     if bias is not None:
@@ -79,9 +76,11 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     return Strategy(
         need,
         Layout((out_rows, Strided(out_last, split_factor=k) if fused else Shard(out_last))),
-        kernel=SummaSpec(x=x, w=w, bias=bias, transposed=transposed, flip=flip),
+        kernel=SummaSpec(x=x, w=w, bias=bias, transposed=transposed, flip=flip,
+                         rows_whole=isinstance(rows, Replicate)),
         note=("SUMMA ABT" if transposed else "SUMMA AB")
-        + (f", fused x{k}: column blocks hold matching parts" if fused else ""),
+        + (f", fused x{k}: column blocks hold matching parts" if fused else "")
+        + (", batch whole over the rows" if isinstance(rows, Replicate) else ""),
     )
 
 
@@ -110,12 +109,20 @@ def fused_parts(node) -> int:
     return 1
 
 
+def _is_param(w) -> bool:
+    """w is a parameter, or a transpose of one."""
+    while w.op == "call_function" and w.target in TRANSPOSES:
+        w = w.args[0]
+    return w.op == "placeholder" and w.meta.get(ROLE) == "param"
+
+
 def _is_weight(w, layouts) -> bool:
-    """A 2-D operand that is an unplaced parameter (or a view of one), or already split 2D."""
+    """A 2-D operand that is an unplaced parameter (or a view of one), a parameter (or transpose of
+    one) placed by an earlier use or by an earlier compile, or already split 2D."""
     if len(shape(w)) != 2:
         return False
     lay = layouts.get(w)
-    return lay is None or all(split_dim(p) is not None for p in lay.placements)
+    return lay is None or _is_param(w) or all(split_dim(p) is not None for p in lay.placements)
 
 
 def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) -> Strategy:
@@ -139,9 +146,8 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
         lay = layouts.get(x)
         split_in = lay is not None and split_dim(lay.normalized(last + 1)[1]) == last
         kind = "row" if split_in and K % C == 0 else "col"
-    rows = _row_split(x, layouts, mesh)
+    rows, out_rows = _rows(node, x, layouts, mesh)
     out_last = len(val(node).shape) - 1
-    out_rows = Shard(rows.dim if rows.dim < out_last else 0)
     if kind == "col":
         k = fused_parts(node)
         fused = k > 1 and N % (k * C) == 0
@@ -168,11 +174,26 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
     return Strategy(need, Layout((out_rows, Replicate())), note="weight replicated")
 
 
+def _placed_kind(lay: Layout, n_first: bool, choice: str) -> str:
+    """The strategy a weight already placed (by an earlier use such as a tied table, or pinned by an
+    earlier compile) runs under: a 1D layout its 1D split, anything else SUMMA (which redistributes a
+    layout it cannot use); a whole weight stays whole where the strategy chose that."""
+    kd, nd = (1, 0) if n_first else (0, 1)
+    rows, cols = lay.normalized(2).placements
+    if isinstance(rows, Replicate) and split_dim(cols) == nd:
+        return "col"
+    if isinstance(rows, Replicate) and cols == Shard(kd):
+        return "row"
+    return "rep" if lay.is_replicated and choice == "rep" else "2d"
+
+
 def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     """The strategy `node.meta[CHOICE]` names (default: 2D SUMMA) for an unplaced weight; a
-    weight already placed by an earlier use (tied to an embedding) keeps its layout's strategy."""
+    weight already placed keeps its layout's strategy (`_placed_kind`)."""
     choice = node.meta.get(CHOICE, "2d")
-    if choice == "2d" or layouts.get(w) is not None:
+    if layouts.get(w) is not None:
+        choice = _placed_kind(layouts[w], n_first, choice)
+    if choice == "2d":
         return summa_strategy(node, layouts, mesh, x, w, bias, n_first)
     return one_d_strategy(node, layouts, mesh, x, w, bias, n_first, choice)
 
@@ -181,13 +202,8 @@ def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
 def linear(node, layouts, mesh):
     x, w = node.args[0], node.args[1]
     bias = arg(node, 2, "bias")
-    # a weight already placed by a table: split by hidden only (a vocabulary R does not divide), or by
-    # vocabulary over the columns (a 1D table): the matching 1D split
-    if layouts.get(w) == Layout((Replicate(), Shard(1))):
-        return one_d_strategy(node, layouts, mesh, x, w, bias, True, "row")
-    if layouts.get(w) == Layout((Replicate(), Shard(0))):
-        return one_d_strategy(node, layouts, mesh, x, w, bias, True, "col")
-    if not _is_weight(w, layouts):
+    placed_1d = layouts.get(w) is not None and len(shape(w)) == 2 and _placed_kind(layouts[w], True, "2d") != "2d"
+    if not (placed_1d or _is_weight(w, layouts)):
         raise Unsupported("linear whose weight is not a 2-D parameter")
     return weight_strategy(node, layouts, mesh, x, w, bias, n_first=True)
 
