@@ -167,3 +167,45 @@ def test_multi_query_module_parity(pool4, grid, kv):
     for rank, r in enumerate(res):
         assert not r["gathered"], f"rank {rank}: gathered whole: {r['gathered']}"
         assert "Replicate()Replicate()" not in r["layouts"].values(), (rank, r["layouts"])
+
+
+def _hf(pool4, family, grid, force_gqa=False):
+    res = pool4.run(C.hf_parity, family, grid, force_gqa)
+    what = f"{family} {grid[0]}x{grid[1]}" + (" enable_gqa" if force_gqa else "")
+    assert_every_rank([r["excess"] for r in res], what)
+    for rank, r in enumerate(res):
+        assert not r["warned"], f"{what}: rank {rank}: ops gathered whole: {r['warned']}"
+        assert not r["unsplit_2d"], f"{what}: rank {rank}: 2-D weights kept whole: {r['unsplit_2d']}"
+    print(f"{what}: parameters per rank {max(r['fraction'] for r in res):.3f}/p")
+    return res
+
+
+# Falcon at hidden 32, 2 layers, 4 query heads of 8 and one KV head, vocabulary 64, tied head: 2-D
+# weights word_embeddings 64x32 and per layer query_key_value (4 + 2) * 8 x 32, dense 32x32,
+# dense_h_to_4h 128x32, dense_4h_to_h 32x128: 2048 + 2 * 10752 = 23552 elements; 1-D LayerNorm weights
+# and biases (2 per layer, ln_f): 6 x 32 = 192. All 23744 elements, 94976 bytes (fp32).
+# 2x2: a 2-D weight is split S(1)S(0) into 4 blocks; a norm vector is RS(0): half of it on each rank.
+FALCON_BYTES = {(2, 2): 4 * (23552 // 4 + 192 // 2), (1, 4): 4 * (23552 // 4 + 192 // 4)}  # 23936, 23744
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4)])
+def test_falcon_multi_query_parity_and_bytes(pool4, grid):
+    """Falcon's multi-query decoder (every weight used as `x @ w.T`, K/V heads picked by indexing, one
+    KV head broadcast in SDPA): logits, loss and every gradient on every rank, nothing gathered whole,
+    and exactly the parameter bytes its layouts give (it held 3.73/p at 2x2 before these rules)."""
+    res = _hf(pool4, "falcon", grid)
+    assert FALCON_BYTES[(2, 2)] == 23936 and FALCON_BYTES[(1, 4)] == 23744
+    for rank, r in enumerate(res):
+        assert r["full_bytes"] == 94976, r["full_bytes"]
+        assert r["held_bytes"] == FALCON_BYTES[grid], (rank, r["held_bytes"], FALCON_BYTES[grid])
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4)])
+@pytest.mark.parametrize("family,force_gqa", [("gpt_bigcode", False), ("llama", True), ("mistral", True)])
+def test_fewer_kv_heads_parity(pool4, grid, family, force_gqa):
+    """GPTBigCode's multi-query c_attn; Llama (2 KV heads for 4 query heads) and Mistral (1 KV head)
+    with transformers' SDPA path forced to pass the KV heads as they are with enable_gqa=True (what it
+    does on CUDA without a mask): 2 KV heads split with their query groups over 2 columns, left whole
+    over 4. Logits, loss and every gradient on every rank; parameters at most 1.1/p per rank."""
+    for r in _hf(pool4, family, grid, force_gqa):
+        assert r["fraction"] <= 1.1, r["fraction"]
