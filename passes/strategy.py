@@ -51,6 +51,7 @@ from passes.meta import CHOICE, CHOICE_WHY, LOWERING, ROLE
 from passes.mesh import warn
 from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.propagate import Propagation, module_path, propagate_node
+from passes.rules.views import TRANSPOSES
 
 __all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
            "find_units", "repeated_blocks", "search_groups", "OPTIONS", "BUDGET_S"]
@@ -62,9 +63,8 @@ EXHAUSTIVE = 1024  # assignments enumerated outright; more: the coordinate searc
 GROUP = 81  # assignments one step of the coordinate search enumerates at most (4 three-way variables)
 ROUNDS = 4  # coordinate-search rounds at most (it stops earlier once a round changes nothing)
 PROGRESS_S = 5.0  # a search still running after this many seconds warns once that it is
-_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
-            aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.clone.default,
-            aten.alias.default, aten.detach.default}
+_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, *TRANSPOSES,
+            aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default}
 
 
 @dataclass

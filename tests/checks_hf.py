@@ -39,6 +39,12 @@ def build(family: str, **over):
         return T.MistralForCausalLM(T.MistralConfig(**{**dec, "num_key_value_heads": 1, **over})), lm
     if family == "qwen2":  # q/k/v projections with bias
         return T.Qwen2ForCausalLM(T.Qwen2Config(**{**dec, "num_key_value_heads": 2, **over})), lm
+    if family == "falcon":  # multi-query: one KV head in a fused query_key_value used through `.T`
+        cfg = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **tok)
+        return T.FalconForCausalLM(T.FalconConfig(**{**cfg, "multi_query": True, **over})), lm
+    if family == "gpt_bigcode":  # multi-query in a fused c_attn
+        cfg = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, **tok)
+        return T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(**{**cfg, "multi_query": True, **over})), lm
     if family == "opt":
         cfg = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
                    max_position_embeddings=64, word_embed_proj_dim=32, **tok)
@@ -119,9 +125,11 @@ def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extr
                if p.dim() == 2 and all(d % 2 == 0 for d in p.shape)
                and any(str(pl) == "Replicate()" for pl in p.placements)]
     held = sum(p.to_local().numel() for p in pm.parameters())
+    held_bytes = sum(p.to_local().numel() * p.element_size() for p in pm.parameters())
     full = sum(p.numel() for p in pm.parameters())
     choice = next(iter(pm._compiled.values())).choice
     return {"excess": errs, "warned": warned, "unsplit_2d": unsplit, "fraction": held * 4 / full,
+            "held_bytes": held_bytes,
             "explain": autopar.explain(pm, verbose=True) if rank == 0 else "",
             "assignment": choice.assignment if choice is not None else None}
 

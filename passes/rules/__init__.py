@@ -106,5 +106,5 @@ def lookup(target):
 
 
 # importing the families registers their rules
-from passes.rules import (attention, conv_inplace, embedding_loss, fallback, matmul, norms,  # noqa: E402,F401
-                          pointwise, views)
+from passes.rules import (attention, conv_inplace, embedding_loss, fallback, indexing, matmul,  # noqa: E402,F401
+                          norms, pointwise, views)

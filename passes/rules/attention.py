@@ -1,8 +1,22 @@
 """scaled_dot_product_attention: batch over mesh rows, heads over mesh columns, computed locally.
 
-q, k, v are [b, heads, s, head_dim]. The attention of one (batch, head) pair needs nothing from any
-other, so with batch and heads split the op runs on each rank's block with no communication. A mask
-broadcasts against [b, heads, s_q, s_k] like an elementwise operand.
+q is [b, hq, s, d], k and v are [b, hkv, s_k, d] with hkv == hq, or fewer KV heads: multi-query
+(hkv == 1, broadcast or `enable_gqa`) and grouped-query (`enable_gqa`, hq = g * hkv, query head h
+reads KV head h // g). The attention of one (batch, head) pair needs nothing from any other, so with
+batch and heads split the op runs on each rank's block with no communication:
+
+- hkv == hq: k and v are split like q.
+- grouped, hkv divisible by the C columns: column c holds query heads [c hq/C, (c+1) hq/C), which
+  read exactly KV heads [c hkv/C, (c+1) hkv/C), and the local group size is still hq/C / (hkv/C) = g;
+  so k and v are split over the columns like q.
+- one KV head: every query head reads it; k and v stay whole over the columns (each column holds the
+  [b/R, 1, s_k, d] block, no more than one head), and their gradient, one share per column, is summed
+  over the columns by the GradSync that `insert_collectives` puts on any input replicated over an axis
+  its consumer's output is split over.
+- grouped, hkv not divisible by C: a column's query heads would read a slice of the KV heads that
+  differs per column, which one local op cannot express; the heads stay whole (batch still split).
+
+A mask broadcasts against [b, hq, s_q, s_k] like an elementwise operand.
 """
 
 from __future__ import annotations
@@ -17,15 +31,40 @@ from passes.rules.pointwise import dim_map
 aten = torch.ops.aten
 
 
+def _split(size: int, q: int, dim: int):
+    return Shard(dim) if size % q == 0 else Replicate()
+
+
+def _kv_layout(qs: tuple, ks: tuple, gqa: bool, mesh: tuple) -> tuple:
+    """(q's layout, k's and v's layout) for q of shape `qs` and k of shape `ks`."""
+    batch = _split(qs[0], mesh[0], 0)
+    kv_batch = batch if ks[0] == qs[0] else Replicate()  # a k/v batch of 1 broadcasts
+    heads = _split(qs[1], mesh[1], 1)
+    if ks[1] == qs[1]:
+        kv_heads = heads
+    elif ks[1] == 1:  # multi-query: the one KV head serves every column's query heads
+        kv_heads = Replicate()
+    elif gqa and ks[1] % mesh[1] == 0:
+        kv_heads = heads  # contiguous groups: column c's query heads read column c's KV heads
+    else:
+        heads = kv_heads = Replicate()
+    return Layout((batch, heads)), Layout((kv_batch, kv_heads))
+
+
 @register(aten.scaled_dot_product_attention.default)
 def sdpa(node, layouts, mesh):
     query, key, value = node.args[:3]
     mask = arg(node, 3, "attn_mask")
-    qs, ks = shape(query), shape(key)
-    if len(qs) != 4 or qs[:2] != ks[:2]:
-        raise Unsupported("attention with other than [b, heads, s, d] inputs of equal head count")
-    lay = Layout(tuple(Shard(d) if qs[d] % mesh[d] == 0 else Replicate() for d in (0, 1)))
-    need = {query: lay, key: lay, value: lay}
+    gqa = bool(node.kwargs.get("enable_gqa", False))
+    qs, ks, vs = shape(query), shape(key), shape(value)
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        raise Unsupported(f"attention with other than 4-d [b, heads, s, d] inputs: q {qs}, k {ks}, v {vs}")
+    grouped = ks[1] == qs[1] or ks[1] == 1 or (gqa and qs[1] % ks[1] == 0)
+    if ks[:2] != vs[:2] or ks[0] not in (qs[0], 1) or not grouped:
+        raise Unsupported(f"attention with k/v batch or heads that neither match nor group q's: q {qs}, k {ks}, "
+                          f"v {vs}, enable_gqa={gqa}")
+    lay, kv = _kv_layout(qs, ks, gqa, mesh)
+    need = {query: lay, key: kv, value: kv}
     if mask is not None:
         full = (qs[0], qs[1], qs[2], ks[2])
         m = {o: i for i, o in dim_map(shape(mask), full).items()}

@@ -1,4 +1,5 @@
-"""Shape ops: transpose/permute, view/reshape, unsqueeze/squeeze, expand, slice, split, cat.
+"""Shape ops: transpose/permute (and their aliases .T, .mT, .mH, swapaxes, movedim), view/reshape,
+unsqueeze/squeeze, expand, slice, split, cat.
 
 view/reshape sizes are baked integers in the captured graph; `localize` rewrites them from the
 output layout, so these rules only decide which dims stay split. A split dim survives a reshape when
@@ -16,7 +17,11 @@ from passes.rules import Strategy, arg, register, shape, tensor_inputs, val, who
 from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten
-TRANSPOSES = (aten.transpose.int, aten.t.default, aten.permute.default)
+# every op that only reorders dims: a weight used through one of them (`x @ w.T`) is placed by its consumer
+TRANSPOSES = (aten.transpose.int, aten.t.default, aten.permute.default, aten.numpy_T.default, aten.mT.default,
+              aten.mH.default, aten.adjoint.default, aten.swapaxes.default, aten.swapdims.default,
+              aten.movedim.int, aten.movedim.intlist)
+_LAST_TWO = (aten.mT.default, aten.mH.default, aten.adjoint.default)  # swap the last two dims (mH conjugates)
 
 
 def _input_layout(layouts, x):
@@ -53,16 +58,29 @@ def _perm_rule(node, layouts, mesh, perm):
 
 
 def permutation(node) -> list:
-    """perm of a transpose, t or permute node: output dim i is input dim perm[i]."""
+    """perm of a transpose-like node (see TRANSPOSES): output dim i is input dim perm[i]."""
     nd = len(shape(node.args[0]))
     if node.target == aten.permute.default:
         return [d % nd for d in node.args[1]]
-    if node.target == aten.t.default:
+    if node.target in (aten.t.default, aten.numpy_T.default):  # .T reverses every dim
         return list(range(nd))[::-1]
-    a, b = node.args[1] % nd, node.args[2] % nd
+    if node.target in (aten.movedim.int, aten.movedim.intlist):
+        return _movedim(nd, node.args[1], node.args[2])
+    a, b = (nd - 2, nd - 1) if node.target in _LAST_TWO else (node.args[1] % nd, node.args[2] % nd)
     perm = list(range(nd))
     perm[a], perm[b] = perm[b], perm[a]
     return perm
+
+
+def _movedim(nd: int, src, dst) -> list:
+    """movedim's perm: each source dim lands at its destination, the rest keep their order."""
+    src = [d % nd for d in (src if isinstance(src, (list, tuple)) else [src])]
+    dst = [d % nd for d in (dst if isinstance(dst, (list, tuple)) else [dst])]
+    perm = [-1] * nd
+    for s, d in zip(src, dst):
+        perm[d] = s
+    rest = iter(d for d in range(nd) if d not in src)
+    return [p if p >= 0 else next(rest) for p in perm]
 
 
 @register(*TRANSPOSES)

@@ -1,0 +1,54 @@
+"""Advanced indexing, `x[idx]`: aten.index.Tensor(x, [None, ..., idx, ...]).
+
+The index tensors (integer, broadcast together to shape B) pick positions along the dims they stand
+at; a None keeps a dim whole. Each rank can index its own block when the indexed dims are whole on it:
+the rule gathers x along the indexed dims only (and makes a partial sum whole), keeps every other
+split, and asks for the index tensors whole. The kept dims land where indexing puts them:
+
+- index tensors at adjacent positions i..j: out = x.shape[:i] + B + x.shape[j+1:]
+  (`x[:, :, [-2]]`, Falcon's key head; `x[arange, pos]` on dims 0 and 1);
+- separated by a None: out = B + the non-indexed dims in order (torch's rule for that case).
+
+A boolean mask index (`x[mask]`) has a data-dependent size and is left to the fallback.
+
+>>> # x [b, s, 6, d] laid out S(0)S(2), x[:, :, [4]]: heads gathered, batch kept: out [b, s, 1, d] S(0)R
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate
+
+from passes.layout import REPLICATED, Layout, moved, split_dim
+from passes.rules import Strategy, Unsupported, register, shape, val, whole_along
+
+aten = torch.ops.aten
+
+
+def _out_dims(nd: int, indexed: list, width: int) -> dict:
+    """Input dim -> output dim for the dims no index tensor stands at; `width` = len(B)."""
+    kept = [d for d in range(nd) if d not in indexed]
+    if indexed == list(range(indexed[0], indexed[-1] + 1)):  # adjacent: B takes their place
+        return {d: d if d < indexed[0] else d - len(indexed) + width for d in kept}
+    return {d: width + k for k, d in enumerate(kept)}
+
+
+@register(aten.index.Tensor)
+def index(node, layouts, mesh):
+    x, idx = node.args[0], list(node.args[1])
+    nd = len(shape(x))
+    indexed = [d for d, t in enumerate(idx) if t is not None]
+    if not indexed:
+        raise Unsupported("index with no index tensor")
+    tensors = [idx[d] for d in indexed]
+    if any(val(t).dtype in (torch.bool, torch.uint8) for t in tensors):
+        raise Unsupported("index by a boolean mask (its result size depends on the data)")
+    width = len(torch.broadcast_shapes(*(shape(t) for t in tensors)))
+    to = _out_dims(nd, indexed, width)
+    lay = whole_along(layouts, x, indexed[0])
+    if x in tensors:  # x indexes itself: it arrives whole once
+        lay = REPLICATED
+    for d in indexed[1:]:
+        lay = Layout(tuple(Replicate() if split_dim(p) == d else p for p in lay.placements))
+    out = Layout(tuple(moved(p, to[p.dim]) if split_dim(p) is not None else p for p in lay.placements))
+    return Strategy({**{t: REPLICATED for t in tensors}, x: lay}, out)
