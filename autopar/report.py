@@ -7,6 +7,22 @@ import html as _html
 from collections import defaultdict
 
 
+def _above(above: dict, held: int, shown: int = 6) -> str:
+    """The parameters a rank holds more than 1/p of: all names when few, else a count, their share of
+    what the rank holds and the first names (a model's 65 norm weights would fill the screen).
+
+    >>> _above({"ln.weight": 8, "ln.bias": 8}, 1000)
+    'ln.weight, ln.bias'
+    >>> _above({f"h.{i}.ln.weight": 8 for i in range(8)}, 6400, shown=2)[:70]
+    "8 tensors, 1.00% of this rank's parameter bytes: h.0.ln.weight, h.1.ln"
+    """
+    if len(above) <= shown:
+        return ", ".join(above) or "none"
+    share = sum(above.values()) / held if held else 0.0
+    return (f"{len(above)} tensors, {share:.2%} of this rank's parameter bytes: {', '.join(list(above)[:shown])}, "
+            f"... (all in --json's params_above_1_over_p)")
+
+
 def _mib(n) -> str:
     return f"{n / 2**20:.2f}" if n is not None else "-"
 
@@ -36,7 +52,7 @@ def group_by_module(pl) -> str:
         f"gradients {_mib(j['grad_bytes_per_rank'])} MiB, AdamW states {_mib(j['adamw_state_bytes_per_rank'])} MiB, "
         f"saved for backward {_mib(j['activation_bytes_per_rank'])} MiB, largest tensor "
         f"{_mib(j['largest_tensor_bytes'])} MiB",
-        f"held above 1/p: {', '.join(j['params_above_1_over_p']) or 'none'}",
+        f"held above 1/p: {_above(j['params_above_1_over_p'], j['param_bytes_per_rank'])}",
         f"costly fallbacks: {', '.join(f['node'] for f in j['fallback_nodes'] if f['costly']) or 'none'}",
     ]
     return "\n".join(lines)
