@@ -6,6 +6,7 @@ plain tensors. The passes themselves run in `autopar.pipeline`, once per input s
 from __future__ import annotations
 
 import datetime
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,11 @@ from autopar.guards import agree_on_options, agree_on_plan, check_dtypes, finger
 from autopar.pipeline import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
                               refuse_kv_cache, signature)
 
-__all__ = ["parallelize", "ParallelModule", "FallbackWarning"]
+__all__ = ["parallelize", "ParallelModule", "FallbackWarning", "CompileWarning"]
+
+
+class CompileWarning(UserWarning):
+    """parallelize(..., compile=True): torch.compile failed on a program, which runs eagerly instead."""
 
 
 def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
@@ -66,6 +71,7 @@ class ParallelModule(nn.Module):
         self._options = options
         self._param_layouts = param_layouts
         self._compiled = {first.signature: first}
+        self._runners: dict = {}  # signature -> the callable running that program (torch.compile'd if asked)
         self._last = first
         device = first.captured.device
         for name, p in model.named_parameters():
@@ -201,7 +207,7 @@ class ParallelModule(nn.Module):
         if comp.random and self.training:
             outs = self._run_with_rank_rng(comp, locals_)
         else:
-            outs = comp.gm(*locals_)
+            outs = self._run(comp, locals_)
         wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
 
@@ -298,7 +304,31 @@ class ParallelModule(nn.Module):
         devices = [comp.captured.device] if comp.captured.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((seed + 1_000_003 * (self.grid.rank + 1)) % 2**63)
+            return self._run(comp, locals_)
+
+    def _run(self, comp, locals_):
+        """comp's graph on this rank's blocks; with compile=True under torch.compile (compiled on first
+        use, per signature). A program torch.compile cannot compile runs eagerly from then on, with one
+        CompileWarning: every rank compiles the same program, so all of them fail and fall back alike."""
+        runner = self._runners.get(comp.signature)
+        if runner is not None:
+            return runner(*locals_)
+        if not self._options.compile:
+            self._runners[comp.signature] = comp.gm
             return comp.gm(*locals_)
+        compiled = torch.compile(comp.gm)
+        try:
+            outs = compiled(*locals_)
+        except comm.CollectiveError:
+            raise
+        except Exception as e:  # a dynamo / inductor failure: this program runs eagerly
+            warnings.warn(f"autopar: torch.compile could not compile this program ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}); it runs eagerly",
+                          CompileWarning, stacklevel=4)
+            self._runners[comp.signature] = comp.gm
+            return comp.gm(*locals_)
+        self._runners[comp.signature] = compiled
+        return outs
 
     def _wrap(self, out, lay_shape):
         if lay_shape is None or not isinstance(out, torch.Tensor):
@@ -315,7 +345,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 timeout: float | None = DEFAULTS.timeout, check_inputs: bool = DEFAULTS.check_inputs,
                 strategy: str = DEFAULTS.strategy, cost_model=DEFAULTS.cost_model,
                 memory_limit: float | None = DEFAULTS.memory_limit,
-                search_budget: float | None = DEFAULTS.search_budget) -> ParallelModule:
+                search_budget: float | None = DEFAULTS.search_budget,
+                compile: bool = DEFAULTS.compile) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -358,10 +389,15 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             to the process group's timeout, since ranks compile at different speeds.
         check_inputs: verify on every call that all ranks of a grid passed the same inputs (one small
             all-gather per call); off by default.
+        compile: run each rank's program under torch.compile (inductor), compiled on the first call of
+            each input signature; the collectives run between the compiled regions. The same as calling
+            torch.compile(pmodel). A program torch.compile cannot compile runs eagerly, with one
+            CompileWarning.
     """
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
-                      search_budget=search_budget, check_inputs=check_inputs, timeout=timeout)
+                      search_budget=search_budget, check_inputs=check_inputs, timeout=timeout,
+                      compile=compile)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "

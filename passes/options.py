@@ -30,7 +30,7 @@ STRATEGIES = ("2d", "1d", "auto")
 class Options:
     """How a model is compiled and run; the defaults are `parallelize`'s. See `parallelize` for what
     each option means. `optimizer_states` (per-parameter tensors of the optimizer; AdamW: 2) only
-    enters strategy='auto''s memory estimate; `check_inputs` and `timeout` only the run time."""
+    enters strategy='auto''s memory estimate; `check_inputs`, `timeout` and `compile` only the run time."""
 
     lowering: str = "broadcast"
     indivisible: str = "replicate"
@@ -43,6 +43,7 @@ class Options:
     check_inputs: bool = False
     timeout: float | None = None  # seconds
     optimizer_states: int = 2
+    compile: bool = False  # run each rank's program under torch.compile
 
     def __post_init__(self) -> None:
         _one_of("lowering", self.lowering, LOWERINGS)
@@ -68,6 +69,9 @@ class Options:
         if self.timeout is not None and not (_number(self.timeout) and self.timeout > 0):
             raise ValueError(f"timeout={self.timeout!r}: expected a positive number of seconds, or None for the "
                              f"process group's own timeout")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r}: expected True (run each rank's program under "
+                             f"torch.compile) or False (eager)")
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) \
                 or self.optimizer_states < 0:
             raise ValueError(f"optimizer_states={self.optimizer_states!r}: expected the number of tensors the "

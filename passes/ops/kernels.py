@@ -35,31 +35,51 @@ class Redistribute(nn.Module):
     def __init__(self, grid: Grid, src: Layout, dst: Layout, tag: str):
         super().__init__()
         self.grid, self.src, self.dst, self.tag = grid, src, dst, tag
+        # the collectives as plain numbers, worked out once: forward reads no placement objects, which
+        # torch.compile cannot trace into
+        self.steps = redistribute_steps(src, dst)
 
     def forward(self, x):
-        g, cur = self.grid, list(self.src.placements)
-        for a in range(2):
-            if split_dim(cur[a]) is not None and cur[a] != self.dst[a]:
-                x = comm.Gather.apply(x, g, a, cur[a].dim, self.tag, parts(cur[a]))
-                cur[a] = Replicate()
-        for a in range(2):
-            s, d = cur[a], self.dst[a]
-            if s == d:
-                continue
-            if isinstance(s, Partial):
-                avg = s.reduce_op == "avg"
-                if isinstance(d, Shard) and parts(d) == 1:
-                    x = comm.ReduceScatter.apply(x, g, a, d.dim, avg, self.tag)
-                    continue
+        g = self.grid
+        for kind, a, dim, k, avg in self.steps:
+            if kind == "gather":
+                x = comm.Gather.apply(x, g, a, dim, self.tag, k)
+            elif kind == "reduce-scatter":
+                x = comm.ReduceScatter.apply(x, g, a, dim, avg, self.tag)
+            elif kind == "all-reduce":
                 x = comm.AllReduce.apply(x, g, a, avg, self.tag)
-            if split_dim(d) is not None:
-                x = comm.Split.apply(x, g, a, d.dim, self.tag, parts(d))
-            elif isinstance(d, Partial):
-                x = comm.ToPartial.apply(x, g, a, d.reduce_op == "avg")
+            elif kind == "split":
+                x = comm.Split.apply(x, g, a, dim, self.tag, k)
+            else:  # to-partial
+                x = comm.ToPartial.apply(x, g, a, avg)
         return x
 
     def extra_repr(self) -> str:
         return f"{self.src} -> {self.dst}"
+
+
+def redistribute_steps(src: Layout, dst: Layout) -> tuple:
+    """The collectives moving `src` to `dst`, in order, as (kind, axis, dim, parts, avg) tuples."""
+    steps, cur = [], list(src.placements)
+    for a in range(2):
+        if split_dim(cur[a]) is not None and cur[a] != dst[a]:
+            steps.append(("gather", a, cur[a].dim, parts(cur[a]), False))
+            cur[a] = Replicate()
+    for a in range(2):
+        s, d = cur[a], dst[a]
+        if s == d:
+            continue
+        if isinstance(s, Partial):
+            avg = s.reduce_op == "avg"
+            if isinstance(d, Shard) and parts(d) == 1:
+                steps.append(("reduce-scatter", a, d.dim, 1, avg))
+                continue
+            steps.append(("all-reduce", a, -1, 1, avg))
+        if split_dim(d) is not None:
+            steps.append(("split", a, d.dim, parts(d), False))
+        elif isinstance(d, Partial):
+            steps.append(("to-partial", a, -1, 1, d.reduce_op == "avg"))
+    return tuple(steps)
 
 
 class GradSync(nn.Module):
@@ -221,18 +241,20 @@ class _VocabParallelCE(torch.autograd.Function):
         tot = torch.stack([per_token.sum(), valid.sum().to(zf.dtype)])
         if not rows_whole:  # each mesh row holds a block of the rows: sum them
             tot = comm.all_reduce(grid, 0, tot, tag, "fwd")
-        ctx.save_for_backward(e, sums[0], local, inside, valid, tot[1])
+        # sums and tot saved whole, not the rows backward reads (the same storages): torch.compile refuses
+        # a saved tensor that is a view of another tensor of the traced forward
+        ctx.save_for_backward(e, sums, local, inside, valid, tot)
         ctx.dtype, ctx.reduce_sum = z.dtype, reduce_sum
         return tot[0] if reduce_sum else tot[0] / tot[1]  # fp32; the module casts
 
     @staticmethod
     @once_differentiable  # the backward reads saved statistics, not a graph: no second derivative
     def backward(ctx, g):
-        e, sumexp, local, inside, valid, count = ctx.saved_tensors
-        grad = e / sumexp[:, None]  # softmax, minus one at the target where this rank holds it
+        e, sums, local, inside, valid, tot = ctx.saved_tensors
+        grad = e / sums[0][:, None]  # softmax, minus one at the target where this rank holds it
         rows = grad.shape[1]
         grad.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -inside[:, None].to(grad.dtype))
-        scale = g if ctx.reduce_sum else g / count
+        scale = g if ctx.reduce_sum else g / tot[1]
         # an ignored row gets what torch's log_softmax backward gives it for a zero incoming gradient,
         # -softmax * 0: zero, but NaN where the row holds a NaN or +inf (its softmax is NaN) -- one
         # process's gradient there, kept for parity

@@ -1,0 +1,107 @@
+"""Rank-side checks for training under torch.compile (CPU inductor): loss, every gradient and the
+parameters after a few optimizer steps, against the unmodified model on one process."""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+
+import torch
+from torch._dynamo.utils import counters
+
+import autopar
+from models import GPTConfig, TinyGPT
+from tests.checks_engine import _data, _full
+from tests.checks_hf import build
+from tests.compare import group_excess
+
+
+def _model(name: str):
+    """(model, batch(step) -> (args, kwargs), loss of an output) with dropout off."""
+    if name == "tinygpt":
+        cfg = GPTConfig()
+        return TinyGPT(cfg), lambda s: (_data(cfg, 4, 8, seed=s + 1), {}), lambda out: out[1]
+    model, make = build(name)
+    model.eval()  # HF configs default to dropout 0.1
+    return model, lambda s: ((), make(4, 8, s)), lambda out: out.loss
+
+
+def _optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)  # eps: see checks_engine.gpt_parity
+
+
+def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3):
+    """`steps` steps of `opt` on `name` at `grid`, the model run as torch.compile(pmodel) (how=
+    'torch.compile') or parallelize(..., compile=True) (how='option'). Returns the excess of the
+    loss, every gradient (each step) and the parameters after the steps, and the first call's time."""
+    torch.manual_seed(0)
+    model, batch, loss_of = _model(name)
+    ref = copy.deepcopy(model)
+    args, kwargs = batch(0)
+    eager = autopar.parallelize(copy.deepcopy(model), grid=grid, example_inputs=args, example_kwargs=kwargs)
+    loss_of(eager(*args, **kwargs)).backward()
+    eager_bytes = eager.grid.log.total()  # one eager step's traffic
+    pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs,
+                             compile=how == "option")
+    run = torch.compile(pm) if how == "torch.compile" else pm
+    o, ref_o = _optimizer(opt, pm.parameters()), _optimizer(opt, ref.parameters())
+    ref_params = dict(ref.named_parameters())
+    errs, first, step_bytes = {}, 0.0, []
+    counters.clear()
+    for step in range(steps):
+        args, kwargs = batch(step)
+        pm.grid.log.reset()
+        t = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = loss_of(run(*args, **kwargs))
+            loss.backward()
+        fell_back = [str(w.message) for w in caught if issubclass(w.category, autopar.CompileWarning)]
+        first = first or time.perf_counter() - t
+        step_bytes.append(pm.grid.log.total())
+        ref_loss = loss_of(ref(*args, **kwargs))
+        ref_loss.backward()
+        errs.update(group_excess({f"loss step {step}": (_full(loss), ref_loss)}))
+        errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                                 prefix=f"grad step {step} "))
+        o.step()
+        ref_o.step()
+        o.zero_grad()
+        ref_o.zero_grad()
+    errs.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
+                             prefix=f"param after {steps} steps "))
+    return {"excess": errs, "first call s": first, "graphs": counters["stats"]["unique_graphs"],
+            "fell back": fell_back, "step bytes": step_bytes, "eager bytes": eager_bytes}
+
+
+def _failing_compile(fn, *args, **kwargs):
+    def run(*a, **kw):
+        raise RuntimeError("backend failed (a stand-in for a dynamo or inductor error)")
+    return run
+
+
+def compile_fallback(rank, steps=2):
+    """parallelize(compile=True) where torch.compile fails (patched to): the program runs eagerly,
+    with one CompileWarning over `steps` steps, and the loss is one process's."""
+    torch.manual_seed(0)
+    model, batch, loss_of = _model("tinygpt")
+    ref = copy.deepcopy(model)
+    args, _ = batch(0)
+    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=args, compile=True)
+    real, torch.compile = torch.compile, _failing_compile
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            errs = {}
+            for step in range(steps):
+                args, _ = batch(step)
+                loss = loss_of(pm(*args))
+                loss.backward()
+                errs.update(group_excess({f"loss step {step}": (_full(loss), loss_of(ref(*args)))}))
+    finally:
+        torch.compile = real
+    said = [str(w.message) for w in caught if issubclass(w.category, autopar.CompileWarning)]
+    return {"excess": errs, "warnings": said}
