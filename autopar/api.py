@@ -6,7 +6,6 @@ plain tensors. The passes themselves run in `autopar.pipeline`, once per input s
 from __future__ import annotations
 
 import datetime
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ from passes.capture import flatten_inputs
 from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
+from passes.mesh import warn
 from passes.meta import PARAM
 from passes.options import DEFAULTS, Options
 from autopar import hf_compat, outputs
@@ -309,7 +309,8 @@ class ParallelModule(nn.Module):
     def _run(self, comp, locals_):
         """comp's graph on this rank's blocks; with compile=True under torch.compile (compiled on first
         use, per signature). A program torch.compile cannot compile runs eagerly from then on, with one
-        CompileWarning: every rank compiles the same program, so all of them fail and fall back alike."""
+        CompileWarning shown by rank 0 (`passes.mesh.warn`): every rank compiles the same program, so all
+        of them fail and fall back alike."""
         runner = self._runners.get(comp.signature)
         if runner is not None:
             return runner(*locals_)
@@ -322,9 +323,9 @@ class ParallelModule(nn.Module):
         except comm.CollectiveError:
             raise
         except Exception as e:  # a dynamo / inductor failure: this program runs eagerly
-            warnings.warn(f"autopar: torch.compile could not compile this program ({type(e).__name__}: "
-                          f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}); it runs eagerly",
-                          CompileWarning, stacklevel=4)
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            warn(f"autopar: torch.compile could not compile this program ({type(e).__name__}: {first}); it runs "
+                 f"eagerly", CompileWarning, stacklevel=4)
             self._runners[comp.signature] = comp.gm
             return comp.gm(*locals_)
         self._runners[comp.signature] = compiled

@@ -32,11 +32,13 @@ def test_compiled_training_parity(pool4, name, grid, how, opt):
 
 
 def test_compile_failure_runs_eagerly_with_one_warning(pool4):
-    """A program torch.compile cannot compile must not crash training: it runs eagerly, saying so once."""
+    """A program torch.compile cannot compile must not crash training: it runs eagerly, saying so once
+    (on rank 0; the other ranks pass it through their filters without showing it)."""
     res = pool4.run(C.compile_fallback)
     assert_every_rank([r["excess"] for r in res], "eager fallback")
-    for rank, r in enumerate(res):
-        assert len(r["warnings"]) == 1 and "runs eagerly" in r["warnings"][0], (rank, r["warnings"])
+    assert len(res[0]["warnings"]) == 1 and "runs eagerly" in res[0]["warnings"][0], res[0]["warnings"]
+    for rank, r in enumerate(res[1:], start=1):
+        assert r["warnings"] == [], (rank, r["warnings"])
 
 
 def test_compile_option_is_validated():
