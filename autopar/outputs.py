@@ -24,14 +24,14 @@ value, the same on every rank. So a loss written for one process runs on it unch
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from passes.compat import disable_torch_function_subclass, legacy_reduction, pytree
+from passes.compat import (disable_torch_function_subclass, dtensor_parts, implicit_replication, legacy_reduction,
+                           pytree)
 from passes.mesh import Grid
 from passes.ops import comm
 from passes.ops.kernels import VocabParallelCrossEntropy
@@ -49,7 +49,7 @@ class Output(DTensor):
 
     @staticmethod
     def _of(dt: DTensor, grid: Grid) -> "Output":
-        out = Output(dt._local_tensor, dt._spec, requires_grad=dt.requires_grad)
+        out = Output(*dtensor_parts(dt), requires_grad=dt.requires_grad)
         out.grid = grid
         return out
 
@@ -66,7 +66,7 @@ class Output(DTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         grid = next(a.grid for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Output))
-        with _implicit_replication():
+        with implicit_replication():
             result = super().__torch_dispatch__(func, types, args, kwargs)
         inputs = {id(a) for a in pytree.tree_leaves((args, kwargs))}
         return pytree.tree_map_only(DTensor, lambda r: r if id(r) in inputs else cls._of(r, grid), result)
@@ -83,18 +83,6 @@ def _replicated(args, kwargs):
         return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     return pytree.tree_map_only(torch.Tensor, lift, (args, kwargs))
-
-
-@contextlib.contextmanager
-def _implicit_replication():
-    """DTensor's flag that reads a plain tensor operand as Replicate, put back as it was afterwards."""
-    dispatcher = DTensor._op_dispatcher
-    was = dispatcher._allow_implicit_replication
-    dispatcher._allow_implicit_replication = True
-    try:
-        yield
-    finally:
-        dispatcher._allow_implicit_replication = was
 
 
 class _AsOutput(torch.autograd.Function):

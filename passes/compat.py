@@ -15,6 +15,8 @@ that call them print and compare as before.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 # torch.utils._pytree: tree_leaves / tree_flatten / tree_unflatten and the TreeSpec of export's call
@@ -40,9 +42,9 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
-           "all_gather_single", "call_spec", "enter_autocast", "exit_autocast", "fake_store", "fake_tensor_mode",
-           "disable_torch_function_subclass", "legacy_reduction", "parse_to", "pytree", "reduce_scatter_single",
-           "register_flattened_mesh", "set_grad_enabled", "set_version_counter"]
+           "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
+           "exit_autocast", "fake_store", "fake_tensor_mode", "implicit_replication", "legacy_reduction", "parse_to",
+           "pytree", "reduce_scatter_single", "register_flattened_mesh", "set_grad_enabled", "set_version_counter"]
 
 # torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.regions` inlines
 # no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
@@ -115,3 +117,29 @@ def register_flattened_mesh(mesh, name: str, flat) -> None:
     construction with an AttributeError naming it; without it clipping still works, with DTensor's
     warning about sequential all-reduces on every rank."""
     mesh._get_root_mesh()._flatten_mapping[name] = flat
+
+
+def dtensor_parts(dt) -> tuple:
+    """(local tensor, DTensorSpec) of a DTensor: what `DTensor(local, spec, requires_grad=...)` takes to
+    build a subclass instance over the same block without a copy. DTensor keeps them in the private
+    `_local_tensor` and `_spec`. Checked on 2.13.0. If they move: `autopar.outputs.Output` (every split
+    output of a ParallelModule) cannot be built."""
+    return dt._local_tensor, dt._spec
+
+
+@contextlib.contextmanager
+def implicit_replication():
+    """DTensor's switch that reads a plain-tensor operand as replicated, put back as it was afterwards
+    (torch's public `torch.distributed.tensor.experimental.implicit_replication` sets the same private
+    `DTensor._op_dispatcher._allow_implicit_replication`, but resets it to False on exit, which would end
+    a user's own enclosing `implicit_replication()`). Checked on 2.13.0. If it moves: operations mixing
+    an `autopar.outputs.Output` with a plain tensor fail with DTensor's mixed-tensor error."""
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    was = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = was
