@@ -55,7 +55,8 @@ def test_llama_2x2_train_save_resume(pool4, reference, tmp_path):
 
     ref = reference("llama")
     res = pool4.run(C.train, "llama", (2, 2), str(tmp_path), True)
-    assert res[0]["signature"] == ["input_ids", "attention_mask"], res[0]["signature"]
+    for rank, r in enumerate(res):
+        assert r["signature"] == ["input_ids", "attention_mask"], (rank, r["signature"])
     _same_run(res, ref, "llama 2x2")
     loaded = T.AutoModelForCausalLM.from_pretrained(os.path.join(tmp_path, "final"))
     assert_every_rank([group_excess({n: (p, ref["params"][n]) for n, p in loaded.named_parameters()},
