@@ -8,6 +8,7 @@ rank's traceback, and the pool is torn down so the next test gets a fresh one.
 
 from __future__ import annotations
 
+import os
 import queue
 import traceback
 
@@ -16,10 +17,15 @@ import torch.multiprocessing as mp
 from autopar.launch import free_port, init_local
 
 
-def _worker(rank, world, port, inbox, outbox):
+def _worker(rank, world, port, inbox, outbox, parent):
     init_local(rank, world, port)
     while True:
-        task = inbox.get()
+        try:
+            task = inbox.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process was killed: do not outlive it
+                return
+            continue
         if task is None:
             return
         fn, args, kwargs = task
@@ -66,7 +72,8 @@ class Pool:
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox, os.getpid()),
+                                  daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
