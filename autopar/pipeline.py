@@ -37,8 +37,8 @@ from passes.rules import arg
 from autopar import calibrate
 from autopar.guards import check_mixed_dtypes, handshake
 
-__all__ = ["Compiled", "FallbackWarning", "capture", "compile_program", "resolve_cost_model", "signature",
-           "cache_off_kwargs", "refuse_kv_cache", "input_device"]
+__all__ = ["Compiled", "FallbackWarning", "capture", "compile_program", "compile_captured", "resolve_cost_model",
+           "signature", "cache_off_kwargs", "refuse_kv_cache", "input_device"]
 
 
 class FallbackWarning(UserWarning):
@@ -191,7 +191,13 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
     new shapes repeats instead of searching again), propagate, insert collectives, localize. `pinned`:
     the parameter layouts of an earlier compile, kept as they are (see `passes.propagate`). Ops that
     run gathered whole are named in one FallbackWarning. A 1x1 grid runs the captured graph as it is."""
-    cap = capture(model, args, kwargs)
+    return compile_captured(capture(model, args, kwargs), signature(args, kwargs, model.training), grid,
+                            options, choice, pinned)
+
+
+def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, choice=None, pinned=None) -> tuple:
+    """`compile_program` from a graph already captured (and, for generation, marked: `autopar.generate`
+    renames its parameters and places its cache before this runs); `key` becomes its signature."""
     chosen = None
     if grid.world > 1 and options.strategy == "1d":
         strategies.fixed(cap.gm, "1d")
@@ -219,7 +225,6 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
             f"autopar: {len(prop.gathering_fallbacks)} op(s) run unsplit (gathered whole, computed on every "
             f"rank, split again):\n{lines}",
             FallbackWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    key = signature(args, kwargs, model.training)
     return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm), chosen, key), prop.param_layouts
