@@ -121,8 +121,8 @@ class CachedLM(nn.Module):
         return out.logits[:, -1:]  # [B, 1, V]
 
 
-def _refuse(model, gc) -> None:
-    """What generate cannot do, refused before anything is compiled."""
+def _refuse(model) -> None:
+    """Models generate cannot serve, refused before anything is compiled."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(
@@ -138,6 +138,9 @@ def _refuse(model, gc) -> None:
             f"head, e.g. LlamaForCausalLM); {type(model).__name__} cannot generate. Parallelize its "
             f"*ForCausalLM class instead"
         )
+
+
+def _refuse_beams(gc) -> None:
     if (gc.num_beams or 1) != 1:
         raise NotImplementedError(
             f"pmodel.generate: num_beams={gc.num_beams}: beam search is not supported; use greedy search "
@@ -256,12 +259,13 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     from transformers.generation import GenerateDecoderOnlyOutput, StoppingCriteriaList
 
     model = pmodel.source_model
+    _refuse(model)
     gc = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     unknown = gc.update(**kwargs)
     if unknown:
         raise TypeError(f"pmodel.generate got keywords it does not take: {sorted(unknown)}; it takes "
                         f"input_ids, attention_mask, max_cache_len and GenerationConfig fields")
-    _refuse(model, gc)
+    _refuse_beams(gc)
     batch, prompt = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)

@@ -9,6 +9,7 @@ import torch
 import transformers as T
 
 import autopar
+from autopar.generate import kv_cache_bytes_per_rank
 
 VOCAB = 96
 _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -20,8 +21,9 @@ CONFIGS = {
     "mistral": lambda: T.MistralConfig(**{**_SMALL, "sliding_window": 6}),
     "qwen2": lambda: T.Qwen2Config(**{**_SMALL, "num_key_value_heads": 2}),
     "gemma": lambda: T.GemmaConfig(**{**_SMALL, "head_dim": 16}),
-    "phi3": lambda: T.Phi3Config(**_SMALL, pad_token_id=0),
-    "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128),
+    "phi3": lambda: T.Phi3Config(**_SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                 bos_token_id=1, eos_token_id=2),
 }
 CLASSES = {"llama": T.LlamaForCausalLM, "llama_gqa": T.LlamaForCausalLM, "mistral": T.MistralForCausalLM,
            "qwen2": T.Qwen2ForCausalLM, "gemma": T.GemmaForCausalLM, "phi3": T.Phi3ForCausalLM,
@@ -61,3 +63,115 @@ def greedy(rank, family, grid=(2, 2), batch=4, new=6, left_pad=True):
     pm = parallel(model, grid, ids, mask)
     got = pm.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
     return want.tolist(), got.tolist()
+
+
+def sampling(rank, grid=(2, 2), seed=5):
+    """Sampled tokens (temperature, top-k, top-p) from the unmodified model and from pmodel, each
+    drawn after torch.manual_seed(seed)."""
+    model = build("llama")
+    ids, mask = prompts()
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+              pad_token_id=0)
+    torch.manual_seed(seed)
+    want = model.generate(ids, **kw)
+    pm = parallel(model, grid, ids, mask)
+    torch.manual_seed(seed)
+    got = pm.generate(ids, **kw)
+    return want.tolist(), got.tolist()
+
+
+def eos_and_dict(rank, grid=(2, 2)):
+    """Greedy with an eos token that some rows meet early, returned as a dict with scores."""
+    model = build("qwen2")
+    ids, mask = prompts()
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    eos = int(first[1, ids.shape[1] + 1])  # row 1's second new token
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=eos,
+              return_dict_in_generate=True, output_scores=True)
+    want = model.generate(ids, **kw)
+    pm = parallel(model, grid, ids, mask)
+    got = pm.generate(ids, **kw)
+    worst = max((a - b).abs().max().item() for a, b in zip(want.scores, got.scores))
+    return want.sequences.tolist(), got.sequences.tolist(), len(want.scores) == len(got.scores), worst
+
+
+def after_training(rank, grid=(2, 2)):
+    """Three SGD steps on the parallel model, then generate with it (no save, no reload) and with one
+    process's copy holding the trained weights."""
+    model = build("llama")
+    ids, mask = prompts(left_pad=False)
+    pm = parallel(model, grid, ids, mask)
+    pm.train()
+    opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        pm(ids, attention_mask=mask, labels=ids).loss.backward()
+        opt.step()
+    pm.eval()
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pm.state_dict().items()}
+    trained = build("llama")
+    trained.load_state_dict(full, strict=False)
+    changed = (trained.model.layers[0].mlp.up_proj.weight - model.model.layers[0].mlp.up_proj.weight).abs().max()
+    want = trained.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = pm.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return want.tolist(), got.tolist(), float(changed)
+
+
+def pretrained(rank, path, grid=(2, 2)):
+    """autopar.from_pretrained(path) then generate, against transformers' from_pretrained."""
+    ids, mask = prompts()
+    model = T.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.from_pretrained(path, grid, (ids,), {"attention_mask": mask}, progress=False)
+    pm.eval()
+    got = pm.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return want.tolist(), got.tolist()
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, NotImplementedError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def errors(rank):
+    """The refusals' texts (empty when nothing was raised)."""
+    ids, mask = prompts(left_pad=False)
+    model = build("llama")
+    pm = parallel(model, (2, 2), ids, mask)
+    out = {
+        "beyond cache": _error(lambda: pm.generate(ids, max_new_tokens=20, max_cache_len=16)),
+        "beams": _error(lambda: pm.generate(ids, max_new_tokens=4, num_beams=2)),
+        "unknown": _error(lambda: pm.generate(ids, max_new_tokens=4, beam_width=2)),
+        "batch differs": _error(lambda: pm.generate(ids[: 2 if rank == 3 else 4], max_new_tokens=2)),
+    }
+    torch.manual_seed(0)
+    base = T.LlamaModel(CONFIGS["llama"]()).eval()
+    pbase = parallel(base, (2, 2), ids, mask)
+    out["not causal"] = _error(lambda: pbase.generate(ids, max_new_tokens=2))
+    t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                 num_heads=4, decoder_start_token_id=0)).eval()
+    pt5 = parallel_kw(t5, (2, 2), dict(input_ids=ids, decoder_input_ids=ids))
+    out["t5"] = _error(lambda: pt5.generate(ids, max_new_tokens=2))
+    return out
+
+
+def parallel_kw(model, grid, kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.parallelize(model, grid, (), kw)
+
+
+def cache_bytes(rank, family, grid, batch=4, max_cache_len=32):
+    """(bytes of the cache blocks this rank holds, kv_cache_bytes_per_rank, the largest block's shape)."""
+    model = build(family)
+    ids, mask = prompts(batch)
+    pm = parallel(model, grid, ids, mask)
+    pm.generate(ids, attention_mask=mask, max_new_tokens=2, max_cache_len=max_cache_len, pad_token_id=0)
+    held = [t for name, t in pm._generator.cache.items() if name[0] in "kv"]
+    return (sum(t.numel() * t.element_size() for t in held),
+            kv_cache_bytes_per_rank(model.config, batch, max_cache_len, grid), list(held[0].shape))

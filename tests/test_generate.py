@@ -1,0 +1,88 @@
+"""pmodel.generate: token identity with the unmodified model's generate, on every rank, at 2x2 and
+1x4; the KV cache's bytes per rank against the formula; the refusals' texts."""
+
+import pytest
+import torch
+
+from autopar.generate import kv_cache_bytes_per_rank
+from tests import checks_generate as C
+
+FAMILIES = ["llama", "llama_gqa", "mistral", "qwen2", "gemma", "phi3", "gpt2"]
+
+
+def _same_tokens(res, what):
+    for rank, (want, got, *_) in enumerate(res):
+        assert got == want, f"{what}: rank {rank}: pmodel.generate {got}\n  unmodified model {want}"
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4)], ids=["2x2", "1x4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_token_identical(pool4, family, grid):
+    """Catches a cache written at the wrong slot or block, a decode step that misreads the prefix
+    (rotary positions of a left-padded row, Mistral's window of 6 < 13 tokens, GQA's repeated KV
+    heads, GPT-2's fused c_attn), and a rank whose tokens differ from the others'."""
+    _same_tokens(pool4.run(C.greedy, family, grid), f"{family} {grid}")
+
+
+def test_sampling_identical_given_the_seed(pool4):
+    """Catches a sampler that draws other numbers than transformers' (temperature, top-k, top-p
+    warpers in its order, one multinomial per step) or that differs between ranks."""
+    _same_tokens(pool4.run(C.sampling), "sampling")
+
+
+def test_eos_stops_rows_and_dict_output(pool4):
+    """Catches rows that keep generating after their eos (they must get pad tokens), a loop that
+    does not stop when all rows finished, and scores that differ from transformers'."""
+    res = pool4.run(C.eos_and_dict)
+    _same_tokens(res, "eos")
+    for rank, (want, _, same_steps, worst) in enumerate(res):
+        assert want[1][-1] == 0, f"rank {rank}: row 1 should end padded: {want[1]}"
+        assert same_steps and worst < 1e-4, f"rank {rank}: scores differ by {worst} (steps alike: {same_steps})"
+
+
+def test_generate_right_after_training(pool4):
+    """Catches a generate that reads the weights the model was parallelized with instead of the
+    trained blocks (the weights did move: checked)."""
+    res = pool4.run(C.after_training)
+    _same_tokens(res, "after training")
+    assert all(r[2] > 1e-4 for r in res), [r[2] for r in res]
+
+
+def test_generate_after_from_pretrained(pool4, tmp_path):
+    """Catches a generate that cannot run on a model built on the meta device and loaded blocks."""
+    C.build("qwen2").save_pretrained(tmp_path)
+    _same_tokens(pool4.run(C.pretrained, str(tmp_path)), "from_pretrained")
+
+
+@pytest.mark.parametrize("family,grid,block", [("llama_gqa", (2, 2), [2, 1, 32, 16]),
+                                                ("llama", (1, 4), [4, 1, 32, 16]),
+                                                ("gpt2", (2, 2), [2, 2, 32, 16])])
+def test_cache_bytes_per_rank(pool4, family, grid, block):
+    """Catches a cache held whole (or split other than batch over rows, KV heads over columns) and a
+    formula that disagrees with what ranks allocate: 2 * layers * B/R * kv/C * L * head_dim * 4."""
+    layers, batch, length, head_dim = 2, 4, 32, 16
+    kv = 2 if family == "llama_gqa" else 4
+    formula = 2 * layers * (batch // grid[0]) * (kv // grid[1]) * length * head_dim * 4
+    for rank, (held, reported, shape) in enumerate(pool4.run(C.cache_bytes, family, grid)):
+        assert held == reported == formula, f"rank {rank}: held {held}, reported {reported}, formula {formula}"
+        assert shape == block, f"rank {rank}: block {shape}"
+
+
+def test_cache_bytes_formula_without_ranks():
+    """Catches the planning function drifting from the formula (Llama-7B shape on 8x8, fp16)."""
+    import transformers
+    cfg = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                                   num_key_value_heads=32)
+    assert kv_cache_bytes_per_rank(cfg, 8, 4096, (8, 8), torch.float16) == 2 * 32 * 1 * 4 * 4096 * 128 * 2
+    assert kv_cache_bytes_per_rank(cfg, 1, 4096, (8, 8), torch.float16) == 2 * 32 * 1 * 4 * 4096 * 128 * 2 * 1
+
+
+def test_refusals(pool4):
+    """Every refusal names what was wrong and what to do."""
+    for r in pool4.run(C.errors):
+        assert r["beyond cache"].startswith("ValueError") and "max_cache_len=16" in r["beyond cache"], r
+        assert "beam search is not supported" in r["beams"], r
+        assert "keywords it does not take: ['beam_width']" in r["unknown"], r
+        assert r["batch differs"].startswith("ValueError") and "different generations" in r["batch differs"], r
+        assert "needs a causal language model" in r["not causal"] and "LlamaModel" in r["not causal"], r
+        assert "encoder-decoder" in r["t5"] and "cross-attention cache" in r["t5"], r
