@@ -179,6 +179,7 @@ class Generator:
         self.programs: dict = {}  # (phase, B, L[, P]) -> Compiled
         self.cache: dict = {}  # buffer name -> this rank's block, for `cache_key`
         self.cache_key: tuple | None = None  # (B, L) the cache is allocated for
+        self._layout: Layout | None = None
 
     def program(self, phase: str, inputs: tuple, max_len: int) -> Compiled:
         """The program of `phase` for these inputs (input_ids, mask, positions, start), compiled once."""
@@ -215,12 +216,22 @@ class Generator:
             for node, (role, key) in zip(comp.gm.graph.find_nodes(op="placeholder"), comp.captured.sources):
                 if role == "buffer" and _cache_buffer(key):
                     v = node.meta["val"]
+                    self._layout = node.meta.get(PLACED, self._layout)
                     shape = local_shape(tuple(v.shape), node.meta.get(PLACED, Layout((Replicate(), Replicate()))),
                                         self.pmodel.grid.shape)
                     self.cache[key] = torch.zeros(shape, dtype=v.dtype, device=comp.captured.device)
             self.cache_key = (batch, max_len)
         for t in self.cache.values():
             t.zero_()
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the key and value blocks this rank holds (0 before the first generate)."""
+        return sum(t.numel() * t.element_size() for name, t in self.cache.items() if _cache_buffer(name) in ("k", "v"))
+
+    @property
+    def cache_layout(self) -> Layout | None:
+        """The layout of the keys and values [B, kv_heads, L, head_dim] allocated now."""
+        return self._layout
 
     def run(self, comp: Compiled, inputs: tuple) -> torch.Tensor:
         """One program on this rank's parameter and cache blocks; the logits [B, 1, V], whole."""

@@ -110,9 +110,9 @@ def refuse_kv_cache(kwargs) -> None:
     """A call that asks for a generation KV cache is refused before anything is traced or run."""
     if kwargs and kwargs.get("use_cache"):
         raise ValueError(
-            "use_cache=True asks for a generation KV cache, which autopar does not support: the 2D engine "
-            "compiles training/evaluation forwards only. Call the model without use_cache (autopar turns it "
-            "off) or with use_cache=False; for generation use the original model."
+            "use_cache=True asks for a generation KV cache, which a forward call of the parallel model does "
+            "not keep: call it without use_cache (autopar turns it off) or with use_cache=False; to "
+            "generate, call pmodel.generate(input_ids, ...), which keeps a KV cache split over the grid."
         )
 
 

@@ -174,4 +174,31 @@ def cache_bytes(rank, family, grid, batch=4, max_cache_len=32):
     pm.generate(ids, attention_mask=mask, max_new_tokens=2, max_cache_len=max_cache_len, pad_token_id=0)
     held = [t for name, t in pm._generator.cache.items() if name[0] in "kv"]
     return (sum(t.numel() * t.element_size() for t in held),
-            kv_cache_bytes_per_rank(model.config, batch, max_cache_len, grid), list(held[0].shape))
+            kv_cache_bytes_per_rank(model.config, batch, max_cache_len, grid), list(held[0].shape),
+            autopar.explain(pm))
+
+
+def inference(rank):
+    """Tensors autograd saved, and whether outputs need a gradient, for a forward under no_grad, one
+    under inference_mode and a generate (no grad mode set by the caller)."""
+    model = build("llama")
+    ids, mask = prompts()
+    pm = parallel(model, (2, 2), ids, mask)
+    saved = []
+
+    def count(mode):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            if mode == "generate":
+                out = pm.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+            else:
+                with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+                    out = pm(ids, attention_mask=mask).logits
+        return len(saved), out.requires_grad
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        pm(ids, attention_mask=mask)  # a training forward saves: the counter works
+    res = {"grad mode forward": len(saved)}
+    for mode in ("no_grad", "inference_mode", "generate"):
+        res[mode] = count(mode)
+    res["grads"] = [n for n, p in pm.named_parameters() if p.grad is not None]
+    return res

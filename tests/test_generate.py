@@ -63,9 +63,31 @@ def test_cache_bytes_per_rank(pool4, family, grid, block):
     layers, batch, length, head_dim = 2, 4, 32, 16
     kv = 2 if family == "llama_gqa" else 4
     formula = 2 * layers * (batch // grid[0]) * (kv // grid[1]) * length * head_dim * 4
-    for rank, (held, reported, shape) in enumerate(pool4.run(C.cache_bytes, family, grid)):
+    for rank, (held, reported, shape, text) in enumerate(pool4.run(C.cache_bytes, family, grid)):
         assert held == reported == formula, f"rank {rank}: held {held}, reported {reported}, formula {formula}"
         assert shape == block, f"rank {rank}: block {shape}"
+        assert f"kv_cache_bytes_per_rank {formula} " in text, text
+        assert "prefill (B=4 P=7, cache L=32)" in text and "decode  (B=4, one token each, cache L=32)" in text, text
+
+
+def test_plan_reports_cache_bytes():
+    """Catches autopar.plan's kv_cache_bytes_per_rank disagreeing with the formula (on one process)."""
+    import autopar
+    model = C.build("llama_gqa")
+    ids, mask = C.prompts()
+    pl = autopar.plan(model, (2, 2), (ids,), {"attention_mask": mask}, generation=(8, 128), measure_activations=False)
+    assert pl.kv_cache_bytes_per_rank == 2 * 2 * (8 // 2) * (2 // 2) * 128 * 16 * 4
+    assert pl.to_json()["kv_cache_bytes_per_rank"] == pl.kv_cache_bytes_per_rank
+
+
+def test_inference_saves_nothing_for_backward(pool4):
+    """Catches a forward under no_grad / inference_mode, or a generate, that still records autograd
+    state (saved activations, outputs needing a gradient) or leaves gradients on parameters."""
+    for rank, r in enumerate(pool4.run(C.inference)):
+        assert r["grad mode forward"] > 0, f"rank {rank}: the saved-tensor counter saw nothing in grad mode"
+        for mode in ("no_grad", "inference_mode", "generate"):
+            assert r[mode] == (0, False), f"rank {rank}: {mode}: (saved tensors, requires_grad) = {r[mode]}"
+        assert not r["grads"], f"rank {rank}: gradients after inference: {r['grads'][:3]}"
 
 
 def test_cache_bytes_formula_without_ranks():
