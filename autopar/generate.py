@@ -59,7 +59,7 @@ def cache_layout(batch: int, kv_heads: int, grid_shape: tuple) -> Layout:
     """Keys/values [B, kv_heads, L, head_dim]: batch over rows and KV heads over columns, each axis
     only where it divides its dim (otherwise that dim stays whole over the axis).
 
-    >>> cache_layout(8, 4, (2, 2)), cache_layout(1, 4, (2, 2)), cache_layout(8, 2, (1, 4))
+    >>> cache_layout(8, 4, (2, 2)), cache_layout(1, 4, (2, 2)), cache_layout(8, 2, (2, 4))
     (S(0)S(1), RS(1), S(0)R)
     """
     rows, cols = grid_shape
