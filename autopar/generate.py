@@ -154,8 +154,8 @@ def _cache_buffer(name) -> str:
 
 
 def _marked(cap, layout: Layout):
-    """The captured CachedLM with its parameters and buffers named as in the language model (the
-    `model.` prefix dropped) and its key/value buffers placed in `layout`."""
+    """The captured CachedLM with its parameters, buffers and module paths named as in the language
+    model (the `model.` prefix dropped) and its key/value buffers placed in `layout`."""
     def plain(name):
         return name[len(_PREFIX):] if isinstance(name, str) and name.startswith(_PREFIX) else name
 
@@ -164,6 +164,10 @@ def _marked(cap, layout: Layout):
             node.meta[PARAM] = plain(node.meta[PARAM])
         elif role == "buffer" and _cache_buffer(key) in ("k", "v"):
             node.meta[PLACED] = layout
+    for node in cap.gm.graph.nodes:  # module paths as in the language model (strategy units, explain)
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {k: (plain(path), cls) for k, (path, cls) in stack.items()}
     cap.sources = [(role, plain(key)) if role in ("param", "buffer") else (role, key) for role, key in cap.sources]
     cap.buffers = {plain(k): v for k, v in cap.buffers.items()}
     cap.persistent = set()

@@ -49,18 +49,18 @@ def prompts(batch: int = 4, length: int = 7, seed: int = 1, left_pad: bool = Tru
     return ids, mask
 
 
-def parallel(model, grid, ids, mask):
+def parallel(model, grid, ids, mask, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autopar.parallelize(model, grid, (ids,), {"attention_mask": mask})
+        return autopar.parallelize(model, grid, (ids,), {"attention_mask": mask}, **options)
 
 
-def greedy(rank, family, grid=(2, 2), batch=4, new=6, left_pad=True):
+def greedy(rank, family, grid=(2, 2), batch=4, new=6, left_pad=True, **options):
     """(tokens from the unmodified model's generate, tokens from pmodel.generate) on this rank."""
     model = build(family)
     ids, mask = prompts(batch, left_pad=left_pad)
     want = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
-    pm = parallel(model, grid, ids, mask)
+    pm = parallel(model, grid, ids, mask, **options)
     got = pm.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
     return want.tolist(), got.tolist()
 

@@ -24,6 +24,13 @@ def test_greedy_token_identical(pool4, family, grid):
     _same_tokens(pool4.run(C.greedy, family, grid), f"{family} {grid}")
 
 
+@pytest.mark.parametrize("strategy", ["1d", "auto"])
+def test_greedy_with_other_strategies(pool4, strategy):
+    """Catches generation programs that cannot repeat the forward's strategy (auto's units are keyed
+    by module path: the cache wrapper's paths must match the model's) or its 1D weight layouts."""
+    _same_tokens(pool4.run(C.greedy, "llama", (2, 2), strategy=strategy), f"llama 2x2 {strategy}")
+
+
 def test_sampling_identical_given_the_seed(pool4):
     """Catches a sampler that draws other numbers than transformers' (temperature, top-k, top-p
     warpers in its order, one multinomial per step) or that differs between ranks."""
