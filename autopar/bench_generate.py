@@ -3,7 +3,8 @@ transformers Llama-style model (`autopar.bench`'s) as:
 
 - one process, transformers' `generate` (its dynamic KV cache);
 - autopar `pmodel.generate` on a 2x2 grid, a 1x4 grid, and strategy='auto' on 2x2 (published cost
-  figures unless --cost-model names a file);
+  figures unless --cost-model names a file); the 2x2 model also with its decode planned 1D
+  (`decode_strategy='1d'`) and with both phases planned by the search (`'auto'`);
 - PyTorch's 1D tensor parallel (`parallelize_module` on the HF model, as `autopar.bench` builds it)
   with transformers' `generate`, on 4 ranks;
 
@@ -34,21 +35,24 @@ PROMPT, NEW, BATCHES = 32, 8, (1, 8)
 
 
 def _generate(m, ids, new):
+    model, extra = m
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-              pad_token_id=0)
-    return m.generate(ids, **kw)
+              pad_token_id=0, **extra)
+    return model.generate(ids, **kw)
 
 
 def _configs(rank, cost_model) -> dict:
     base = _model().eval()
     ids = torch.randint(1, CONFIG["vocab_size"], (8, PROMPT))
     kw = {"attention_mask": torch.ones_like(ids)}
-    out = {"one process": base} if rank == 0 else {}
+    out = {"one process": (base, {})} if rank == 0 else {}
     for name, grid, strategy in (("autopar 2x2", (2, 2), "2d"), ("autopar 1x4", (1, 4), "2d"),
                                  ("autopar auto 2x2", (2, 2), "auto")):
         pm = autopar.parallelize(copy.deepcopy(base), grid, (ids,), kw, strategy=strategy, cost_model=cost_model)
-        out[name] = pm.eval()
-    out["PyTorch 1D TP (4 ranks)"] = _tp_1d(copy.deepcopy(base)).eval()
+        out[name] = (pm.eval(), {})
+    out["autopar 2x2, decode 1d"] = (out["autopar 2x2"][0], {"decode_strategy": "1d"})
+    out["autopar 2x2, phases auto"] = (out["autopar 2x2"][0], {"prefill_strategy": "auto", "decode_strategy": "auto"})
+    out["PyTorch 1D TP (4 ranks)"] = (_tp_1d(copy.deepcopy(base)).eval(), {})
     return out
 
 
@@ -57,7 +61,7 @@ def _measure(m, ids, world) -> tuple:
     res = []
     for new in (1, 1 + NEW):
         counter = FunctionalCommBytes(world)
-        grid = getattr(m, "grid", None)
+        grid = getattr(m[0], "grid", None)
         if grid is not None:
             grid.log.reset()
         t0 = time.perf_counter()
@@ -71,7 +75,8 @@ def worker(rank, world, port, rounds, out, cost_model):
     init_local(rank, world, port)
     torch.manual_seed(0)
     configs = _configs(rank, cost_model)
-    names = ["one process", "autopar 2x2", "autopar 1x4", "autopar auto 2x2", "PyTorch 1D TP (4 ranks)"]
+    names = ["one process", "autopar 2x2", "autopar 1x4", "autopar auto 2x2", "autopar 2x2, decode 1d",
+             "autopar 2x2, phases auto", "PyTorch 1D TP (4 ranks)"]
     results = {}
     for batch in BATCHES:
         ids = torch.randint(1, CONFIG["vocab_size"], (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
@@ -87,7 +92,8 @@ def worker(rank, world, port, rounds, out, cost_model):
             prefill = statistics.median(s[0] for s in runs)
             decode = statistics.median((s[1] - s[0]) / NEW for s in runs)
             moved = (runs[-1][3] - runs[-1][2]) / (NEW * batch)
-            cache = configs[k]._generator.kv_cache_bytes() if hasattr(configs[k], "_generator") else None
+            model = configs[k][0]
+            cache = model._generator.kv_cache_bytes() if hasattr(model, "_generator") else None
             results[f"{k}|{batch}"] = {"prefill_tok_s": batch * PROMPT / prefill, "decode_tok_s": batch / decode,
                                        "bytes_per_decoded_token": moved, "kv_cache_bytes_per_rank": cache}
     everyone = [None] * world

@@ -25,6 +25,7 @@ unmodified model's, and sampling matches when every rank seeds its generator ali
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 import re
@@ -180,20 +181,24 @@ class Generator:
 
     def __init__(self, pmodel):
         self.pmodel = pmodel
-        self.programs: dict = {}  # (phase, B, L[, P]) -> Compiled
+        self.programs: dict = {}  # (phase, B, L[, P], strategy) -> Compiled
+        self.layouts: dict = {}  # the same keys -> the parameter layouts that program reads
         self.cache: dict = {}  # buffer name -> this rank's block, for `cache_key`
         self.cache_key: tuple | None = None  # (B, L) the cache is allocated for
         self._layout: Layout | None = None
+        self.relaid: dict = {}  # (parameter, Layout) -> this rank's block, for one generate call
 
-    def program(self, phase: str, inputs: tuple, max_len: int) -> Compiled:
-        """The program of `phase` for these inputs (input_ids, mask, positions, start), compiled once."""
+    def program(self, phase: str, inputs: tuple, max_len: int, strategy: str | None = None) -> Compiled:
+        """The program of `phase` for these inputs (input_ids, mask, positions, start), compiled once.
+        `strategy` None: the forward's plan on the parameters as stored; '2d', '1d' or 'auto': that
+        strategy for this phase alone (parameters it wants laid out otherwise are copied per call)."""
         batch, length = inputs[0].shape
-        key = (phase, batch, max_len) + ((length,) if phase == "prefill" else ())
+        key = (phase, batch, max_len) + ((length,) if phase == "prefill" else ()) + (strategy,)
         if key not in self.programs:
-            self.programs[key] = self._compile(key, inputs, max_len)
+            self.programs[key], self.layouts[key] = self._compile(key, inputs, max_len, strategy)
         return self.programs[key]
 
-    def _compile(self, key: tuple, inputs: tuple, max_len: int) -> Compiled:
+    def _compile(self, key: tuple, inputs: tuple, max_len: int, strategy: str | None) -> tuple:
         pm = self.pmodel
         model = pm.source_model
         meta = any(p.is_meta for p in model.parameters())
@@ -207,11 +212,15 @@ class Generator:
         finally:
             model.train(was)
         cap = _marked(cap, cache_layout(batch, kv, pm.grid.shape))
-        first = next(iter(pm._compiled.values()))
-        comp, _ = compile_captured(cap, ("generate",) + key, pm.grid, pm._options, first.choice,
-                                   pinned=pm._param_layouts)
+        if strategy is None:
+            first = next(iter(pm._compiled.values()))
+            comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, pm._options, first.choice,
+                                             pinned=pm._param_layouts)
+        else:
+            options = dataclasses.replace(pm._options, strategy=strategy)
+            comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, options)
         pm._check_parameters(comp, inputs, {})
-        return comp
+        return comp, layouts
 
     def allocate(self, comp: Compiled, batch: int, max_len: int) -> None:
         """This rank's cache blocks for (batch, max_len), zeroed; kept for the next generation of that size."""
@@ -237,13 +246,25 @@ class Generator:
         """The layout of the keys and values [B, kv_heads, L, head_dim] allocated now."""
         return self._layout
 
+    def _param(self, name: str, layout: Layout | None) -> torch.Tensor:
+        """This rank's block of parameter `name` in `layout`: the stored block, or (a phase planned
+        with its own strategy) a copy laid out so, made once per generate call (same order on every
+        rank: the programs' placeholder order)."""
+        p = self.pmodel.get_parameter(name)
+        if layout is None or tuple(layout.placements) == tuple(p.placements):
+            return p.to_local()
+        if (name, layout) not in self.relaid:
+            self.relaid[(name, layout)] = p.detach().redistribute(p.device_mesh, list(layout.placements)).to_local()
+        return self.relaid[(name, layout)]
+
     def run(self, comp: Compiled, inputs: tuple) -> torch.Tensor:
         """One program on this rank's parameter and cache blocks; the logits [B, 1, V], whole."""
         pm = self.pmodel
+        layouts = self.layouts.get(comp.signature[1:], {})
         locals_ = []
         for role, key in comp.captured.sources:
             if role == "param":
-                locals_.append(pm.get_parameter(key).to_local())
+                locals_.append(self._param(key, layouts.get(key)))
             elif role == "buffer":
                 locals_.append(self.cache[key] if key in self.cache else _buffer(pm, key))
             elif role == "constant":
@@ -269,7 +290,8 @@ def _buffer(pm, name: str) -> torch.Tensor:
 
 
 def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-             max_cache_len: int | None = None, generation_config=None, **kwargs):
+             max_cache_len: int | None = None, prefill_strategy: str | None = None,
+             decode_strategy: str | None = None, generation_config=None, **kwargs):
     """`pmodel.generate`: see `autopar.api.ParallelModule.generate`."""
     from transformers.generation import GenerateDecoderOnlyOutput, StoppingCriteriaList
 
@@ -281,6 +303,10 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
         raise TypeError(f"pmodel.generate got keywords it does not take: {sorted(unknown)}; it takes "
                         f"input_ids, attention_mask, max_cache_len and GenerationConfig fields")
     _refuse_beams(gc)
+    for name, value in (("prefill_strategy", prefill_strategy), ("decode_strategy", decode_strategy)):
+        if value not in (None, "2d", "1d", "auto"):
+            raise ValueError(f"pmodel.generate: {name}={value!r}: expected None (the forward's plan), '2d', "
+                             f"'1d' or 'auto'")
     batch, prompt = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -311,30 +337,34 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     inputs = (input_ids, mask, positions, torch.tensor(0, device=device))
     scores, logits_seen = [], []
     sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.long, device=device)
-    with torch.no_grad():
-        comp = gen.program("prefill", inputs, max_len)
-        gen.allocate(comp, batch, max_len)
-        logits = gen.run(comp, inputs)
-        while True:
-            raw = logits[:, -1].to(dtype=torch.float32, copy=True)
-            chosen = processors(sequences, raw)
-            if gc.do_sample:
-                tokens = torch.multinomial(torch.softmax(chosen, dim=-1), num_samples=1).squeeze(1)
-            else:
-                tokens = torch.argmax(chosen, dim=-1)
-            if eos_stops:
-                tokens = tokens * unfinished + gc._pad_token_tensor * (1 - unfinished)
-            scores.append(chosen)
-            logits_seen.append(raw)
-            sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
-            unfinished = unfinished & ~stopping(sequences, tuple(scores))
-            if unfinished.max() == 0:
-                break
-            slot = sequences.shape[1] - 1  # the new token's cache slot
-            mask[:, slot] = 1
-            positions = positions[:, -1:] + 1
-            inputs = (tokens[:, None], mask, positions, torch.tensor(slot, device=device))
-            logits = gen.run(gen.program("decode", inputs, max_len), inputs)
+    gen.relaid = {}  # parameters laid out for a phase's own strategy: copied from this call's weights
+    try:
+        with torch.no_grad():
+            comp = gen.program("prefill", inputs, max_len, prefill_strategy)
+            gen.allocate(comp, batch, max_len)
+            logits = gen.run(comp, inputs)
+            while True:
+                raw = logits[:, -1].to(dtype=torch.float32, copy=True)
+                chosen = processors(sequences, raw)
+                if gc.do_sample:
+                    tokens = torch.multinomial(torch.softmax(chosen, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    tokens = torch.argmax(chosen, dim=-1)
+                if eos_stops:
+                    tokens = tokens * unfinished + gc._pad_token_tensor * (1 - unfinished)
+                scores.append(chosen)
+                logits_seen.append(raw)
+                sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+                unfinished = unfinished & ~stopping(sequences, tuple(scores))
+                if unfinished.max() == 0:
+                    break
+                slot = sequences.shape[1] - 1  # the new token's cache slot
+                mask[:, slot] = 1
+                positions = positions[:, -1:] + 1
+                inputs = (tokens[:, None], mask, positions, torch.tensor(slot, device=device))
+                logits = gen.run(gen.program("decode", inputs, max_len, decode_strategy), inputs)
+    finally:
+        gen.relaid = {}
     if not gc.return_dict_in_generate:
         return sequences
     return GenerateDecoderOnlyOutput(sequences=sequences,

@@ -202,3 +202,14 @@ def inference(rank):
         res[mode] = count(mode)
     res["grads"] = [n for n, p in pm.named_parameters() if p.grad is not None]
     return res
+
+
+def phase_strategies(rank, prefill, decode):
+    """Greedy tokens (unmodified model, pmodel with its own strategy per phase), and explain's text."""
+    model = build("llama")
+    ids, mask = prompts()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    pm = parallel(model, (2, 2), ids, mask)
+    got = pm.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                      prefill_strategy=prefill, decode_strategy=decode)
+    return want.tolist(), got.tolist(), autopar.explain(pm), len(pm._generator.relaid)

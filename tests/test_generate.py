@@ -31,6 +31,20 @@ def test_greedy_with_other_strategies(pool4, strategy):
     _same_tokens(pool4.run(C.greedy, "llama", (2, 2), strategy=strategy), f"llama 2x2 {strategy}")
 
 
+@pytest.mark.parametrize("prefill,decode", [("2d", "1d"), (None, "auto")])
+def test_a_strategy_per_phase(pool4, prefill, decode):
+    """Catches a phase planned with its own strategy reading the stored blocks as if laid out for it
+    (its parameters must be copied into its layouts), a copy kept after the call, and explain not
+    showing each phase's plan."""
+    res = pool4.run(C.phase_strategies, prefill, decode)
+    _same_tokens(res, f"prefill {prefill}, decode {decode}")
+    for rank, (_, _, text, kept) in enumerate(res):
+        assert kept == 0, f"rank {rank}: {kept} relaid parameter blocks kept after generate"
+        want = "2d (this phase's own)" if prefill else "2d (the forward's plan)"
+        assert want in text.split("decode")[0], text
+        assert ("1d (this phase's own)" if decode == "1d" else "auto (this phase's own): ") in text, text
+
+
 def test_sampling_identical_given_the_seed(pool4):
     """Catches a sampler that draws other numbers than transformers' (temperature, top-k, top-p
     warpers in its order, one multinomial per step) or that differs between ranks."""
