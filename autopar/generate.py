@@ -297,31 +297,14 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
 
     model = pmodel.source_model
     _refuse(model)
-    gc = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    unknown = gc.update(**kwargs)
-    if unknown:
-        raise TypeError(f"pmodel.generate got keywords it does not take: {sorted(unknown)}; it takes "
-                        f"input_ids, attention_mask, max_cache_len and GenerationConfig fields")
-    _refuse_beams(gc)
+    batch, prompt = input_ids.shape
+    gc, max_len = _config(model, generation_config, kwargs, prompt, max_cache_len)
     for name, value in (("prefill_strategy", prefill_strategy), ("decode_strategy", decode_strategy)):
         if value not in (None, "2d", "1d", "auto"):
             raise ValueError(f"pmodel.generate: {name}={value!r}: expected None (the forward's plan), '2d', "
                              f"'1d' or 'auto'")
-    batch, prompt = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    if gc.max_new_tokens is not None:
-        gc.max_length = prompt + gc.max_new_tokens
-    new = gc.max_length - prompt
-    max_len = max_cache_len or -(-gc.max_length // BUCKET) * BUCKET
-    if new < 1 or gc.max_length > max_len:
-        raise ValueError(
-            f"pmodel.generate: a prompt of {prompt} tokens plus max_new_tokens={new} needs {gc.max_length} "
-            f"cache slots, but max_cache_len={max_len}; pass a larger max_cache_len (or none: the cache is "
-            f"then sized to the request) or fewer new tokens" if new >= 1 else
-            f"pmodel.generate: max_length={gc.max_length} leaves no new token after a prompt of {prompt}; "
-            f"pass max_new_tokens >= 1"
-        )
     _agree(pmodel.grid, (batch, prompt, max_len, bool(gc.do_sample)))
     device = input_ids.device
     model._prepare_special_tokens(gc, True, device=device)
@@ -344,14 +327,8 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
             gen.allocate(comp, batch, max_len)
             logits = gen.run(comp, inputs)
             while True:
-                raw = logits[:, -1].to(dtype=torch.float32, copy=True)
-                chosen = processors(sequences, raw)
-                if gc.do_sample:
-                    tokens = torch.multinomial(torch.softmax(chosen, dim=-1), num_samples=1).squeeze(1)
-                else:
-                    tokens = torch.argmax(chosen, dim=-1)
-                if eos_stops:
-                    tokens = tokens * unfinished + gc._pad_token_tensor * (1 - unfinished)
+                tokens, chosen, raw = _next_tokens(gc, processors, sequences, logits,
+                                                   unfinished if eos_stops else None)
                 scores.append(chosen)
                 logits_seen.append(raw)
                 sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
@@ -370,6 +347,45 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     return GenerateDecoderOnlyOutput(sequences=sequences,
                                      scores=tuple(scores) if gc.output_scores else None,
                                      logits=tuple(logits_seen) if gc.output_logits else None)
+
+
+def _next_tokens(gc, processors, sequences, logits, unfinished) -> tuple:
+    """(the next token of each row, its processed scores, the raw last-position logits), as
+    transformers' sampling loop picks them; rows already finished (`unfinished` 0) get the pad token."""
+    raw = logits[:, -1].to(dtype=torch.float32, copy=True)  # [B, V]
+    chosen = processors(sequences, raw)
+    if gc.do_sample:
+        tokens = torch.multinomial(torch.softmax(chosen, dim=-1), num_samples=1).squeeze(1)
+    else:
+        tokens = torch.argmax(chosen, dim=-1)
+    if unfinished is not None:
+        tokens = tokens * unfinished + gc._pad_token_tensor * (1 - unfinished)
+    return tokens, chosen, raw
+
+
+def _config(model, generation_config, kwargs: dict, prompt: int, max_cache_len: int | None) -> tuple:
+    """(the GenerationConfig of this call: the model's, or the one given, updated by `kwargs`; the
+    cache length), refusing unknown keywords, beam search and a request beyond `max_cache_len`."""
+    gc = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    unknown = gc.update(**kwargs)
+    if unknown:
+        raise TypeError(f"pmodel.generate got keywords it does not take: {sorted(unknown)}; it takes "
+                        f"input_ids, attention_mask, max_cache_len, prefill_strategy, decode_strategy and "
+                        f"GenerationConfig fields")
+    _refuse_beams(gc)
+    if gc.max_new_tokens is not None:
+        gc.max_length = prompt + gc.max_new_tokens
+    new = gc.max_length - prompt
+    if new < 1:
+        raise ValueError(f"pmodel.generate: max_length={gc.max_length} leaves no new token after a prompt of "
+                         f"{prompt}; pass max_new_tokens >= 1")
+    max_len = max_cache_len or -(-gc.max_length // BUCKET) * BUCKET
+    if gc.max_length > max_len:
+        raise ValueError(
+            f"pmodel.generate: a prompt of {prompt} tokens plus max_new_tokens={new} needs {gc.max_length} "
+            f"cache slots, but max_cache_len={max_len}; pass a larger max_cache_len (or none: the cache is "
+            f"then sized to the request) or fewer new tokens")
+    return gc, max_len
 
 
 def _agree(grid, mine: tuple) -> None:
