@@ -8,14 +8,18 @@ collectives, localize) from the model wrapped with a static cache (`CachedLM`):
 
 The cache is two buffers per layer, keys and values [B, kv_heads, L, head_dim], marked `PLACED`
 before propagation: batch over the grid rows, KV heads over the columns (`S(0)S(1)`; an axis that
-does not divide its dim keeps it whole). Each rank allocates only its block and the programs write
-the new tokens' keys and values into it in place (`index_copy_`), so the cache is never whole on any
-rank and a decode step computes only the new token: the prefix is read from the cache.
+does not divide its dim keeps it whole over that axis). Each rank allocates only its block and the
+programs write the new tokens' keys and values into it in place (`index_copy_`), so the cache is
+whole on a rank only where neither axis divides, and a decode step computes only the new token: the
+prefix is read from the cache.
 
-Programs are keyed by (phase, batch B, cache length L, and for prefill the prompt length P). L is the
-cache length bucket: `max_cache_len` when given, else prompt + max_new_tokens rounded up to a multiple
-of `BUCKET`; one decode program serves every step of every generation with the same (B, L). Every
-program reads the parameters' current blocks, so a model generates right after training steps.
+Programs are keyed by (phase, batch B, cache length L, for prefill the prompt length P, and the
+phase's strategy). L is the cache length bucket: `max_cache_len` when given, else prompt +
+max_new_tokens rounded up to a multiple of `BUCKET`; one decode program serves every step of every
+generation with the same (B, L). A phase's strategy None runs the forward's plan on the parameter
+blocks as stored; '2d', '1d' or 'auto' plans that phase alone, and the parameters it wants laid out
+otherwise are redistributed into copies once per generate call. Every program reads the
+parameters' current blocks, so a model generates right after training steps.
 
 Token choice follows transformers' `GenerationMixin` (its logits processors, stopping criteria and
 special-token handling, on full last-position logits gathered on every rank): greedy output is the
