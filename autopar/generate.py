@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from passes.layout import Layout, local_shape
 from passes.meta import PARAM, PLACED
 from passes.ops import comm
+from autopar.guards import fingerprint
 from autopar.pipeline import Compiled, capture, compile_captured
 
 __all__ = ["BUCKET", "CachedLM", "Generator", "cache_layout", "kv_cache_bytes_per_rank"]
@@ -309,7 +310,8 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
                              f"'1d' or 'auto'")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    _agree(pmodel.grid, (batch, prompt, max_len, bool(gc.do_sample)))
+    _agree(pmodel.grid, (batch, prompt, max_len, bool(gc.do_sample), fingerprint(input_ids)[-12:],
+                         fingerprint(attention_mask)[-12:]))
     device = input_ids.device
     model._prepare_special_tokens(gc, True, device=device)
     processors = model._get_logits_processor(generation_config=gc, input_ids_seq_length=prompt,
@@ -393,15 +395,16 @@ def _config(model, generation_config, kwargs: dict, prompt: int, max_cache_len: 
 
 
 def _agree(grid, mine: tuple) -> None:
-    """Every rank of a grid asks for the same generation (batch, prompt length, cache length, sampling):
-    the programs run collectives and would hang or mix blocks otherwise."""
+    """Every rank of a grid asks for the same generation (batch, prompt length, cache length, sampling,
+    and a hash of input_ids and attention_mask): the programs run collectives and would hang or mix
+    blocks otherwise."""
     everyone = [None] * grid.world
     with comm.guarded(grid, "generate all-gather", "grid", "generate"):
         dist.all_gather_object(everyone, mine, group=grid.world_group)
     base = grid.dp_index * grid.world
     differ = [base + r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
-        names = "(batch size, prompt length, cache length, do_sample)"
+        names = "(batch size, prompt length, cache length, do_sample, input_ids hash, attention_mask hash)"
         raise ValueError(
             f"pmodel.generate: ranks of one grid asked for different generations {names}: rank {base} "
             f"{everyone[0]}, ranks {differ} {[everyone[r - base] for r in differ]}; every rank of a grid "

@@ -148,6 +148,7 @@ def errors(rank):
         "beams": _error(lambda: pm.generate(ids, max_new_tokens=4, num_beams=2)),
         "unknown": _error(lambda: pm.generate(ids, max_new_tokens=4, beam_width=2)),
         "batch differs": _error(lambda: pm.generate(ids[: 2 if rank == 3 else 4], max_new_tokens=2)),
+        "ids differ": _error(lambda: pm.generate(ids + (rank == 1), max_new_tokens=2)),
     }
     torch.manual_seed(0)
     base = T.LlamaModel(CONFIGS["llama"]()).eval()

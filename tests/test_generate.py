@@ -127,5 +127,6 @@ def test_refusals(pool4):
         assert "beam search is not supported" in r["beams"], r
         assert "keywords it does not take: ['beam_width']" in r["unknown"], r
         assert r["batch differs"].startswith("ValueError") and "different generations" in r["batch differs"], r
+        assert "ranks [1]" in r["ids differ"] and "input_ids hash" in r["ids differ"], r
         assert "needs a causal language model" in r["not causal"] and "LlamaModel" in r["not causal"], r
         assert "encoder-decoder" in r["t5"] and "cross-attention cache" in r["t5"], r
