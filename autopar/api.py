@@ -22,6 +22,7 @@ from passes.mesh import warn
 from passes.meta import PARAM
 from passes.options import DEFAULTS, Options
 from autopar import hf_compat, outputs
+from autopar.generate import Generator, generate as generate_tokens
 from autopar.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
 from autopar.pipeline import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
                               refuse_kv_cache, signature)
@@ -210,6 +211,24 @@ class ParallelModule(nn.Module):
             outs = self._run(comp, locals_)
         wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """Generate from a causal LM as transformers' `model.generate` does (greedy or sampling:
+        max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+        return_dict_in_generate, ...), on every rank with the same inputs; returns the sequences
+        [B, prompt + new] (or a GenerateDecoderOnlyOutput), the same on every rank. A left-padded batch
+        passes its attention_mask. `max_cache_len`: the KV cache slots to prepare (default: the request
+        rounded up to a multiple of 64). The cache is split over the grid (batch over rows, KV heads
+        over columns); a prefill and a decode program are compiled once per (batch, cache length) and
+        reused (see `autopar.generate`). `prefill_strategy` / `decode_strategy`: None (the forward's
+        plan), '2d', '1d' or 'auto' to plan that phase on its own. Runs under torch.no_grad()."""
+        return generate_tokens(self, input_ids, attention_mask, **kwargs)
+
+    @property
+    def _generator(self) -> Generator:
+        if "_gen" not in self.__dict__:
+            self.__dict__["_gen"] = Generator(self)
+        return self.__dict__["_gen"]
 
     def _validate_inputs(self, flat, comp) -> None:
         device = comp.captured.device

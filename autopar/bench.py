@@ -272,8 +272,14 @@ def main(argv=None) -> int:
 
 
 def run(ns) -> int:
-    """The benchmark for parsed flags (see `autopar bench --help`)."""
+    """The benchmark for parsed flags (see `autopar bench --help`); --generate runs
+    `autopar.bench_generate` instead."""
     import tempfile
+
+    if getattr(ns, "generate", False):
+        from autopar import bench_generate
+
+        return bench_generate.run(ns)
 
     from autopar.report import require_matplotlib
 

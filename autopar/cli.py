@@ -228,6 +228,9 @@ def add_bench_arguments(p) -> None:
                                                   "'autopar[plot]')")
     p.add_argument("--cost-model", metavar="FILE", help="`autopar calibrate` JSON for strategy='auto' "
                                                         "(default: measured here first, on 2x2)")
+    p.add_argument("--generate", action="store_true", help="measure generation instead: prefill and decode "
+                   "tokens/s at batch 1 and 8, bytes per decoded token, and the planner's Llama-7B projection "
+                   "(see autopar.bench_generate)")
 
 
 def bench_cmd(ns) -> int:

@@ -37,8 +37,8 @@ from passes.rules import arg
 from autopar import calibrate
 from autopar.guards import check_mixed_dtypes, handshake
 
-__all__ = ["Compiled", "FallbackWarning", "capture", "compile_program", "resolve_cost_model", "signature",
-           "cache_off_kwargs", "refuse_kv_cache", "input_device"]
+__all__ = ["Compiled", "FallbackWarning", "capture", "compile_program", "compile_captured", "resolve_cost_model",
+           "signature", "cache_off_kwargs", "refuse_kv_cache", "input_device"]
 
 
 class FallbackWarning(UserWarning):
@@ -110,9 +110,9 @@ def refuse_kv_cache(kwargs) -> None:
     """A call that asks for a generation KV cache is refused before anything is traced or run."""
     if kwargs and kwargs.get("use_cache"):
         raise ValueError(
-            "use_cache=True asks for a generation KV cache, which autopar does not support: the 2D engine "
-            "compiles training/evaluation forwards only. Call the model without use_cache (autopar turns it "
-            "off) or with use_cache=False; for generation use the original model."
+            "use_cache=True asks for a generation KV cache, which a forward call of the parallel model does "
+            "not keep: call it without use_cache (autopar turns it off) or with use_cache=False; to "
+            "generate, call pmodel.generate(input_ids, ...), which keeps a KV cache split over the grid."
         )
 
 
@@ -191,7 +191,13 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
     new shapes repeats instead of searching again), propagate, insert collectives, localize. `pinned`:
     the parameter layouts of an earlier compile, kept as they are (see `passes.propagate`). Ops that
     run gathered whole are named in one FallbackWarning. A 1x1 grid runs the captured graph as it is."""
-    cap = capture(model, args, kwargs)
+    return compile_captured(capture(model, args, kwargs), signature(args, kwargs, model.training), grid,
+                            options, choice, pinned)
+
+
+def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, choice=None, pinned=None) -> tuple:
+    """`compile_program` from a graph already captured (and, for generation, marked: `autopar.generate`
+    renames its parameters and places its cache before this runs); `key` becomes its signature."""
     chosen = None
     if grid.world > 1 and options.strategy == "1d":
         strategies.fixed(cap.gm, "1d")
@@ -219,7 +225,6 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
             f"autopar: {len(prop.gathering_fallbacks)} op(s) run unsplit (gathered whole, computed on every "
             f"rank, split again):\n{lines}",
             FallbackWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    key = signature(args, kwargs, model.training)
     return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm), chosen, key), prop.param_layouts

@@ -32,6 +32,7 @@ from passes import strategy as strategies
 from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options
 from autopar.explain import graph_rows
+from autopar.generate import kv_cache_bytes_per_rank
 from passes.compat import fake_store, fake_tensor_mode, pytree
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
@@ -59,6 +60,7 @@ class Plan:
     gm: object = field(default=None, repr=False)
     strategy: str = "2d"
     choice: object = field(default=None, repr=False)  # strategy='auto': passes.strategy.Choice
+    kv_cache_bytes_per_rank: int | None = None  # plan(..., generation=(B, L)): the split KV cache a rank holds
 
     @property
     def comm_bytes_per_rank_per_step(self) -> int:
@@ -95,6 +97,7 @@ class Plan:
             "fallback_nodes": [{"node": f.node.name, "op": str(f.node.target), "module": f.path,
                                 "reason": f.reason, "costly": f.costly} for f in self.fallbacks],
             "nodes": [asdict(r) for r in self.rows],
+            "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
         }
 
 
@@ -141,12 +144,14 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
          indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
          measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
          cost_model=DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
-         search_budget: float | None = DEFAULTS.search_budget) -> Plan:
+         search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
     the options are validated as `parallelize` validates them (ops without a split form are planned
     replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
     `Plan.choice` holds the assignment, its estimate, each unit's alternatives and the estimates of
-    fixed 2D and fixed 1D."""
+    fixed 2D and fixed 1D. `generation=(batch, max_cache_len)`: also the bytes of KV cache a rank holds
+    to generate with that batch and cache length (`Plan.kv_cache_bytes_per_rank`, see
+    `autopar.generate.kv_cache_bytes_per_rank`), in the parameters' dtype."""
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
                       cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget)
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
@@ -166,6 +171,9 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
                   flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice)
+    if generation is not None:
+        dtype = next(model.parameters()).dtype
+        result.kv_cache_bytes_per_rank = kv_cache_bytes_per_rank(model.config, *generation, mesh, dtype)
     if measure_activations is None:
         measure_activations = not dist.is_initialized()
     if measure_activations:

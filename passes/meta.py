@@ -22,6 +22,8 @@ Each entry: the value, on which nodes, written by -> read by.
   insert_collectives for the nodes it adds -> insert_collectives, localize, kernelspec, cost, autopar.
 - `STRATEGY`: the rule's Strategy, on call nodes. propagate -> insert_collectives, estimate,
   autopar.explain (inserted kernels keep the strategy of the node they replace).
+- `PLACED`: a Layout fixed before propagation, on buffer placeholders each rank holds only its block
+  of (a generation KV cache: batch over rows, KV heads over columns). autopar.generate -> propagate.
 - `INSERTED`: True, on Redistribute and GradSync nodes. insert_collectives -> insert_collectives
   (which skips them), autopar.explain.
 - `KERNEL`: the KernelSpec, on every module node insert_collectives adds. insert_collectives ->
@@ -44,3 +46,4 @@ LAYOUT = "autopar_layout"
 STRATEGY = "autopar_strategy"
 INSERTED = "autopar_inserted"
 KERNEL = "autopar_kernel"
+PLACED = "autopar_placed"

@@ -4,7 +4,8 @@ Requires `node.meta["val"]` (from torch.export) and `node.meta[ROLE]` on placeho
 `capture`). Adds `node.meta[LAYOUT]` (a Layout, or a tuple for multi-output ops) and, on
 call nodes, `node.meta[STRATEGY]` (the rule's Strategy).
 
-One pass in topological order. User inputs, buffers and constants start replicated; a parameter has
+One pass in topological order. User inputs, buffers and constants start replicated (a buffer
+marked `PLACED`, a generation KV cache, starts in that layout); a parameter has
 no layout until its first consumer asks for one, so a weight is stored the way its matmul or lookup
 wants it. A tied parameter (one tensor, two uses) keeps the layout of its first use; the second use
 sees it already placed and adapts (an LM head on an embedding table becomes SUMMA ABT). Transposes of
@@ -33,7 +34,7 @@ from torch.fx import GraphModule, Node
 from passes.compat import HigherOrderOperator
 from passes.functionalize import writes_first_arg
 from passes.layout import REPLICATED, Layout, ShardingError, mesh_shape, moved, parts, split_dim
-from passes.meta import CHOICE, LAYOUT, PARAM, ROLE, STRATEGY
+from passes.meta import CHOICE, LAYOUT, PARAM, PLACED, ROLE, STRATEGY
 from passes.options import DEFAULTS, Options
 from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
 from passes.rules.fallback import creation, fallback
@@ -180,7 +181,8 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
     keeps their results under that key."""
     if node.op == "placeholder":
         role = node.meta.get(ROLE)
-        layouts[node] = res.param_layouts.get(node.meta.get(PARAM)) if role == "param" else REPLICATED
+        layouts[node] = res.param_layouts.get(node.meta.get(PARAM)) if role == "param" \
+            else node.meta.get(PLACED, REPLICATED)
     elif node.op == "get_attr":
         layouts[node] = REPLICATED
     elif node.op == "call_function":

@@ -210,3 +210,26 @@ def test_fewer_kv_heads_parity(pool4, grid, family, force_gqa):
     over 4. Logits, loss and every gradient on every rank; parameters at most 1.1/p per rank."""
     for r in _hf(pool4, family, grid, force_gqa):
         assert r["fraction"] <= 1.1, r["fraction"]
+
+
+class CacheWrite(nn.Module):
+    """A KV cache write: keys of the new tokens copied into a [B, heads, L, head_dim] tensor at their
+    slots, both split batch over rows and heads over columns by the projections that make them."""
+
+    def __init__(self):
+        super().__init__()
+        self.old = nn.Linear(H, H, bias=False)
+        self.new = nn.Linear(H, H, bias=False)
+
+    def forward(self, x, y, slots):
+        cache = self.old(x).view(B, S_, NH, H // NH).transpose(1, 2)  # [B, NH, L, hd]
+        keys = self.new(y).view(B, 2, NH, H // NH).transpose(1, 2)  # [B, NH, 2, hd]
+        return cache.index_copy(2, slots, keys) * 2
+
+
+@pytest.mark.parametrize("q", QS)
+def test_index_copy_cache_write(q):
+    """Catches the cache-write rule writing a block into the wrong rank's slots or asking the slot
+    dim to be split (pmodel.generate's static cache is written this way, in place)."""
+    args = (torch.randn(B, S_, H), torch.randn(B, 2, H), torch.tensor([1, 4]))
+    check_local_rules(CacheWrite(), args, q, expect=(aten.index_copy,))

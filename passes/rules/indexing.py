@@ -52,3 +52,18 @@ def index(node, layouts, mesh):
         lay = Layout(tuple(Replicate() if split_dim(p) == d else p for p in lay.placements))
     out = Layout(tuple(moved(p, to[p.dim]) if split_dim(p) is not None else p for p in lay.placements))
     return Strategy({**{t: REPLICATED for t in tensors}, x: lay}, out)
+
+
+@register(aten.index_copy_.default, aten.index_copy.default)
+def index_copy(node, layouts, mesh):
+    """`cache.index_copy_(dim, pos, new)` (a static KV cache written at the new tokens' slots): each
+    rank writes its block of `new` into its block of `cache`, so `dim` must be whole in the cache's
+    layout; `new` is brought to that layout and the positions arrive whole."""
+    x, dim, index, src = node.args[:4]
+    nd = len(shape(x))
+    lay = (layouts.get(x) or REPLICATED).normalized(nd)
+    if lay.has_partial:
+        raise Unsupported("index_copy into a partial sum")
+    if any(split_dim(p) == dim % nd for p in lay.placements):
+        raise Unsupported(f"index_copy along dim {dim}, which is split")
+    return Strategy({x: lay, index: REPLICATED, src: lay}, lay)

@@ -1,0 +1,412 @@
+"""Generation: `pmodel.generate(...)` for causal LMs, with a static KV cache split over the grid.
+
+Two programs run a generation, each compiled like any other call (capture, propagate, insert
+collectives, localize) from the model wrapped with a static cache (`CachedLM`):
+
+    prefill  the prompt's tokens [B, P] -> the last position's logits; writes cache slots 0..P-1
+    decode   one token per sequence [B, 1] -> its logits; writes the slot after the last one written
+
+The cache is two buffers per layer, keys and values [B, kv_heads, L, head_dim], marked `PLACED`
+before propagation: batch over the grid rows, KV heads over the columns (`S(0)S(1)`; an axis that
+does not divide its dim keeps it whole over that axis). Each rank allocates only its block and the
+programs write the new tokens' keys and values into it in place (`index_copy_`), so the cache is
+whole on a rank only where neither axis divides, and a decode step computes only the new token: the
+prefix is read from the cache.
+
+Programs are keyed by (phase, batch B, cache length L, for prefill the prompt length P, and the
+phase's strategy). L is the cache length bucket: `max_cache_len` when given, else prompt +
+max_new_tokens rounded up to a multiple of `BUCKET`; one decode program serves every step of every
+generation with the same (B, L). A phase's strategy None runs the forward's plan on the parameter
+blocks as stored; '2d', '1d' or 'auto' plans that phase alone, and the parameters it wants laid out
+otherwise are redistributed into copies once per generate call. Every program reads the
+parameters' current blocks, so a model generates right after training steps.
+
+Token choice follows transformers' `GenerationMixin` (its logits processors, stopping criteria and
+special-token handling, on full last-position logits gathered on every rank): greedy output is the
+unmodified model's, and sampling matches when every rank seeds its generator alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import math
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from passes.layout import Layout, local_shape
+from passes.meta import PARAM, PLACED
+from passes.ops import comm
+from autopar.guards import fingerprint
+from autopar.pipeline import Compiled, capture, compile_captured
+
+__all__ = ["BUCKET", "CachedLM", "Generator", "cache_layout", "kv_cache_bytes_per_rank"]
+
+BUCKET = 64  # cache lengths are rounded up to a multiple of this unless max_cache_len is given
+_PREFIX = "model."  # CachedLM holds the language model under this name
+
+
+def _head_shapes(config) -> tuple:
+    """(KV heads, head dim) of a decoder config: GQA configs name num_key_value_heads; GPT-2 n_head."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return kv, head_dim
+
+
+def cache_layout(batch: int, kv_heads: int, grid_shape: tuple) -> Layout:
+    """Keys/values [B, kv_heads, L, head_dim]: batch over rows and KV heads over columns, each axis
+    only where it divides its dim (otherwise that dim stays whole over the axis).
+
+    >>> cache_layout(8, 4, (2, 2)), cache_layout(1, 4, (2, 2)), cache_layout(8, 2, (2, 4))
+    (S(0)S(1), RS(1), S(0)R)
+    """
+    rows, cols = grid_shape
+    return Layout((Shard(0) if batch % rows == 0 and rows > 1 else Replicate(),
+                   Shard(1) if kv_heads % cols == 0 and cols > 1 else Replicate()))
+
+
+def kv_cache_bytes_per_rank(config, batch: int, max_len: int, grid_shape: tuple, dtype=torch.float32) -> int:
+    """Bytes of KV cache one rank holds: 2 (keys, values) * layers * its block of [B, kv_heads, L,
+    head_dim] (B/R * kv_heads/C * L * head_dim when both divide) * element size.
+
+    >>> from transformers import LlamaConfig
+    >>> cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    >>> kv_cache_bytes_per_rank(cfg, 8, 128, (2, 2))  # 2 * 2 * (8/2 * 2/2 * 128 * 16) * 4
+    131072
+    """
+    kv, head_dim = _head_shapes(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", None) or text.n_layer
+    block = local_shape((batch, kv, max_len, head_dim), cache_layout(batch, kv, grid_shape), grid_shape)
+    return 2 * layers * math.prod(block) * torch.empty((), dtype=dtype).element_size()
+
+
+class CachedLM(nn.Module):
+    """A causal LM and a static KV cache held as buffers (`k{i}`, `v{i}`, and `n{i}`, the slots written
+    so far): forward(input_ids [B, s], attention_mask [B, L], position_ids [B, s], start []) writes the
+    s new tokens' keys and values at slots start..start+s-1 and returns the last position's logits
+    [B, 1, V]. Built for capture only: the buffers it traces with stand for each rank's blocks."""
+
+    def __init__(self, model: nn.Module, batch: int, max_len: int, device: torch.device):
+        super().__init__()
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+        self.model = model
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        for i, layer in enumerate(self.cache.layers):  # a window's rolling writes cannot be traced: a
+            if isinstance(layer, StaticSlidingWindowLayer):  # full layer with the model's windowed mask
+                self.cache.layers[i] = StaticLayer(max_len)
+        kv, head_dim = _head_shapes(model.config)
+        dtype = next(model.parameters()).dtype
+        self.cache.early_initialization(batch, kv, head_dim, dtype, device)
+        for i, layer in enumerate(self.cache.layers):
+            self.register_buffer(f"k{i}", layer.keys, persistent=False)
+            self.register_buffer(f"v{i}", layer.values, persistent=False)
+            self.register_buffer(f"n{i}", layer.cumulative_length, persistent=False)
+        params = inspect.signature(model.forward).parameters
+        self._keep_one = "logits_to_keep" in params
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
+
+    def forward(self, input_ids, attention_mask, position_ids, start):
+        for i, layer in enumerate(self.cache.layers):  # read the buffers as traced (export swaps them)
+            layer.keys, layer.values = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+            layer.cumulative_length = getattr(self, f"n{i}")
+            layer.cumulative_length.copy_(start)
+        extra = {"logits_to_keep": 1} if self._keep_one else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **{self._cache_arg: self.cache}, **extra)
+        return out.logits[:, -1:]  # [B, 1, V]
+
+
+def _refuse(model) -> None:
+    """Models generate cannot serve, refused before anything is compiled."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(
+            f"pmodel.generate: {type(model).__name__} is an encoder-decoder model; autopar generates with "
+            f"decoder-only causal LMs. What is missing for it: an encoder program run once per prompt and "
+            f"a cross-attention cache of the encoder's keys and values beside the self-attention cache. "
+            f"Generate with the original model (load the trained weights into it with pmodel.state_dict())"
+        )
+    can = getattr(model, "can_generate", None)
+    if not (callable(can) and can()):
+        raise ValueError(
+            f"pmodel.generate needs a causal language model (a transformers model with a language-modeling "
+            f"head, e.g. LlamaForCausalLM); {type(model).__name__} cannot generate. Parallelize its "
+            f"*ForCausalLM class instead"
+        )
+
+
+def _refuse_beams(gc) -> None:
+    if (gc.num_beams or 1) != 1:
+        raise NotImplementedError(
+            f"pmodel.generate: num_beams={gc.num_beams}: beam search is not supported; use greedy search "
+            f"(the default) or sampling (do_sample=True)"
+        )
+
+
+def _cache_buffer(name) -> str:
+    """'k', 'v' or 'n' for CachedLM's cache buffers (k0, v0, n0, ...), '' for any other name."""
+    return name[0] if re.fullmatch(r"[kvn]\d+", str(name)) else ""
+
+
+def _marked(cap, layout: Layout):
+    """The captured CachedLM with its parameters, buffers and module paths named as in the language
+    model (the `model.` prefix dropped) and its key/value buffers placed in `layout`."""
+    def plain(name):
+        return name[len(_PREFIX):] if isinstance(name, str) and name.startswith(_PREFIX) else name
+
+    for node, (role, key) in zip(cap.gm.graph.find_nodes(op="placeholder"), list(cap.sources)):
+        if role == "param":
+            node.meta[PARAM] = plain(node.meta[PARAM])
+        elif role == "buffer" and _cache_buffer(key) in ("k", "v"):
+            node.meta[PLACED] = layout
+    for node in cap.gm.graph.nodes:  # module paths as in the language model (strategy units, explain)
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {k: (plain(path), cls) for k, (path, cls) in stack.items()}
+    cap.sources = [(role, plain(key)) if role in ("param", "buffer") else (role, key) for role, key in cap.sources]
+    cap.buffers = {plain(k): v for k, v in cap.buffers.items()}
+    cap.persistent = set()
+    return cap
+
+
+class Generator:
+    """The generation programs and KV cache of one ParallelModule (see the module docstring for how
+    programs are keyed); `pmodel.generate` builds it on first use."""
+
+    def __init__(self, pmodel):
+        self.pmodel = pmodel
+        self.programs: dict = {}  # (phase, B, L[, P], strategy) -> Compiled
+        self.layouts: dict = {}  # the same keys -> the parameter layouts that program reads
+        self.cache: dict = {}  # buffer name -> this rank's block, for `cache_key`
+        self.cache_key: tuple | None = None  # (B, L) the cache is allocated for
+        self._layout: Layout | None = None
+        self.relaid: dict = {}  # (parameter, Layout) -> this rank's block, for one generate call
+
+    def program(self, phase: str, inputs: tuple, max_len: int, strategy: str | None = None) -> Compiled:
+        """The program of `phase` for these inputs (input_ids, mask, positions, start), compiled once.
+        `strategy` None: the forward's plan on the parameters as stored; '2d', '1d' or 'auto': that
+        strategy for this phase alone (parameters it wants laid out otherwise are copied per call)."""
+        batch, length = inputs[0].shape
+        key = (phase, batch, max_len) + ((length,) if phase == "prefill" else ()) + (strategy,)
+        if key not in self.programs:
+            self.programs[key], self.layouts[key] = self._compile(key, inputs, max_len, strategy)
+        return self.programs[key]
+
+    def _compile(self, key: tuple, inputs: tuple, max_len: int, strategy: str | None) -> tuple:
+        pm = self.pmodel
+        model = pm.source_model
+        meta = any(p.is_meta for p in model.parameters())
+        device = torch.device("meta") if meta else inputs[0].device
+        batch = inputs[0].shape[0]
+        kv, _ = _head_shapes(model.config)
+        was = model.training
+        model.eval()
+        try:
+            cap = capture(CachedLM(model, batch, max_len, device), inputs, {})
+        finally:
+            model.train(was)
+        cap = _marked(cap, cache_layout(batch, kv, pm.grid.shape))
+        if strategy is None:
+            first = next(iter(pm._compiled.values()))
+            comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, pm._options, first.choice,
+                                             pinned=pm._param_layouts)
+        else:
+            options = dataclasses.replace(pm._options, strategy=strategy)
+            comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, options)
+        pm._check_parameters(comp, inputs, {})
+        return comp, layouts
+
+    def allocate(self, comp: Compiled, batch: int, max_len: int) -> None:
+        """This rank's cache blocks for (batch, max_len), zeroed; kept for the next generation of that size."""
+        if self.cache_key != (batch, max_len):
+            self.cache = {}
+            for node, (role, key) in zip(comp.gm.graph.find_nodes(op="placeholder"), comp.captured.sources):
+                if role == "buffer" and _cache_buffer(key):
+                    v = node.meta["val"]
+                    self._layout = node.meta.get(PLACED, self._layout)
+                    shape = local_shape(tuple(v.shape), node.meta.get(PLACED, Layout((Replicate(), Replicate()))),
+                                        self.pmodel.grid.shape)
+                    self.cache[key] = torch.zeros(shape, dtype=v.dtype, device=comp.captured.device)
+            self.cache_key = (batch, max_len)
+        for t in self.cache.values():
+            t.zero_()
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the key and value blocks this rank holds (0 before the first generate)."""
+        return sum(t.numel() * t.element_size() for name, t in self.cache.items() if _cache_buffer(name) in ("k", "v"))
+
+    @property
+    def cache_layout(self) -> Layout | None:
+        """The layout of the keys and values [B, kv_heads, L, head_dim] allocated now."""
+        return self._layout
+
+    def _param(self, name: str, layout: Layout | None) -> torch.Tensor:
+        """This rank's block of parameter `name` in `layout`: the stored block, or (a phase planned
+        with its own strategy) a copy laid out so, made once per generate call (same order on every
+        rank: the programs' placeholder order)."""
+        p = self.pmodel.get_parameter(name)
+        if layout is None or tuple(layout.placements) == tuple(p.placements):
+            return p.to_local()
+        if (name, layout) not in self.relaid:
+            self.relaid[(name, layout)] = p.detach().redistribute(p.device_mesh, list(layout.placements)).to_local()
+        return self.relaid[(name, layout)]
+
+    def run(self, comp: Compiled, inputs: tuple) -> torch.Tensor:
+        """One program on this rank's parameter and cache blocks; the logits [B, 1, V], whole."""
+        pm = self.pmodel
+        layouts = self.layouts.get(comp.signature[1:], {})
+        locals_ = []
+        for role, key in comp.captured.sources:
+            if role == "param":
+                locals_.append(self._param(key, layouts.get(key)))
+            elif role == "buffer":
+                locals_.append(self.cache[key] if key in self.cache else _buffer(pm, key))
+            elif role == "constant":
+                locals_.append(comp.captured.constants[key])
+            else:
+                locals_.append(inputs[key])
+        out = comp.gm(*locals_)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        lay, shape = comp.out_layouts[0]
+        if lay.is_replicated:
+            return out
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(out, pm.grid.mesh, list(lay.placements), run_check=False,
+                                  shape=torch.Size(shape), stride=stride).full_tensor()
+
+
+def _buffer(pm, name: str) -> torch.Tensor:
+    """A model buffer: the ParallelModule's copy, or the source model's when no forward used it."""
+    try:
+        return pm.get_buffer(name)
+    except AttributeError:
+        return pm.source_model.get_buffer(name)
+
+
+def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+             max_cache_len: int | None = None, prefill_strategy: str | None = None,
+             decode_strategy: str | None = None, generation_config=None, **kwargs):
+    """`pmodel.generate`: see `autopar.api.ParallelModule.generate`."""
+    from transformers.generation import GenerateDecoderOnlyOutput, StoppingCriteriaList
+
+    model = pmodel.source_model
+    _refuse(model)
+    batch, prompt = input_ids.shape
+    gc, max_len = _config(model, generation_config, kwargs, prompt, max_cache_len)
+    for name, value in (("prefill_strategy", prefill_strategy), ("decode_strategy", decode_strategy)):
+        if value not in (None, "2d", "1d", "auto"):
+            raise ValueError(f"pmodel.generate: {name}={value!r}: expected None (the forward's plan), '2d', "
+                             f"'1d' or 'auto'")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    _agree(pmodel.grid, (batch, prompt, max_len, bool(gc.do_sample), fingerprint(input_ids)[-12:],
+                         fingerprint(attention_mask)[-12:]))
+    device = input_ids.device
+    model._prepare_special_tokens(gc, True, device=device)
+    processors = model._get_logits_processor(generation_config=gc, input_ids_seq_length=prompt,
+                                             encoder_input_ids=input_ids, device=device,
+                                             model_kwargs={"attention_mask": attention_mask})
+    stopping = model._get_stopping_criteria(gc, StoppingCriteriaList())
+    eos_stops = any(hasattr(c, "eos_token_id") for c in stopping)
+    gen = pmodel._generator
+    mask = torch.zeros(batch, max_len, dtype=attention_mask.dtype, device=device)  # [B, L] over cache slots
+    mask[:, :prompt] = attention_mask
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as HF does
+    inputs = (input_ids, mask, positions, torch.tensor(0, device=device))
+    scores, logits_seen = [], []
+    sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.long, device=device)
+    gen.relaid = {}  # parameters laid out for a phase's own strategy: copied from this call's weights
+    try:
+        with torch.no_grad():
+            comp = gen.program("prefill", inputs, max_len, prefill_strategy)
+            gen.allocate(comp, batch, max_len)
+            logits = gen.run(comp, inputs)
+            while True:
+                tokens, chosen, raw = _next_tokens(gc, processors, sequences, logits,
+                                                   unfinished if eos_stops else None)
+                scores.append(chosen)
+                logits_seen.append(raw)
+                sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+                unfinished = unfinished & ~stopping(sequences, tuple(scores))
+                if unfinished.max() == 0:
+                    break
+                slot = sequences.shape[1] - 1  # the new token's cache slot
+                mask[:, slot] = 1
+                positions = positions[:, -1:] + 1
+                inputs = (tokens[:, None], mask, positions, torch.tensor(slot, device=device))
+                logits = gen.run(gen.program("decode", inputs, max_len, decode_strategy), inputs)
+    finally:
+        gen.relaid = {}
+    if not gc.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences,
+                                     scores=tuple(scores) if gc.output_scores else None,
+                                     logits=tuple(logits_seen) if gc.output_logits else None)
+
+
+def _next_tokens(gc, processors, sequences, logits, unfinished) -> tuple:
+    """(the next token of each row, its processed scores, the raw last-position logits), as
+    transformers' sampling loop picks them; rows already finished (`unfinished` 0) get the pad token."""
+    raw = logits[:, -1].to(dtype=torch.float32, copy=True)  # [B, V]
+    chosen = processors(sequences, raw)
+    if gc.do_sample:
+        tokens = torch.multinomial(torch.softmax(chosen, dim=-1), num_samples=1).squeeze(1)
+    else:
+        tokens = torch.argmax(chosen, dim=-1)
+    if unfinished is not None:
+        tokens = tokens * unfinished + gc._pad_token_tensor * (1 - unfinished)
+    return tokens, chosen, raw
+
+
+def _config(model, generation_config, kwargs: dict, prompt: int, max_cache_len: int | None) -> tuple:
+    """(the GenerationConfig of this call: the model's, or the one given, updated by `kwargs`; the
+    cache length), refusing unknown keywords, beam search and a request beyond `max_cache_len`."""
+    gc = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    unknown = gc.update(**kwargs)
+    if unknown:
+        raise TypeError(f"pmodel.generate got keywords it does not take: {sorted(unknown)}; it takes "
+                        f"input_ids, attention_mask, max_cache_len, prefill_strategy, decode_strategy and "
+                        f"GenerationConfig fields")
+    _refuse_beams(gc)
+    if gc.max_new_tokens is not None:
+        gc.max_length = prompt + gc.max_new_tokens
+    new = gc.max_length - prompt
+    if new < 1:
+        raise ValueError(f"pmodel.generate: max_length={gc.max_length} leaves no new token after a prompt of "
+                         f"{prompt}; pass max_new_tokens >= 1")
+    max_len = max_cache_len or -(-gc.max_length // BUCKET) * BUCKET
+    if gc.max_length > max_len:
+        raise ValueError(
+            f"pmodel.generate: a prompt of {prompt} tokens plus max_new_tokens={new} needs {gc.max_length} "
+            f"cache slots, but max_cache_len={max_len}; pass a larger max_cache_len (or none: the cache is "
+            f"then sized to the request) or fewer new tokens")
+    return gc, max_len
+
+
+def _agree(grid, mine: tuple) -> None:
+    """Every rank of a grid asks for the same generation (batch, prompt length, cache length, sampling,
+    and a hash of input_ids and attention_mask): the programs run collectives and would hang or mix
+    blocks otherwise."""
+    everyone = [None] * grid.world
+    with comm.guarded(grid, "generate all-gather", "grid", "generate"):
+        dist.all_gather_object(everyone, mine, group=grid.world_group)
+    base = grid.dp_index * grid.world
+    differ = [base + r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        names = "(batch size, prompt length, cache length, do_sample, input_ids hash, attention_mask hash)"
+        raise ValueError(
+            f"pmodel.generate: ranks of one grid asked for different generations {names}: rank {base} "
+            f"{everyone[0]}, ranks {differ} {[everyone[r - base] for r in differ]}; every rank of a grid "
+            f"must pass the same input_ids and the same generation arguments"
+        )

@@ -1,0 +1,132 @@
+"""pmodel.generate: token identity with the unmodified model's generate, on every rank, at 2x2 and
+1x4; the KV cache's bytes per rank against the formula; the refusals' texts."""
+
+import pytest
+import torch
+
+from autopar.generate import kv_cache_bytes_per_rank
+from tests import checks_generate as C
+
+FAMILIES = ["llama", "llama_gqa", "mistral", "qwen2", "gemma", "phi3", "gpt2"]
+
+
+def _same_tokens(res, what):
+    for rank, (want, got, *_) in enumerate(res):
+        assert got == want, f"{what}: rank {rank}: pmodel.generate {got}\n  unmodified model {want}"
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4)], ids=["2x2", "1x4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_token_identical(pool4, family, grid):
+    """Catches a cache written at the wrong slot or block, a decode step that misreads the prefix
+    (rotary positions of a left-padded row, Mistral's window of 6 < 13 tokens, GQA's repeated KV
+    heads, GPT-2's fused c_attn), and a rank whose tokens differ from the others'."""
+    _same_tokens(pool4.run(C.greedy, family, grid), f"{family} {grid}")
+
+
+@pytest.mark.parametrize("strategy", ["1d", "auto"])
+def test_greedy_with_other_strategies(pool4, strategy):
+    """Catches generation programs that cannot repeat the forward's strategy (auto's units are keyed
+    by module path: the cache wrapper's paths must match the model's) or its 1D weight layouts."""
+    _same_tokens(pool4.run(C.greedy, "llama", (2, 2), strategy=strategy), f"llama 2x2 {strategy}")
+
+
+@pytest.mark.parametrize("prefill,decode", [("2d", "1d"), (None, "auto")])
+def test_a_strategy_per_phase(pool4, prefill, decode):
+    """Catches a phase planned with its own strategy reading the stored blocks as if laid out for it
+    (its parameters must be copied into its layouts), a copy kept after the call, and explain not
+    showing each phase's plan."""
+    res = pool4.run(C.phase_strategies, prefill, decode)
+    _same_tokens(res, f"prefill {prefill}, decode {decode}")
+    for rank, (_, _, text, kept) in enumerate(res):
+        assert kept == 0, f"rank {rank}: {kept} relaid parameter blocks kept after generate"
+        want = "2d (this phase's own)" if prefill else "2d (the forward's plan)"
+        assert want in text.split("decode")[0], text
+        assert ("1d (this phase's own)" if decode == "1d" else "auto (this phase's own): ") in text, text
+
+
+def test_sampling_identical_given_the_seed(pool4):
+    """Catches a sampler that draws other numbers than transformers' (temperature, top-k, top-p
+    warpers in its order, one multinomial per step) or that differs between ranks."""
+    _same_tokens(pool4.run(C.sampling), "sampling")
+
+
+def test_eos_stops_rows_and_dict_output(pool4):
+    """Catches rows that keep generating after their eos (they must get pad tokens), a loop that
+    does not stop when all rows finished, and scores that differ from transformers'."""
+    res = pool4.run(C.eos_and_dict)
+    _same_tokens(res, "eos")
+    for rank, (want, _, same_steps, worst) in enumerate(res):
+        assert want[1][-1] == 0, f"rank {rank}: row 1 should end padded: {want[1]}"
+        assert same_steps and worst < 1e-4, f"rank {rank}: scores differ by {worst} (steps alike: {same_steps})"
+
+
+def test_generate_right_after_training(pool4):
+    """Catches a generate that reads the weights the model was parallelized with instead of the
+    trained blocks (the weights did move: checked)."""
+    res = pool4.run(C.after_training)
+    _same_tokens(res, "after training")
+    assert all(r[2] > 1e-4 for r in res), [r[2] for r in res]
+
+
+def test_generate_after_from_pretrained(pool4, tmp_path):
+    """Catches a generate that cannot run on a model built on the meta device and loaded blocks."""
+    C.build("qwen2").save_pretrained(tmp_path)
+    _same_tokens(pool4.run(C.pretrained, str(tmp_path)), "from_pretrained")
+
+
+@pytest.mark.parametrize("family,grid,block", [("llama_gqa", (2, 2), [2, 1, 32, 16]),
+                                                ("llama", (1, 4), [4, 1, 32, 16]),
+                                                ("gpt2", (2, 2), [2, 2, 32, 16])])
+def test_cache_bytes_per_rank(pool4, family, grid, block):
+    """Catches a cache held whole (or split other than batch over rows, KV heads over columns) and a
+    formula that disagrees with what ranks allocate: 2 * layers * B/R * kv/C * L * head_dim * 4."""
+    layers, batch, length, head_dim = 2, 4, 32, 16
+    kv = 2 if family == "llama_gqa" else 4
+    formula = 2 * layers * (batch // grid[0]) * (kv // grid[1]) * length * head_dim * 4
+    for rank, (held, reported, shape, text) in enumerate(pool4.run(C.cache_bytes, family, grid)):
+        assert held == reported == formula, f"rank {rank}: held {held}, reported {reported}, formula {formula}"
+        assert shape == block, f"rank {rank}: block {shape}"
+        assert f"kv_cache_bytes_per_rank {formula} " in text, text
+        assert "prefill (B=4 P=7, cache L=32)" in text and "decode  (B=4, one token each, cache L=32)" in text, text
+
+
+def test_plan_reports_cache_bytes():
+    """Catches autopar.plan's kv_cache_bytes_per_rank disagreeing with the formula (on one process)."""
+    import autopar
+    model = C.build("llama_gqa")
+    ids, mask = C.prompts()
+    pl = autopar.plan(model, (2, 2), (ids,), {"attention_mask": mask}, generation=(8, 128), measure_activations=False)
+    assert pl.kv_cache_bytes_per_rank == 2 * 2 * (8 // 2) * (2 // 2) * 128 * 16 * 4
+    assert pl.to_json()["kv_cache_bytes_per_rank"] == pl.kv_cache_bytes_per_rank
+
+
+def test_inference_saves_nothing_for_backward(pool4):
+    """Catches a forward under no_grad / inference_mode, or a generate, that still records autograd
+    state (saved activations, outputs needing a gradient) or leaves gradients on parameters."""
+    for rank, r in enumerate(pool4.run(C.inference)):
+        assert r["grad mode forward"] > 0, f"rank {rank}: the saved-tensor counter saw nothing in grad mode"
+        for mode in ("no_grad", "inference_mode", "generate"):
+            assert r[mode] == (0, False), f"rank {rank}: {mode}: (saved tensors, requires_grad) = {r[mode]}"
+        assert not r["grads"], f"rank {rank}: gradients after inference: {r['grads'][:3]}"
+
+
+def test_cache_bytes_formula_without_ranks():
+    """Catches the planning function drifting from the formula (Llama-7B shape on 8x8, fp16)."""
+    import transformers
+    cfg = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                                   num_key_value_heads=32)
+    assert kv_cache_bytes_per_rank(cfg, 8, 4096, (8, 8), torch.float16) == 2 * 32 * 1 * 4 * 4096 * 128 * 2
+    assert kv_cache_bytes_per_rank(cfg, 1, 4096, (8, 8), torch.float16) == 2 * 32 * 1 * 4 * 4096 * 128 * 2 * 1
+
+
+def test_refusals(pool4):
+    """Every refusal names what was wrong and what to do."""
+    for r in pool4.run(C.errors):
+        assert r["beyond cache"].startswith("ValueError") and "max_cache_len=16" in r["beyond cache"], r
+        assert "beam search is not supported" in r["beams"], r
+        assert "keywords it does not take: ['beam_width']" in r["unknown"], r
+        assert r["batch differs"].startswith("ValueError") and "different generations" in r["batch differs"], r
+        assert "ranks [1]" in r["ids differ"] and "input_ids hash" in r["ids differ"], r
+        assert "needs a causal language model" in r["not causal"] and "LlamaModel" in r["not causal"], r
+        assert "encoder-decoder" in r["t5"] and "cross-attention cache" in r["t5"], r
