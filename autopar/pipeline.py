@@ -33,6 +33,7 @@ from passes.compat import pytree
 from passes.meta import LAYOUT
 from passes.mesh import warn
 from passes.options import Options
+from passes.recompute import recompute
 from passes.rules import arg
 from autopar import calibrate
 from autopar.guards import check_mixed_dtypes, handshake
@@ -56,6 +57,13 @@ class Compiled:
     random: bool = False  # the graph draws random numbers (dropout)
     choice: object = None  # strategy="auto": the passes.strategy.Choice made
     signature: tuple = ()  # the (training, input shapes and dtypes) it was compiled for; see `signature`
+    flat: torch.fx.GraphModule | None = None  # recompute=...: `gm` before its regions were grouped
+
+    @property
+    def inspected(self) -> torch.fx.GraphModule:
+        """The graph `explain` and `plan` read: every op as a node of its own (with recompute=..., the
+        nodes the `Recompute` modules of `gm` run, marked with `passes.meta.RECOMPUTE`)."""
+        return self.flat if self.flat is not None else self.gm
 
 
 _RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
@@ -222,4 +230,8 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
             stacklevel=3,
         )
     key = signature(args, kwargs, model.training)
-    return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm), chosen, key), prop.param_layouts
+    random = _draws_random(gm)
+    flat = None
+    if options.recompute is not None:
+        flat, gm = gm, recompute(gm, grid, options.recompute)
+    return Compiled(gm, cap, outs, prop.fallbacks, random, chosen, key, flat), prop.param_layouts

@@ -14,6 +14,7 @@ are all-reduced in the same-row group and batch means in the same-column group.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -49,9 +50,21 @@ class CommLog:
     """
 
     bytes: dict = field(default_factory=lambda: defaultdict(int))
+    recomputing: int = 0  # > 0 while backward recomputes a region: its forward bytes count as "recompute"
 
     def add(self, tag: str, phase: str, nbytes: int) -> None:
+        if self.recomputing and phase == "fwd":
+            phase = "recompute"
         self.bytes[(tag, phase)] += int(nbytes)
+
+    @contextlib.contextmanager
+    def recomputing_region(self):
+        """Count the collectives run inside as the recomputation of a forward (phase "recompute")."""
+        self.recomputing += 1
+        try:
+            yield
+        finally:
+            self.recomputing -= 1
 
     def total(self, prefix: str = "") -> int:
         return sum(v for (tag, _), v in self.bytes.items() if tag.startswith(prefix))

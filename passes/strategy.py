@@ -54,7 +54,7 @@ from passes.propagate import Propagation, module_path, propagate_node
 from passes.rules.views import TRANSPOSES
 
 __all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
-           "find_units", "repeated_blocks", "search_groups", "OPTIONS", "BUDGET_S"]
+           "find_units", "repeated_blocks", "block_of", "search_groups", "OPTIONS", "BUDGET_S"]
 
 aten = torch.ops.aten
 OPTIONS = ("2d", "1d", "rep")
@@ -120,7 +120,9 @@ def find_units(gm: GraphModule) -> list:
     return units
 
 
-def _block_of(node: Node) -> str | None:
+def block_of(node: Node) -> str | None:
+    """The repeated block a node belongs to: its module path up to the first numbered part
+    ('model.layers.3' for 'model.layers.3.mlp.up_proj'), None outside numbered modules."""
     m = re.match(r"^(.*?\.\d+)(\.|$)", module_path(node))
     return m.group(1) if m else None
 
@@ -129,7 +131,7 @@ def repeated_blocks(gm: GraphModule) -> list | None:
     """[pre, block 0, block 1, ..., post] node lists when the graph is a run of >= 4 identical blocks
     (same ops in the same order), else None."""
     nodes = list(gm.graph.nodes)
-    ids = [_block_of(n) if n.op == "call_function" else None for n in nodes]
+    ids = [block_of(n) if n.op == "call_function" else None for n in nodes]
     first = next((i for i, b in enumerate(ids) if b is not None), None)
     if first is None:
         return None

@@ -1,0 +1,111 @@
+"""Activation recomputation (parallelize(..., recompute=...)) on real gloo ranks: parity with one
+process, the same dropout masks when recomputed, and planned = counted for the bytes communicated
+again and the bytes saved for backward. Also the pass on one process: which regions it groups."""
+
+import pytest
+import torch
+
+import autopar
+from models import GPTConfig, TinyGPT
+from autopar.pipeline import compile_program
+from passes.mesh import Grid
+from passes.meta import RECOMPUTE
+from passes.options import Options
+from passes.recompute import KEPT
+from passes.strategy import block_of
+from tests import checks_engine as E
+from tests import checks_hf as H
+from tests import checks_recompute as C
+from tests.compare import ATOL_FRAC, RTOL, assert_every_rank
+from tests.conftest import get_pool
+
+SMALL = dict(vocab_size=64, max_seq=16, hidden=32, heads=4, layers=2)
+GRIDS = [(2, 2), (1, 4)]
+MODES = ["blocks", "selective"]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=["2x2", "1x4"])
+@pytest.mark.parametrize("mode", MODES)
+def test_tinygpt_parity(grid, mode):
+    """Catches a recomputed region that computes another value than its forward did (a wrong input
+    order, a lost gradient through the checkpoint boundary, a block input freed too early) or ranks
+    that recompute in different orders (a hang): outputs, every gradient and the parameters after 3
+    AdamW steps against the unmodified model on one process."""
+    res = get_pool(4).run(E.gpt_parity, grid, dict(SMALL, norm="rmsnorm", mlp="swiglu"), "broadcast", 4, 8, 3,
+                          recompute=mode)
+    assert_every_rank([r["excess"] for r in res], f"{grid} {mode} (rtol {RTOL}, atol {ATOL_FRAC} x group max)")
+
+
+@pytest.mark.parametrize("family,grid,mode", [("llama", (2, 2), "blocks"), ("llama", (1, 4), "selective"),
+                                              ("gpt2", (2, 2), "selective"), ("gpt2", (1, 4), "blocks")])
+def test_hf_parity(family, grid, mode):
+    """HF Llama (rotary, grouped-query attention, SwiGLU) and GPT-2 (Conv1D, fused c_attn) built from
+    config classes: logits, loss and every gradient at two input shapes against one process."""
+    res = get_pool(4).run(H.hf_parity, family, grid=grid, options={"recompute": mode})
+    assert_every_rank([r["excess"] for r in res], f"{family} {grid} {mode}")
+    for rank, r in enumerate(res):
+        assert not r["warned"], f"{family}: rank {rank}: ops gathered whole: {r['warned']}"
+
+
+@pytest.mark.parametrize("grid,mode", [((2, 2), "blocks"), ((2, 2), "selective"), ((1, 4), "blocks")])
+def test_dropout_masks_redrawn_identically(grid, mode):
+    """Catches a recomputation that draws fresh dropout masks (its gradients would belong to another
+    forward): with dropout 0.2, the model with recomputation and the one without, seeded alike, give
+    the same outputs, gradients and parameters after 2 steps."""
+    res = get_pool(4).run(C.dropout_same_masks, grid, mode)
+    assert_every_rank(res, f"dropout {grid} {mode}")
+
+
+@pytest.mark.parametrize("grid,mode", [((2, 2), "blocks"), ((1, 4), "blocks"), ((2, 2), "selective")])
+def test_planned_equals_counted(grid, mode):
+    """Catches recomputed collectives counted as forward bytes, or planned bytes that drift from what
+    runs: one training step's counted bytes per phase equal explain's rows (forward, backward, and the
+    forward collectives that recomputation repeats), and rank 0's bytes saved for backward equal
+    `autopar.plan`'s measurement; 'blocks' repeats bytes and saves less than no recomputation."""
+    res = get_pool(4).run(C.counted, grid, mode)
+    for rank, r in enumerate(res):
+        counted = {k: r["counted"].get(k, 0) for k in ("fwd", "bwd", "recompute")}
+        assert counted == r["planned"], f"rank {rank}: counted {counted} != planned {r['planned']}"
+    torch.manual_seed(0)
+    cfg = GPTConfig(**C.SWIGLU)
+    ids, tgt = E._data(cfg, 4, 8)
+    plans = {m: autopar.plan(TinyGPT(cfg), grid=grid, example_inputs=(ids, tgt), recompute=m) for m in (None, mode)}
+    pl = plans[mode]
+    assert res[0]["saved"] == pl.activation_bytes, (res[0]["saved"], pl.activation_bytes)
+    assert pl.recompute_bytes == res[0]["planned"]["recompute"]
+    assert pl.to_json()["recompute_bytes_per_rank"] == pl.recompute_bytes
+    assert pl.activation_bytes < plans[None].activation_bytes, (mode, pl.activation_bytes, plans[None].activation_bytes)
+    if mode == "blocks":
+        assert pl.recompute_bytes > 0 and "regions run again in backward" in res[0]["explain"]
+    else:
+        assert pl.recompute_bytes == 0
+
+
+def test_regions_of_the_pass():
+    """Catches a grouping that crosses blocks or wraps communication in 'selective': every node
+    marked for recomputation lies in one numbered block and every region in one block; 'selective'
+    marks no inserted module and no matmul; 'blocks' makes one region per layer holding its SUMMAs."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**SMALL, norm="rmsnorm", mlp="swiglu")
+    ids, tgt = E._data(cfg, 4, 8)
+    for mode in MODES:
+        comp, _ = compile_program(TinyGPT(cfg), (ids, tgt), {}, Grid.for_planning(2, 2), Options(recompute=mode))
+        marked = [n for n in comp.flat.graph.nodes if RECOMPUTE in n.meta]
+        assert marked, mode
+        regions = {}
+        for n in marked:
+            regions.setdefault(n.meta[RECOMPUTE], set()).add(block_of(n))
+        assert all(len(b) == 1 for b in regions.values()), regions
+        assert {b for bs in regions.values() for b in bs} == {"blocks.0", "blocks.1"}
+        if mode == "blocks":
+            assert len(regions) == 2
+            summas = [n for n in marked if n.op == "call_module" and "summa" in str(n.target)]
+            assert len(summas) == 2 * 7, summas  # q, k, v, proj, gate, up, down per layer
+        else:
+            assert not [n for n in marked if n.op == "call_module" or n.target in KEPT]
+
+
+def test_recompute_option_is_validated():
+    """A misspelt mode is refused before anything is captured, naming the value and the choices."""
+    with pytest.raises(ValueError, match=r"recompute='block': expected None .*'blocks'.*'selective'"):
+        autopar.plan(torch.nn.Linear(4, 4), grid=(2, 2), example_inputs=(torch.randn(2, 4),), recompute="block")
