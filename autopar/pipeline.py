@@ -231,7 +231,9 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
         )
     key = signature(args, kwargs, model.training)
     random = _draws_random(gm)
-    flat = None
-    if options.recompute is not None:
-        flat, gm = gm, recompute(gm, grid, options.recompute)
+    flat, mode, only = None, options.recompute, None
+    if mode is None and chosen is not None and chosen.recompute_blocks:  # the search's way to fit memory_limit
+        mode, only = "blocks", set(chosen.recompute_blocks)
+    if mode is not None:
+        flat, gm = gm, recompute(gm, grid, mode, only)
     return Compiled(gm, cap, outs, prop.fallbacks, random, chosen, key, flat), prop.param_layouts

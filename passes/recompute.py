@@ -175,16 +175,18 @@ def _selective_runs(gm: GraphModule) -> list:
     return [sorted(g, key=order.__getitem__) for _, g in sorted(groups.items())]
 
 
-def regions(gm: GraphModule, mode: str, mesh=(1, 1)) -> list:
+def regions(gm: GraphModule, mode: str, mesh=(1, 1), only=None) -> list:
     """The node lists `recompute` groups, in graph order of their last node: runs of consecutive call
     nodes of one block (mode 'blocks'); groups of a block's local ops between the kept ones (mode
     'selective', see `_selective_runs`), only those whose recomputation keeps fewer bytes on a rank of
     `mesh`. A getitem of a value made outside stays outside; groups of fewer than two nodes and
-    groups that mutate in place are left out."""
+    groups that mutate in place are left out. `only`: the blocks to recompute (module paths; None: all)."""
     if mode not in MODES:
         raise ValueError(f"recompute={mode!r}: expected one of {MODES} or None")
     out = []
     for run in _block_runs(gm) if mode == "blocks" else _selective_runs(gm):
+        if only is not None and run and block_of(run[0]) not in only:
+            continue
         inside = set(run)
         run = [n for n in run if not (n.target is operator.getitem and n.args[0] not in inside)]
         if len(run) >= 2 and not any(_mutates(n) for n in run):
@@ -222,10 +224,10 @@ def _attr(gm: GraphModule, target: str):
     return getattr(gm.get_submodule(".".join(path)), leaf)
 
 
-def recompute(gm: GraphModule, grid: Grid, mode: str) -> GraphModule:
-    """The program of `gm` with each region of `mode` run by a `Recompute` module; `gm` itself keeps
-    its nodes (marked with `RECOMPUTE`)."""
-    found = regions(gm, mode, grid.shape)
+def recompute(gm: GraphModule, grid: Grid, mode: str, only=None) -> GraphModule:
+    """The program of `gm` with each region of `mode` (in the blocks `only`, None: all) run by a
+    `Recompute` module; `gm` itself keeps its nodes (marked with `RECOMPUTE`)."""
+    found = regions(gm, mode, grid.shape, only)
     graph = Graph()
     env: dict[Node, Node] = {}
     last = {run[-1]: (i, run) for i, run in enumerate(found)}

@@ -109,3 +109,51 @@ def test_recompute_option_is_validated():
     """A misspelt mode is refused before anything is captured, naming the value and the choices."""
     with pytest.raises(ValueError, match=r"recompute='block': expected None .*'blocks'.*'selective'"):
         autopar.plan(torch.nn.Linear(4, 4), grid=(2, 2), example_inputs=(torch.randn(2, 4),), recompute="block")
+
+
+def _llama_half_limit(layers=6):
+    """A 6-layer HF Llama, its inputs, and half the memory estimate of its unconstrained auto plan."""
+    model, make = H.build("llama", num_hidden_layers=layers)
+    model.eval()
+    kw = make(4, 8, 1)
+    free = autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="auto", measure_activations=False)
+    return model, kw, free.choice.estimate.memory_bytes * 0.5
+
+
+def test_search_recomputes_the_fewest_blocks_that_fit():
+    """Catches a search that ignores recomputation (it would refuse a limit that recomputing meets) or
+    recomputes more blocks than needed: at half the unconstrained estimate the chosen plan fits, it
+    recomputes some but not all blocks only if fewer would not fit, it is estimated slower than the
+    unconstrained one, and the compiled program recomputes exactly those blocks (fewer saved bytes,
+    forward collectives repeated)."""
+    model, kw, limit = _llama_half_limit()
+    free = autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="auto")
+    pl = autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="auto", memory_limit=limit)
+    est = pl.choice.estimate
+    assert est.memory_bytes <= limit and est.time_s > free.choice.estimate.time_s
+    k = len(pl.choice.recompute_blocks)
+    assert 0 < k <= 6 and pl.choice.recompute_blocks == tuple(f"model.layers.{i}" for i in range(k))
+    trade = est.recomputed
+    assert trade == pl.choice.recompute_blocks
+    names = {m.name for n, m in pl.gm.named_children() if n.startswith("autopar_recompute_")}
+    assert names == set(pl.choice.recompute_blocks)
+    assert pl.activation_bytes < free.activation_bytes and pl.recompute_bytes > 0
+
+
+def test_search_refuses_naming_the_smallest_footprint_with_recomputation():
+    """Nothing fits: the error gives the smallest estimate, which recomputes every block."""
+    model, kw, _ = _llama_half_limit()
+    with pytest.raises(MemoryError, match=r"no strategy fits memory_limit=0.00 GiB .* smallest estimate among \d+ "
+                                          r"assignments is .* GiB, recomputing all 6 repeated blocks\. Use more"):
+        autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="auto", memory_limit=1000.0,
+                     measure_activations=False)
+
+
+def test_search_plan_with_recomputed_blocks_runs_at_parity():
+    """The blocks the search chose to recompute (a subset) run on real ranks: logits, loss and every
+    gradient against one process."""
+    _, _, limit = _llama_half_limit()
+    res = get_pool(4).run(H.hf_parity, "llama", over=dict(num_hidden_layers=6),
+                          options={"strategy": "auto", "memory_limit": limit})
+    assert_every_rank([r["excess"] for r in res], "llama auto + recompute")
+    assert "regions run again in backward" in res[0]["explain"], res[0]["explain"][-600:]
