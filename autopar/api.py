@@ -347,7 +347,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 strategy: str = DEFAULTS.strategy, cost_model=DEFAULTS.cost_model,
                 memory_limit: float | None = DEFAULTS.memory_limit,
                 search_budget: float | None = DEFAULTS.search_budget,
-                compile: bool = DEFAULTS.compile, recompute: str | None = DEFAULTS.recompute) -> ParallelModule:
+                compile: bool = DEFAULTS.compile, recompute: str | bool | None = DEFAULTS.recompute) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -399,7 +399,9 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             keeps only its inputs and runs again in backward, its SUMMA broadcasts included (counted in
             `plan(...).recompute_bytes`). 'selective': matmul, attention and communication outputs are
             kept and the local ops between them (pointwise, norm statistics, softmax) recomputed; no byte
-            is communicated twice. Dropout draws the same masks when recomputed.
+            is communicated twice. Dropout draws the same masks when recomputed. With strategy='auto' and
+            a memory_limit, None lets the search recompute the fewest blocks that make the plan fit;
+            False never recomputes.
     """
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,

@@ -234,6 +234,6 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
     flat, mode, only = None, options.recompute, None
     if mode is None and chosen is not None and chosen.recompute_blocks:  # the search's way to fit memory_limit
         mode, only = "blocks", set(chosen.recompute_blocks)
-    if mode is not None:
+    if mode:  # None / False: nothing recomputed
         flat, gm = gm, recompute(gm, grid, mode, only)
     return Compiled(gm, cap, outs, prop.fallbacks, random, chosen, key, flat), prop.param_layouts

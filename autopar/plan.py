@@ -59,7 +59,7 @@ class Plan:
     gm: object = field(default=None, repr=False)
     strategy: str = "2d"
     choice: object = field(default=None, repr=False)  # strategy='auto': passes.strategy.Choice
-    recompute: str | None = None  # the recompute option planned
+    recompute: str | bool | None = None  # the recompute option planned
     recompute_bytes: int = 0  # bytes received again per rank and step by the forwards backward recomputes
 
     @property
@@ -145,7 +145,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
          indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
          measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
          cost_model=DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
-         search_budget: float | None = DEFAULTS.search_budget, recompute: str | None = DEFAULTS.recompute) -> Plan:
+         search_budget: float | None = DEFAULTS.search_budget,
+         recompute: str | bool | None = DEFAULTS.recompute) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
     the options are validated as `parallelize` validates them (ops without a split form are planned
     replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',

@@ -45,7 +45,7 @@ class Options:
     timeout: float | None = None  # seconds
     optimizer_states: int = 2
     compile: bool = False  # run each rank's program under torch.compile
-    recompute: str | None = None  # None, "blocks" or "selective": see passes.recompute
+    recompute: str | bool | None = None  # None, False, "blocks" or "selective": see passes.recompute
 
     def __post_init__(self) -> None:
         _one_of("lowering", self.lowering, LOWERINGS)
@@ -74,8 +74,9 @@ class Options:
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile={self.compile!r}: expected True (run each rank's program under "
                              f"torch.compile) or False (eager)")
-        if self.recompute not in (None,) + RECOMPUTE_MODES:
-            raise ValueError(f"recompute={self.recompute!r}: expected None (keep every activation for backward), "
+        if not (self.recompute is None or self.recompute is False or self.recompute in RECOMPUTE_MODES):
+            raise ValueError(f"recompute={self.recompute!r}: expected None (keep every activation for backward; "
+                             f"strategy='auto' may recompute blocks to fit memory_limit), False (never recompute), "
                              f"'blocks' (keep each repeated block's inputs, run the block again in backward) or "
                              f"'selective' (keep matmul and communication outputs, recompute the local ops "
                              f"between them)")

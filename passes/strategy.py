@@ -209,11 +209,12 @@ class _Evaluator:
         return est
 
     def _recompute(self, est: Estimate, trade: BlockTrade | None) -> None:
-        """Recompute blocks in the estimate: all of them with recompute='blocks'; with no recompute
-        option and a memory limit, the fewest that make it fit (all of them when none is enough: the
-        smallest footprint). 'selective' and graphs without steady repeated blocks are priced as is."""
+        """Recompute blocks in the estimate: all of them with recompute='blocks'; with recompute=None
+        and a memory limit, the fewest that make it fit (all of them when none is enough: the smallest
+        footprint). recompute=False, 'selective' and graphs without steady repeated blocks are priced
+        as they are."""
         mode, limit = self.options.recompute, self.options.memory_limit
-        if trade is None or mode == "selective" or (mode is None and limit is None):
+        if trade is None or mode == "selective" or mode is False or (mode is None and limit is None):
             return
         k = trade.blocks if mode == "blocks" or limit is None else trade.blocks_for(est.memory_bytes, limit)
         if k is None:
