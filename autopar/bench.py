@@ -2,7 +2,8 @@
 in one run for the same transformers Llama-style model (built from its config class) as:
 
 - one process, no parallelism;
-- autopar 2D on a 2x2 grid, for each SUMMA lowering;
+- autopar 2D on a 2x2 grid, for each SUMMA lowering, and with each activation recomputation mode
+  (recompute='blocks', 'selective');
 - PyTorch's own 1D tensor parallel (`parallelize_module`, q/k/v/gate/up column-wise, o/down row-wise)
   on 4 ranks;
 - autopar strategy='1d' on a 1x4 grid (Megatron column/row pairs in autopar's engine);
@@ -36,6 +37,7 @@ from passes.compat import TorchDispatchMode
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 BATCH, SEQ = 8, 128
+RECOMPUTE = ("blocks", "selective")  # 2D 2x2 (broadcast) with each recompute mode
 
 
 def _model():
@@ -148,6 +150,9 @@ def worker(rank, world, port, rounds, steps, out, cost_model):
     for lowering in ("broadcast", "allgather"):
         configs[f"2D 2x2 {lowering}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
                                                             example_kwargs=_batch(0), lowering=lowering)
+    for mode in RECOMPUTE:
+        configs[f"2D 2x2 recompute={mode}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
+                                                              example_kwargs=_batch(0), recompute=mode)
     configs["PyTorch 1D TP (4 ranks)"] = _tp_1d(copy.deepcopy(base))
     configs["autopar 1D 1x4"] = autopar.parallelize(copy.deepcopy(base), grid=(1, 4), example_kwargs=_batch(0),
                                                     strategy="1d")

@@ -157,3 +157,16 @@ def test_search_plan_with_recomputed_blocks_runs_at_parity():
                           options={"strategy": "auto", "memory_limit": limit})
     assert_every_rank([r["excess"] for r in res], "llama auto + recompute")
     assert "regions run again in backward" in res[0]["explain"], res[0]["explain"][-600:]
+
+
+def test_readme_figures():
+    """The README's recomputation figures (tiny HF Llama, 2 layers, batch 4 x 8, 2x2) are the plan's:
+    saved for backward without, with 'blocks' and with 'selective', the bytes 'blocks' receives again,
+    and the step's bytes."""
+    model, make = H.build("llama")
+    model.eval()
+    kw = make(4, 8, 1)
+    got = {m: autopar.plan(model, grid=(2, 2), example_kwargs=kw, recompute=m) for m in (None, "blocks", "selective")}
+    assert [got[m].activation_bytes for m in got] == [74344, 30568, 66152]
+    assert got["blocks"].recompute_bytes == 36096 and got["selective"].recompute_bytes == 0
+    assert {p.comm_bytes_per_rank_per_step for p in got.values()} == {117032}
