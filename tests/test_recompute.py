@@ -2,6 +2,8 @@
 process, the same dropout masks when recomputed, and planned = counted for the bytes communicated
 again and the bytes saved for backward. Also the pass on one process: which regions it groups."""
 
+import json
+
 import pytest
 import torch
 
@@ -170,3 +172,18 @@ def test_readme_figures():
     assert [got[m].activation_bytes for m in got] == [74344, 30568, 66152]
     assert got["blocks"].recompute_bytes == 36096 and got["selective"].recompute_bytes == 0
     assert {p.comm_bytes_per_rank_per_step for p in got.values()} == {117032}
+
+
+def test_inspect_json_reports_recomputation(capsys):
+    """`inspect --recompute blocks --json` carries the saved-for-backward bytes and the bytes received
+    again; without the flag nothing is recomputed."""
+    from autopar import cli
+
+    small = ["--set", "num_hidden_layers=2", "--set", "vocab_size=256", "--batch", "2", "--seq", "8", "--json"]
+    reports = {}
+    for flag in ([], ["--recompute", "blocks"]):
+        assert cli.main(["inspect", "llama", *small, *flag]) == 0
+        reports[bool(flag)] = json.loads(capsys.readouterr().out)
+    assert reports[False]["recompute_bytes_per_rank"] == 0 and reports[False]["recompute"] is None
+    assert reports[True]["recompute"] == "blocks" and reports[True]["recompute_bytes_per_rank"] > 0
+    assert reports[True]["activation_bytes_per_rank"] < reports[False]["activation_bytes_per_rank"]
