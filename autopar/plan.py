@@ -12,7 +12,9 @@ per rank and per training step (forward + backward):
   process group is initialized in this process -- the bytes autograd saves for backward and the
   largest tensor saved or returned (temporaries inside kernels are not tracked), measured by running
   rank (0, 0)'s graph under FakeTensorMode on a fake process group of the grid's size (nothing is
-  allocated).
+  allocated). With recompute=..., that measurement runs the program with its `Recompute` regions,
+  so it counts what they keep (their inputs), and `recompute_bytes` is the forward bytes the
+  recomputed kernels receive again in backward (the `explain` rows of the recomputed nodes).
 
 `compare_1d` gives the same step's bytes and parameter memory for Megatron-style 1D tensor
 parallelism at p = q·q, from its analytic volume (docs/design.md section 1).

@@ -93,7 +93,7 @@ def _mutates(node: Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
-def _kept(gm: GraphModule, node: Node) -> bool:
+def _kept(node: Node) -> bool:
     """Selective recomputation leaves this node out of the regions: it communicates or is expensive."""
     return node.op == "call_module" or node.target in KEPT
 
@@ -156,7 +156,7 @@ def _selective_runs(gm: GraphModule) -> list:
     closed: set[int] = set()
     for node in gm.graph.nodes:
         block = block_of(node) if node.op in ("call_function", "call_module") else None
-        local = block is not None and not _kept(gm, node)
+        local = block is not None and not _kept(node)
         producers = {owner[a] for a in node.all_input_nodes if a in owner and owner[a] not in closed
                      and block_of(a) == block}
         if not local or (node.target is operator.getitem and not producers):
