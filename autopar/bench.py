@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.launch import free_port, init_local
-from passes.compat import TorchDispatchMode
+from passes.compat import TorchDispatchMode, peak_tensor_bytes
 
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
@@ -99,6 +100,12 @@ def _saved_bytes(model):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(**_batch(0))  # run for the hook: the saved tensors are what is measured
     return sum(seen.values())
+
+
+def _step(model, opt, step):
+    model(**_batch(step)).loss.backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def _tp_1d(model):
@@ -180,6 +187,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model):
         res[k]["peak_rss_mb"] = _peak_mb()
         res[k]["param_bytes"] = _local_bytes(m)
         res[k]["saved_bytes"] = _saved_bytes(m)
+        res[k]["peak_tensor_bytes"] = peak_tensor_bytes(functools.partial(_step, m, opts[k], 1), torch.device("cpu"))
     for r in range(rounds):  # alternate configurations round by round
         order = ([] if rank == 0 else [("one process", None)]) + list(configs.items())  # same order everywhere
         for k, m in order:
@@ -246,12 +254,12 @@ def _spawn(target, world, *args):
 def markdown(res: dict, overhead: dict) -> str:
     base = res["PyTorch 1D TP (4 ranks)"]
     lines = ["| configuration | step (median) | vs 1D | received/rank/step | params/rank | saved for bwd/rank | "
-             "saved vs 1D | peak RSS/rank |", "|---|---|---|---|---|---|---|---|"]
+             "saved vs 1D | peak RSS/rank | peak tensors/rank |", "|---|---|---|---|---|---|---|---|---|"]
     for k, r in res.items():
         lines.append(f"| {k} | {r['step_s'] * 1e3:.0f} ms | {r['step_s'] / base['step_s']:.2f} | "
                      f"{r['bytes'] / 2**20:.1f} MiB | {r['param_bytes'] / 2**20:.1f} MiB | "
                      f"{r['saved_bytes'] / 2**20:.1f} MiB | {r['saved_bytes'] / base['saved_bytes']:.2f} | "
-                     f"{r['peak_rss_mb']:.0f} MB |")
+                     f"{r['peak_rss_mb']:.0f} MB | {r['peak_tensor_bytes'] / 2**20:.1f} MiB |")
     auto = next((k for k in res if k.startswith("autopar auto")), None)
     if auto:
         fixed = {k: res[k]["step_s"] for k in ("2D 2x2 broadcast", "2D 2x2 allgather", "PyTorch 1D TP (4 ranks)",
