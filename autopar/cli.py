@@ -159,7 +159,8 @@ def inspect_cmd(ns) -> int:
                                    "fixed_2d_step_s": c.baselines["2d"].time_s,
                                    "fixed_1d_step_s": c.baselines["1d"].time_s,
                                    "memory_estimate_bytes": c.estimate.memory_bytes, "alternatives_s": c.alternatives,
-                                   "evaluated": c.evaluated, "solve_s": c.solve_s}
+                                   "evaluated": c.evaluated, "solve_s": c.solve_s,
+                                   "recompute_blocks": list(c.recompute_blocks)}
     if ns.vs == "1d":
         report["vs_1d"] = autopar.compare_1d(pl, model, tokens, layers, hidden)
     if ns.sweep or ns.plot:

@@ -62,7 +62,8 @@ def strategy_summary(choice) -> list:
         f"{choice.evaluated} assignments in {choice.solve_s:.2f} s"
         + ("" if getattr(choice, "complete", True) else " (search stopped at its time budget: best found so far)"),
         "  " + "; ".join(f"{k}: {v}" for k, v in choice.assignment.items()),
-    ]
+    ] + ([f"  recomputes {len(choice.recompute_blocks)} blocks in backward to fit memory_limit: "
+          + ", ".join(choice.recompute_blocks)] if getattr(choice, "recompute_blocks", ()) else [])
 
 
 def rows(pmodel) -> list:

@@ -159,6 +159,7 @@ def test_search_plan_with_recomputed_blocks_runs_at_parity():
                           options={"strategy": "auto", "memory_limit": limit})
     assert_every_rank([r["excess"] for r in res], "llama auto + recompute")
     assert "regions run again in backward" in res[0]["explain"], res[0]["explain"][-600:]
+    assert "blocks in backward to fit memory_limit: model.layers.0" in res[0]["explain"], res[0]["explain"][-600:]
 
 
 def test_readme_figures():
