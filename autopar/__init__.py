@@ -16,6 +16,7 @@ _HOME = {
     "meta_init": "autopar.checkpoint", "save_distributed": "autopar.distributed_checkpoint",
     "load_distributed": "autopar.distributed_checkpoint", "plan": "autopar.plan", "Plan": "autopar.plan",
     "compare_1d": "autopar.plan", "choose_grid": "autopar.plan", "CompileWarning": "autopar.api",
+    "max_batch": "autopar.capacity",
 }
 __all__ = list(_HOME)
 __version__ = "0.1.0"

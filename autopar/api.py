@@ -366,7 +366,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 strategy: str = DEFAULTS.strategy, cost_model=DEFAULTS.cost_model,
                 memory_limit: float | None = DEFAULTS.memory_limit,
                 search_budget: float | None = DEFAULTS.search_budget,
-                compile: bool = DEFAULTS.compile) -> ParallelModule:
+                compile: bool = DEFAULTS.compile, recompute: str | bool | None = DEFAULTS.recompute) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -413,11 +413,19 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             each input signature; the collectives run between the compiled regions. The same as calling
             torch.compile(pmodel). A program torch.compile cannot compile runs eagerly, with one
             CompileWarning.
+        recompute: activation recomputation (`passes.recompute`). None (default): autograd keeps every
+            activation backward needs. 'blocks': each repeated block (`model.layers.3`, `transformer.h.3`)
+            keeps only its inputs and runs again in backward, its SUMMA broadcasts included (counted in
+            `plan(...).recompute_bytes`). 'selective': matmul, attention and communication outputs are
+            kept and the local ops between them (pointwise, norm statistics, softmax) recomputed; no byte
+            is communicated twice. Dropout draws the same masks when recomputed. With strategy='auto' and
+            a memory_limit, None lets the search recompute the fewest blocks that make the plan fit;
+            False never recomputes.
     """
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
                       search_budget=search_budget, check_inputs=check_inputs, timeout=timeout,
-                      compile=compile)
+                      compile=compile, recompute=recompute)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "

@@ -2,7 +2,8 @@
 in one run for the same transformers Llama-style model (built from its config class) as:
 
 - one process, no parallelism;
-- autopar 2D on a 2x2 grid, for each SUMMA lowering;
+- autopar 2D on a 2x2 grid, for each SUMMA lowering, and with each activation recomputation mode
+  (recompute='blocks', 'selective');
 - PyTorch's own 1D tensor parallel (`parallelize_module`, q/k/v/gate/up column-wise, o/down row-wise)
   on 4 ranks;
 - autopar strategy='1d' on a 1x4 grid (Megatron column/row pairs in autopar's engine);
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -31,11 +33,12 @@ import torch.distributed as dist
 
 import autopar
 from autopar.launch import free_port, init_local
-from passes.compat import TorchDispatchMode
+from passes.compat import TorchDispatchMode, peak_tensor_bytes
 
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 BATCH, SEQ = 8, 128
+RECOMPUTE = ("blocks", "selective")  # 2D 2x2 (broadcast) with each recompute mode
 
 
 def _model():
@@ -99,6 +102,12 @@ def _saved_bytes(model):
     return sum(seen.values())
 
 
+def _step(model, opt, step):
+    model(**_batch(step)).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _tp_1d(model):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -148,6 +157,9 @@ def worker(rank, world, port, rounds, steps, out, cost_model):
     for lowering in ("broadcast", "allgather"):
         configs[f"2D 2x2 {lowering}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
                                                             example_kwargs=_batch(0), lowering=lowering)
+    for mode in RECOMPUTE:
+        configs[f"2D 2x2 recompute={mode}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
+                                                              example_kwargs=_batch(0), recompute=mode)
     configs["PyTorch 1D TP (4 ranks)"] = _tp_1d(copy.deepcopy(base))
     configs["autopar 1D 1x4"] = autopar.parallelize(copy.deepcopy(base), grid=(1, 4), example_kwargs=_batch(0),
                                                     strategy="1d")
@@ -175,6 +187,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model):
         res[k]["peak_rss_mb"] = _peak_mb()
         res[k]["param_bytes"] = _local_bytes(m)
         res[k]["saved_bytes"] = _saved_bytes(m)
+        res[k]["peak_tensor_bytes"] = peak_tensor_bytes(functools.partial(_step, m, opts[k], 1), torch.device("cpu"))
     for r in range(rounds):  # alternate configurations round by round
         order = ([] if rank == 0 else [("one process", None)]) + list(configs.items())  # same order everywhere
         for k, m in order:
@@ -241,12 +254,12 @@ def _spawn(target, world, *args):
 def markdown(res: dict, overhead: dict) -> str:
     base = res["PyTorch 1D TP (4 ranks)"]
     lines = ["| configuration | step (median) | vs 1D | received/rank/step | params/rank | saved for bwd/rank | "
-             "saved vs 1D | peak RSS/rank |", "|---|---|---|---|---|---|---|---|"]
+             "saved vs 1D | peak RSS/rank | peak tensors/rank |", "|---|---|---|---|---|---|---|---|---|"]
     for k, r in res.items():
         lines.append(f"| {k} | {r['step_s'] * 1e3:.0f} ms | {r['step_s'] / base['step_s']:.2f} | "
                      f"{r['bytes'] / 2**20:.1f} MiB | {r['param_bytes'] / 2**20:.1f} MiB | "
                      f"{r['saved_bytes'] / 2**20:.1f} MiB | {r['saved_bytes'] / base['saved_bytes']:.2f} | "
-                     f"{r['peak_rss_mb']:.0f} MB |")
+                     f"{r['peak_rss_mb']:.0f} MB | {r['peak_tensor_bytes'] / 2**20:.1f} MiB |")
     auto = next((k for k in res if k.startswith("autopar auto")), None)
     if auto:
         fixed = {k: res[k]["step_s"] for k in ("2D 2x2 broadcast", "2D 2x2 allgather", "PyTorch 1D TP (4 ranks)",

@@ -131,6 +131,8 @@ def inspect_cmd(ns) -> int:
 
     overrides = dict(kv.split("=", 1) for kv in ns.set)
     overrides = {k: _value(v) for k, v in overrides.items()}
+    if ns.max_batch:
+        return max_batch_cmd(ns, overrides)
     if ":" in ns.model:
         model, args, kwargs = build_callable(ns.model)
     else:
@@ -145,7 +147,7 @@ def inspect_cmd(ns) -> int:
     else:
         grid = ns.grid
     pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
-                      cost_model=ns.cost_model, memory_limit=limit)
+                      cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute)
     layers, hidden = _layers_hidden(model)
     tokens = ns.batch * ns.seq
     report = pl.to_json()
@@ -157,7 +159,8 @@ def inspect_cmd(ns) -> int:
                                    "fixed_2d_step_s": c.baselines["2d"].time_s,
                                    "fixed_1d_step_s": c.baselines["1d"].time_s,
                                    "memory_estimate_bytes": c.estimate.memory_bytes, "alternatives_s": c.alternatives,
-                                   "evaluated": c.evaluated, "solve_s": c.solve_s}
+                                   "evaluated": c.evaluated, "solve_s": c.solve_s,
+                                   "recompute_blocks": list(c.recompute_blocks)}
     if ns.vs == "1d":
         report["vs_1d"] = autopar.compare_1d(pl, model, tokens, layers, hidden)
     if ns.sweep or ns.plot:
@@ -179,6 +182,9 @@ def inspect_cmd(ns) -> int:
                   f"{row['memory_bytes'] / 2**30:.2f} GiB/rank" + ("   <- chosen" if row["grid"] == grid else ""))
         else:
             print(f"grid {row['grid'][0]}x{row['grid'][1]}: does not fit ({row['why']})")
+    if ns.recompute or pl.recompute_bytes:
+        print(f"recomputation: {pl.recompute_bytes / 2**20:.1f} MiB received again per rank per step; saved for "
+              f"backward {(pl.activation_bytes or 0) / 2**20:.1f} MiB per rank")
     if pl.choice is not None:
         from autopar.explain import strategy_summary
 
@@ -190,6 +196,32 @@ def inspect_cmd(ns) -> int:
               f"{v['ratio_2d_over_1d_comm']:.2f}, parameters {v['ratio_2d_over_1d_params']:.2f}")
     for row in report.get("sweep", []):
         print(row)
+    return 0
+
+
+def max_batch_cmd(ns, overrides: dict) -> int:
+    """`inspect MODEL --max-batch --memory-limit GIB --grid RxC`: the largest batch per scheme (2D, 1D,
+    1D x data parallel, auto), without and with recomputation (`autopar.capacity`)."""
+    if ":" in ns.model:
+        raise SystemExit("autopar inspect --max-batch: needs a transformers model type (it builds the model at "
+                         "several batch sizes), not module:callable")
+    if not ns.memory_limit or ns.grid == "auto":
+        raise SystemExit("autopar inspect --max-batch: needs --memory-limit GIB and --grid RxC (e.g. --grid 8x8 "
+                         "--memory-limit 80)")
+    from autopar.capacity import max_batch, ratio, table
+
+    limit = ns.memory_limit * 2**30
+    rows = max_batch(lambda b: build_hf(ns.model, overrides, b, ns.seq), ns.grid, limit, cost_model=ns.cost_model)
+    if ns.json:
+        print(json.dumps([{**c.__dict__, "grid": list(c.grid)} for c in rows], indent=2))
+        return 0
+    print(f"{ns.model}, sequences of {ns.seq} tokens, {ns.memory_limit:g} GiB per device, "
+          f"{ns.grid[0] * ns.grid[1]} devices")
+    print(table(rows, limit))
+    for rc in (False, True):
+        r1, rdp = ratio(rows, "2d", "1d", rc), ratio(rows, "2d", "1d x dp", rc)
+        print(f"2d / 1d{' (recompute)' if rc else ''}: " + (f"{r1:.1f}x" if r1 else "1d fits no batch")
+              + "; 2d / 1d x dp: " + (f"{rdp:.1f}x" if rdp else "1d x dp fits no batch"))
     return 0
 
 
@@ -257,7 +289,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="how weight matmuls are split (default 2d; auto with --grid auto)")
     p.add_argument("--cost-model", metavar="FILE", help="JSON from `autopar calibrate` (default: published "
                                                         "NVLink/InfiniBand figures)")
-    p.add_argument("--memory-limit", type=float, metavar="GIB", help="per-rank memory limit for --strategy auto")
+    p.add_argument("--memory-limit", type=float, metavar="GIB", help="per-rank memory limit for --strategy auto "
+                                                                      "and --max-batch")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -265,6 +298,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", choices=["1d"], help="also report Megatron-style 1D at the same p")
     p.add_argument("--sweep", type=int, metavar="N", help="compare all square grids and 1D with p <= N")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--recompute", choices=["blocks", "selective"],
+                   help="plan with activation recomputation (see parallelize's recompute)")
+    p.add_argument("--max-batch", action="store_true",
+                   help="the largest batch per scheme (2D, 1D, 1D x data parallel, auto) that fits --memory-limit "
+                        "on --grid, without and with recomputation")
     p.add_argument("--dot", metavar="FILE", help="write the graph (Graphviz DOT, or HTML for *.html)")
     p.add_argument("--plot", metavar="FILE", help="plot bytes and parameters per rank against p, 2D and 1D "
                                                    "(a sweep up to --sweep or 64; needs matplotlib)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from passes.cost import node_cost, nodes_needing_grad
 from passes.kernelspec import Site, flops
-from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, STRATEGY
+from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
 from passes.propagate import module_path
 
 
@@ -31,6 +31,7 @@ class Row:
     formula: str = ""  # the bytes as sympy expressions, with the values substituted
     flops: int = 0  # forward + backward FLOPs on this rank (matmul-like ops)
     fallback: bool = False  # the op fell back to replication (runs whole on every rank)
+    recompute_bytes: int = 0  # recompute=...: forward bytes received again when backward recomputes the op
 
 
 def _op_name(gm, node) -> str:
@@ -61,13 +62,14 @@ def strategy_summary(choice) -> list:
         f"{choice.evaluated} assignments in {choice.solve_s:.2f} s"
         + ("" if getattr(choice, "complete", True) else " (search stopped at its time budget: best found so far)"),
         "  " + "; ".join(f"{k}: {v}" for k, v in choice.assignment.items()),
-    ]
+    ] + ([f"  recomputes {len(choice.recompute_blocks)} blocks in backward to fit memory_limit: "
+          + ", ".join(choice.recompute_blocks)] if getattr(choice, "recompute_blocks", ()) else [])
 
 
 def rows(pmodel) -> list:
     """The table's rows for the graph of the model's most recent call (or its first compile)."""
     comp = pmodel.program
-    return graph_rows(comp.gm, pmodel.grid.shape)
+    return graph_rows(comp.inspected, pmodel.grid.shape)
 
 
 def graph_rows(gm, mesh) -> list:
@@ -93,6 +95,7 @@ def graph_rows(gm, mesh) -> list:
             formula=cost.formula if cost else "",
             flops=flops(Site.inserted(node, mesh, grads), node.meta.get(KERNEL)),
             fallback=own and strat.fallback,
+            recompute_bytes=cost.fwd if cost and node.meta.get(RECOMPUTE) else 0,
         ))
     return out
 
@@ -138,6 +141,11 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
         f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
         f"({held / full * p:.2f}/p of the model, p={p})" if full else "no parameters",
     ]
+    if comp.flat is not None:
+        again = sum(r.recompute_bytes for r in every)
+        regions = len({n.meta[RECOMPUTE] for n in comp.flat.graph.nodes if RECOMPUTE in n.meta})
+        lines.append(f"recomputation: {regions} regions run again in backward, receiving {_fmt_bytes(again)} more "
+                     f"per rank per step (their forward collectives, repeated)")
     if comp.choice is not None:
         lines += strategy_summary(comp.choice)
     if comp.fallbacks:

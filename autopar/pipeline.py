@@ -33,6 +33,7 @@ from passes.compat import pytree
 from passes.meta import LAYOUT
 from passes.mesh import warn
 from passes.options import Options
+from passes.recompute import recompute
 from passes.rules import arg
 from autopar import calibrate
 from autopar.guards import check_mixed_dtypes, handshake
@@ -56,6 +57,13 @@ class Compiled:
     random: bool = False  # the graph draws random numbers (dropout)
     choice: object = None  # strategy="auto": the passes.strategy.Choice made
     signature: tuple = ()  # the (training, input shapes and dtypes) it was compiled for; see `signature`
+    flat: torch.fx.GraphModule | None = None  # recompute=...: `gm` before its regions were grouped
+
+    @property
+    def inspected(self) -> torch.fx.GraphModule:
+        """The graph `explain` and `plan` read: every op as a node of its own (with recompute=..., the
+        nodes the `Recompute` modules of `gm` run, marked with `passes.meta.RECOMPUTE`)."""
+        return self.flat if self.flat is not None else self.gm
 
 
 _RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
@@ -227,4 +235,10 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
             FallbackWarning,
             stacklevel=4,
         )
-    return Compiled(gm, cap, outs, prop.fallbacks, _draws_random(gm), chosen, key), prop.param_layouts
+    random = _draws_random(gm)
+    flat, mode, only = None, options.recompute, None
+    if mode is None and chosen is not None and chosen.recompute_blocks:  # the search's way to fit memory_limit
+        mode, only = "blocks", set(chosen.recompute_blocks)
+    if mode:  # None / False: nothing recomputed
+        flat, gm = gm, recompute(gm, grid, mode, only)
+    return Compiled(gm, cap, outs, prop.fallbacks, random, chosen, key, flat), prop.param_layouts

@@ -12,7 +12,9 @@ per rank and per training step (forward + backward):
   process group is initialized in this process -- the bytes autograd saves for backward and the
   largest tensor saved or returned (temporaries inside kernels are not tracked), measured by running
   rank (0, 0)'s graph under FakeTensorMode on a fake process group of the grid's size (nothing is
-  allocated).
+  allocated). With recompute=..., that measurement runs the program with its `Recompute` regions,
+  so it counts what they keep (their inputs), and `recompute_bytes` is the forward bytes the
+  recomputed kernels receive again in backward (the `explain` rows of the recomputed nodes).
 
 `compare_1d` gives the same step's bytes and parameter memory for Megatron-style 1D tensor
 parallelism at p = q·q, from its analytic volume (docs/design.md section 1).
@@ -61,6 +63,8 @@ class Plan:
     strategy: str = "2d"
     choice: object = field(default=None, repr=False)  # strategy='auto': passes.strategy.Choice
     kv_cache_bytes_per_rank: int | None = None  # plan(..., generation=(B, L)): the split KV cache a rank holds
+    recompute: str | bool | None = None  # the recompute option planned
+    recompute_bytes: int = 0  # bytes received again per rank and step by the forwards backward recomputes
 
     @property
     def comm_bytes_per_rank_per_step(self) -> int:
@@ -92,6 +96,8 @@ class Plan:
             "grad_bytes_per_rank": self.param_bytes_per_rank,
             "adamw_state_bytes_per_rank": 2 * self.param_bytes_per_rank,
             "activation_bytes_per_rank": self.activation_bytes,
+            "recompute": self.recompute,
+            "recompute_bytes_per_rank": self.recompute_bytes,
             "largest_tensor_bytes": self.largest_tensor_bytes,
             "params_above_1_over_p": self.params_above_1_over_p,
             "fallback_nodes": [{"node": f.node.name, "op": str(f.node.target), "module": f.path,
@@ -144,7 +150,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
          indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
          measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
          cost_model=DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
-         search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None) -> Plan:
+         search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
+         recompute: str | bool | None = DEFAULTS.recompute) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
     the options are validated as `parallelize` validates them (ops without a split form are planned
     replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
@@ -153,7 +160,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     to generate with that batch and cache length (`Plan.kv_cache_bytes_per_rank`, see
     `autopar.generate.kv_cache_bytes_per_rank`), in the parameters' dtype."""
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
-                      cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget)
+                      cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
+                      recompute=recompute)
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
     mesh = tuple(grid)
@@ -161,7 +169,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
     comp, layouts = compile_program(model, example_inputs, kwargs, Grid.for_planning(*mesh), options)
     gm, cap = comp.gm, comp.captured
-    rows = graph_rows(gm, mesh)
+    rows = graph_rows(comp.inspected, mesh)
     params = {}
     for name, p in model.named_parameters():
         lay = layouts.get(name, REPLICATED)
@@ -170,7 +178,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         params[name] = ParamPlacement(tuple(p.shape), repr(lay), mine, full)
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
-                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice)
+                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice,
+                  recompute=recompute, recompute_bytes=sum(r.recompute_bytes for r in rows))
     if generation is not None:
         dtype = next(model.parameters()).dtype
         result.kv_cache_bytes_per_rank = kv_cache_bytes_per_rank(model.config, *generation, mesh, dtype)

@@ -57,6 +57,7 @@ class Estimate:
     activation_bytes: float = 0.0
     memory_bytes: float = 0.0
     lowerings: dict = field(default_factory=dict)  # SUMMA node name -> lowering
+    recomputed: tuple = ()  # the repeated blocks whose recomputation time_s and memory_bytes include
 
     def add(self, other: "Estimate", k: float) -> None:
         self.time_s += k * other.time_s

@@ -14,6 +14,7 @@ are all-reduced in the same-row group and batch means in the same-column group.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ def warn(message: str, category: type[Warning], stacklevel: int = 1) -> None:
 
 @dataclass
 class CommLog:
-    """Bytes each collective *received* on this rank, keyed by (tag, phase).
+    """Bytes each collective *received* on this rank, keyed by (tag, phase): "fwd", "bwd", or
+    "recompute" for a forward collective that backward runs again (`passes.recompute`).
 
     Conventions (per rank): broadcast of N bytes -> N on every non-root; reduce of N bytes -> (q-1)*N
     on the destination; all-gather of N bytes per rank -> (q-1)*N; reduce-scatter of an N-byte input
@@ -49,9 +51,21 @@ class CommLog:
     """
 
     bytes: dict = field(default_factory=lambda: defaultdict(int))
+    recomputing: int = 0  # > 0 while backward recomputes a region: its forward bytes count as "recompute"
 
     def add(self, tag: str, phase: str, nbytes: int) -> None:
+        if self.recomputing and phase == "fwd":
+            phase = "recompute"
         self.bytes[(tag, phase)] += int(nbytes)
+
+    @contextlib.contextmanager
+    def recomputing_region(self):
+        """Count the collectives run inside as the recomputation of a forward (phase "recompute")."""
+        self.recomputing += 1
+        try:
+            yield
+        finally:
+            self.recomputing -= 1
 
     def total(self, prefix: str = "") -> int:
         return sum(v for (tag, _), v in self.bytes.items() if tag.startswith(prefix))

@@ -28,6 +28,8 @@ Each entry: the value, on which nodes, written by -> read by.
   (which skips them), autopar.explain.
 - `KERNEL`: the KernelSpec, on every module node insert_collectives adds. insert_collectives ->
   cost, autopar.explain.
+- `RECOMPUTE`: the name of the `Recompute` module whose region holds the node, on the nodes of the
+  flat graph `recompute` grouped (recompute=... only). recompute -> autopar.explain, autopar.plan.
 
 >>> import torch
 >>> from passes.capture import capture
@@ -47,3 +49,4 @@ STRATEGY = "autopar_strategy"
 INSERTED = "autopar_inserted"
 KERNEL = "autopar_kernel"
 PLACED = "autopar_placed"
+RECOMPUTE = "autopar_recompute"

@@ -20,10 +20,11 @@ from dataclasses import dataclass, fields
 
 from passes.ops.summa import LOWERINGS
 
-__all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES"]
+__all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES"]
 
 BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
 STRATEGIES = ("2d", "1d", "auto")
+RECOMPUTE_MODES = ("blocks", "selective")  # passes.recompute.MODES
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Options:
     timeout: float | None = None  # seconds
     optimizer_states: int = 2
     compile: bool = False  # run each rank's program under torch.compile
+    recompute: str | bool | None = None  # None, False, "blocks" or "selective": see passes.recompute
 
     def __post_init__(self) -> None:
         _one_of("lowering", self.lowering, LOWERINGS)
@@ -72,6 +74,12 @@ class Options:
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile={self.compile!r}: expected True (run each rank's program under "
                              f"torch.compile) or False (eager)")
+        if not (self.recompute is None or self.recompute is False or self.recompute in RECOMPUTE_MODES):
+            raise ValueError(f"recompute={self.recompute!r}: expected None (keep every activation for backward; "
+                             f"strategy='auto' may recompute blocks to fit memory_limit), False (never recompute), "
+                             f"'blocks' (keep each repeated block's inputs, run the block again in backward) or "
+                             f"'selective' (keep matmul and communication outputs, recompute the local ops "
+                             f"between them)")
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) \
                 or self.optimizer_states < 0:
             raise ValueError(f"optimizer_states={self.optimizer_states!r}: expected the number of tensors the "

@@ -51,10 +51,11 @@ from passes.meta import CHOICE, CHOICE_WHY, LOWERING, ROLE
 from passes.mesh import warn
 from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.propagate import Propagation, module_path, propagate_node
+from passes.recompute_cost import BlockTrade, block_trade
 from passes.rules.views import TRANSPOSES
 
 __all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
-           "find_units", "repeated_blocks", "search_groups", "OPTIONS", "BUDGET_S"]
+           "find_units", "repeated_blocks", "block_of", "search_groups", "OPTIONS", "BUDGET_S"]
 
 aten = torch.ops.aten
 OPTIONS = ("2d", "1d", "rep")
@@ -120,7 +121,9 @@ def find_units(gm: GraphModule) -> list:
     return units
 
 
-def _block_of(node: Node) -> str | None:
+def block_of(node: Node) -> str | None:
+    """The repeated block a node belongs to: its module path up to the first numbered part
+    ('model.layers.3' for 'model.layers.3.mlp.up_proj'), None outside numbered modules."""
     m = re.match(r"^(.*?\.\d+)(\.|$)", module_path(node))
     return m.group(1) if m else None
 
@@ -129,7 +132,7 @@ def repeated_blocks(gm: GraphModule) -> list | None:
     """[pre, block 0, block 1, ..., post] node lists when the graph is a run of >= 4 identical blocks
     (same ops in the same order), else None."""
     nodes = list(gm.graph.nodes)
-    ids = [_block_of(n) if n.op == "call_function" else None for n in nodes]
+    ids = [block_of(n) if n.op == "call_function" else None for n in nodes]
     first = next((i for i, b in enumerate(ids) if b is not None), None)
     if first is None:
         return None
@@ -162,6 +165,7 @@ class Choice:
     lowerings: dict  # SUMMA node name -> lowering
     solve_s: float = 0.0  # seconds the search took
     complete: bool = True  # False: the search stopped at its time budget with the best found so far
+    recompute_blocks: tuple = ()  # the repeated blocks recomputed in backward to fit memory_limit
 
 
 class _Evaluator:
@@ -195,31 +199,49 @@ class _Evaluator:
         if key in self.cache:
             return self.cache[key]
         self._set(assignment)
-        est = self._truncated()
+        est, trade = self._truncated()
         if est is None:
             nodes = list(self.gm.graph.nodes)
             est = price(nodes, self._run(nodes), self.mesh, self.grads, self.cm, cache=self.costs)
         est.memory_bytes = est.param_bytes * self.state_factor + est.activation_bytes
+        self._recompute(est, trade)
         self.cache[key] = est
         return est
 
-    def _truncated(self) -> Estimate | None:
-        """The estimate that prices blocks 0-2 alone (the last block takes block 2's layouts) and counts
-        block 1 once per middle block; None when the graph has no repeated blocks or they are not yet
-        steady after two (then the whole graph is priced)."""
+    def _recompute(self, est: Estimate, trade: BlockTrade | None) -> None:
+        """Recompute blocks in the estimate: all of them with recompute='blocks'; with recompute=None
+        and a memory limit, the fewest that make it fit (all of them when none is enough: the smallest
+        footprint). recompute=False, 'selective' and graphs without steady repeated blocks are priced
+        as they are."""
+        mode, limit = self.options.recompute, self.options.memory_limit
+        if trade is None or mode == "selective" or mode is False or (mode is None and limit is None):
+            return
+        k = trade.blocks if mode == "blocks" or limit is None else trade.blocks_for(est.memory_bytes, limit)
+        if k is None:
+            k = trade.blocks if trade.memory_with(est.memory_bytes, trade.blocks) < est.memory_bytes else 0
+        est.time_s += k * trade.forward_s
+        est.memory_bytes = trade.memory_with(est.memory_bytes, k)
+        est.recomputed = trade.ids[:k]
+
+    def _truncated(self) -> tuple:
+        """(the estimate that prices blocks 0-2 alone (the last block takes block 2's layouts) and counts
+        block 1 once per middle block, what recomputing blocks trades); (None, None) when the graph has
+        no repeated blocks or they are not yet steady after two (then the whole graph is priced)."""
         if self.blocks is None:
-            return None
+            return None, None
         pre, *blocks, post = self.blocks
         b0, b1, b2, last = blocks[0], blocks[1], blocks[2], blocks[-1]
         alias = dict(zip(last, b2))
         layouts = self._run(pre + b0 + b1 + b2 + [alias] + post)
         if [layouts.get(n) for n in b1] != [layouts.get(n) for n in b2]:
-            return None  # not yet steady after two blocks: price the whole graph
-        est = Estimate()
+            return None, None  # not yet steady after two blocks: price the whole graph
+        est, middle = Estimate(), Estimate()
         params: set[Node] = set()  # parameters already counted (a tied table)
         for part, k in ((pre, 1), (b0, 1), (b1, len(blocks) - 2), (b2, 1), (post, 1)):
-            est.add(price(part, layouts, self.mesh, self.grads, self.cm, params, self.costs), k)
-        return est
+            one = price(part, layouts, self.mesh, self.grads, self.cm, params, self.costs)
+            est.add(one, k)
+            middle = one if part is b1 else middle
+        return est, block_trade(blocks, middle, layouts, self.mesh, self.grads)
 
 
 class SearchWarning(UserWarning):
@@ -341,11 +363,12 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
     stopped = "" if complete else f" (the search stopped at search_budget={search_budget} s; a larger one may find one)"
     if assignment is None:
         assert memory_limit is not None, "without a memory limit every assignment fits"
-        smallest = min(e.memory_bytes for e in tried.values())
+        least = min(tried.values(), key=lambda e: e.memory_bytes)
+        how = f", recomputing all {len(least.recomputed)} repeated blocks" if least.recomputed else ""
         raise MemoryError(
             f"no strategy fits memory_limit={memory_limit / 2**30:.2f} GiB per rank on a {mesh_shape(mesh)} grid: "
-            f"the smallest estimate among {len(tried)} assignments is {smallest / 2**30:.2f} GiB{stopped}. Use more "
-            f"devices, a smaller batch, or a larger limit."
+            f"the smallest estimate among {len(tried)} assignments is {least.memory_bytes / 2**30:.2f} GiB{how}"
+            f"{stopped}. Use more devices, a smaller batch, or a larger limit."
         )
     alternatives = {k: {o: min((e.time_s for c, e in tried.items() if c[i] == o and fits(e)), default=None)
                         for o in opts[k]} for i, k in enumerate(keys)}
@@ -360,7 +383,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
     lowerings = _lowerings(ev, est)
     apply(gm, units, assignment, lowerings, alternatives)
     return Choice(assignment, est, alternatives, {s: ev.estimate(a) for s, a in baselines.items()}, len(tried),
-                  lowerings, time.perf_counter() - t0, complete)
+                  lowerings, time.perf_counter() - t0, complete, est.recomputed)
 
 
 def _lowerings(ev: _Evaluator, est: Estimate) -> dict:

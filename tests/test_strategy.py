@@ -80,7 +80,7 @@ def test_block_shortcut_equals_the_whole_graph(build):
         assignment = {k: (v if v in next(u.options for u in units if u.key == k) else "1d")
                       for k, v in assignment.items()}
         ev._set(assignment)
-        short = ev._truncated()
+        short, _trade = ev._truncated()  # (estimate, what recomputing blocks would trade)
         nodes = list(gm.graph.nodes)
         full = S.price(nodes, ev._run(nodes), (2, 2), ev.grads, ev.cm)
         assert short is not None, option
