@@ -18,6 +18,7 @@ import contextlib
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,21 @@ class CommLog:
         self.bytes.clear()
 
 
+
+class _Groups(NamedTuple):
+    """What `Grid` builds from torch.distributed for one grid shape (see `Grid._process_groups`)."""
+
+    default: object  # the default process group they were built under
+    mesh: DeviceMesh
+    same_col: object
+    same_row: object
+    dp: object
+    world: object
+
+
+_GROUPS: dict = {}  # (shape, dp, device type, timeout) -> _Groups
+
+
 class Grid:
     """An R x C grid over the default process group, with counted collectives; with dp > 1, dp such
     grids side by side (data parallel replicas: global rank = d*R*C + r*C + c). `shape` is (R, C);
@@ -83,6 +99,10 @@ class Grid:
     dp_index: int  # which of the dp grids holds this rank
     r: int  # this rank's row in its grid
     c: int  # this rank's column in its grid
+    same_col_group: Any  # process group over axis 0 (None without torch.distributed)
+    same_row_group: Any  # over axis 1
+    dp_group: Any  # over the replicas (dp > 1)
+    world_group: Any  # this grid's R*C ranks; None: the default group (dp == 1, no timeout)
 
     def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"
@@ -102,29 +122,48 @@ class Grid:
         self.device_type = device_type
         self.log = CommLog()
         self.timeout = timeout
-        self.dp_group = None
-        self.world_group = None  # this grid's R*C ranks; None: the default group (dp == 1, no timeout)
         if not dist.is_initialized():
             self.mesh: DeviceMesh | None = None
-            self.same_col_group = self.same_row_group = None
-        elif timeout is not None:
-            self._build_with_timeout(timeout)
+            self.same_col_group = self.same_row_group = self.dp_group = self.world_group = None
         else:
-            if dp > 1:
-                full = init_device_mesh(device_type, (dp, rows, cols), mesh_dim_names=("dp",) + AXIS_NAMES)
+            self._adopt(self._process_groups())
+
+    def _process_groups(self) -> "_Groups":
+        """The process groups and DeviceMesh of this grid's shape, built once per shape, replica count,
+        device type and timeout under the current default group, then shared by every Grid of that
+        kind. A gloo group keeps two threads per member process alive until the process group is
+        destroyed, so a program (or a test pool) that parallelizes many models must not build new
+        ones each time."""
+        key = (self.shape, self.dp, self.device_type, self.timeout)
+        got = _GROUPS.get(key)
+        if got is not None and got.default is dist.group.WORLD:  # not from a destroyed default group
+            return got
+        self.dp_group = self.world_group = None
+        rows, cols = self.shape
+        if self.timeout is not None:
+            self._build_with_timeout(self.timeout)
+        else:
+            if self.dp > 1:
+                full = init_device_mesh(self.device_type, (self.dp, rows, cols), mesh_dim_names=("dp",) + AXIS_NAMES)
                 mesh = full[AXIS_NAMES]
                 self.dp_group = full.get_group("dp")
-                for d in range(dp):  # every rank creates every group, in the same order
+                for d in range(self.dp):  # every rank creates every group, in the same order
                     group = dist.new_group(self._grid_ranks(d))
                     if d == self.dp_index:
                         self.world_group = group
             else:
-                mesh = init_device_mesh(device_type, (rows, cols), mesh_dim_names=AXIS_NAMES)
+                mesh = init_device_mesh(self.device_type, (rows, cols), mesh_dim_names=AXIS_NAMES)
             self.mesh = mesh
             self.same_col_group = mesh.get_group(0)
             self.same_row_group = mesh.get_group(1)
-        if self.mesh is not None:
-            self._flatten_mesh(self.mesh)
+        self._flatten_mesh(self.mesh)
+        got = _GROUPS[key] = _Groups(dist.group.WORLD, self.mesh, self.same_col_group, self.same_row_group,
+                                     self.dp_group, self.world_group)
+        return got
+
+    def _adopt(self, groups: "_Groups") -> None:
+        self.mesh, self.same_col_group, self.same_row_group = groups.mesh, groups.same_col, groups.same_row
+        self.dp_group, self.world_group = groups.dp, groups.world
 
     def _grid_ranks(self, d: int) -> list:
         return list(range(d * self.world, (d + 1) * self.world))
