@@ -114,3 +114,20 @@ def redistributions(rank, q):
                 want = want / g.size(axis)
         errs[f"{src!r} -> {dst!r} backward"] = excess(x.grad, want, MOVE_RTOL, atol)
     return errs
+
+
+def groups_shared(rank):
+    """Threads of this process before and after building five grids of one shape and one of another,
+    whether the same-shape grids share their groups, and a sum over the last grid's row group."""
+    import os
+
+    def threads():
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+    Grid(2, 2), Grid(1, 4)  # whatever earlier checks built: these shapes exist from here on
+    before = threads()
+    grids = [Grid(2, 2) for _ in range(5)] + [Grid(1, 4)]
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, group=grids[4].same_row_group)
+    return {"new_threads": threads() - before, "shared": grids[0].same_row_group is grids[4].same_row_group
+            and grids[0].mesh is grids[4].mesh, "sum": t.tolist()}

@@ -75,3 +75,14 @@ def test_rectangular_groups_products_redistributions(grid):
     for lowering in ("broadcast", "allgather"):
         _check_products(pool.run(C.summa_products, grid, lowering), grid)
     assert_every_rank(pool.run(C.redistributions, grid), f"redistributions on {R}x{C_}")
+
+
+def test_grids_share_process_groups(pool4):
+    """Catches a Grid that builds new process groups each time (each gloo group keeps threads alive
+    until the process ends: a long-lived process that parallelizes many models grew to ~770 threads
+    per rank): grids of one shape share their groups and add no thread, and the shared group still
+    sums over the right ranks (row r of a 2x2 grid: ranks 2r and 2r+1)."""
+    for rank, r in enumerate(pool4.run(C.groups_shared)):
+        row = rank // 2
+        assert r["new_threads"] == 0 and r["shared"], r
+        assert r["sum"] == [float(4 * row + 1)] * 3, r
