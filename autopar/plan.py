@@ -59,6 +59,13 @@ class Plan:
     gm: object = field(default=None, repr=False)
     strategy: str = "2d"
     choice: object = field(default=None, repr=False)  # strategy='auto': passes.strategy.Choice
+    collectives_fwd: int = 0  # collective calls per rank, forward
+    collectives_bwd: int = 0  # and backward
+
+    @property
+    def collectives_per_rank_per_step(self) -> int:
+        """Collective calls each rank launches in one training step (each costs a latency alpha)."""
+        return self.collectives_fwd + self.collectives_bwd
 
     @property
     def comm_bytes_per_rank_per_step(self) -> int:
@@ -85,6 +92,9 @@ class Plan:
             "comm_bytes_forward": self.comm_bytes_fwd,
             "comm_bytes_backward": self.comm_bytes_bwd,
             "flops_per_rank_per_step": self.flops_per_rank,
+            "collectives_per_rank_per_step": self.collectives_per_rank_per_step,
+            "collectives_forward": self.collectives_fwd,
+            "collectives_backward": self.collectives_bwd,
             "param_bytes_per_rank": self.param_bytes_per_rank,
             "param_bytes_total": self.param_bytes_total,
             "grad_bytes_per_rank": self.param_bytes_per_rank,
@@ -165,7 +175,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         params[name] = ParamPlacement(tuple(p.shape), repr(lay), mine, full)
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
-                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice)
+                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice,
+                  collectives_fwd=sum(r.calls_fwd for r in rows), collectives_bwd=sum(r.calls_bwd for r in rows))
     if measure_activations is None:
         measure_activations = not dist.is_initialized()
     if measure_activations:

@@ -41,23 +41,35 @@ def warn(message: str, category: type[Warning], stacklevel: int = 1) -> None:
 
 @dataclass
 class CommLog:
-    """Bytes each collective *received* on this rank, keyed by (tag, phase).
+    """Bytes each collective *received* on this rank, and the collective calls it launched, keyed by
+    (tag, phase).
 
     Conventions (per rank): broadcast of N bytes -> N on every non-root; reduce of N bytes -> (q-1)*N
     on the destination; all-gather of N bytes per rank -> (q-1)*N; reduce-scatter of an N-byte input
-    -> (q-1)*N/q; all-reduce of N bytes -> 2*(q-1)*N/q (ring).
+    -> (q-1)*N/q; all-reduce of N bytes -> 2*(q-1)*N/q (ring). Launches: one per collective call this
+    rank makes, sender or receiver alike (a broadcast's root launches it too); a group of one member
+    launches nothing.
     """
 
     bytes: dict = field(default_factory=lambda: defaultdict(int))
+    launches: dict = field(default_factory=lambda: defaultdict(int))
 
     def add(self, tag: str, phase: str, nbytes: int) -> None:
         self.bytes[(tag, phase)] += int(nbytes)
 
+    def launch(self, tag: str, phase: str) -> None:
+        self.launches[(tag, phase)] += 1
+
     def total(self, prefix: str = "") -> int:
         return sum(v for (tag, _), v in self.bytes.items() if tag.startswith(prefix))
 
+    def calls(self, prefix: str = "", phase: str | None = None) -> int:
+        """Collective calls launched by tags starting with `prefix` (in `phase` only, if given)."""
+        return sum(v for (tag, ph), v in self.launches.items() if tag.startswith(prefix) and phase in (None, ph))
+
     def reset(self) -> None:
         self.bytes.clear()
+        self.launches.clear()
 
 
 class Grid:

@@ -63,6 +63,7 @@ def broadcast(grid: Grid, axis: int, t: torch.Tensor, src: int, tag: str, phase:
     """Broadcast `t` (in place) from group member `src`; returns the work handle if async."""
     if grid.index(axis) != src:
         grid.log.add(tag, phase, _nbytes(t))
+    grid.log.launch(tag, phase)
     with guarded(grid, "broadcast", axis, tag):
         return dist.broadcast(t, src=grid.global_rank(axis, src), group=grid.group(axis), async_op=async_op)
 
@@ -71,6 +72,7 @@ def reduce(grid: Grid, axis: int, t: torch.Tensor, dst: int, tag: str, phase: st
     """Sum `t` (in place) onto group member `dst`; the other members' `t` is left unspecified."""
     if grid.index(axis) == dst:
         grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t))
+    grid.log.launch(tag, phase)
     with guarded(grid, "reduce", axis, tag):
         return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
 
@@ -82,6 +84,7 @@ def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((grid.size(axis) * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t))
+    grid.log.launch(tag, phase)
     with guarded(grid, "all-gather", axis, tag):
         all_gather_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
@@ -94,6 +97,7 @@ def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // grid.size(axis),) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis))
+    grid.log.launch(tag, phase)
     with guarded(grid, "reduce-scatter", axis, tag):
         reduce_scatter_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()
@@ -105,6 +109,7 @@ def all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op=
     if grid.size(axis) == 1:
         return t
     grid.log.add(tag, phase, 2 * (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis))
+    grid.log.launch(tag, phase)
     with guarded(grid, "all-reduce", axis, tag):
         dist.all_reduce(t, op=op, group=grid.group(axis))
     return t
@@ -221,6 +226,7 @@ class DataParallelGrad(torch.autograd.Function):
         grid, tag = ctx.args
         g = g.clone(memory_format=torch.contiguous_format)
         grid.log.add(tag, "bwd", 2 * (grid.dp - 1) * _nbytes(g) // grid.dp)
+        grid.log.launch(tag, "bwd")
         with guarded(grid, "all-reduce", "dp", tag):
             dist.all_reduce(g, group=grid.dp_group)
         return g / grid.dp, None, None
