@@ -155,6 +155,9 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
         f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
         f"({held / full * p:.2f}/p of the model, p={p})" if full else "no parameters",
     ]
+    stats = getattr(pmodel, "compile_stats", {}).get(comp.signature)
+    if stats is not None:
+        lines.append(f"torch.compile: {stats.graphs} graph(s), {stats.breaks} graph break(s)")
     if comp.choice is not None:
         lines += strategy_summary(comp.choice)
     if comp.fallbacks:

@@ -14,7 +14,9 @@ are all-reduced in the same-row group and batch means in the same-column group.
 
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -72,6 +74,23 @@ class CommLog:
         self.launches.clear()
 
 
+_GRIDS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # Grid.key -> the live grid
+_KEYS = itertools.count()
+
+
+def grid_of(key: int) -> "Grid":
+    """The grid whose `key` is `key`: the traceable collectives (`passes.ops.library`) take a grid as
+    this int, since a torch.library op's arguments are tensors and plain values."""
+    grid = _GRIDS.get(key)
+    assert grid is not None, f"no live Grid has key {key}: the grid of a compiled program was freed"
+    return grid
+
+
+def _register(grid: "Grid") -> None:
+    grid.key = next(_KEYS)
+    _GRIDS[grid.key] = grid
+
+
 class Grid:
     """An R x C grid over the default process group, with counted collectives; with dp > 1, dp such
     grids side by side (data parallel replicas: global rank = d*R*C + r*C + c). `shape` is (R, C);
@@ -81,6 +100,7 @@ class Grid:
     dp_index: int  # which of the dp grids holds this rank
     r: int  # this rank's row in its grid
     c: int  # this rank's column in its grid
+    key: int  # names this grid to the traceable collectives (`grid_of`)
 
     def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"
@@ -98,6 +118,7 @@ class Grid:
         self.dp_index, local = divmod(self.rank, rows * cols)
         self.r, self.c = divmod(local, cols)
         self.device_type = device_type
+        _register(self)
         self.log = CommLog()
         self.timeout = timeout
         self.dp_group = None
@@ -135,6 +156,7 @@ class Grid:
         g.shape, g.dp, g.rank, g.dp_index, g.r, g.c = (rows, rows if cols is None else cols), dp, 0, 0, 0, 0
         g.device_type, g.log, g.mesh, g.dp_group, g.timeout, g.world_group = "cpu", CommLog(), None, None, None, None
         g.same_row_group = g.same_col_group = None
+        _register(g)
         return g
 
     def _build_with_timeout(self, timeout) -> None:
