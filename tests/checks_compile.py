@@ -79,7 +79,8 @@ def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3):
     errs.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
                              prefix=f"param after {steps} steps "))
     return {"excess": errs, "first call s": first, "graphs": counters["stats"]["unique_graphs"],
-            "fell back": fell_back, "step bytes": step_bytes, "eager bytes": eager_bytes}
+            "fell back": fell_back, "step bytes": step_bytes, "eager bytes": eager_bytes,
+            "compile stats": tuple(pm.compile_stats.get(pm.program.signature, ()))}
 
 
 def _failing_compile(fn, *args, **kwargs):

@@ -29,6 +29,8 @@ def test_compiled_training_parity(pool4, name, grid, how, opt):
         assert r["graphs"] > 0, (rank, r["graphs"])
         # the collectives run between the compiled regions: every step moves the eager step's bytes
         assert r["step bytes"] == [r["eager bytes"]] * len(r["step bytes"]), (rank, r)
+        if how == "option":  # autopar compiled the per-rank program: its collectives traced, one graph
+            assert r["compile stats"] == (1, 0), (rank, r["compile stats"])
 
 
 def test_compile_failure_runs_eagerly_with_one_warning(pool4):
@@ -48,7 +50,7 @@ def test_compile_option_is_validated():
         Options(compile="yes")
 
 
-@pytest.mark.parametrize("name,grid", [("mlp", (1, 4)), ("tinygpt", (2, 2))])
+@pytest.mark.parametrize("name,grid", [("mlp", (1, 4)), ("tinygpt", (2, 2)), ("gpt2", (2, 2))])
 def test_compiled_program_has_no_graph_breaks(pool4, name, grid):
     """Catches a collective or SUMMA kernel dynamo cannot trace (a graph break at every call, the
     collectives then run between compiled regions), and a traced collective that the compiled step
