@@ -6,11 +6,12 @@ plain tensors. The passes themselves run in `autopar.pipeline`, once per input s
 from __future__ import annotations
 
 import datetime
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from passes.compat import pytree
+from passes.compat import dynamo_counts, pytree
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from passes import Grid
@@ -28,6 +29,13 @@ from autopar.pipeline import (Compiled, FallbackWarning, cache_off_kwargs, compi
                               refuse_kv_cache, signature)
 
 __all__ = ["parallelize", "ParallelModule", "FallbackWarning", "CompileWarning"]
+
+
+class CompileStats(NamedTuple):
+    """What dynamo made of one program under parallelize(..., compile=True): the graphs it compiled
+    and the graph breaks between them (0 when every kernel and collective traced)."""
+    graphs: int
+    breaks: int
 
 
 class CompileWarning(UserWarning):
@@ -73,6 +81,7 @@ class ParallelModule(nn.Module):
         self._param_layouts = param_layouts
         self._compiled = {first.signature: first}
         self._runners: dict = {}  # signature -> the callable running that program (torch.compile'd if asked)
+        self.compile_stats: dict = {}  # signature -> CompileStats of its first compiled call (compile=True)
         self._last = first
         device = first.captured.device
         for name, p in model.named_parameters():
@@ -337,6 +346,7 @@ class ParallelModule(nn.Module):
             self._runners[comp.signature] = comp.gm
             return comp.gm(*locals_)
         compiled = torch.compile(comp.gm)
+        before = dynamo_counts()
         try:
             outs = compiled(*locals_)
         except comm.CollectiveError:
@@ -348,6 +358,8 @@ class ParallelModule(nn.Module):
             self._runners[comp.signature] = comp.gm
             return comp.gm(*locals_)
         self._runners[comp.signature] = compiled
+        after = dynamo_counts()
+        self.compile_stats[comp.signature] = CompileStats(after[0] - before[0], after[1] - before[1])
         return outs
 
     def _wrap(self, out, lay_shape):

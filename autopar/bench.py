@@ -11,8 +11,10 @@ in one run for the same transformers Llama-style model (built from its config cl
   model measured here first (`autopar calibrate` on 2x2, unless --cost-model names a file), and
   each autopar configuration's estimated step time next to the measured one;
 
-with the configurations alternated round by round and medians reported, plus the overhead of
-autopar on a 1x1 grid against the eager model. Bytes are those received per rank per step: ours
+and, unless --no-compile, the same step under torch.compile (inductor) for autopar 2D 2x2
+(`compile=True`) and PyTorch's 1D tensor parallel (`torch.compile` of the model), with the
+configurations alternated round by round and medians reported, plus the overhead of autopar on a 1x1
+grid against the eager model (eager and compiled). Bytes are those received per rank per step: ours
 counted by autopar's collective layer, PyTorch's counted from the functional collectives its DTensors
 issue, with the same conventions (see passes.mesh.CommLog).
 """
@@ -148,7 +150,17 @@ def calibrate_worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
-def worker(rank, world, port, rounds, steps, out, cost_model):
+COMPILED = " (compiled)"  # suffix of a configuration's compiled twin
+
+
+def _compiled_configs(base) -> dict:
+    """autopar 2D 2x2 and PyTorch 1D TP under torch.compile; each compiles on its first (warm-up) step."""
+    return {"2D 2x2 broadcast" + COMPILED: autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
+                                                               example_kwargs=_batch(0), compile=True),
+            "PyTorch 1D TP (4 ranks)" + COMPILED: torch.compile(_tp_1d(copy.deepcopy(base)))}
+
+
+def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
     init_local(rank, world, port)
     configs, estimates = {}, {}
     base = _model()
@@ -170,10 +182,14 @@ def worker(rank, world, port, rounds, steps, out, cost_model):
     estimates = {"2D 2x2 broadcast": _estimate(base, (2, 2), "2d", cost_model),
                  "autopar 1D 1x4": _estimate(base, (1, 4), "1d", cost_model),
                  auto: _estimate(base, grid, "auto", cost_model)}
+    if compiled:
+        configs.update(_compiled_configs(base))
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in configs.items()}
     times = {k: [] for k in configs}
     res = {k: {} for k in configs}
     for k, m in configs.items():  # bytes, memory: one measured step each
+        if k.endswith(COMPILED):  # the same step as its eager twin: measured there (hooks and modes break graphs)
+            continue
         counter = FunctionalCommBytes(world)
         _reset_peak()
         grid = getattr(m, "grid", None)
@@ -203,6 +219,8 @@ def worker(rank, world, port, rounds, steps, out, cost_model):
                     times[k].append(time.perf_counter() - t0)
         dist.barrier()
     for k in configs:
+        if k.endswith(COMPILED):
+            res[k] = dict(res[k[:-len(COMPILED)]])
         res[k]["step_s"] = statistics.median(times[k])
         if k in estimates:
             res[k]["estimated_step_s"] = estimates[k]
@@ -220,14 +238,18 @@ def worker(rank, world, port, rounds, steps, out, cost_model):
     dist.destroy_process_group()
 
 
-def overhead_worker(rank, world, port, steps, out):
-    """autopar on a 1x1 grid against the eager model, alternating step by step."""
+def overhead_worker(rank, world, port, steps, out, compiled=True):
+    """autopar on a 1x1 grid against the eager model, alternating step by step (and compiled)."""
     init_local(rank, world, port)
     eager = _model()
-    pm = autopar.parallelize(copy.deepcopy(eager), grid=(1, 1), example_kwargs=_batch(0))
-    t = {"eager": [], "autopar 1x1": []}
+    runs = {"eager": eager, "autopar 1x1": autopar.parallelize(copy.deepcopy(eager), grid=(1, 1),
+                                                                 example_kwargs=_batch(0))}
+    if compiled:
+        runs["autopar 1x1" + COMPILED] = autopar.parallelize(copy.deepcopy(eager), grid=(1, 1),
+                                                             example_kwargs=_batch(0), compile=True)
+    t: dict = {k: [] for k in runs}
     for s in range(steps + 1):
-        for k, m in (("eager", eager), ("autopar 1x1", pm)):
+        for k, m in runs.items():
             t0 = time.perf_counter()
             m(**_batch(s)).loss.backward()
             if s:
@@ -273,7 +295,18 @@ def markdown(res: dict, overhead: dict) -> str:
             if "estimated_step_s" in r))
     lines.append(f"\nautopar on a 1x1 grid: {overhead['autopar 1x1'] * 1e3:.0f} ms per forward+backward against "
                  f"{overhead['eager'] * 1e3:.0f} ms eager ({overhead['autopar 1x1'] / overhead['eager']:.2f}x)")
-    return "\n".join(lines)
+    return "\n".join(lines + compiled_lines(res, overhead))
+
+
+def compiled_lines(res: dict, overhead: dict) -> list:
+    """Step time compiled against eager for each configuration measured both ways (none without)."""
+    pairs = [(k[:-len(COMPILED)], res[k]["step_s"], res[k[:-len(COMPILED)]]["step_s"]) for k in res
+             if k.endswith(COMPILED)]
+    if "autopar 1x1" + COMPILED in overhead:
+        pairs.append(("autopar 1x1", overhead["autopar 1x1" + COMPILED], overhead["autopar 1x1"]))
+    return ["\ntorch.compile (inductor) against eager, step time:"] + [
+        f"- {k}: {c * 1e3:.0f} ms compiled, {e * 1e3:.0f} ms eager, ratio {c / e:.2f}" for k, c, e in pairs
+    ] if pairs else []
 
 
 def main(argv=None) -> int:
@@ -302,8 +335,9 @@ def run(ns) -> int:
     if cost_model is None:
         cost_model = os.path.join(tmp, "calibration.json")
         _spawn(calibrate_worker, 4, cost_model)
-    _spawn(worker, 4, ns.rounds, ns.steps, os.path.join(tmp, "bench.json"), cost_model)
-    _spawn(overhead_worker, 1, 2 * ns.steps, os.path.join(tmp, "overhead.json"))
+    compiled = not getattr(ns, "no_compile", False)
+    _spawn(worker, 4, ns.rounds, ns.steps, os.path.join(tmp, "bench.json"), cost_model, compiled)
+    _spawn(overhead_worker, 1, 2 * ns.steps, os.path.join(tmp, "overhead.json"), compiled)
     res = json.load(open(os.path.join(tmp, "bench.json")))
     overhead = json.load(open(os.path.join(tmp, "overhead.json")))
     if ns.json:

@@ -255,6 +255,8 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=3, metavar="N",
                    help="training steps per configuration per round; the first of round 1 is warm-up (default 3)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a Markdown table")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (autopar 2x2 and 1x1, "
+                   "PyTorch 1D TP compiled), which spend minutes compiling")
     p.add_argument("--plot", metavar="FILE", help="also draw step time, bytes and saved activations per "
                                                   "configuration as bars (needs matplotlib: pip install "
                                                   "'autopar[plot]')")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from passes.cost import node_cost, nodes_needing_grad
+from passes.cost import node_calls, node_cost, nodes_needing_grad
 from passes.kernelspec import Site, flops
 from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
 from passes.propagate import module_path
@@ -32,6 +32,8 @@ class Row:
     flops: int = 0  # forward + backward FLOPs on this rank (matmul-like ops)
     fallback: bool = False  # the op fell back to replication (runs whole on every rank)
     recompute_bytes: int = 0  # recompute=...: forward bytes received again when backward recomputes the op
+    calls_fwd: int = 0  # collective calls this rank launches for the op, forward
+    calls_bwd: int = 0  # and backward
 
 
 def _op_name(gm, node) -> str:
@@ -80,6 +82,7 @@ def graph_rows(gm, mesh) -> list:
         if node.op not in ("call_function", "call_module"):
             continue
         cost = node_cost(gm, node, mesh, grads)
+        calls = node_calls(gm, node, mesh, grads)
         strat = node.meta.get(STRATEGY)
         own = strat is not None and not node.meta.get(INSERTED)  # the strategy is this op's
         lay = node.meta.get(LAYOUT)
@@ -96,8 +99,21 @@ def graph_rows(gm, mesh) -> list:
             flops=flops(Site.inserted(node, mesh, grads), node.meta.get(KERNEL)),
             fallback=own and strat.fallback,
             recompute_bytes=cost.fwd if cost and node.meta.get(RECOMPUTE) else 0,
+            calls_fwd=calls[0],
+            calls_bwd=calls[1],
         ))
     return out
+
+
+def collectives_line(pmodel, every: list) -> str:
+    """Collective calls each rank launches per training step (what `CommLog.calls` counts), and with
+    data-parallel replicas the gradient all-reduces over them (one per parameter block with a gradient)."""
+    fwd, bwd = sum(r.calls_fwd for r in every), sum(r.calls_bwd for r in every)
+    line = f"collectives per rank per step: {fwd + bwd} (forward {fwd}, backward {bwd})"
+    if pmodel.grid.dp > 1:
+        dp = sum(1 for p in pmodel.parameters() if p.requires_grad)
+        line += f"; plus {dp} data-parallel gradient all-reduces over the {pmodel.grid.dp} replicas"
+    return line
 
 
 def _fmt_bytes(n: int) -> str:
@@ -138,6 +154,7 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
         "",
         f"grid {R}x{C}; bytes received per rank per training step: forward {_fmt_bytes(fwd)}, "
         f"backward {_fmt_bytes(bwd)}, total {_fmt_bytes(fwd + bwd)}",
+        collectives_line(pmodel, every),
         f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
         f"({held / full * p:.2f}/p of the model, p={p})" if full else "no parameters",
     ]
@@ -146,6 +163,9 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
         regions = len({n.meta[RECOMPUTE] for n in comp.flat.graph.nodes if RECOMPUTE in n.meta})
         lines.append(f"recomputation: {regions} regions run again in backward, receiving {_fmt_bytes(again)} more "
                      f"per rank per step (their forward collectives, repeated)")
+    stats = getattr(pmodel, "compile_stats", {}).get(comp.signature)
+    if stats is not None:
+        lines.append(f"torch.compile: {stats.graphs} graph(s), {stats.breaks} graph break(s)")
     if comp.choice is not None:
         lines += strategy_summary(comp.choice)
     if comp.fallbacks:

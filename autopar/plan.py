@@ -65,6 +65,13 @@ class Plan:
     kv_cache_bytes_per_rank: int | None = None  # plan(..., generation=(B, L)): the split KV cache a rank holds
     recompute: str | bool | None = None  # the recompute option planned
     recompute_bytes: int = 0  # bytes received again per rank and step by the forwards backward recomputes
+    collectives_fwd: int = 0  # collective calls per rank, forward
+    collectives_bwd: int = 0  # and backward
+
+    @property
+    def collectives_per_rank_per_step(self) -> int:
+        """Collective calls each rank launches in one training step (each costs a latency alpha)."""
+        return self.collectives_fwd + self.collectives_bwd
 
     @property
     def comm_bytes_per_rank_per_step(self) -> int:
@@ -91,6 +98,9 @@ class Plan:
             "comm_bytes_forward": self.comm_bytes_fwd,
             "comm_bytes_backward": self.comm_bytes_bwd,
             "flops_per_rank_per_step": self.flops_per_rank,
+            "collectives_per_rank_per_step": self.collectives_per_rank_per_step,
+            "collectives_forward": self.collectives_fwd,
+            "collectives_backward": self.collectives_bwd,
             "param_bytes_per_rank": self.param_bytes_per_rank,
             "param_bytes_total": self.param_bytes_total,
             "grad_bytes_per_rank": self.param_bytes_per_rank,
@@ -179,7 +189,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
                   flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice,
-                  recompute=recompute, recompute_bytes=sum(r.recompute_bytes for r in rows))
+                  recompute=recompute, recompute_bytes=sum(r.recompute_bytes for r in rows),
+                  collectives_fwd=sum(r.calls_fwd for r in rows), collectives_bwd=sum(r.calls_bwd for r in rows))
     if generation is not None:
         dtype = next(model.parameters()).dtype
         result.kv_cache_bytes_per_rank = kv_cache_bytes_per_rank(model.config, *generation, mesh, dtype)

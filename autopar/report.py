@@ -46,7 +46,8 @@ def group_by_module(pl) -> str:
     lines += [
         "",
         f"grid {pl.grid[0]}x{pl.grid[1]}, per rank per training step: {_mib(j['comm_bytes_per_rank_per_step'])} MiB "
-        f"received, {j['flops_per_rank_per_step'] / 1e12:.3f} TFLOP (matmuls)",
+        f"received in {j['collectives_per_rank_per_step']} collective calls, "
+        f"{j['flops_per_rank_per_step'] / 1e12:.3f} TFLOP (matmuls)",
         f"memory per rank: parameters {_mib(j['param_bytes_per_rank'])} MiB "
         f"(model {_mib(j['param_bytes_total'])} MiB), "
         f"gradients {_mib(j['grad_bytes_per_rank'])} MiB, AdamW states {_mib(j['adamw_state_bytes_per_rank'])} MiB, "

@@ -148,3 +148,13 @@ def node_cost(gm: torch.fx.GraphModule, node: Node, mesh, grads: set | None = No
     if spec is None:
         return Cost("")
     return spec.inserted_cost(node, mesh, grads if grads is not None else nodes_needing_grad(gm))
+
+
+def node_calls(gm: torch.fx.GraphModule, node: Node, mesh, grads: set) -> tuple:
+    """(forward, backward) collective calls per rank of an inserted module of the rewritten graph, from
+    its spec and (for a SUMMA product) the lowering its module runs; (0, 0) for any other node."""
+    spec = node.meta.get(KERNEL) if node.op == "call_module" else None
+    if spec is None:
+        return 0, 0
+    lowering = getattr(gm.get_submodule(node.target), "lowering", "broadcast")
+    return spec.inserted_calls(node, mesh, grads, lowering)

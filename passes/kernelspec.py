@@ -140,6 +140,16 @@ class KernelSpec:
         """`cost` of `node`, a module of the rewritten graph this spec describes."""
         return self.cost(Site.inserted(node, mesh, grads))
 
+    def calls(self, site: Site, lowering: str = "broadcast") -> tuple:
+        """Collective calls this rank launches in one training step, (forward, backward): one per
+        step on an axis with more than one member (`passes.mesh.CommLog` counts the same)."""
+        steps = self.steps(site, self.values(site), exact=False)
+        return tuple(sum(1 for a, ph, _ in steps if ph == phase and site.mesh[a] > 1) for phase in ("fwd", "bwd"))
+
+    def inserted_calls(self, node: Node, mesh, grads: set, lowering: str = "broadcast") -> tuple:
+        """`calls` of `node`, a module of the rewritten graph this spec describes."""
+        return self.calls(Site.inserted(node, mesh, grads), lowering)
+
     def terms(self, site: Site) -> list:
         """(axis, bytes, launches) of each collective call that moves data (axes of one member left out)."""
         return [(a, b, 1) for a, _, b in self.steps(site, self.values(site), exact=False) if site.mesh[a] > 1]
@@ -216,6 +226,12 @@ class SummaSpec(KernelSpec):
         lowering sends one panel per step of its R + C - gcd(R, C) steps, the all-gather one call."""
         R_, C_ = site.mesh
         return R_ + C_ - math.gcd(R_, C_) if lowering == "broadcast" else 1
+
+    def calls(self, site, lowering="broadcast"):
+        """`launches` per product and axis: the forward product, then the backward ones that run. With
+        `rows_whole` an upper bound, as the bytes (the weight gradient's product sends fewer pieces)."""
+        per_product = sum(self.launches(site, lowering) for a in range(2) if site.mesh[a] > 1)
+        return per_product, per_product * (self.products(site) - 1)
 
     def flops(self, site):
         v = self.values(site)

@@ -15,7 +15,9 @@ are all-reduced in the same-row group and batch means in the same-column group.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -43,16 +45,20 @@ def warn(message: str, category: type[Warning], stacklevel: int = 1) -> None:
 
 @dataclass
 class CommLog:
-    """Bytes each collective *received* on this rank, keyed by (tag, phase): "fwd", "bwd", or
-    "recompute" for a forward collective that backward runs again (`passes.recompute`).
+    """Bytes each collective *received* on this rank, and the collective calls it launched, keyed by
+    (tag, phase): "fwd", "bwd", or "recompute" for a forward collective that backward runs again
+    (`passes.recompute`).
 
     Conventions (per rank): broadcast of N bytes -> N on every non-root; reduce of N bytes -> (q-1)*N
     on the destination; all-gather of N bytes per rank -> (q-1)*N; reduce-scatter of an N-byte input
-    -> (q-1)*N/q; all-reduce of N bytes -> 2*(q-1)*N/q (ring).
+    -> (q-1)*N/q; all-reduce of N bytes -> 2*(q-1)*N/q (ring). Launches: one per collective call this
+    rank makes, sender or receiver alike (a broadcast's root launches it too); a group of one member
+    launches nothing.
     """
 
     bytes: dict = field(default_factory=lambda: defaultdict(int))
     recomputing: int = 0  # > 0 while backward recomputes a region: its forward bytes count as "recompute"
+    launches: dict = field(default_factory=lambda: defaultdict(int))
 
     def add(self, tag: str, phase: str, nbytes: int) -> None:
         if self.recomputing and phase == "fwd":
@@ -68,11 +74,38 @@ class CommLog:
         finally:
             self.recomputing -= 1
 
+    def launch(self, tag: str, phase: str) -> None:
+        if self.recomputing and phase == "fwd":
+            phase = "recompute"
+        self.launches[(tag, phase)] += 1
+
     def total(self, prefix: str = "") -> int:
         return sum(v for (tag, _), v in self.bytes.items() if tag.startswith(prefix))
 
+    def calls(self, prefix: str = "", phase: str | None = None) -> int:
+        """Collective calls launched by tags starting with `prefix` (in `phase` only, if given)."""
+        return sum(v for (tag, ph), v in self.launches.items() if tag.startswith(prefix) and phase in (None, ph))
+
     def reset(self) -> None:
         self.bytes.clear()
+        self.launches.clear()
+
+
+_GRIDS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # Grid.key -> the live grid
+_KEYS = itertools.count()
+
+
+def grid_of(key: int) -> "Grid":
+    """The grid whose `key` is `key`: the traceable collectives (`passes.ops.library`) take a grid as
+    this int, since a torch.library op's arguments are tensors and plain values."""
+    grid = _GRIDS.get(key)
+    assert grid is not None, f"no live Grid has key {key}: the grid of a compiled program was freed"
+    return grid
+
+
+def _register(grid: "Grid") -> None:
+    grid.key = next(_KEYS)
+    _GRIDS[grid.key] = grid
 
 
 
@@ -103,6 +136,7 @@ class Grid:
     same_row_group: Any  # over axis 1
     dp_group: Any  # over the replicas (dp > 1)
     world_group: Any  # this grid's R*C ranks; None: the default group (dp == 1, no timeout)
+    key: int  # names this grid to the traceable collectives (`grid_of`)
 
     def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"
@@ -120,6 +154,7 @@ class Grid:
         self.dp_index, local = divmod(self.rank, rows * cols)
         self.r, self.c = divmod(local, cols)
         self.device_type = device_type
+        _register(self)
         self.log = CommLog()
         self.timeout = timeout
         if not dist.is_initialized():
@@ -176,6 +211,7 @@ class Grid:
         g.shape, g.dp, g.rank, g.dp_index, g.r, g.c = (rows, rows if cols is None else cols), dp, 0, 0, 0, 0
         g.device_type, g.log, g.mesh, g.dp_group, g.timeout, g.world_group = "cpu", CommLog(), None, None, None, None
         g.same_row_group = g.same_col_group = None
+        _register(g)
         return g
 
     def _build_with_timeout(self, timeout) -> None:

@@ -22,6 +22,11 @@ def _model(name: str):
     if name == "tinygpt":
         cfg = GPTConfig()
         return TinyGPT(cfg), lambda s: (_data(cfg, 4, 8, seed=s + 1), {}), lambda out: out[1]
+    if name == "mlp":
+        model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                    torch.nn.Linear(64, 16))
+        return model, lambda s: ((torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(s)),), {}), \
+            lambda out: out.pow(2).mean()
     model, make = build(name)
     model.eval()  # HF configs default to dropout 0.1
     return model, lambda s: ((), make(4, 8, s)), lambda out: out.loss
@@ -74,7 +79,8 @@ def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3):
     errs.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
                              prefix=f"param after {steps} steps "))
     return {"excess": errs, "first call s": first, "graphs": counters["stats"]["unique_graphs"],
-            "fell back": fell_back, "step bytes": step_bytes, "eager bytes": eager_bytes}
+            "fell back": fell_back, "step bytes": step_bytes, "eager bytes": eager_bytes,
+            "compile stats": tuple(pm.compile_stats.get(pm.program.signature, ()))}
 
 
 def _failing_compile(fn, *args, **kwargs):
@@ -105,3 +111,39 @@ def compile_fallback(rank, steps=2):
         torch.compile = real
     said = [str(w.message) for w in caught if issubclass(w.category, autopar.CompileWarning)]
     return {"excess": errs, "warnings": said}
+
+
+def compile_graphs(rank, name, grid):
+    """One compiled training step of `name` at `grid` (parallelize(compile=True)): the graphs and graph
+    breaks dynamo made of the per-rank program, explain's line about them, and the step's bytes and
+    collective calls against an eager step's."""
+    torch.manual_seed(0)
+    model, batch, loss_of = _model(name)
+    args, kwargs = batch(0)
+    eager = autopar.parallelize(copy.deepcopy(model), grid=grid, example_inputs=args, example_kwargs=kwargs)
+    eager.grid.log.reset()
+    loss_of(eager(*args, **kwargs)).backward()
+    pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm.grid.log.reset()
+        loss_of(pm(*args, **kwargs)).backward()
+    line = [ln for ln in autopar.explain(pm).splitlines() if ln.startswith("torch.compile:")]
+    logs = [(dict(g.log.bytes), dict(g.log.launches)) for g in (eager.grid, pm.grid)]
+    return {"stats": tuple(pm.compile_stats[pm.program.signature]), "line": line, "eager log": logs[0],
+            "compiled log": logs[1], "fell back": [str(w.message) for w in caught
+                                                   if issubclass(w.category, autopar.CompileWarning)]}
+
+
+def recompiles(rank, batches=(4, 6, 4, 6)):
+    """parallelize(compile=True) of the MLP at 1x4 trained on batches of the sizes `batches`: the graphs
+    dynamo has compiled after each step (one per new shape, none for a shape seen before)."""
+    torch.manual_seed(0)
+    model, _, loss_of = _model("mlp")
+    pm = autopar.parallelize(model, grid=(1, 4), example_inputs=(torch.randn(batches[0], 8, 16),), compile=True)
+    counters.clear()
+    seen = []
+    for b in batches:
+        loss_of(pm(torch.randn(b, 8, 16))).backward()
+        seen.append(counters["stats"]["unique_graphs"])
+    return seen

@@ -223,3 +223,22 @@ def replicated_drift(rank, drift_rank):
             p.to_local()[0] += 1e-3  # one element of this rank's copy
     ref_params = dict(model.named_parameters())
     return group_excess({n: (q.full_tensor(), ref_params[n]) for n, q in pm.named_parameters()}), name
+
+
+def gpt_calls(rank, grid, cfg_kw, lowering, batch=4, seq=8):
+    """Collective calls one training step launched, in total per phase and per SUMMA node, and what
+    explain's rows plan for the same step."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_kw)
+    model = TinyGPT(cfg)
+    ids, tgt = _data(cfg, batch, seq)
+    pm = autopar.parallelize(model, grid=grid, example_inputs=(ids, tgt), lowering=lowering)
+    pm.grid.log.reset()
+    _, loss = pm(ids, tgt)
+    loss.backward()
+    log, table = pm.grid.log, rows(pm)
+    summa = {r.node: ((r.calls_fwd, r.calls_bwd), (log.launches[(r.node, "fwd")], log.launches[(r.node, "bwd")]))
+             for r in table if r.op.startswith("SummaLinear")}
+    line = next(ln for ln in autopar.explain(pm).splitlines() if ln.startswith("collectives per rank per step"))
+    return {"planned": (sum(r.calls_fwd for r in table), sum(r.calls_bwd for r in table)),
+            "counted": (log.calls(phase="fwd"), log.calls(phase="bwd")), "summa": summa, "line": line}

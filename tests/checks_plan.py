@@ -48,4 +48,5 @@ def plan_vs_run(rank, name):
     loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
     loss.sum().backward()
     return {"same code": pl.gm.code == pm.graph_module.code, "planned": pl.comm_bytes_per_rank_per_step,
-            "counted": pm.grid.log.total()}
+            "counted": pm.grid.log.total(), "planned calls": (pl.collectives_fwd, pl.collectives_bwd),
+            "counted calls": (pm.grid.log.calls(phase="fwd"), pm.grid.log.calls(phase="bwd"))}

@@ -29,6 +29,8 @@ def test_compiled_training_parity(pool4, name, grid, how, opt):
         assert r["graphs"] > 0, (rank, r["graphs"])
         # the collectives run between the compiled regions: every step moves the eager step's bytes
         assert r["step bytes"] == [r["eager bytes"]] * len(r["step bytes"]), (rank, r)
+        if how == "option":  # autopar compiled the per-rank program: its collectives traced, one graph
+            assert r["compile stats"] == (1, 0), (rank, r["compile stats"])
 
 
 def test_compile_failure_runs_eagerly_with_one_warning(pool4):
@@ -46,3 +48,23 @@ def test_compile_option_is_validated():
 
     with pytest.raises(ValueError, match="compile='yes'"):
         Options(compile="yes")
+
+
+@pytest.mark.parametrize("name,grid", [("mlp", (1, 4)), ("tinygpt", (2, 2)), ("gpt2", (2, 2))])
+def test_compiled_program_has_no_graph_breaks(pool4, name, grid):
+    """Catches a collective or SUMMA kernel dynamo cannot trace (a graph break at every call, the
+    collectives then run between compiled regions), and a traced collective that the compiled step
+    drops, repeats or counts differently from the eager step."""
+    res = pool4.run(C.compile_graphs, name, grid)
+    for rank, r in enumerate(res):
+        assert not r["fell back"], (rank, r["fell back"])
+        assert r["stats"] == (1, 0), f"rank {rank}: (graphs, graph breaks) = {r['stats']}, want one graph"
+        assert r["line"] == ["torch.compile: 1 graph(s), 0 graph break(s)"], r["line"]
+        assert r["compiled log"] == r["eager log"], f"rank {rank}: bytes and launches of the compiled step differ"
+
+
+def test_a_new_shape_compiles_once(pool4):
+    """Catches a program recompiled on every call, or on every return to a shape already seen (guards
+    that fail on a value that changes per call)."""
+    for rank, seen in enumerate(pool4.run(C.recompiles, (4, 6, 4, 6))):
+        assert seen == [1, 2, 2, 2], f"rank {rank}: graphs compiled after each step {seen}, want [1, 2, 2, 2]"

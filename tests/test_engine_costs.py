@@ -48,3 +48,19 @@ def test_memory_per_rank(pool4):
         ratio = r["saved"] * p / r["ref_saved"]
         assert ratio <= 1.3, (f"rank {rank}: saved-for-backward {r['saved']} B vs {r['ref_saved']} B "
                               f"on one process = {ratio:.2f}/p")
+
+
+@pytest.mark.parametrize("grid,lowering", [((2, 2), "broadcast"), ((2, 2), "allgather"), ((1, 4), "broadcast"),
+                                           ((4, 1), "allgather")])
+def test_collective_calls_planned_equal_launched(pool4, grid, lowering):
+    """Catches a spec whose launch count drifts from its kernel: a SUMMA step count off by the gcd, a
+    broadcast root or reduce sender not counted, a collective over a one-member axis counted, an
+    extra or missing norm / cross-entropy all-reduce."""
+    res = pool4.run(C.gpt_calls, grid, dict(SMALL, mlp="gelu"), lowering)
+    for rank, r in enumerate(res):
+        assert r["planned"] == r["counted"], f"rank {rank}: planned {r['planned']} (fwd, bwd), launched {r['counted']}"
+        assert r["counted"][0] > 0 and r["counted"][1] > 0, r["counted"]
+        for node, (planned, counted) in r["summa"].items():
+            assert planned == counted, f"rank {rank}, {node}: planned {planned}, launched {counted}"
+        total = sum(r["counted"])
+        assert r["line"].startswith(f"collectives per rank per step: {total} "), r["line"]

@@ -17,11 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("name", ["mlp", "attention", "gpt2", "bench llama"])
 def test_plan_equals_a_real_2x2_run(pool4, name):
-    """Catches a planner that drifts from the engine: a different rewritten graph, or bytes that the
-    collective layer does not actually move."""
+    """Catches a planner that drifts from the engine: a different rewritten graph, or bytes (or
+    collective calls) that the collective layer does not actually move (launch)."""
     for rank, r in enumerate(pool4.run(C.plan_vs_run, name)):
         assert r["same code"], f"rank {rank}: plan and parallelize built different graphs"
         assert r["planned"] == r["counted"], f"rank {rank}: planned {r['planned']} B, counted {r['counted']} B"
+        assert r["planned calls"] == r["counted calls"], \
+            f"rank {rank}: planned {r['planned calls']} collective calls (fwd, bwd), launched {r['counted calls']}"
 
 
 def test_plan_8x8_on_one_process():

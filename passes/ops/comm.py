@@ -63,6 +63,7 @@ def broadcast(grid: Grid, axis: int, t: torch.Tensor, src: int, tag: str, phase:
     """Broadcast `t` (in place) from group member `src`; returns the work handle if async."""
     if grid.index(axis) != src:
         grid.log.add(tag, phase, _nbytes(t))
+    grid.log.launch(tag, phase)
     with guarded(grid, "broadcast", axis, tag):
         return dist.broadcast(t, src=grid.global_rank(axis, src), group=grid.group(axis), async_op=async_op)
 
@@ -71,42 +72,78 @@ def reduce(grid: Grid, axis: int, t: torch.Tensor, dst: int, tag: str, phase: st
     """Sum `t` (in place) onto group member `dst`; the other members' `t` is left unspecified."""
     if grid.index(axis) == dst:
         grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t))
+    grid.log.launch(tag, phase)
     with guarded(grid, "reduce", axis, tag):
         return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
 
 
 def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
-    """Concatenate the group members' blocks along `dim`."""
+    """Concatenate the group members' blocks along `dim` (traceable: `passes.ops.library`)."""
     if grid.size(axis) == 1:
         return t.contiguous()
+    return torch.ops.autopar.all_gather(t, grid.key, axis, dim, tag, phase)
+
+
+def run_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
+    """`all_gather` now, on a group of more than one member: the body of its torch.library op."""
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((grid.size(axis) * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t))
+    grid.log.launch(tag, phase)
     with guarded(grid, "all-gather", axis, tag):
         all_gather_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
 
 
 def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
-    """Sum the members' `t` and keep this member's block of `dim`."""
+    """Sum the members' `t` and keep this member's block of `dim` (traceable: `passes.ops.library`)."""
     if grid.size(axis) == 1:
         return t.contiguous()
+    return torch.ops.autopar.reduce_scatter(t, grid.key, axis, dim, tag, phase)
+
+
+def run_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
+    """`reduce_scatter` now, on a group of more than one member: the body of its torch.library op."""
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // grid.size(axis),) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis))
+    grid.log.launch(tag, phase)
     with guarded(grid, "reduce-scatter", axis, tag):
         reduce_scatter_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()
 
 
-def all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op=dist.ReduceOp.SUM):
-    """Sum (or `op`) of the members' `t`, as a new tensor."""
-    t = t.clone(memory_format=torch.contiguous_format)
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op: str = "sum"):
+    """Sum (or `op`, a key of REDUCE_OPS) of the members' `t`, as a new tensor (traceable:
+    `passes.ops.library`)."""
     if grid.size(axis) == 1:
-        return t
+        return t.clone(memory_format=torch.contiguous_format)
+    return torch.ops.autopar.all_reduce(t, grid.key, axis, tag, phase, op)
+
+
+def all_reduce_stack(grid: Grid, axis: int | None, parts: list, tag: str, phase: str) -> torch.Tensor:
+    """`all_reduce` of torch.stack(parts) over `axis` (None: the stack alone), the stack made inside the
+    op: a stack traced by torch.compile into a concatenation whose halves inductor reuses in place
+    could be overwritten while still saved for backward (seen on torch 2.13 with the norm statistics)."""
+    return torch.ops.autopar.all_reduce_stack(parts, grid.key, -1 if axis is None else axis, tag, phase)
+
+
+def run_all_reduce_stack(grid: Grid, axis: int, parts: list, tag: str, phase: str) -> torch.Tensor:
+    """`all_reduce_stack` now (axis -1 or of one member: the stack alone): the body of its op."""
+    t = torch.stack(parts)
+    return t if axis < 0 or grid.size(axis) == 1 else run_all_reduce(grid, axis, t, tag, phase)
+
+
+def run_all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op: str = "sum"):
+    """`all_reduce` now, on a group of more than one member: the body of its torch.library op."""
+    t = t.clone(memory_format=torch.contiguous_format)
     grid.log.add(tag, phase, 2 * (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis))
+    grid.log.launch(tag, phase)
     with guarded(grid, "all-reduce", axis, tag):
-        dist.all_reduce(t, op=op, group=grid.group(axis))
+        dist.all_reduce(t, op=REDUCE_OPS[op], group=grid.group(axis))
     return t
 
 
@@ -221,6 +258,7 @@ class DataParallelGrad(torch.autograd.Function):
         grid, tag = ctx.args
         g = g.clone(memory_format=torch.contiguous_format)
         grid.log.add(tag, "bwd", 2 * (grid.dp - 1) * _nbytes(g) // grid.dp)
+        grid.log.launch(tag, "bwd")
         with guarded(grid, "all-reduce", "dp", tag):
             dist.all_reduce(g, group=grid.dp_group)
         return g / grid.dp, None, None

@@ -7,7 +7,6 @@ facts. All communication goes through `passes.ops.comm`, so it is counted.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -123,6 +122,11 @@ def _row_sum(grid: Grid, t: torch.Tensor, tag: str, phase: str) -> torch.Tensor:
     return comm.all_reduce(grid, 1, t.sum(-1), tag, phase)
 
 
+def _row_sums(grid: Grid, parts: list, tag: str, phase: str) -> torch.Tensor:
+    """`_row_sum` of each of `parts` in one all-reduce: [len(parts), ...]."""
+    return comm.all_reduce_stack(grid, 1, [t.sum(-1) for t in parts], tag, phase)
+
+
 class _ShardedNormFn(torch.autograd.Function):
     """y = (x - mean) * rstd * w + b over a last dim split over the mesh columns (mean = 0 for RMS).
 
@@ -142,7 +146,7 @@ class _ShardedNormFn(torch.autograd.Function):
         if centered:
             m0 = _row_sum(grid, xa, tag, "fwd") / n  # [...]
             xc = xa - m0[..., None]  # [..., h/C]
-            s1, s2 = _row_sum(grid, torch.stack([xc, xc * xc]), tag, "fwd")  # Σ(x - m0), Σ(x - m0)^2: [...]
+            s1, s2 = _row_sums(grid, [xc, xc * xc], tag, "fwd")  # Σ(x - m0), Σ(x - m0)^2: [...]
             shift = s1 / n
             mean = m0 + shift
             var = ((s2 - s1 * shift) / n).clamp_min(0)
@@ -173,7 +177,7 @@ class _ShardedNormFn(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if centered:
-                s1, s2 = _row_sum(grid, torch.stack([gx, gx * xhat]), tag, "bwd") / n
+                s1, s2 = _row_sums(grid, [gx, gx * xhat], tag, "bwd") / n
                 dx = (gx - s1[..., None] - xhat * s2[..., None]) * rstd[..., None]
             else:
                 s2 = _row_sum(grid, gx * xhat, tag, "bwd") / n
@@ -225,7 +229,7 @@ class _VocabParallelCE(torch.autograd.Function):
         zf = z.float()  # [n/q, V/q] (or [n/q, V] when the vocabulary is whole)
         m = zf.max(-1).values
         if vocab_split:
-            m = comm.all_reduce(grid, 1, m, tag, "fwd", op=dist.ReduceOp.MAX)  # [n/q]
+            m = comm.all_reduce(grid, 1, m, tag, "fwd", op="max")  # [n/q]
         e = torch.exp(zf - m[:, None])
         rows = z.shape[1]
         local = target - grid.c * rows if vocab_split else target
@@ -233,14 +237,12 @@ class _VocabParallelCE(torch.autograd.Function):
         # select, never multiply by a mask: the clamped column of a target outside this block may be
         # -inf (a masked vocabulary entry) or NaN, and 0 * inf = NaN where one process is finite
         picked = torch.where(inside, zf.gather(1, local.clamp(0, rows - 1)[:, None]).squeeze(1), 0.0)
-        sums = torch.stack([e.sum(-1), picked])  # [2, n/q]
-        if vocab_split:
-            sums = comm.all_reduce(grid, 1, sums, tag, "fwd")
+        sums = comm.all_reduce_stack(grid, 1 if vocab_split else None, [e.sum(-1), picked], tag, "fwd")  # [2, n/q]
         valid = target != ignore_index
         per_token = torch.where(valid, torch.log(sums[0]) + m - sums[1], 0.0)  # ignored rows may be NaN
-        tot = torch.stack([per_token.sum(), valid.sum().to(zf.dtype)])
-        if not rows_whole:  # each mesh row holds a block of the rows: sum them
-            tot = comm.all_reduce(grid, 0, tot, tag, "fwd")
+        # each mesh row holds a block of the rows: sum them (unless every row holds all of them)
+        tot = comm.all_reduce_stack(grid, None if rows_whole else 0, [per_token.sum(), valid.sum().to(zf.dtype)],
+                                    tag, "fwd")
         # sums and tot saved whole, not the rows backward reads (the same storages): torch.compile refuses
         # a saved tensor that is a view of another tensor of the traced forward
         ctx.save_for_backward(e, sums, local, inside, valid, tot)

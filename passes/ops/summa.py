@@ -138,6 +138,12 @@ def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadca
     return _reduce_steps(grid, AXIS_SAME_COL, partials, 0, tag, phase)
 
 
+def product(grid: Grid, kind: str, a, b, tag: str, phase: str, lowering: str, rows_whole: bool = False):
+    """`ab`, `abt` or `atb` (`kind`) through its torch.library op (`passes.ops.library`): one opaque
+    call to torch.compile, the same eager code inside."""
+    return torch.ops.autopar.summa(a, b, grid.key, kind, tag, phase, lowering, rows_whole)
+
+
 class SummaAB(torch.autograd.Function):
     """C = A B; backward dA = ABT(dC, B), dB = ATB(A, dC)."""
 
@@ -145,14 +151,14 @@ class SummaAB(torch.autograd.Function):
     def forward(ctx, a, b, grid, tag, lowering, rows_whole=False):
         ctx.save_for_backward(a, b)
         ctx.args = (grid, tag, lowering, rows_whole)
-        return ab(grid, a, b, tag, "fwd", lowering)
+        return product(grid, "ab", a, b, tag, "fwd", lowering)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         grid, tag, lowering, rows_whole = ctx.args
-        da = abt(grid, g, b, tag, "bwd", lowering) if ctx.needs_input_grad[0] else None
-        db = atb(grid, a, g, tag, "bwd", lowering, rows_whole) if ctx.needs_input_grad[1] else None
+        da = product(grid, "abt", g, b, tag, "bwd", lowering) if ctx.needs_input_grad[0] else None
+        db = product(grid, "atb", a, g, tag, "bwd", lowering, rows_whole) if ctx.needs_input_grad[1] else None
         return da, db, None, None, None, None
 
 
@@ -163,14 +169,14 @@ class SummaABT(torch.autograd.Function):
     def forward(ctx, a, b, grid, tag, lowering, rows_whole=False):
         ctx.save_for_backward(a, b)
         ctx.args = (grid, tag, lowering, rows_whole)
-        return abt(grid, a, b, tag, "fwd", lowering)
+        return product(grid, "abt", a, b, tag, "fwd", lowering)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         grid, tag, lowering, rows_whole = ctx.args
-        da = ab(grid, g, b, tag, "bwd", lowering) if ctx.needs_input_grad[0] else None
-        db = atb(grid, g, a, tag, "bwd", lowering, rows_whole) if ctx.needs_input_grad[1] else None
+        da = product(grid, "ab", g, b, tag, "bwd", lowering) if ctx.needs_input_grad[0] else None
+        db = product(grid, "atb", g, a, tag, "bwd", lowering, rows_whole) if ctx.needs_input_grad[1] else None
         return da, db, None, None, None, None
 
 

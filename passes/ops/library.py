@@ -1,0 +1,93 @@
+"""autopar's collectives and SUMMA products as torch.library ops, so torch.compile traces through them.
+
+Dynamo cannot trace a call into `torch.distributed` with a process group object, so each collective
+`passes.ops.comm` runs (and each whole SUMMA product of `passes.ops.summa`, which overlaps its own
+broadcasts with its matmuls) is registered here as an opaque op of the `autopar` namespace with a
+fake kernel that gives its output's shape. The compiled graph calls the op; the op's body is the
+eager code, which runs the collective and counts its bytes and launch in `Grid.log` on every call,
+compiled or not. A grid travels as its `Grid.key` (op arguments are tensors and plain values).
+Gradients stay with the autograd Functions that call these ops: dynamo traces those, and their
+backward calls the ops too. Every op returns a new tensor (never a view of an input), as
+torch.library requires.
+
+>>> import torch
+>>> from passes.mesh import Grid
+>>> g = Grid.for_planning(2, 4)
+>>> from passes.compat import fake_tensor_mode
+>>> with fake_tensor_mode():  # a [m, K/C], b [N/R, K/C] -> [m, N/C]: shapes only, nothing sent
+...     a, b = torch.empty(6, 3), torch.empty(5, 3)
+...     torch.ops.autopar.summa(a, b, g.key, "abt", "tag", "fwd", "broadcast", False).shape
+torch.Size([6, 2])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from passes.mesh import grid_of
+from passes.ops import comm, summa
+
+PRODUCTS = {"ab": summa.ab, "abt": summa.abt, "atb": summa.atb}
+
+
+@torch.library.custom_op("autopar::all_gather", mutates_args=())
+def all_gather(t: torch.Tensor, grid: int, axis: int, dim: int, tag: str, phase: str) -> torch.Tensor:
+    return comm.run_all_gather(grid_of(grid), axis, t, dim, tag, phase)
+
+
+@all_gather.register_fake
+def _(t, grid, axis, dim, tag, phase):
+    shape = list(t.shape)
+    shape[dim] *= grid_of(grid).size(axis)
+    return t.new_empty(shape)
+
+
+@torch.library.custom_op("autopar::reduce_scatter", mutates_args=())
+def reduce_scatter(t: torch.Tensor, grid: int, axis: int, dim: int, tag: str, phase: str) -> torch.Tensor:
+    return comm.run_reduce_scatter(grid_of(grid), axis, t, dim, tag, phase)
+
+
+@reduce_scatter.register_fake
+def _(t, grid, axis, dim, tag, phase):
+    shape = list(t.shape)
+    shape[dim] //= grid_of(grid).size(axis)
+    return t.new_empty(shape)
+
+
+@torch.library.custom_op("autopar::all_reduce", mutates_args=())
+def all_reduce(t: torch.Tensor, grid: int, axis: int, tag: str, phase: str, op: str) -> torch.Tensor:
+    return comm.run_all_reduce(grid_of(grid), axis, t, tag, phase, op)
+
+
+@all_reduce.register_fake
+def _(t, grid, axis, tag, phase, op):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("autopar::all_reduce_stack", mutates_args=())
+def all_reduce_stack(parts: list[torch.Tensor], grid: int, axis: int, tag: str, phase: str) -> torch.Tensor:
+    return comm.run_all_reduce_stack(grid_of(grid), axis, parts, tag, phase)
+
+
+@all_reduce_stack.register_fake
+def _(parts, grid, axis, tag, phase):
+    return parts[0].new_empty((len(parts), *parts[0].shape))
+
+
+@torch.library.custom_op("autopar::summa", mutates_args=())
+def product(a: torch.Tensor, b: torch.Tensor, grid: int, kind: str, tag: str, phase: str, lowering: str,
+            rows_whole: bool) -> torch.Tensor:
+    """One SUMMA product `kind` ('ab', 'abt' or 'atb') of the local blocks a, b (see `passes.ops.summa`)."""
+    g = grid_of(grid)
+    if kind == "atb":
+        return summa.atb(g, a, b, tag, phase, lowering, rows_whole)
+    return PRODUCTS[kind](g, a, b, tag, phase, lowering)
+
+
+@product.register_fake
+def _(a, b, grid, kind, tag, phase, lowering, rows_whole):
+    R, C = grid_of(grid).shape
+    shape = {"ab": (a.shape[0], b.shape[1]),  # a [m, K/C]  b [K/R, n]
+             "abt": (a.shape[0], b.shape[0] * R // C),  # a [m, K/C]  b [N/R, K/C]
+             "atb": (a.shape[1] * C // R, b.shape[1])}[kind]  # a [m, K/C]  b [m, n]
+    return a.new_empty(shape)
