@@ -109,7 +109,9 @@ def collectives_line(pmodel, every: list) -> str:
     """Collective calls each rank launches per training step (what `CommLog.calls` counts), and with
     data-parallel replicas the gradient all-reduces over them (one per parameter block with a gradient)."""
     fwd, bwd = sum(r.calls_fwd for r in every), sum(r.calls_bwd for r in every)
-    line = f"collectives per rank per step: {fwd + bwd} (forward {fwd}, backward {bwd})"
+    again = sum(r.calls_fwd for r in every if r.recompute_bytes)  # recompute=...: forward calls made again
+    line = f"collectives per rank per step: {fwd + bwd + again} (forward {fwd}, backward {bwd}"
+    line += f", recomputed {again})" if again else ")"
     if pmodel.grid.dp > 1:
         dp = sum(1 for p in pmodel.parameters() if p.requires_grad)
         line += f"; plus {dp} data-parallel gradient all-reduces over the {pmodel.grid.dp} replicas"

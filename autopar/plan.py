@@ -67,11 +67,12 @@ class Plan:
     recompute_bytes: int = 0  # bytes received again per rank and step by the forwards backward recomputes
     collectives_fwd: int = 0  # collective calls per rank, forward
     collectives_bwd: int = 0  # and backward
+    collectives_recompute: int = 0  # forward calls backward makes again (recompute=...)
 
     @property
     def collectives_per_rank_per_step(self) -> int:
         """Collective calls each rank launches in one training step (each costs a latency alpha)."""
-        return self.collectives_fwd + self.collectives_bwd
+        return self.collectives_fwd + self.collectives_bwd + self.collectives_recompute
 
     @property
     def comm_bytes_per_rank_per_step(self) -> int:
@@ -101,6 +102,7 @@ class Plan:
             "collectives_per_rank_per_step": self.collectives_per_rank_per_step,
             "collectives_forward": self.collectives_fwd,
             "collectives_backward": self.collectives_bwd,
+            "collectives_recompute": self.collectives_recompute,
             "param_bytes_per_rank": self.param_bytes_per_rank,
             "param_bytes_total": self.param_bytes_total,
             "grad_bytes_per_rank": self.param_bytes_per_rank,
@@ -190,7 +192,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
                   flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice,
                   recompute=recompute, recompute_bytes=sum(r.recompute_bytes for r in rows),
-                  collectives_fwd=sum(r.calls_fwd for r in rows), collectives_bwd=sum(r.calls_bwd for r in rows))
+                  collectives_fwd=sum(r.calls_fwd for r in rows), collectives_bwd=sum(r.calls_bwd for r in rows),
+                  collectives_recompute=sum(r.calls_fwd for r in rows if r.recompute_bytes))
     if generation is not None:
         dtype = next(model.parameters()).dtype
         result.kv_cache_bytes_per_rank = kv_cache_bytes_per_rank(model.config, *generation, mesh, dtype)

@@ -80,8 +80,11 @@ def counted(rank, grid, mode):
     phases: dict = {}
     for (_, phase), v in pm.grid.log.bytes.items():
         phases[phase] = phases.get(phase, 0) + v
+    calls = {ph: pm.grid.log.calls(phase=ph) for ph in ("fwd", "bwd", "recompute")}
     table = rows(pm)
     planned = {"fwd": sum(r.fwd_bytes for r in table), "bwd": sum(r.bwd_bytes for r in table),
                "recompute": sum(r.recompute_bytes for r in table)}
-    return {"counted": phases, "planned": planned, "saved": saved,
+    planned_calls = {"fwd": sum(r.calls_fwd for r in table), "bwd": sum(r.calls_bwd for r in table),
+                     "recompute": sum(r.calls_fwd for r in table if r.recompute_bytes)}
+    return {"counted": phases, "planned": planned, "saved": saved, "calls": calls, "planned_calls": planned_calls,
             "explain": autopar.explain(pm) if rank == 0 else ""}

@@ -62,12 +62,14 @@ def test_dropout_masks_redrawn_identically(grid, mode):
 def test_planned_equals_counted(grid, mode):
     """Catches recomputed collectives counted as forward bytes, or planned bytes that drift from what
     runs: one training step's counted bytes per phase equal explain's rows (forward, backward, and the
-    forward collectives that recomputation repeats), and rank 0's bytes saved for backward equal
+    forward collectives that recomputation repeats), and so do the collective calls (the plan's
+    `collectives_per_rank_per_step` includes the repeated ones), and rank 0's bytes saved for backward equal
     `autopar.plan`'s measurement; 'blocks' repeats bytes and saves less than no recomputation."""
     res = get_pool(4).run(C.counted, grid, mode)
     for rank, r in enumerate(res):
         counted = {k: r["counted"].get(k, 0) for k in ("fwd", "bwd", "recompute")}
         assert counted == r["planned"], f"rank {rank}: counted {counted} != planned {r['planned']}"
+        assert r["calls"] == r["planned_calls"], f"rank {rank}: calls {r['calls']} != planned {r['planned_calls']}"
     torch.manual_seed(0)
     cfg = GPTConfig(**C.SWIGLU)
     ids, tgt = E._data(cfg, 4, 8)
@@ -75,6 +77,7 @@ def test_planned_equals_counted(grid, mode):
     pl = plans[mode]
     assert res[0]["saved"] == pl.activation_bytes, (res[0]["saved"], pl.activation_bytes)
     assert pl.recompute_bytes == res[0]["planned"]["recompute"]
+    assert pl.collectives_per_rank_per_step == sum(res[0]["calls"].values())
     assert pl.to_json()["recompute_bytes_per_rank"] == pl.recompute_bytes
     assert pl.activation_bytes < plans[None].activation_bytes, (mode, pl.activation_bytes, plans[None].activation_bytes)
     if mode == "blocks":
