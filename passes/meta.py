@@ -26,6 +26,9 @@ Each entry: the value, on which nodes, written by -> read by.
   (which skips them), autopar.explain.
 - `KERNEL`: the KernelSpec, on every module node insert_collectives adds. insert_collectives ->
   cost, autopar.explain.
+- `PLAN_ARGS`: the args grid position (0, 0) bakes, on the sized nodes whose args this rank bakes
+  otherwise (its torch.chunk block of a dim the grid does not divide). localize -> autopar.guards
+  (ranks compare one plan).
 
 >>> import torch
 >>> from passes.capture import capture
@@ -44,3 +47,4 @@ LAYOUT = "autopar_layout"
 STRATEGY = "autopar_strategy"
 INSERTED = "autopar_inserted"
 KERNEL = "autopar_kernel"
+PLAN_ARGS = "autopar_plan_args"

@@ -16,6 +16,10 @@ batch and heads split the op runs on each rank's block with no communication:
 - grouped, hkv not divisible by C: a column's query heads would read a slice of the KV heads that
   differs per column, which one local op cannot express; the heads stay whole (batch still split).
 
+A head count (or batch) the grid does not divide is split in torch.chunk blocks (indivisible='uneven':
+25 heads on 8 columns are blocks of 4, the seventh column 1, the last none) when k and v have q's heads
+or one head; q, k and v then hold the same heads.
+
 A mask broadcasts against [b, hq, s_q, s_k] like an elementwise operand.
 """
 
@@ -24,27 +28,28 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.layout import Layout
+from passes.layout import Layout, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, register, shape
 from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten
 
 
-def _split(size: int, q: int, dim: int):
-    return Shard(dim) if size % q == 0 else Replicate()
+def _split(size: int, q: int, dim: int, uneven: bool):
+    return Shard(dim) if size % q == 0 or uneven else Replicate()
 
 
 def _kv_layout(qs: tuple, ks: tuple, gqa: bool, mesh: tuple) -> tuple:
     """(q's layout, k's and v's layout) for q of shape `qs` and k of shape `ks`."""
-    batch = _split(qs[0], mesh[0], 0)
+    uneven = uneven_ok(mesh)
+    batch = _split(qs[0], mesh[0], 0, uneven)
     kv_batch = batch if ks[0] == qs[0] else Replicate()  # a k/v batch of 1 broadcasts
-    heads = _split(qs[1], mesh[1], 1)
+    heads = _split(qs[1], mesh[1], 1, uneven)
     if ks[1] == qs[1]:
         kv_heads = heads
     elif ks[1] == 1:  # multi-query: the one KV head serves every column's query heads
         kv_heads = Replicate()
-    elif gqa and ks[1] % mesh[1] == 0:
+    elif gqa and ks[1] % mesh[1] == 0 and qs[1] % mesh[1] == 0:
         kv_heads = heads  # contiguous groups: column c's query heads read column c's KV heads
     else:
         heads = kv_heads = Replicate()
