@@ -107,6 +107,7 @@ class KernelSpec:
     rank, with the conventions of `passes.mesh.CommLog`."""
 
     name: ClassVar[str]
+    local: ClassVar[bool] = False  # its module runs on the blocks alone (reads grid.shape, r, c; no collective)
 
     def operands(self, node: Node) -> tuple:
         """The kernel's tensor arguments in the graph before insertion, in `build`'s order."""
@@ -176,8 +177,8 @@ class SummaSpec(KernelSpec):
 
     def build(self, node, grid, lowering):
         lowering = node.meta.get(LOWERING, lowering)  # strategy='auto' picks one per product
-        N = node.meta["val"].shape[-1]
-        full = N if N % grid.shape[0] or N % grid.shape[1] else None  # torch.chunk blocks of the out-features
+        cut = node.meta["val"].shape[-1] if self.transposed else self.x.meta["val"].shape[-1]  # N for ABT, K for AB
+        full = cut if cut % grid.shape[0] or cut % grid.shape[1] else None  # torch.chunk blocks of that dim
         return (kernels.SummaLinear(grid, self.transposed, self.flip, node.name, lowering, self.rows_whole, full),
                 self.operands(node))
 
@@ -255,6 +256,29 @@ class NormSpec(KernelSpec):
         fwd, bwd = kernels.NORM_STATS[self.centered]
         calls = [("fwd", k) for k in fwd] + ([("bwd", k) for k in bwd] if site.grads[0] else [])
         return [(1, phase, all_reduce_bytes(k * size * v["t"], v["C"], exact)) for phase, k in calls]
+
+
+@dataclass(frozen=True)
+class GroupedHeadsSpec(KernelSpec):
+    """Attention with query heads over the mesh columns and KV heads whole over them, when the columns
+    do not divide the KV heads (`kernels.GroupedHeadsAttention`): no communication of its own."""
+
+    name: ClassVar[str] = "gqa"
+    local: ClassVar[bool] = True
+
+    def operands(self, node):
+        from passes.rules import arg  # late: passes.rules imports this module
+
+        mask = arg(node, 3, "attn_mask")
+        return tuple(node.args[:3]) + ((mask,) if mask is not None else ())
+
+    def build(self, node, grid, lowering):
+        from passes.rules import arg
+
+        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+        module = kernels.GroupedHeadsAttention(grid, q.shape[1], k.shape[1], arg(node, 4, "dropout_p", 0.0),
+                                               arg(node, 5, "is_causal", False), node.kwargs.get("scale"))
+        return module, self.operands(node)
 
 
 @dataclass(frozen=True)

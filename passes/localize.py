@@ -20,7 +20,7 @@ from passes.rules import arg
 aten = torch.ops.aten
 _SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
-_LOCALIZED = _SIZED | _SPLITS | {aten.unflatten.int}
+LOCALIZED = _SIZED | _SPLITS | {aten.unflatten.int}
 
 
 def localize(gm: GraphModule, mesh, at: tuple = (0, 0)) -> GraphModule:
@@ -28,10 +28,10 @@ def localize(gm: GraphModule, mesh, at: tuple = (0, 0)) -> GraphModule:
     does not divide (the blocks of other dims are the same on every rank). Where this rank's args
     differ from grid position (0, 0)'s, those are kept in `node.meta[PLAN_ARGS]`."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _LOCALIZED:
-            args = _local_args(node, mesh, at)
+        if node.op == "call_function" and node.target in LOCALIZED:
+            args = local_args(node, mesh, at)
             if tuple(at) != (0, 0):
-                origin = _local_args(node, mesh, (0, 0))
+                origin = local_args(node, mesh, (0, 0))
                 if origin != args:
                     node.meta[PLAN_ARGS] = origin
             node.args = args
@@ -40,7 +40,7 @@ def localize(gm: GraphModule, mesh, at: tuple = (0, 0)) -> GraphModule:
     return gm
 
 
-def _local_args(node, mesh, at: tuple) -> tuple:
+def local_args(node, mesh, at: tuple) -> tuple:
     """The node's args with its baked sizes those of the block at grid position `at`."""
     if node.target in _SIZED:
         size = local_shape(tuple(node.meta["val"].shape), node.meta[LAYOUT], mesh, node.name, at)

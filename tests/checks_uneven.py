@@ -64,3 +64,14 @@ def checkpoints_across_grids(rank, tmp):
     pm3 = autopar.from_pretrained(os.path.join(tmp, "hf"), grid=(4, 1), example_kwargs=_lm(4, 8, 0), progress=False)
     errs.update({f"hf 4x1 {n}": e for n, e in _exact(pm3, want).items()})
     return {"errs": errs, "shapes": shapes, "true shapes": true_shapes, "wte block": local_rows}
+
+
+def explain_text(rank):
+    """explain of TinyGPT with a vocabulary of 97 and 3 heads on 2x2, on rank 0."""
+    from models import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=97, hidden=24, heads=3)
+    ids = torch.randint(0, 97, (4, 8))
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, ids))
+    return autopar.explain(pm) if rank == 0 else ""

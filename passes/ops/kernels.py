@@ -106,7 +106,7 @@ class SummaLinear(nn.Module):
 
     def __init__(self, grid: Grid, transposed: bool, flip: bool, tag: str, lowering: str, rows_whole: bool = False,
                  full: int | None = None):
-        """`full`: the out-features N when the grid does not divide them (torch.chunk blocks)."""
+        """`full`: the dim the SUMMA steps cut (K for AB, N for ABT) when the grid does not divide it."""
         super().__init__()
         self.grid, self.transposed, self.flip, self.tag, self.lowering = grid, transposed, flip, tag, lowering
         self.rows_whole, self.full = rows_whole, full
@@ -202,6 +202,30 @@ class ShardedNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{'layer' if self.centered else 'rms'}, n={self.n}"
+
+
+class GroupedHeadsAttention(nn.Module):
+    """Attention of this column's torch.chunk block of the hq query heads against k and v whole over the
+    columns (all hkv KV heads of this rank's batch block), when the columns do not divide the KV heads:
+    each local query head reads KV head (global head) // (hq / hkv), picked here, so only the KV heads
+    this column needs are kept for backward. k's and v's gradients are this column's share; the
+    GradSync on them sums the columns."""
+
+    def __init__(self, grid: Grid, heads: int, kv_heads: int, dropout_p: float, is_causal: bool, scale):
+        super().__init__()
+        self.grid, self.heads, self.kv_heads = grid, heads, kv_heads
+        self.dropout_p, self.is_causal, self.scale = dropout_p, is_causal, scale
+
+    def forward(self, q, k, v, mask=None):
+        lo, hi = chunk_range(self.heads, self.grid.shape[1], self.grid.c)
+        pick = torch.arange(lo, hi, device=k.device) // (self.heads // self.kv_heads)  # [hq/C]
+        k, v = k.index_select(1, pick), v.index_select(1, pick)  # [b/R, hq/C, s_k, d]
+        drop = self.dropout_p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, is_causal=self.is_causal,
+                                              scale=self.scale)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, kv_heads={self.kv_heads}"
 
 
 class VocabSplitEmbedding(nn.Module):

@@ -18,6 +18,8 @@ same bytes with fewer, larger calls and more temporary memory.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from passes.layout import chunk_range
@@ -159,21 +161,22 @@ def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadca
 
 
 class SummaAB(torch.autograd.Function):
-    """C = A B; backward dA = ABT(dC, B), dB = ATB(A, dC)."""
+    """C = A B; backward dA = ABT(dC, B), dB = ATB(A, dC). `full`: K, when the grid does not divide it
+    (A's columns are torch.chunk blocks over the mesh columns, B's rows over the rows)."""
 
     @staticmethod
-    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False):
+    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False, full=None):
         ctx.save_for_backward(a, b)
-        ctx.args = (grid, tag, lowering, rows_whole)
-        return ab(grid, a, b, tag, "fwd", lowering)
+        ctx.args = (grid, tag, lowering, rows_whole, full)
+        return ab(grid, a, b, tag, "fwd", lowering, full)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        grid, tag, lowering, rows_whole = ctx.args
-        da = abt(grid, g, b, tag, "bwd", lowering) if ctx.needs_input_grad[0] else None
-        db = atb(grid, a, g, tag, "bwd", lowering, rows_whole) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None, None
+        grid, tag, lowering, rows_whole, full = ctx.args
+        da = abt(grid, g, b, tag, "bwd", lowering, full) if ctx.needs_input_grad[0] else None
+        db = atb(grid, a, g, tag, "bwd", lowering, rows_whole, full) if ctx.needs_input_grad[1] else None
+        return da, db, None, None, None, None, None
 
 
 class SummaABT(torch.autograd.Function):
@@ -198,7 +201,8 @@ class SummaABT(torch.autograd.Function):
 def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str, rows_whole: bool = False,
                  full: int | None = None):
     """x [..., K] block (r, c) times a weight block; `transposed` says the block is of B^T [N, K];
-    `full`: N, needed by a transposed product whose N the grid does not divide.
+    `full`: the size of the dim the steps cut (K for AB, N for ABT), given when the grid does not
+    divide it (torch.chunk blocks).
 
     Leading dims of x are flattened into the row dim M; the result has x's leading dims. With
     `rows_whole` every mesh row holds all of M (a batch the rows do not divide): the products run the
@@ -211,9 +215,9 @@ def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str,
         dtype = torch.get_autocast_dtype(dev)
         x, w = x.to(dtype), w.to(dtype)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # [m, k]
+    x2 = x.reshape(math.prod(lead), x.shape[-1])  # [m, k]; k may be 0 (an empty torch.chunk block)
     if transposed:
         out = SummaABT.apply(x2, w, grid, tag, lowering, rows_whole, full)  # [m, n]
     else:
-        out = SummaAB.apply(x2, w, grid, tag, lowering, rows_whole)  # [m, n]
+        out = SummaAB.apply(x2, w, grid, tag, lowering, rows_whole, full)  # [m, n]
     return out.view(*lead, out.shape[-1])

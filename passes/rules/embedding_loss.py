@@ -39,8 +39,9 @@ def embedding(node, layouts, mesh):
         # or kept whole with the hidden split (an LM head tied to it then runs a local matmul whose
         # output is a partial sum over the columns)
         vocab_split = V % mesh[0] == 0 or uneven_ok(mesh)
-        have = Layout((Shard(0), Shard(1))) if vocab_split and h % mesh[1] == 0 else (
-            Layout((Replicate(), Shard(1))) if h % mesh[1] == 0 else REPLICATED)
+        hidden_split = h % mesh[1] == 0 or uneven_ok(mesh)
+        have = Layout((Shard(0), Shard(1))) if vocab_split and hidden_split else (
+            Layout((Replicate(), Shard(1))) if hidden_split else REPLICATED)
     vocab_axis = have.shard_axis(0)
     hidden_axis = have.shard_axis(1)
     nd = len(val(node).shape)

@@ -53,10 +53,9 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     have = layouts.get(w)
     transposed = have == abt
     # x [.., K] splits K over the C columns; the output splits N over them; the weight splits its
-    # first math dim (K for AB, N for ABT) over the R rows. Out-features the grid does not divide
-    # (a vocabulary) are split in torch.chunk blocks when uneven splits are allowed
-    n_ok = uneven_ok(mesh) or not (N % C or (transposed and N % R))
-    if K % C or (not transposed and K % R) or not n_ok:
+    # first math dim (K for AB, N for ABT) over the R rows. Sizes the grid does not divide (a
+    # vocabulary, a hidden size) are split in torch.chunk blocks when uneven splits are allowed
+    if not uneven_ok(mesh) and (K % C or N % C or (N if transposed else K) % R):
         raise ShardingError(
             f"weight {_param_name(w)} of shape {tuple(ws)} cannot be split 2D on a {R}x{C} grid: "
             f"in-features {K} must be divisible by {C} (columns) and {R} (rows), out-features {N} by {C} (columns)"
