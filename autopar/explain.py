@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+from autopar import uneven
 from passes.cost import node_cost, nodes_needing_grad
 from passes.kernelspec import Site, flops
 from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, STRATEGY
@@ -138,6 +139,7 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
         f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
         f"({held / full * p:.2f}/p of the model, p={p})" if full else "no parameters",
     ]
+    lines += uneven.summary_lines(pmodel)
     if comp.choice is not None:
         lines += strategy_summary(comp.choice)
     if comp.fallbacks:
