@@ -84,11 +84,12 @@ def uneven_nodes(gm, mesh) -> list:
 
 
 def summary_lines(pmodel) -> list:
-    """explain's footer on uneven splits: one line per parameter, one for the activations."""
+    """explain's footer on uneven splits: one line per parameter, one for the activations; none when
+    the grid divides every split dim."""
     params = uneven_params(pmodel)
     nodes = uneven_nodes(pmodel.program.gm, tuple(pmodel.grid.shape))
     if not params and not nodes:
-        return ["uneven splits: none (the grid divides every split dim)"]
+        return []
     lines = [f"uneven splits (torch.chunk blocks, nothing padded): {len(params)} parameter(s), "
              f"{len(nodes)} op result(s)"]
     for s in params:
