@@ -47,7 +47,8 @@ def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
     block (to be filled by a checkpoint load); a real one is scattered from rank 0."""
     placements = list(lay.placements)
     if p.is_meta:
-        local = torch.empty(local_shape(tuple(p.shape), lay, grid.shape), dtype=p.dtype, device=device)
+        block = local_shape(tuple(p.shape), lay, grid.shape, at=(grid.r, grid.c))  # torch.chunk block, as DTensor's
+        local = torch.empty(block, dtype=p.dtype, device=device)
         dt = DTensor.from_local(local, grid.mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
     else:
         dt = distribute_tensor(p.detach().clone(), grid.mesh, placements, src_data_rank=0)
@@ -401,8 +402,13 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             sends its choice to the other ranks.
         example_inputs / example_kwargs: one call's inputs, used to capture the graph.
         lowering: 'broadcast' (the paper's stepwise SUMMA) or 'allgather' (gather panels, one matmul).
-        indivisible: 'replicate' (default) runs a matmul whose weight dims q does not divide unsplit
-            on every rank, with a FallbackWarning; 'error' raises a ShardingError instead.
+        indivisible: a dim the grid does not divide (a vocabulary of 50257, 25 heads on 8 columns).
+            'uneven' (default) splits it in torch.chunk blocks, as DTensor's Shard does (ceil(n/q)
+            per member, the last shorter; nothing padded, state_dict and checkpoints keep the true
+            shapes) where the rule can: vocabularies (embedding, LM head, cross-entropy), matmul
+            out-features, attention heads, elementwise ops and views that keep the dim; a matmul whose
+            in-features the grid does not divide still runs unsplit. 'replicate' runs every such matmul
+            unsplit on every rank, with a FallbackWarning; 'error' raises a ShardingError instead.
         fused: how a fused projection's weight (output split into q|k|v or gate|up) is stored.
             'regroup' (default): as ordinary blocks, regrouped in the graph each step so each column
             block holds matching parts (one all-gather of the weight block per use, forward and

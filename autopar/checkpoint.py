@@ -31,7 +31,7 @@ from autopar import hf_keys
 from autopar.agree import AXES, agree, on_rank0
 from autopar.distributed_checkpoint import load_distributed, save_distributed  # noqa: F401  (part of this API)
 from autopar.safetensors_io import SafetensorsFile, write
-from passes.layout import parts, split_dim
+from passes.layout import chunk_range, parts, split_dim
 from passes.ops.comm import guarded
 
 INDEX, SINGLE = F.INDEX, F.SINGLE
@@ -70,13 +70,19 @@ def restore_buffers(model: nn.Module) -> None:
 
 def block_ranges(shape, placements, grid) -> list:
     """Per dim, the (start, stop) ranges of the global tensor this rank's block is made of
-    (several for an interleaved split: one per part, concatenated in order)."""
+    (several for an interleaved split: one per part, concatenated in order; a torch.chunk block, as
+    DTensor's, for a dim the grid does not divide)."""
     ranges = [[(0, n)] for n in shape]
     for axis, p in enumerate(placements):
         d = split_dim(p)
         if d is None:
             continue
         k, i = parts(p), grid.index(axis)
+        if k == 1:
+            (a, b), = ranges[d]
+            lo, hi = chunk_range(b - a, grid.size(axis), i)
+            ranges[d] = [(a + lo, a + hi)]
+            continue
         new = []
         for a, b in ranges[d]:
             part = (b - a) // k

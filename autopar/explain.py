@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+from autopar import uneven
 from passes.cost import node_calls, node_cost, nodes_needing_grad
 from passes.kernelspec import Site, flops
 from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
@@ -168,6 +169,7 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     stats = getattr(pmodel, "compile_stats", {}).get(comp.signature)
     if stats is not None:
         lines.append(f"torch.compile: {stats.graphs} graph(s), {stats.breaks} graph break(s)")
+    lines += uneven.summary_lines(pmodel)
     if comp.choice is not None:
         lines += strategy_summary(comp.choice)
     if comp.fallbacks:

@@ -12,11 +12,23 @@ import re
 import torch
 import torch.distributed as dist
 
+from passes.meta import PLAN_ARGS
 from passes.ops import comm
 
 
 def _plan_text(comp, layouts: dict) -> str:
-    lines = comp.gm.code.splitlines()
+    """The program's code and parameter layouts, with the sizes grid position (0, 0) bakes where this
+    rank's torch.chunk blocks differ (`PLAN_ARGS`), so every rank of one plan writes the same text."""
+    graph = comp.gm.graph
+    swapped = [(n, n.args) for n in graph.nodes if PLAN_ARGS in n.meta]
+    for n, _ in swapped:
+        n.args = n.meta[PLAN_ARGS]
+    try:
+        code = graph.python_code(root_module="self").src if swapped else comp.gm.code
+    finally:
+        for n, args in swapped:
+            n.args = args
+    lines = code.splitlines()
     lines += [f"param {n}: {lay}" for n, lay in sorted(layouts.items())]
     return "\n".join(lines)
 

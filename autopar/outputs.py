@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from passes.compat import (disable_torch_function_subclass, dtensor_parts, implicit_replication, legacy_reduction,
                            pytree)
+from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.ops import comm
 from passes.ops.kernels import VocabParallelCrossEntropy
@@ -202,16 +203,14 @@ def _target_weight(target, weight, ignore_index, logits):
 
 def _vocab_parallel_fits(logits, target, a, reduction) -> bool:
     """Whether the in-graph vocab-parallel kernel computes this call: [N, V] logits whose rows are
-    split over mesh axis 0 (or whole) and vocabulary split evenly over axis 1 (or whole), class-index
-    targets, no class weights, no label smoothing, a reduced loss."""
+    split over mesh axis 0 (or whole) and vocabulary split over axis 1 (torch.chunk blocks, or whole),
+    class-index targets, no class weights, no label smoothing, a reduced loss."""
     if reduction not in ("mean", "sum") or a.get("weight") is not None or a.get("label_smoothing", 0.0):
         return False
     if logits.dim() != 2 or target.dim() != 1 or target.is_floating_point():
         return False
     rows, vocab = logits.placements
-    cols = logits.grid.shape[1]
-    return (rows in (Shard(0), Replicate()) and vocab in (Shard(1), Replicate())
-            and (vocab == Replicate() or logits.shape[1] % cols == 0))
+    return rows in (Shard(0), Replicate()) and vocab in (Shard(1), Replicate())
 
 
 def _vocab_parallel(logits: Output, target, ignore_index: int, reduction: str) -> torch.Tensor:
@@ -228,21 +227,14 @@ def _vocab_parallel(logits: Output, target, ignore_index: int, reduction: str) -
             f"cross_entropy: target {int(target[bad][0])} is outside the {num_classes} classes of the logits "
             f"(and is not ignore_index={ignore_index}); targets must be class indices in [0, {num_classes})"
         )
-    lo, hi = _chunk(n, grid.shape[0], grid.r)
+    lo, hi = chunk_range(n, grid.shape[0], grid.r)
     if rows == Replicate():
         local = logits.to_local(grad_placements=[Partial(), vocab])[lo:hi]  # [n/R, V/C]
     else:
         local = logits.to_local()  # [n/R, V/C]
     kernel = VocabParallelCrossEntropy(grid, ignore_index, LOSS_TAG, vocab_split=vocab != Replicate(),
-                                       reduce_sum=reduction == "sum")
+                                       reduce_sum=reduction == "sum", vocab=num_classes)
     return kernel(local, target[lo:hi].to(local.device))
-
-
-def _chunk(n: int, parts: int, index: int) -> tuple:
-    """Rows [lo, hi) of block `index` when n rows are split into `parts` as torch.chunk (and DTensor's
-    Shard) does: blocks of ceil(n / parts), the last ones shorter or empty."""
-    size = -(-n // parts)
-    return min(index * size, n), min((index + 1) * size, n)
 
 
 _LOSSES = {F.cross_entropy: _cross_entropy}

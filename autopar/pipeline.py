@@ -218,7 +218,7 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     prop = propagate(cap.gm, grid.shape, options, pinned)
     if grid.world > 1:
         gm = insert_collectives(cap.gm, grid, options.lowering)
-        localize(gm, grid.shape)
+        localize(gm, grid.shape, (grid.r, grid.c))
     else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
         gm = cap.gm
     out_node = gm.graph.output_node()

@@ -142,7 +142,7 @@ def _measure_activations(gm, cap, mesh):
                 if not isinstance(v, torch.Tensor):  # a constant input (use_cache=False, ...)
                     args.append(v)
                     continue
-                shape = local_shape(tuple(v.shape), lay, mesh)
+                shape = local_shape(tuple(v.shape), lay, mesh, at=(0, 0))
                 grad = role == "param" and v.dtype.is_floating_point
                 args.append(torch.zeros(shape, dtype=v.dtype, requires_grad=grad))
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -186,7 +186,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     for name, p in model.named_parameters():
         lay = layouts.get(name, REPLICATED)
         full = p.numel() * p.element_size()
-        mine = math.prod(local_shape(tuple(p.shape), lay, mesh)) * p.element_size()
+        mine = math.prod(local_shape(tuple(p.shape), lay, mesh, at=(0, 0))) * p.element_size()
         params[name] = ParamPlacement(tuple(p.shape), repr(lay), mine, full)
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),

@@ -69,7 +69,7 @@ class Estimate:
 
 
 def _local_elems(v, lay, mesh) -> int:
-    return math.prod(local_shape(tuple(v.shape), lay, mesh))
+    return math.prod(local_shape(tuple(v.shape), lay, mesh, at=(0, 0)))
 
 
 def _summa(spec: SummaSpec, site: Site, cm: CostModel) -> Estimate:

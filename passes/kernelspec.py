@@ -94,10 +94,11 @@ class Site:
 
     def local(self, i: int) -> tuple:
         """The block of operand i a rank holds as it arrives."""
-        return local_shape(tuple(self.val(i).shape), self.layouts[i], self.mesh, self.args[i].name)
+        return local_shape(tuple(self.val(i).shape), self.layouts[i], self.mesh, self.args[i].name, at=(0, 0))
 
     def local_out(self) -> tuple:
-        return local_shape(tuple(self.node.meta["val"].shape), cast(Layout, self.out), self.mesh, self.node.name)
+        return local_shape(tuple(self.node.meta["val"].shape), cast(Layout, self.out), self.mesh, self.node.name,
+                           at=(0, 0))
 
 
 class KernelSpec:
@@ -106,6 +107,7 @@ class KernelSpec:
     rank, with the conventions of `passes.mesh.CommLog`."""
 
     name: ClassVar[str]
+    local: ClassVar[bool] = False  # its module runs on the blocks alone (reads grid.shape, r, c; no collective)
 
     def operands(self, node: Node) -> tuple:
         """The kernel's tensor arguments in the graph before insertion, in `build`'s order."""
@@ -185,7 +187,9 @@ class SummaSpec(KernelSpec):
 
     def build(self, node, grid, lowering):
         lowering = node.meta.get(LOWERING, lowering)  # strategy='auto' picks one per product
-        return (kernels.SummaLinear(grid, self.transposed, self.flip, node.name, lowering, self.rows_whole),
+        cut = node.meta["val"].shape[-1] if self.transposed else self.x.meta["val"].shape[-1]  # N for ABT, K for AB
+        full = cut if cut % grid.shape[0] or cut % grid.shape[1] else None  # torch.chunk blocks of that dim
+        return (kernels.SummaLinear(grid, self.transposed, self.flip, node.name, lowering, self.rows_whole, full),
                 self.operands(node))
 
     def values(self, site):
@@ -271,6 +275,29 @@ class NormSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
+class GroupedHeadsSpec(KernelSpec):
+    """Attention with query heads over the mesh columns and KV heads whole over them, when the columns
+    do not divide the KV heads (`kernels.GroupedHeadsAttention`): no communication of its own."""
+
+    name: ClassVar[str] = "gqa"
+    local: ClassVar[bool] = True
+
+    def operands(self, node):
+        from passes.rules import arg  # late: passes.rules imports this module
+
+        mask = arg(node, 3, "attn_mask")
+        return tuple(node.args[:3]) + ((mask,) if mask is not None else ())
+
+    def build(self, node, grid, lowering):
+        from passes.rules import arg
+
+        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+        module = kernels.GroupedHeadsAttention(grid, q.shape[1], k.shape[1], arg(node, 4, "dropout_p", 0.0),
+                                               arg(node, 5, "is_causal", False), node.kwargs.get("scale"))
+        return module, self.operands(node)
+
+
+@dataclass(frozen=True)
 class EmbeddingSpec(KernelSpec):
     """Lookup in a table whose vocab dim is split over mesh axis `vocab_axis`
     (`kernels.VocabSplitEmbedding`): no communication; the result is a partial sum."""
@@ -280,7 +307,8 @@ class EmbeddingSpec(KernelSpec):
 
     def build(self, node, grid, lowering):
         padding_idx = node.args[2] if len(node.args) > 2 else -1
-        return kernels.VocabSplitEmbedding(grid, self.vocab_axis, padding_idx, node.name), self.operands(node)
+        vocab = node.args[0].meta["val"].shape[0]
+        return kernels.VocabSplitEmbedding(grid, self.vocab_axis, padding_idx, node.name, vocab), self.operands(node)
 
 
 @dataclass(frozen=True)
@@ -299,7 +327,7 @@ class CrossEntropySpec(KernelSpec):
     def build(self, node, grid, lowering):
         ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
         module = kernels.VocabParallelCrossEntropy(grid, ignore, node.name, self.vocab_split, self.reduce_sum,
-                                                   self.rows_whole)
+                                                   self.rows_whole, node.args[0].meta["val"].shape[1])
         return module, self.operands(node)
 
     def describe(self, site):
@@ -329,7 +357,9 @@ class RedistributeSpec(KernelSpec):
     name: ClassVar[str] = "redist"
 
     def build(self, node, grid, lowering):
-        return kernels.Redistribute(grid, self.src, self.dst, self.tag), (node,)
+        v = node.meta.get("val")
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        return kernels.Redistribute(grid, self.src, self.dst, self.tag, shape), (node,)
 
     def describe(self, site):
         _, names = redistribute_steps(self.src, self.dst, site.mesh, 1, 1, grad=False)
@@ -337,7 +367,7 @@ class RedistributeSpec(KernelSpec):
 
     def values(self, site):
         v = site.val(0)
-        n = math.prod(local_shape(tuple(v.shape), self.src, site.mesh))  # n: elements this rank holds before
+        n = math.prod(local_shape(tuple(v.shape), self.src, site.mesh, at=(0, 0)))  # n: elements this rank holds before
         return {"R": site.mesh[0], "C": site.mesh[1], "e": v.element_size(), "n": n}
 
     def steps(self, site, v, exact):
@@ -383,14 +413,14 @@ def flops(site: Site, spec: KernelSpec | None = None) -> int:
     if not isinstance(site.layouts[0], Layout) or not isinstance(y, torch.Tensor):
         return 0
     k = site.local(0)[-1]
-    out = local_shape(tuple(y.shape), cast(Layout, site.out), site.mesh)
+    out = local_shape(tuple(y.shape), cast(Layout, site.out), site.mesh, at=(0, 0))
     return 2 * math.prod(out) * k * _products(*site.grads[:2])
 
 
 def _attention_flops(site: Site) -> int:
     """S = Q K^T [b, h, s, sk] then O = P V; backward dQ, dK from dS, and dP (needed when Q or K
     needs a gradient), dV."""
-    b, h, s, d = local_shape(tuple(site.val(0).shape), cast(Layout, site.out), site.mesh)
+    b, h, s, d = local_shape(tuple(site.val(0).shape), cast(Layout, site.out), site.mesh, at=(0, 0))
     sk = site.val(1).shape[-2]
     gq, gk, gv = site.grads[:3]
     return 2 * b * h * s * sk * d * (_products(gq, gk) + _products(gq or gk, gv))

@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Placement
 from passes.compat import StridedShard
 
 __all__ = ["Layout", "Partial", "Replicate", "Shard", "Strided", "REPLICATED", "local_shape", "ShardingError",
-           "split_dim", "parts", "moved", "mesh_shape"]
+           "split_dim", "parts", "moved", "mesh_shape", "chunk_range", "GridShape", "uneven_ok", "is_uneven"]
 Strided = StridedShard
 
 
@@ -104,14 +104,59 @@ def mesh_shape(mesh) -> tuple:
     return (mesh, mesh) if isinstance(mesh, int) else tuple(mesh)
 
 
-def local_shape(shape, layout: Layout, mesh, what: str = "tensor") -> tuple:
-    """The block shape a rank holds on an R x C mesh (`mesh` = (R, C), or q for q x q); raises
-    ShardingError when a split dim is not divisible by the size of the mesh axis that splits it."""
+class GridShape(tuple):
+    """The grid shape (R, C) as the rules see it, with `uneven`: whether a rule may split a dim that
+    the mesh axis does not divide (`Options.indivisible == "uneven"`), in `torch.chunk` blocks."""
+
+    uneven: bool
+
+    def __new__(cls, shape, uneven: bool = False):
+        self = super().__new__(cls, mesh_shape(shape))
+        self.uneven = uneven
+        return self
+
+
+def uneven_ok(mesh) -> bool:
+    """Whether rules may split dims the grid does not divide (a `GridShape` built with uneven=True)."""
+    return getattr(mesh, "uneven", False)
+
+
+def chunk_range(size: int, n: int, index: int) -> tuple:
+    """[start, stop) of block `index` when `size` is split `n` ways as torch.chunk and DTensor's Shard
+    do: blocks of ceil(size / n), the last ones shorter or empty.
+
+    >>> [chunk_range(7, 3, i) for i in range(3)], chunk_range(5, 4, 3)
+    ([(0, 3), (3, 6), (6, 7)], (5, 5))
+    """
+    block = -(-size // n)
+    return min(index * block, size), min((index + 1) * block, size)
+
+
+def is_uneven(shape, layout: Layout, mesh) -> bool:
+    """Whether `layout` splits a dim of `shape` that its mesh axis does not divide."""
+    mesh = mesh_shape(mesh)
+    return any(split_dim(p) is not None and shape[p.dim] % (mesh[a] * parts(p))
+               for a, p in enumerate(layout.normalized(len(shape)).placements))
+
+
+def local_shape(shape, layout: Layout, mesh, what: str = "tensor", at: tuple | None = None) -> tuple:
+    """The block shape a rank holds on an R x C mesh (`mesh` = (R, C), or q for q x q). A split dim
+    that its mesh axis does not divide raises ShardingError, unless `at` names the rank's grid
+    coordinates (r, c): then it is that rank's torch.chunk block (`chunk_range`; (0, 0) holds the
+    largest one, the one costs are priced on).
+
+    >>> local_shape((7, 4), Layout((Shard(0), Replicate())), (2, 2), at=(1, 0))
+    (3, 4)
+    """
     mesh = mesh_shape(mesh)
     out = list(shape)
     for axis, p in enumerate(layout.placements):
         if split_dim(p) is not None:
             n = mesh[axis]
+            if out[p.dim] % (n * parts(p)) and at is not None and parts(p) == 1:
+                lo, hi = chunk_range(out[p.dim], n, at[axis])
+                out[p.dim] = hi - lo
+                continue
             if out[p.dim] % (n * parts(p)):
                 raise ShardingError(
                     f"{what}: dim {p.dim} of shape {tuple(shape)} has size {shape[p.dim]}, which is not "

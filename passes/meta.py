@@ -30,6 +30,9 @@ Each entry: the value, on which nodes, written by -> read by.
   cost, autopar.explain.
 - `RECOMPUTE`: the name of the `Recompute` module whose region holds the node, on the nodes of the
   flat graph `recompute` grouped (recompute=... only). recompute -> autopar.explain, autopar.plan.
+- `PLAN_ARGS`: the args grid position (0, 0) bakes, on the sized nodes whose args this rank bakes
+  otherwise (its torch.chunk block of a dim the grid does not divide). localize -> autopar.guards
+  (ranks compare one plan).
 
 >>> import torch
 >>> from passes.capture import capture
@@ -50,3 +53,4 @@ INSERTED = "autopar_inserted"
 KERNEL = "autopar_kernel"
 PLACED = "autopar_placed"
 RECOMPUTE = "autopar_recompute"
+PLAN_ARGS = "autopar_plan_args"

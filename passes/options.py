@@ -6,7 +6,7 @@ and no stage re-checks them. A bad value raises a `ValueError` naming the option
 the values expected and what to pass instead, before anything is captured.
 
 >>> Options().indivisible
-'replicate'
+'uneven'
 >>> Options(lowering="ring")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
@@ -20,11 +20,14 @@ from dataclasses import dataclass, fields
 
 from passes.ops.summa import LOWERINGS
 
-__all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES"]
+__all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES", "INDIVISIBLE"]
 
 BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
 STRATEGIES = ("2d", "1d", "auto")
 RECOMPUTE_MODES = ("blocks", "selective")  # passes.recompute.MODES
+# a dim the grid does not divide: split in torch.chunk blocks where a rule can, else run unsplit (the
+# only choice for "replicate"), or raise
+INDIVISIBLE = ("uneven", "replicate", "error")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class Options:
     enters strategy='auto''s memory estimate; `check_inputs`, `timeout` and `compile` only the run time."""
 
     lowering: str = "broadcast"
-    indivisible: str = "replicate"
+    indivisible: str = "uneven"  # split in torch.chunk blocks; "replicate", "error": see `parallelize`
     fused: str = "regroup"
     on_unsupported: str = "replicate"
     strategy: str = "2d"
@@ -49,7 +52,7 @@ class Options:
 
     def __post_init__(self) -> None:
         _one_of("lowering", self.lowering, LOWERINGS)
-        _one_of("indivisible", self.indivisible, ("replicate", "error"))
+        _one_of("indivisible", self.indivisible, INDIVISIBLE)
         _one_of("fused", self.fused, ("regroup", "interleave"))
         _one_of("on_unsupported", self.on_unsupported, ("replicate", "error"))
         if self.strategy not in STRATEGIES:

@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 from passes.compat import HigherOrderOperator
 from passes.functionalize import writes_first_arg
-from passes.layout import REPLICATED, Layout, ShardingError, mesh_shape, moved, parts, split_dim
+from passes.layout import REPLICATED, GridShape, Layout, ShardingError, mesh_shape, moved, parts, split_dim
 from passes.meta import CHOICE, LAYOUT, PARAM, PLACED, ROLE, STRATEGY
 from passes.options import DEFAULTS, Options
 from passes.rules import Strategy, Unsupported, lookup, tensor_inputs, val
@@ -96,6 +96,9 @@ def _claim(node: Node, need: Layout, layouts: dict, res: Propagation) -> None:
 
 
 def _strategy(node: Node, layouts: dict, mesh: tuple, indivisible: str) -> Strategy:
+    """The rule's strategy for `node`; with indivisible='uneven' the rule sees a `GridShape` that lets
+    it split dims the grid does not divide (torch.chunk blocks)."""
+    mesh = GridShape(mesh, uneven=indivisible == "uneven")
     ins = tensor_inputs(node)
     if not isinstance(val(node), (torch.Tensor, tuple, list)):
         return Strategy({}, REPLICATED)
@@ -115,7 +118,7 @@ def _strategy(node: Node, layouts: dict, mesh: tuple, indivisible: str) -> Strat
     except Unsupported as e:
         return fallback(node, str(e))
     except ShardingError as e:
-        if indivisible == "replicate":
+        if indivisible != "error":
             return fallback(node, str(e))
         where = module_path(node) or "<top>"
         raise ShardingError(

@@ -152,15 +152,16 @@ class DataDependent(torch.nn.Module):
         return x
 
 
-def indivisible_replicate(rank):
-    """A weight that q does not divide runs unsplit with a warning, and stays correct; with the warning
-    made an error, parallelize raises it."""
+def indivisible_replicate(rank, indivisible="replicate"):
+    """A weight that q does not divide runs unsplit with a warning (indivisible='replicate'; with
+    'uneven' only the one whose in-features q does not divide), and stays correct; with the warning made
+    an error, parallelize raises it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 7), torch.nn.GELU(), torch.nn.Linear(7, 4))
     x = torch.randn(4, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))  # indivisible="replicate" is the default
+        pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,), indivisible=indivisible)
     out = _full(pm(x))
     out.sum().backward()
     ref = model(x)
@@ -173,7 +174,7 @@ def indivisible_replicate(rank):
     with warnings.catch_warnings():
         warnings.simplefilter("error", autopar.FallbackWarning)
         try:
-            autopar.parallelize(copy.deepcopy(model), grid=(2, 2), example_inputs=(x,))
+            autopar.parallelize(copy.deepcopy(model), grid=(2, 2), example_inputs=(x,), indivisible=indivisible)
             raised = ""
         except autopar.FallbackWarning as e:
             raised = type(e).__name__

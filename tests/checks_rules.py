@@ -71,15 +71,15 @@ def module_parity(rank, kv, grid):
             "layouts": {n: "".join(map(str, p.placements)) for n, p in pm.named_parameters()}}
 
 
-def hf_parity(rank, family, grid, force_gqa=False):
-    """checks_hf.hf_parity on a family of checks_hf.build, with transformers' SDPA path forced to
-    pass fewer KV heads with enable_gqa=True (it does so on CUDA when there is no mask) when asked;
-    adds the parameter bytes this rank holds."""
+def hf_parity(rank, family, grid, force_gqa=False, over=None):
+    """checks_hf.hf_parity on a family of checks_hf.build (config overrides `over`), with transformers'
+    SDPA path forced to pass fewer KV heads with enable_gqa=True (it does so on CUDA when there is no
+    mask) when asked; adds the parameter bytes this rank holds."""
     if force_gqa:
         os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     try:
-        res = checks_hf.hf_parity(rank, family, grid=grid)
-        model, _ = checks_hf.build(family)
+        res = checks_hf.hf_parity(rank, family, over, grid=grid)
+        model, _ = checks_hf.build(family, **(over or {}))
         res["full_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         return res
     finally:

@@ -36,7 +36,7 @@ def test_indivisible_weight_is_an_error_when_asked(pool4):
 
 
 def test_indivisible_replicate_warns_and_stays_correct(pool4):
-    """By default (indivisible='replicate') the op runs unsplit: one warning naming it, same numbers.
+    """With indivisible='replicate' the op runs unsplit: one warning naming it, same numbers.
     The warning used to be printed once per rank; rank 0 alone shows it now, and a filter that makes it
     an error still raises on every rank (a rank-dependent raise would leave the others hanging)."""
     res = pool4.run(C.indivisible_replicate)

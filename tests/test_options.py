@@ -15,7 +15,7 @@ from tests import checks_options as C
 @pytest.mark.parametrize("option, value, text", [
     ("lowering", "ring", "lowering='ring': expected one of ('broadcast', 'allgather'); pass one of these, or "
                          "leave lowering out for the default 'broadcast'"),
-    ("indivisible", "pad", "indivisible='pad': expected one of ('replicate', 'error')"),
+    ("indivisible", "pad", "indivisible='pad': expected one of ('uneven', 'replicate', 'error')"),
     ("fused", "concat", "fused='concat': expected one of ('regroup', 'interleave')"),
     ("on_unsupported", "skip", "on_unsupported='skip': expected one of ('replicate', 'error')"),
     ("strategy", "3d", "strategy='3d': expected '2d' (SUMMA), '1d'"),
@@ -55,10 +55,15 @@ def test_plan_validates_like_parallelize():
 
 
 def test_propagate_reads_the_options_it_is_given():
-    """A Linear(16, 7) on a 2x2 grid: with the defaults (parallelize's) the weight runs unsplit as a
-    fallback; with indivisible='error' propagate raises, naming the way out."""
+    """A Linear(16, 7) on a 2x2 grid: with the defaults (parallelize's) the 7 out-features are split in
+    torch.chunk blocks (4, 3); with indivisible='replicate' the weight runs unsplit as a fallback; with
+    indivisible='error' propagate raises, naming the way out."""
     cap = capture(nn.Linear(16, 7), (torch.randn(4, 16),))
-    assert [n.name for n, *_ in propagate(cap.gm, (2, 2)).gathering_fallbacks] == ["linear"]
+    res = propagate(cap.gm, (2, 2))
+    assert res.gathering_fallbacks == [] and str(res.param_layouts["weight"]) == "S(1)S(0)"
+    cap = capture(nn.Linear(16, 7), (torch.randn(4, 16),))
+    assert [n.name for n, *_ in propagate(cap.gm, (2, 2), Options(indivisible="replicate")).gathering_fallbacks] \
+        == ["linear"]
     cap = capture(nn.Linear(16, 7), (torch.randn(4, 16),))
     with pytest.raises(ShardingError, match="indivisible='replicate'"):
         propagate(cap.gm, (2, 2), Options(indivisible="error"))

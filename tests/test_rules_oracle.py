@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Strided
+from passes.layout import Strided, chunk_range
+from passes.localize import LOCALIZED, local_args
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
@@ -64,8 +65,8 @@ def cut(full, layout, mesh, r: int, c: int):
             t = torch.cat([part.chunk(q, d)[idx] for part in t.chunk(p.split_factor, d)], d)
         elif isinstance(p, Shard):
             d = p.dim % t.dim()
-            assert t.shape[d] % q == 0, f"{layout} on shape {tuple(full.shape)}: dim {d} not divisible by {q}"
-            t = t.chunk(q, d)[idx]
+            lo, hi = chunk_range(t.shape[d], q, idx)  # torch.chunk blocks, as DTensor's Shard cuts
+            t = t.narrow(d, lo, hi - lo)
         elif isinstance(p, Partial):
             assert t.dtype.is_floating_point, f"partial {p} of a {t.dtype} tensor"
             if p.reduce_op == "sum":
@@ -132,6 +133,13 @@ def full_values(gm, inputs) -> dict:
     return dict(interp.env)
 
 
+class _At:
+    """What a kernel that runs on the blocks alone reads of its grid: the shape and a position."""
+
+    def __init__(self, shape: tuple, r: int, c: int):
+        self.shape, self.r, self.c = shape, r, c
+
+
 def check_node(node, env, q: int) -> str | None:
     """Simulate one node on the q x q grid; return a failure description, or None."""
     strat = node.meta[STRATEGY]
@@ -158,10 +166,16 @@ def check_node(node, env, q: int) -> str | None:
                 def sub(a, blocks=blocks):
                     return blocks[a] if isinstance(a, Node) and a in blocks else (env[a] if isinstance(a, Node) else a)
 
-                args = map_aggregate(node.args, sub)
+                # the sizes rank (r, c) bakes: its torch.chunk blocks of a dim the grid does not divide
+                baked = local_args(node, q, (r, c)) if node.target in LOCALIZED else node.args
+                args = map_aggregate(baked, sub)
                 kwargs = map_aggregate(node.kwargs, sub)
                 with torch.no_grad():
-                    row.append(node.target(*args, **kwargs))
+                    if strat.kernel is not None:  # a kernel that runs on the blocks alone, built for (r, c)
+                        module, operands = strat.kernel.build(node, _At(mesh_shape(q), r, c), "broadcast")
+                        row.append(module.eval()(*[sub(o) for o in operands]))
+                    else:
+                        row.append(node.target(*args, **kwargs))
             grid.append(row)
         got = assemble(grid, out_lay, q, node.name)
     except Exception as e:  # a rank could not even run the op on its blocks, or ranks disagree
@@ -199,7 +213,8 @@ def check_local_rules(module: nn.Module, args: tuple, q: int, expect=(), expect_
         strat = node.meta.get(STRATEGY)
         if node.op != "call_function" or strat is None:
             continue
-        if strat.kernel is not None or strat.fallback or not _is_tensor_value(env.get(node)):
+        if (strat.kernel is not None and not strat.kernel.local) or strat.fallback \
+                or not _is_tensor_value(env.get(node)):
             continue
         err = check_node(node, env, q)
         checked.append(node)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from passes.compat import all_gather_single, reduce_scatter_single
+from passes.layout import chunk_range
 from passes.mesh import Grid
 
 
@@ -77,10 +78,18 @@ def reduce(grid: Grid, axis: int, t: torch.Tensor, dst: int, tag: str, phase: st
         return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
 
 
-def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
-    """Concatenate the group members' blocks along `dim` (traceable: `passes.ops.library`)."""
+def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
+               full: int | None = None) -> torch.Tensor:
+    """Concatenate the group members' blocks along `dim` (traceable: `passes.ops.library`). `full`: the
+    gathered size when the members hold torch.chunk blocks of unequal sizes (a dim the group does not
+    divide): each block is padded to the largest, and since only the last non-empty block is short, the
+    result is the first `full`."""
     if grid.size(axis) == 1:
         return t.contiguous()
+    if full is not None and full % grid.size(axis):
+        block = -(-full // grid.size(axis))
+        gathered = torch.ops.autopar.all_gather(_pad(t, dim, block), grid.key, axis, dim, tag, phase)
+        return gathered.narrow(dim, 0, full).contiguous()
     return torch.ops.autopar.all_gather(t, grid.key, axis, dim, tag, phase)
 
 
@@ -95,10 +104,24 @@ def run_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
 
 
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`t` with zeros appended along `dim` up to `size`."""
+    shape = list(t.shape)
+    shape[dim] = size - shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim)
+
+
 def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
-    """Sum the members' `t` and keep this member's block of `dim` (traceable: `passes.ops.library`)."""
+    """Sum the members' `t` and keep this member's block of `dim` (traceable: `passes.ops.library`; its
+    torch.chunk block when the group does not divide `dim`: `t` is padded to a multiple, the padding
+    then cut off)."""
     if grid.size(axis) == 1:
         return t.contiguous()
+    q, size = grid.size(axis), t.shape[dim]
+    if size % q:
+        out = torch.ops.autopar.reduce_scatter(_pad(t, dim, -(-size // q) * q), grid.key, axis, dim, tag, phase)
+        lo, hi = chunk_range(size, q, grid.index(axis))
+        return out.narrow(dim, 0, hi - lo).contiguous()
     return torch.ops.autopar.reduce_scatter(t, grid.key, axis, dim, tag, phase)
 
 
@@ -148,11 +171,12 @@ def run_all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str,
 
 
 def block(grid: Grid, axis: int, t: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
-    """This member's block of `dim`; with parts=k, its block of each of the k equal parts, side by side."""
+    """This member's block of `dim` (its torch.chunk block when the group does not divide `dim`); with
+    parts=k, its block of each of the k equal parts, side by side."""
     i = grid.index(axis)
     if parts == 1:
-        n = t.shape[dim] // grid.size(axis)
-        return t.narrow(dim, i * n, n)
+        lo, hi = chunk_range(t.shape[dim], grid.size(axis), i)
+        return t.narrow(dim, lo, hi - lo)
     m = t.movedim(dim, 0)
     m = m.reshape(parts, grid.size(axis), -1, *m.shape[1:])[:, i].reshape(-1, *m.shape[1:])
     return m.movedim(0, dim)
@@ -168,17 +192,18 @@ def _unstride(grid: Grid, axis: int, t: torch.Tensor, dim: int, parts: int) -> t
 
 
 class Gather(torch.autograd.Function):
-    """Shard(dim) (or Strided(dim, parts)) -> Replicate: all-gather forward, own block backward."""
+    """Shard(dim) (or Strided(dim, parts)) -> Replicate: all-gather forward, own block backward.
+    `full`: the dim's global size, needed when the group does not divide it (unequal blocks)."""
 
     @staticmethod
-    def forward(ctx, x, grid, axis, dim, tag, parts=1):
+    def forward(ctx, x, grid, axis, dim, tag, parts=1, full=None):
         ctx.args = (grid, axis, dim, parts)
-        return _unstride(grid, axis, all_gather(grid, axis, x, dim, tag, "fwd"), dim, parts)
+        return _unstride(grid, axis, all_gather(grid, axis, x, dim, tag, "fwd", full), dim, parts)
 
     @staticmethod
     def backward(ctx, g):
         grid, axis, dim, parts = ctx.args
-        return block(grid, axis, g, dim, parts).contiguous(), None, None, None, None, None
+        return block(grid, axis, g, dim, parts).contiguous(), None, None, None, None, None, None
 
 
 class Split(torch.autograd.Function):
@@ -186,13 +211,13 @@ class Split(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, grid, axis, dim, tag, parts=1):
-        ctx.args = (grid, axis, dim, tag, parts)
+        ctx.args = (grid, axis, dim, tag, parts, x.shape[dim])
         return block(grid, axis, x, dim, parts).contiguous()
 
     @staticmethod
     def backward(ctx, g):
-        grid, axis, dim, tag, parts = ctx.args
-        whole = _unstride(grid, axis, all_gather(grid, axis, g, dim, tag, "bwd"), dim, parts)
+        grid, axis, dim, tag, parts, full = ctx.args
+        whole = _unstride(grid, axis, all_gather(grid, axis, g, dim, tag, "bwd", full), dim, parts)
         return whole, None, None, None, None, None
 
 
@@ -201,14 +226,14 @@ class ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, grid, axis, dim, avg, tag):
-        ctx.args = (grid, axis, dim, avg, tag)
+        ctx.args = (grid, axis, dim, avg, tag, x.shape[dim])
         out = reduce_scatter(grid, axis, x, dim, tag, "fwd")
         return out / grid.size(axis) if avg else out
 
     @staticmethod
     def backward(ctx, g):
-        grid, axis, dim, avg, tag = ctx.args
-        out = all_gather(grid, axis, g, dim, tag, "bwd")
+        grid, axis, dim, avg, tag, full = ctx.args
+        out = all_gather(grid, axis, g, dim, tag, "bwd", full)
         return (out / grid.size(axis) if avg else out), None, None, None, None, None
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Layout, parts, split_dim
+from passes.layout import Layout, chunk_range, parts, split_dim
 from passes.mesh import Grid
 from passes.ops import comm
 from passes.ops.summa import summa_matmul
@@ -31,9 +31,11 @@ class Redistribute(nn.Module):
     """Move a tensor from layout `src` to `dst`: first gather the axes whose split changes, then
     split, reduce or reduce-scatter axis by axis (never two axes on one dim in between)."""
 
-    def __init__(self, grid: Grid, src: Layout, dst: Layout, tag: str):
+    def __init__(self, grid: Grid, src: Layout, dst: Layout, tag: str, shape: tuple | None = None):
+        """`shape`: the tensor's global shape, which a gather of a dim the grid does not divide needs."""
         super().__init__()
         self.grid, self.src, self.dst, self.tag = grid, src, dst, tag
+        self.shape = shape
         # the collectives as plain numbers, worked out once: forward reads no placement objects, which
         # torch.compile cannot trace into
         self.steps = redistribute_steps(src, dst)
@@ -42,7 +44,7 @@ class Redistribute(nn.Module):
         g = self.grid
         for kind, a, dim, k, avg in self.steps:
             if kind == "gather":
-                x = comm.Gather.apply(x, g, a, dim, self.tag, k)
+                x = comm.Gather.apply(x, g, a, dim, self.tag, k, None if self.shape is None else self.shape[dim])
             elif kind == "reduce-scatter":
                 x = comm.ReduceScatter.apply(x, g, a, dim, avg, self.tag)
             elif kind == "all-reduce":
@@ -101,15 +103,17 @@ class SummaLinear(nn.Module):
     """y = x W (+ b) with x [..., K/q] and a local weight block; see `passes.ops.summa`. `rows_whole`:
     x is not split over the mesh rows (a batch they do not divide), every row computes all of it."""
 
-    def __init__(self, grid: Grid, transposed: bool, flip: bool, tag: str, lowering: str, rows_whole: bool = False):
+    def __init__(self, grid: Grid, transposed: bool, flip: bool, tag: str, lowering: str, rows_whole: bool = False,
+                 full: int | None = None):
+        """`full`: the dim the SUMMA steps cut (K for AB, N for ABT) when the grid does not divide it."""
         super().__init__()
         self.grid, self.transposed, self.flip, self.tag, self.lowering = grid, transposed, flip, tag, lowering
-        self.rows_whole = rows_whole
+        self.rows_whole, self.full = rows_whole, full
 
     def forward(self, x, w, b=None):
         w = w.t() if self.flip else w
         y = summa_matmul(self.grid, x, w, transposed=self.transposed, tag=self.tag, lowering=self.lowering,
-                         rows_whole=self.rows_whole)
+                         rows_whole=self.rows_whole, full=self.full)
         return y if b is None else y + b.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -204,17 +208,44 @@ class ShardedNorm(nn.Module):
         return f"{'layer' if self.centered else 'rms'}, n={self.n}"
 
 
+class GroupedHeadsAttention(nn.Module):
+    """Attention of this column's torch.chunk block of the hq query heads against k and v whole over the
+    columns (all hkv KV heads of this rank's batch block), when the columns do not divide the KV heads:
+    each local query head reads KV head (global head) // (hq / hkv), picked here, so only the KV heads
+    this column needs are kept for backward. k's and v's gradients are this column's share; the
+    GradSync on them sums the columns."""
+
+    def __init__(self, grid: Grid, heads: int, kv_heads: int, dropout_p: float, is_causal: bool, scale):
+        super().__init__()
+        self.grid, self.heads, self.kv_heads = grid, heads, kv_heads
+        self.dropout_p, self.is_causal, self.scale = dropout_p, is_causal, scale
+
+    def forward(self, q, k, v, mask=None):
+        lo, hi = chunk_range(self.heads, self.grid.shape[1], self.grid.c)
+        pick = torch.arange(lo, hi, device=k.device) // (self.heads // self.kv_heads)  # [hq/C]
+        k, v = k.index_select(1, pick), v.index_select(1, pick)  # [b/R, hq/C, s_k, d]
+        drop = self.dropout_p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop, is_causal=self.is_causal,
+                                              scale=self.scale)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, kv_heads={self.kv_heads}"
+
+
 class VocabSplitEmbedding(nn.Module):
     """Lookup in a table whose vocab dim is split over `vocab_axis`: ids outside this rank's block
     give zero rows, so the result is a partial sum over that axis."""
 
-    def __init__(self, grid: Grid, vocab_axis: int, padding_idx: int, tag: str):
+    def __init__(self, grid: Grid, vocab_axis: int, padding_idx: int, tag: str, vocab: int | None = None):
+        """`vocab`: the table's rows V, which place this rank's block when the axis does not divide V."""
         super().__init__()
         self.grid, self.vocab_axis, self.padding_idx, self.tag = grid, vocab_axis, padding_idx, tag
+        self.vocab = vocab
 
     def forward(self, table, ids):
-        rows = table.shape[0]  # V/q
-        start = self.grid.index(self.vocab_axis) * rows
+        rows = table.shape[0]  # V/q (this rank's torch.chunk block of V)
+        vocab = self.vocab or rows * self.grid.size(self.vocab_axis)
+        start = chunk_range(vocab, self.grid.size(self.vocab_axis), self.grid.index(self.vocab_axis))[0]
         local = ids - start
         inside = (local >= 0) & (local < rows)
         pad = self.padding_idx - start if 0 <= self.padding_idx - start < rows else -1
@@ -225,18 +256,22 @@ class VocabSplitEmbedding(nn.Module):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, target, grid, ignore_index, tag, vocab_split=True, reduce_sum=False, rows_whole=False):
+    def forward(ctx, z, target, grid, ignore_index, tag, vocab_split=True, reduce_sum=False, rows_whole=False,
+                vocab=None):
         zf = z.float()  # [n/q, V/q] (or [n/q, V] when the vocabulary is whole)
-        m = zf.max(-1).values
+        rows = z.shape[1]
+        # a torch.chunk block of a vocabulary the columns do not divide may be empty: its max is -inf
+        m = zf.max(-1).values if rows else zf.new_full(zf.shape[:1], -torch.inf)
         if vocab_split:
             m = comm.all_reduce(grid, 1, m, tag, "fwd", op="max")  # [n/q]
         e = torch.exp(zf - m[:, None])
-        rows = z.shape[1]
-        local = target - grid.c * rows if vocab_split else target
+        start = chunk_range(vocab or rows * grid.shape[1], grid.shape[1], grid.c)[0]
+        local = target - start if vocab_split else target
         inside = (local >= 0) & (local < rows)
         # select, never multiply by a mask: the clamped column of a target outside this block may be
         # -inf (a masked vocabulary entry) or NaN, and 0 * inf = NaN where one process is finite
-        picked = torch.where(inside, zf.gather(1, local.clamp(0, rows - 1)[:, None]).squeeze(1), 0.0)
+        picked = torch.where(inside, zf.gather(1, local.clamp(0, rows - 1)[:, None]).squeeze(1), 0.0) if rows \
+            else torch.zeros_like(m)
         sums = comm.all_reduce_stack(grid, 1 if vocab_split else None, [e.sum(-1), picked], tag, "fwd")  # [2, n/q]
         valid = target != ignore_index
         per_token = torch.where(valid, torch.log(sums[0]) + m - sums[1], 0.0)  # ignored rows may be NaN
@@ -255,13 +290,14 @@ class _VocabParallelCE(torch.autograd.Function):
         e, sums, local, inside, valid, tot = ctx.saved_tensors
         grad = e / sums[0][:, None]  # softmax, minus one at the target where this rank holds it
         rows = grad.shape[1]
-        grad.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -inside[:, None].to(grad.dtype))
+        if rows:
+            grad.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -inside[:, None].to(grad.dtype))
         scale = g if ctx.reduce_sum else g / tot[1]
         # an ignored row gets what torch's log_softmax backward gives it for a zero incoming gradient,
         # -softmax * 0: zero, but NaN where the row holds a NaN or +inf (its softmax is NaN) -- one
         # process's gradient there, kept for parity
         grad = torch.where(valid[:, None], grad * scale, grad * 0)
-        return grad.to(ctx.dtype), None, None, None, None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):
@@ -270,13 +306,14 @@ class VocabParallelCrossEntropy(nn.Module):
     logits never gathered; backward local."""
 
     def __init__(self, grid: Grid, ignore_index: int, tag: str, vocab_split: bool = True, reduce_sum: bool = False,
-                 rows_whole: bool = False):
+                 rows_whole: bool = False, vocab: int | None = None):
+        """`vocab`: V, which places this rank's block when the columns do not divide it."""
         super().__init__()
         self.grid, self.ignore_index, self.tag = grid, ignore_index, tag
-        self.vocab_split, self.reduce_sum, self.rows_whole = vocab_split, reduce_sum, rows_whole
+        self.vocab_split, self.reduce_sum, self.rows_whole, self.vocab = vocab_split, reduce_sum, rows_whole, vocab
 
     def forward(self, logits, target):
         loss = _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag, self.vocab_split,
-                                      self.reduce_sum, self.rows_whole)
+                                      self.reduce_sum, self.rows_whole, self.vocab)
         # under autocast torch's cross_entropy runs (and returns) fp32; otherwise it keeps the logits' dtype
         return loss if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)

@@ -22,13 +22,13 @@ torch.Size([6, 2])
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from passes.layout import chunk_range
 from passes.mesh import grid_of
 from passes.ops import comm, summa
-
-PRODUCTS = {"ab": summa.ab, "abt": summa.abt, "atb": summa.atb}
-
 
 @torch.library.custom_op("autopar::all_gather", mutates_args=())
 def all_gather(t: torch.Tensor, grid: int, axis: int, dim: int, tag: str, phase: str) -> torch.Tensor:
@@ -76,18 +76,29 @@ def _(parts, grid, axis, tag, phase):
 
 @torch.library.custom_op("autopar::summa", mutates_args=())
 def product(a: torch.Tensor, b: torch.Tensor, grid: int, kind: str, tag: str, phase: str, lowering: str,
-            rows_whole: bool) -> torch.Tensor:
-    """One SUMMA product `kind` ('ab', 'abt' or 'atb') of the local blocks a, b (see `passes.ops.summa`)."""
+            rows_whole: bool, full: Optional[int] = None) -> torch.Tensor:
+    """One SUMMA product `kind` ('ab', 'abt' or 'atb') of the local blocks a, b (see `passes.ops.summa`);
+    `full`: the global size of the dim the grid does not divide (torch.chunk blocks)."""
     g = grid_of(grid)
     if kind == "atb":
-        return summa.atb(g, a, b, tag, phase, lowering, rows_whole)
-    return PRODUCTS[kind](g, a, b, tag, phase, lowering)
+        return summa.atb(g, a, b, tag, phase, lowering, rows_whole, full)
+    product = summa.abt if kind == "abt" else summa.ab
+    return product(g, a, b, tag, phase, lowering, full)
 
 
 @product.register_fake
-def _(a, b, grid, kind, tag, phase, lowering, rows_whole):
-    R, C = grid_of(grid).shape
-    shape = {"ab": (a.shape[0], b.shape[1]),  # a [m, K/C]  b [K/R, n]
-             "abt": (a.shape[0], b.shape[0] * R // C),  # a [m, K/C]  b [N/R, K/C]
-             "atb": (a.shape[1] * C // R, b.shape[1])}[kind]  # a [m, K/C]  b [m, n]
+def _(a, b, grid, kind, tag, phase, lowering, rows_whole, full=None):
+    g = grid_of(grid)
+    R, C = g.shape
+
+    def block(n: int, parts: int, axis: int) -> int:  # this rank's torch.chunk block of n
+        lo, hi = chunk_range(n, parts, g.index(axis))
+        return hi - lo
+
+    if kind == "ab":  # a [m, K/C]  b [K/R, n]
+        shape = (a.shape[0], b.shape[1])
+    elif kind == "abt":  # a [m, K/C]  b [N/R, K/C]  ->  [m, N/C]
+        shape = (a.shape[0], b.shape[0] * R // C if full is None else block(full, C, summa.AXIS_SAME_ROW))
+    else:  # atb: a [m, K/C]  b [m, n]  ->  [K/R, n]
+        shape = (a.shape[1] * C // R if full is None else block(full, R, summa.AXIS_SAME_COL), b.shape[1])
     return a.new_empty(shape)

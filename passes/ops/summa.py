@@ -18,8 +18,11 @@ same bytes with fewer, larger calls and more temporary memory.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.ops import comm
 
@@ -29,11 +32,21 @@ AXIS_SAME_ROW, AXIS_SAME_COL = 1, 0  # mesh axis whose group shares the row / th
 
 def segments(D: int, src_parts: int, dst_parts: int) -> list:
     """Cut a dim of size D at the block boundaries of both a `src_parts`-way and a `dst_parts`-way
-    split: [(start, stop, src block, dst block)]. Square grids give the q blocks themselves; an R x C
-    grid gives R + C - gcd(R, C) pieces."""
-    a, b = D // src_parts, D // dst_parts
-    cuts = sorted(set(range(0, D, a)) | set(range(0, D, b))) + [D]
+    split (torch.chunk blocks, see `chunk_range`): [(start, stop, src block, dst block)]. Square grids
+    give the q blocks themselves; an R x C grid gives R + C - gcd(R, C) pieces when both divide D."""
+    a, b = -(-D // src_parts), -(-D // dst_parts)
+    cuts = sorted({min(i * a, D) for i in range(src_parts)} | {min(j * b, D) for j in range(dst_parts)} | {D})
     return [(s, e, s // a, s // b) for s, e in zip(cuts, cuts[1:])]
+
+
+def _piece(grid: Grid, t: torch.Tensor, axis: int, owner: int, dim: int, lo: int, hi: int) -> torch.Tensor:
+    """The owner's [lo, hi) of `t` along `dim` (offsets into the owner's block); a buffer of that shape
+    on the other members, whose own blocks may be shorter (torch.chunk blocks)."""
+    if grid.size(axis) == 1 or grid.index(axis) == owner:
+        return t.narrow(dim, lo, hi - lo)
+    shape = list(t.shape)
+    shape[dim] = hi - lo
+    return t.new_empty(shape)
 
 
 def _bcast_steps(grid: Grid, steps, tag, phase):
@@ -50,8 +63,7 @@ def _bcast_steps(grid: Grid, steps, tag, phase):
                 bufs.append(t)
                 works.append(None)
                 continue
-            mine = grid.index(axis) == src
-            buf = t.contiguous() if mine else torch.empty_like(t, memory_format=torch.contiguous_format)
+            buf = t.contiguous()  # the owner's piece, or a fresh buffer on the others (`_piece`)
             bufs.append(buf)
             works.append(comm.broadcast(grid, axis, buf, src, tag, phase, async_op=True))
         return bufs, works
@@ -67,9 +79,9 @@ def _bcast_steps(grid: Grid, steps, tag, phase):
         yield bufs
 
 
-def _reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase):
+def _reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase, empty: torch.Tensor):
     """Reduce each partial onto its destination member of `axis`'s group; return the concatenation
-    (along `dim`) of the pieces this member receives."""
+    (along `dim`) of the pieces this member receives (`empty` when its torch.chunk block is empty)."""
     if grid.size(axis) == 1:
         return torch.cat([p for _, p in partials], dim) if len(partials) > 1 else partials[0][1]
     works, mine = [], []
@@ -79,19 +91,24 @@ def _reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase):
             mine.append(p)
     for w in works:
         comm.wait(w, grid, "reduce", axis, tag)
+    if not mine:
+        return empty
     return mine[0] if len(mine) == 1 else torch.cat(mine, dim)
 
 
-def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast"):
+def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast", full: int | None = None):
+    """`full`: the contracted dim's global size K, given when the grid does not divide it."""
     a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [K/R, n]
-    if lowering == "allgather":
-        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase)  # [m, K]
-        b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase)  # [K, n]
-        return a_panel @ b_panel
     R, C = grid.shape
-    ka, kb = a.shape[1], b.shape[0]
-    steps = [[(a[:, s - i * ka:e - i * ka], AXIS_SAME_ROW, i), (b[s - j * kb:e - j * kb], AXIS_SAME_COL, j)]
-             for s, e, i, j in segments(ka * C, C, R)]
+    K = a.shape[1] * C if full is None else full
+    if lowering == "allgather":
+        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase, K)  # [m, K]
+        b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase, K)  # [K, n]
+        return a_panel @ b_panel
+    ka, kb = -(-K // C), -(-K // R)
+    steps = [[(_piece(grid, a, AXIS_SAME_ROW, i, 1, s - i * ka, e - i * ka), AXIS_SAME_ROW, i),
+              (_piece(grid, b, AXIS_SAME_COL, j, 0, s - j * kb, e - j * kb), AXIS_SAME_COL, j)]
+             for s, e, i, j in segments(K, C, R)]
     acc = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype  # sum the steps in fp32
     out = a.new_zeros(a.shape[0], b.shape[1], dtype=acc)  # [m, n]
     for a_i, b_i in _bcast_steps(grid, steps, tag, phase):
@@ -102,86 +119,98 @@ def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcas
     return out.to(a.dtype)
 
 
-def abt(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast"):
+def abt(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast", full: int | None = None):
+    """`full`: the output's dim N (b's rows) when the grid does not divide it."""
     a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [N/R, K/C]  ->  [m, N/C]
-    if lowering == "allgather":
-        b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase)  # [N, K/C]
-        return comm.reduce_scatter(grid, AXIS_SAME_ROW, a @ b_panel.t(), 1, tag, phase)  # [m, N/C]
     R, C = grid.shape
-    nb = b.shape[0]
-    segs = segments(nb * R, R, C)
-    steps = [[(b[s - j * nb:e - j * nb], AXIS_SAME_COL, j)] for s, e, j, _ in segs]
+    N = b.shape[0] * R if full is None else full
+    if lowering == "allgather":
+        b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase, N)  # [N, K/C]
+        return comm.reduce_scatter(grid, AXIS_SAME_ROW, a @ b_panel.t(), 1, tag, phase)  # [m, N/C]
+    nb = -(-N // R)
+    segs = segments(N, R, C)
+    steps = [[(_piece(grid, b, AXIS_SAME_COL, j, 0, s - j * nb, e - j * nb), AXIS_SAME_COL, j)] for s, e, j, _ in segs]
     partials = [(i, a @ b_s.t()) for (_, _, _, i), (b_s,) in zip(segs, _bcast_steps(grid, steps, tag, phase))]
-    return _reduce_steps(grid, AXIS_SAME_ROW, partials, 1, tag, phase)
+    return _reduce_steps(grid, AXIS_SAME_ROW, partials, 1, tag, phase, a.new_zeros(a.shape[0], 0))
 
 
-def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast", rows_whole: bool = False):
+def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast", rows_whole: bool = False,
+        full: int | None = None):
     """`rows_whole`: every mesh row holds all m rows of a and b (a batch the rows do not divide), so
-    each row forms its own [K/R, n] block in full and nothing is summed over the rows."""
+    each row forms its own [K/R, n] block in full and nothing is summed over the rows. `full`: the
+    dim K (a's columns) when the grid does not divide it."""
     a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [m, n]  ->  [K/R, n]
     R, C = grid.shape
-    ka = a.shape[1]
+    K = a.shape[1] * C if full is None else full
     if lowering == "allgather":
-        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase)  # [m, K]
+        a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase, K)  # [m, K]
         if rows_whole:
-            kr = ka * C // R
-            r = grid.index(AXIS_SAME_COL)
-            return a_panel[:, r * kr:(r + 1) * kr].t() @ b  # [K/R, n]
+            lo, hi = chunk_range(K, R, grid.index(AXIS_SAME_COL))
+            return a_panel[:, lo:hi].t() @ b  # [K/R, n]
         return comm.reduce_scatter(grid, AXIS_SAME_COL, a_panel.t() @ b, 0, tag, phase)  # [K/R, n]
-    segs = segments(ka * C, C, R)
+    ka = -(-K // C)
+    segs = segments(K, C, R)
     if rows_whole:  # only the pieces of this row's block; the whole row group skips the same steps
         segs = [seg for seg in segs if seg[3] == grid.index(AXIS_SAME_COL)]
-    steps = [[(a[:, s - i * ka:e - i * ka], AXIS_SAME_ROW, i)] for s, e, i, _ in segs]
+    steps = [[(_piece(grid, a, AXIS_SAME_ROW, i, 1, s - i * ka, e - i * ka), AXIS_SAME_ROW, i)] for s, e, i, _ in segs]
     partials = [(j, a_s.t() @ b) for (_, _, _, j), (a_s,) in zip(segs, _bcast_steps(grid, steps, tag, phase))]
+    empty = a.new_zeros(0, b.shape[1])
     if rows_whole:
-        return torch.cat([p for _, p in partials], 0) if len(partials) > 1 else partials[0][1]
-    return _reduce_steps(grid, AXIS_SAME_COL, partials, 0, tag, phase)
+        return torch.cat([p for _, p in partials], 0) if len(partials) > 1 else (partials[0][1] if partials else empty)
+    return _reduce_steps(grid, AXIS_SAME_COL, partials, 0, tag, phase, empty)
 
 
-def product(grid: Grid, kind: str, a, b, tag: str, phase: str, lowering: str, rows_whole: bool = False):
+def product(grid: Grid, kind: str, a, b, tag: str, phase: str, lowering: str, rows_whole: bool = False,
+            full: int | None = None):
     """`ab`, `abt` or `atb` (`kind`) through its torch.library op (`passes.ops.library`): one opaque
-    call to torch.compile, the same eager code inside."""
-    return torch.ops.autopar.summa(a, b, grid.key, kind, tag, phase, lowering, rows_whole)
+    call to torch.compile, the same eager code inside. `full`: the size of the dim the grid does not
+    divide (see `ab`, `abt`, `atb`)."""
+    return torch.ops.autopar.summa(a, b, grid.key, kind, tag, phase, lowering, rows_whole, full)
 
 
 class SummaAB(torch.autograd.Function):
-    """C = A B; backward dA = ABT(dC, B), dB = ATB(A, dC)."""
+    """C = A B; backward dA = ABT(dC, B), dB = ATB(A, dC). `full`: K, when the grid does not divide it
+    (A's columns are torch.chunk blocks over the mesh columns, B's rows over the rows)."""
 
     @staticmethod
-    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False):
+    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False, full=None):
         ctx.save_for_backward(a, b)
-        ctx.args = (grid, tag, lowering, rows_whole)
-        return product(grid, "ab", a, b, tag, "fwd", lowering)
+        ctx.args = (grid, tag, lowering, rows_whole, full)
+        return product(grid, "ab", a, b, tag, "fwd", lowering, full=full)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        grid, tag, lowering, rows_whole = ctx.args
-        da = product(grid, "abt", g, b, tag, "bwd", lowering) if ctx.needs_input_grad[0] else None
-        db = product(grid, "atb", a, g, tag, "bwd", lowering, rows_whole) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None, None
+        grid, tag, lowering, rows_whole, full = ctx.args
+        da = product(grid, "abt", g, b, tag, "bwd", lowering, full=full) if ctx.needs_input_grad[0] else None
+        db = product(grid, "atb", a, g, tag, "bwd", lowering, rows_whole, full) if ctx.needs_input_grad[1] else None
+        return da, db, None, None, None, None, None
 
 
 class SummaABT(torch.autograd.Function):
-    """C = A B^T; backward dA = AB(dC, B), dB = ATB(dC, A)."""
+    """C = A B^T; backward dA = AB(dC, B), dB = ATB(dC, A). `full`: N, when the grid does not divide it
+    (a vocabulary: B^T's rows are torch.chunk blocks over the mesh rows, C's columns over the columns)."""
 
     @staticmethod
-    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False):
+    def forward(ctx, a, b, grid, tag, lowering, rows_whole=False, full=None):
         ctx.save_for_backward(a, b)
-        ctx.args = (grid, tag, lowering, rows_whole)
-        return product(grid, "abt", a, b, tag, "fwd", lowering)
+        ctx.args = (grid, tag, lowering, rows_whole, full)
+        return product(grid, "abt", a, b, tag, "fwd", lowering, full=full)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        grid, tag, lowering, rows_whole = ctx.args
-        da = product(grid, "ab", g, b, tag, "bwd", lowering) if ctx.needs_input_grad[0] else None
-        db = product(grid, "atb", g, a, tag, "bwd", lowering, rows_whole) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None, None
+        grid, tag, lowering, rows_whole, full = ctx.args
+        da = product(grid, "ab", g, b, tag, "bwd", lowering, full=full) if ctx.needs_input_grad[0] else None
+        db = product(grid, "atb", g, a, tag, "bwd", lowering, rows_whole, full) if ctx.needs_input_grad[1] else None
+        return da, db, None, None, None, None, None
 
 
-def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str, rows_whole: bool = False):
-    """x [..., K] block (r, c) times a weight block; `transposed` says the block is of B^T [N, K].
+def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str, rows_whole: bool = False,
+                 full: int | None = None):
+    """x [..., K] block (r, c) times a weight block; `transposed` says the block is of B^T [N, K];
+    `full`: the size of the dim the steps cut (K for AB, N for ABT), given when the grid does not
+    divide it (torch.chunk blocks).
 
     Leading dims of x are flattened into the row dim M; the result has x's leading dims. With
     `rows_whole` every mesh row holds all of M (a batch the rows do not divide): the products run the
@@ -194,7 +223,9 @@ def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str,
         dtype = torch.get_autocast_dtype(dev)
         x, w = x.to(dtype), w.to(dtype)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # [m, k]
-    fn = SummaABT if transposed else SummaAB
-    out = fn.apply(x2, w, grid, tag, lowering, rows_whole)  # [m, n]
+    x2 = x.reshape(math.prod(lead), x.shape[-1])  # [m, k]; k may be 0 (an empty torch.chunk block)
+    if transposed:
+        out = SummaABT.apply(x2, w, grid, tag, lowering, rows_whole, full)  # [m, n]
+    else:
+        out = SummaAB.apply(x2, w, grid, tag, lowering, rows_whole, full)  # [m, n]
     return out.view(*lead, out.shape[-1])

@@ -13,8 +13,15 @@ batch and heads split the op runs on each rank's block with no communication:
   [b/R, 1, s_k, d] block, no more than one head), and their gradient, one share per column, is summed
   over the columns by the GradSync that `insert_collectives` puts on any input replicated over an axis
   its consumer's output is split over.
-- grouped, hkv not divisible by C: a column's query heads would read a slice of the KV heads that
-  differs per column, which one local op cannot express; the heads stay whole (batch still split).
+- grouped, hkv not divisible by C (5 KV heads, or fewer KV heads than columns): a column's query
+  heads read a slice of the KV heads that differs per column. With indivisible='uneven' k and v stay
+  whole over the columns and a kernel (`GroupedHeadsSpec`) picks, on each column, the KV head each of
+  its query heads reads, as vLLM replicates only the KV heads a rank needs; their gradients are summed
+  over the columns by a GradSync. Otherwise the heads stay whole (batch still split).
+
+A head count (or batch) the grid does not divide is split in torch.chunk blocks (indivisible='uneven':
+25 heads on 8 columns are blocks of 4, the seventh column 1, the last none) when k and v have q's heads
+or one head; q, k and v then hold the same heads.
 
 A mask broadcasts against [b, hq, s_q, s_k] like an elementwise operand.
 """
@@ -24,31 +31,37 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.layout import Layout
+from passes.kernelspec import GroupedHeadsSpec
+from passes.layout import Layout, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, register, shape
 from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten
 
 
-def _split(size: int, q: int, dim: int):
-    return Shard(dim) if size % q == 0 else Replicate()
+def _split(size: int, q: int, dim: int, uneven: bool):
+    return Shard(dim) if size % q == 0 or uneven else Replicate()
 
 
 def _kv_layout(qs: tuple, ks: tuple, gqa: bool, mesh: tuple) -> tuple:
-    """(q's layout, k's and v's layout) for q of shape `qs` and k of shape `ks`."""
-    batch = _split(qs[0], mesh[0], 0)
+    """(q's layout, k's and v's layout, whether the columns pick their KV heads) for q of shape `qs` and
+    k of shape `ks`."""
+    uneven = uneven_ok(mesh)
+    batch = _split(qs[0], mesh[0], 0, uneven)
     kv_batch = batch if ks[0] == qs[0] else Replicate()  # a k/v batch of 1 broadcasts
-    heads = _split(qs[1], mesh[1], 1)
+    heads = _split(qs[1], mesh[1], 1, uneven)
     if ks[1] == qs[1]:
         kv_heads = heads
     elif ks[1] == 1:  # multi-query: the one KV head serves every column's query heads
         kv_heads = Replicate()
-    elif gqa and ks[1] % mesh[1] == 0:
+    elif gqa and ks[1] % mesh[1] == 0 and qs[1] % mesh[1] == 0:
         kv_heads = heads  # contiguous groups: column c's query heads read column c's KV heads
+    elif gqa and uneven and isinstance(heads, Shard) and mesh[1] > 1:
+        # each column picks the KV heads its query heads read from k and v whole over the columns
+        return Layout((batch, heads)), Layout((kv_batch, Replicate())), True
     else:
         heads = kv_heads = Replicate()
-    return Layout((batch, heads)), Layout((kv_batch, kv_heads))
+    return Layout((batch, heads)), Layout((kv_batch, kv_heads)), False
 
 
 @register(aten.scaled_dot_product_attention.default)
@@ -63,11 +76,13 @@ def sdpa(node, layouts, mesh):
     if ks[:2] != vs[:2] or ks[0] not in (qs[0], 1) or not grouped:
         raise Unsupported(f"attention with k/v batch or heads that neither match nor group q's: q {qs}, k {ks}, "
                           f"v {vs}, enable_gqa={gqa}")
-    lay, kv = _kv_layout(qs, ks, gqa, mesh)
+    lay, kv, pick = _kv_layout(qs, ks, gqa, mesh)
     need = {query: lay, key: kv, value: kv}
     if mask is not None:
         full = (qs[0], qs[1], qs[2], ks[2])
         m = {o: i for i, o in dim_map(shape(mask), full).items()}
         need[mask] = Layout(tuple(Shard(m[p.dim]) if isinstance(p, Shard) and p.dim in m else Replicate()
                                   for p in lay.placements))
+    if pick:
+        return Strategy(need, lay, kernel=GroupedHeadsSpec(), note="local attention, KV heads picked per column")
     return Strategy(need, lay, note="local attention")

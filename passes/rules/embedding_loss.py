@@ -1,14 +1,18 @@
 """Embedding lookup and cross-entropy over a split vocabulary.
 
 Embedding: the table [V, h] is stored 2D, vocab block r and hidden block c on rank (r, c) -- the
-layout an LM head tied to it uses as SUMMA ABT. Every rank looks up the ids that fall in its vocab
-block (the others give zero rows), so the result [..., h] is a partial sum over the mesh rows with the
-hidden dim split over the columns; the consumer turns it into batch blocks with one reduce-scatter.
+layout an LM head tied to it uses as SUMMA ABT. A vocabulary the grid does not divide (GPT-2's
+50257) is split in torch.chunk blocks, as DTensor's Shard cuts it: ceil(V/q) rows, the last block
+shorter. Every rank looks up the ids that fall in its vocab block (the others give zero rows), so
+the result [..., h] is a partial sum over the mesh rows with the hidden dim split over the columns;
+the consumer turns it into batch blocks with one reduce-scatter.
 
 Cross-entropy: logits [N, V] with rows over mesh rows and vocab over columns. The max, the sum of
 exponentials and the target logit are all-reduced in the same-row group, the mean over tokens in the
-same-column group; the full logits are never gathered. Backward is local. A row count the mesh rows
-do not divide (a ragged last batch) stays whole on every row, and the mean needs no column sum.
+same-column group; the full logits are never gathered. Backward is local. A vocabulary the columns
+do not divide is split in torch.chunk blocks (some may be empty), which the kernel places by V. A
+row count the mesh rows do not divide (a ragged last batch) stays whole on every row, and the mean
+needs no column sum.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.kernelspec import CrossEntropySpec, EmbeddingSpec
-from passes.layout import REPLICATED, Layout
+from passes.layout import REPLICATED, Layout, uneven_ok
 from passes.meta import CHOICE
 from passes.rules import Strategy, Unsupported, arg, register, shape, val
 
@@ -31,10 +35,13 @@ def embedding(node, layouts, mesh):
     have = layouts.get(table)
     if have is None and node.meta.get(CHOICE) in ("1d", "col") and V % mesh[1] == 0:
         have = Layout((Replicate(), Shard(0)))  # 1D: vocab over the columns (Megatron's vocab-parallel table)
-    if have is None:  # a vocabulary R does not divide keeps the hidden split (an LM head tied to it
-        # then runs a local matmul whose output is a partial sum over the columns)
-        have = Layout((Shard(0), Shard(1))) if V % mesh[0] == 0 and h % mesh[1] == 0 else (
-            Layout((Replicate(), Shard(1))) if h % mesh[1] == 0 else REPLICATED)
+    if have is None:  # a vocabulary R does not divide is split in torch.chunk blocks (indivisible='uneven')
+        # or kept whole with the hidden split (an LM head tied to it then runs a local matmul whose
+        # output is a partial sum over the columns)
+        vocab_split = V % mesh[0] == 0 or uneven_ok(mesh)
+        hidden_split = h % mesh[1] == 0 or uneven_ok(mesh)
+        have = Layout((Shard(0), Shard(1))) if vocab_split and hidden_split else (
+            Layout((Replicate(), Shard(1))) if hidden_split else REPLICATED)
     vocab_axis = have.shard_axis(0)
     hidden_axis = have.shard_axis(1)
     nd = len(val(node).shape)
@@ -62,7 +69,8 @@ def cross_entropy(node, layouts, mesh):
         raise Unsupported("cross_entropy other than mean or sum over [N, V] logits without weights/smoothing")
     rows_whole = ls[0] % mesh[0] != 0  # a ragged batch: every mesh row takes all the rows
     rows = Replicate() if rows_whole else Shard(0)
-    vocab_split = ls[1] % mesh[1] == 0  # else each row block holds whole rows of logits
+    # else each row block holds whole rows of logits; uneven: torch.chunk blocks of the vocabulary
+    vocab_split = ls[1] % mesh[1] == 0 or uneven_ok(mesh)
     return Strategy(
         {logits: Layout((rows, Shard(1) if vocab_split else Replicate())), target: Layout((rows, Replicate()))},
         REPLICATED,

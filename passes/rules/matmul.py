@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.kernelspec import SummaSpec
-from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim
+from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim, uneven_ok
 from passes.meta import CHOICE, PARAM, ROLE
 from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape, val
 from passes.rules.views import TRANSPOSES
@@ -53,8 +53,9 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     have = layouts.get(w)
     transposed = have == abt
     # x [.., K] splits K over the C columns; the output splits N over them; the weight splits its
-    # first math dim (K for AB, N for ABT) over the R rows
-    if K % C or N % C or (N if transposed else K) % R:
+    # first math dim (K for AB, N for ABT) over the R rows. Sizes the grid does not divide (a
+    # vocabulary, a hidden size) are split in torch.chunk blocks when uneven splits are allowed
+    if not uneven_ok(mesh) and (K % C or N % C or (N if transposed else K) % R):
         raise ShardingError(
             f"weight {_param_name(w)} of shape {tuple(ws)} cannot be split 2D on a {R}x{C} grid: "
             f"in-features {K} must be divisible by {C} (columns) and {R} (rows), out-features {N} by {C} (columns)"

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from passes.kernelspec import NormSpec
-from passes.layout import Layout
+from passes.layout import Layout, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape
 
 aten = torch.ops.aten
@@ -33,7 +33,7 @@ def norm_strategy(node, layouts, mesh, x, params, n_norm):
         raise Unsupported("normalization over more than the last dim")
     xs = shape(x)
     nd = len(xs)
-    split = xs[-1] % mesh[1] == 0
+    split = xs[-1] % mesh[1] == 0 or uneven_ok(mesh)  # uneven: torch.chunk blocks; the kernel divides by n
     x_lay = Layout((_rows(layouts.get(x), xs, mesh[0]), Shard(nd - 1) if split else Replicate()))
     p_lay = Layout((Replicate(), Shard(0) if split else Replicate()))
     need = {x: x_lay}

@@ -13,7 +13,7 @@ import operator
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import REPLICATED, Layout, moved, parts, split_dim
+from passes.layout import REPLICATED, Layout, moved, parts, split_dim, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs, val, whole_along
 
 aten = torch.ops.aten
@@ -68,7 +68,10 @@ def broadcast_strategy(node, layouts, out_shape, mesh, skip_dims=()) -> tuple:
             if d is not None:
                 od = dim_map(shape(n), out_shape).get(d % len(shape(n)))
                 free = od is not None and od not in skip_dims and od not in out_ps
-                if free and out_shape[od] % (mesh[axis] * parts(p)) == 0:
+                # a dim the axis does not divide keeps its torch.chunk blocks elementwise
+                uneven = uneven_ok(mesh) and parts(p) == 1 and od is not None and \
+                    shape(n)[d % len(shape(n))] == out_shape[od]
+                if free and (out_shape[od] % (mesh[axis] * parts(p)) == 0 or uneven):
                     chosen, kind = od, p
                     break
         if chosen is None:  # a partial input is reduce-scattered onto the first divisible dim it has
@@ -150,6 +153,10 @@ def reduction(node, layouts, mesh):
     dims = _reduced_dims(node)
     keep = arg(node, 2, "keepdim", False)
     kind = "avg" if node.target in (aten.mean.dim, aten.mean.default) else "sum"
+    if kind == "avg":  # the mean of unequal torch.chunk blocks' means is not the mean: reduce it whole
+        xs = shape(x)
+        lay = Layout(tuple(Replicate() if split_dim(p) in dims and xs[p.dim] % mesh[a] else p
+                           for a, p in enumerate(lay.placements)))
     out = []
     for p in lay.placements:
         if split_dim(p) is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import REPLICATED, Layout, moved, parts, split_dim
+from passes.layout import REPLICATED, Layout, moved, parts, split_dim, uneven_ok
 from passes.rules import Strategy, arg, register, shape, tensor_inputs, val, whole_along
 from passes.rules.pointwise import dim_map
 
@@ -33,13 +33,17 @@ def _input_layout(layouts, x):
 
 def _through(x_lay, mapping, out_shape, mesh, in_shape=None):
     """Keep each axis's split if `mapping` sends its dim somewhere divisible; else ask for it whole.
-    An interleaved (Strided) split survives only a dim that keeps its size."""
+    An interleaved (Strided) split survives only a dim that keeps its size; so does a dim the axis
+    does not divide (torch.chunk blocks of another size would not be the same elements)."""
     need, out = [], []
     for axis, p in enumerate(x_lay.placements):
         if split_dim(p) is not None:
             od = mapping.get(p.dim)
-            same = parts(p) == 1 or (in_shape is not None and in_shape[p.dim] == out_shape[od if od is not None else 0])
-            if od is not None and out_shape[od] % mesh[axis] == 0 and same:
+            kept = in_shape is not None and od is not None and in_shape[p.dim] == out_shape[od]
+            same = parts(p) == 1 or kept
+            even = od is not None and out_shape[od] % mesh[axis] == 0 and (
+                in_shape is None or in_shape[p.dim] % mesh[axis] == 0)
+            if od is not None and (even or (kept and uneven_ok(mesh))) and same:
                 need.append(p)
                 out.append(moved(p, od))
                 continue
