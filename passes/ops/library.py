@@ -30,6 +30,7 @@ from passes.layout import chunk_range
 from passes.mesh import grid_of
 from passes.ops import comm, summa
 
+
 @torch.library.custom_op("autopar::all_gather", mutates_args=())
 def all_gather(t: torch.Tensor, grid: int, axis: int, dim: int, tag: str, phase: str) -> torch.Tensor:
     return comm.run_all_gather(grid_of(grid), axis, t, dim, tag, phase)
