@@ -2,7 +2,7 @@
 
 from autopar.bench import COMPILED, markdown
 
-ROW = dict(bytes=2**20, param_bytes=2**20, saved_bytes=2**20, peak_rss_mb=1.0)
+ROW = dict(bytes=2**20, param_bytes=2**20, saved_bytes=2**20, peak_rss_mb=1.0, peak_tensor_bytes=2**20)
 
 
 def test_compiled_rows_report_the_ratio_to_eager():
