@@ -98,14 +98,15 @@ def _kept(node: Node) -> bool:
     return node.op == "call_module" or node.target in KEPT
 
 
-def _local_fake(node: Node, mesh, grads: set) -> torch.Tensor:
-    """A fake tensor with the shape of this rank's block of `node`'s value."""
+def _local_fake(node: Node, mesh, grads: set, at: tuple) -> torch.Tensor:
+    """A fake tensor with the shape of the block of `node`'s value that grid position `at` holds (its
+    torch.chunk block of a dim the grid does not divide, as the localized graph expects)."""
     v, lay = node.meta["val"], node.meta.get(LAYOUT)
-    shape = local_shape(tuple(v.shape), lay, mesh) if isinstance(lay, Layout) else tuple(v.shape)
+    shape = local_shape(tuple(v.shape), lay, mesh, at=at) if isinstance(lay, Layout) else tuple(v.shape)
     return torch.empty(shape, dtype=v.dtype, requires_grad=node in grads and v.dtype.is_floating_point)
 
 
-def _pays(gm: GraphModule, run: list, mesh, grads: set) -> bool:
+def _pays(gm: GraphModule, run: list, mesh, grads: set, at: tuple) -> bool:
     """Selective: whether recomputing `run` keeps fewer bytes than running it plainly. Runs it once on
     fake blocks: plainly it saves its intermediates (and some inputs); recomputed it keeps all of
     its activation inputs (parameters are held anyway). A run of views saves nothing and would only
@@ -120,7 +121,7 @@ def _pays(gm: GraphModule, run: list, mesh, grads: set) -> bool:
         return t
 
     with fake_tensor_mode():
-        args = [_local_fake(a, mesh, grads) for a in inputs]
+        args = [_local_fake(a, mesh, grads, at) for a in inputs]
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             body(*args)
     ids = {id(t) for t in args}
@@ -175,12 +176,14 @@ def _selective_runs(gm: GraphModule) -> list:
     return [sorted(g, key=order.__getitem__) for _, g in sorted(groups.items())]
 
 
-def regions(gm: GraphModule, mode: str, mesh=(1, 1), only=None) -> list:
+def regions(gm: GraphModule, mode: str, mesh=(1, 1), only=None, at: tuple = (0, 0)) -> list:
     """The node lists `recompute` groups, in graph order of their last node: runs of consecutive call
     nodes of one block (mode 'blocks'); groups of a block's local ops between the kept ones (mode
     'selective', see `_selective_runs`), only those whose recomputation keeps fewer bytes on a rank of
     `mesh`. A getitem of a value made outside stays outside; groups of fewer than two nodes and
-    groups that mutate in place are left out. `only`: the blocks to recompute (module paths; None: all)."""
+    groups that mutate in place are left out. `only`: the blocks to recompute (module paths; None: all);
+    `at`: the grid position whose blocks the selective check runs on (the rank's own: its graph is
+    localized to them)."""
     if mode not in MODES:
         raise ValueError(f"recompute={mode!r}: expected one of {MODES} or None")
     out = []
@@ -193,7 +196,7 @@ def regions(gm: GraphModule, mode: str, mesh=(1, 1), only=None) -> list:
             out.append(run)
     if mode == "selective":
         grads = nodes_needing_grad(gm)
-        out = [run for run in out if _pays(gm, run, mesh, grads)]
+        out = [run for run in out if _pays(gm, run, mesh, grads, at)]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     return sorted(out, key=lambda run: order[run[-1]])
 
@@ -227,7 +230,7 @@ def _attr(gm: GraphModule, target: str):
 def recompute(gm: GraphModule, grid: Grid, mode: str, only=None) -> GraphModule:
     """The program of `gm` with each region of `mode` (in the blocks `only`, None: all) run by a
     `Recompute` module; `gm` itself keeps its nodes (marked with `RECOMPUTE`)."""
-    found = regions(gm, mode, grid.shape, only)
+    found = regions(gm, mode, grid.shape, only, at=(grid.r, grid.c))
     graph = Graph()
     env: dict[Node, Node] = {}
     last = {run[-1]: (i, run) for i, run in enumerate(found)}

@@ -61,7 +61,7 @@ def _input_bytes(block: list, layouts: dict, mesh, grads: set) -> float:
     for a in dict.fromkeys(a for n in block for a in n.all_input_nodes if a not in inside):
         v, lay = a.meta.get("val"), layouts.get(a)
         if a in grads and a.meta.get(ROLE) != "param" and isinstance(v, torch.Tensor) and isinstance(lay, Layout):
-            total += math.prod(local_shape(tuple(v.shape), lay, mesh)) * v.element_size()
+            total += math.prod(local_shape(tuple(v.shape), lay, mesh, at=(0, 0))) * v.element_size()
     return total
 
 
