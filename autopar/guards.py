@@ -18,13 +18,16 @@ from passes.ops import comm
 
 def _plan_text(comp, layouts: dict) -> str:
     """The program's code and parameter layouts, with the sizes grid position (0, 0) bakes where this
-    rank's torch.chunk blocks differ (`PLAN_ARGS`), so every rank of one plan writes the same text."""
-    graph = comp.gm.graph
+    rank's torch.chunk blocks differ (`PLAN_ARGS`), so every rank of one plan writes the same text. Read
+    from the flat graph (`Compiled.inspected`): with recompute=..., the regions `gm` runs are modules
+    whose nodes were copied without that mark."""
+    gm = comp.inspected
+    graph = gm.graph
     swapped = [(n, n.args) for n in graph.nodes if PLAN_ARGS in n.meta]
     for n, _ in swapped:
         n.args = n.meta[PLAN_ARGS]
     try:
-        code = graph.python_code(root_module="self").src if swapped else comp.gm.code
+        code = graph.python_code(root_module="self").src if swapped else gm.code
     finally:
         for n, args in swapped:
             n.args = args

@@ -49,6 +49,18 @@ def test_hf_parity(family, grid, mode):
         assert not r["warned"], f"{family}: rank {rank}: ops gathered whole: {r['warned']}"
 
 
+@pytest.mark.parametrize("mode", ["blocks", "selective"])
+def test_uneven_splits_parity(mode):
+    """Recomputation on dims the grid splits unevenly (GPT-2 with a vocabulary of 97 and 3 heads on
+    2x2: torch.chunk blocks of 49/48 rows and 2/1 heads): catches a selective check or a recomputed
+    region that assumes equal blocks. Logits, loss and every gradient at two input shapes."""
+    over = {"vocab_size": 97, "n_embd": 24, "n_head": 3}
+    res = get_pool(4).run(H.hf_parity, "gpt2", over, grid=(2, 2), options={"recompute": mode})
+    assert_every_rank([r["excess"] for r in res], f"gpt2 uneven 2x2 {mode}")
+    for rank, r in enumerate(res):
+        assert not r["warned"], f"rank {rank}: ops gathered whole: {r['warned']}"
+
+
 @pytest.mark.parametrize("grid,mode", [((2, 2), "blocks"), ((2, 2), "selective"), ((1, 4), "blocks")])
 def test_dropout_masks_redrawn_identically(grid, mode):
     """Catches a recomputation that draws fresh dropout masks (its gradients would belong to another
