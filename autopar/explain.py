@@ -184,32 +184,29 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
 
 def generation_lines(pmodel) -> list:
     """Footer for a model that generated (`pmodel.generate`): per compiled program (prefill, decode;
-    keyed as `autopar.generate` says) its bytes received per rank per call and per token, the KV cache
-    this rank holds and its memory (parameter blocks + cache). Empty before the first generate."""
+    keyed as `autopar.generate` says) its bytes received per rank per call and per token and its plan
+    (strategy, estimated forward time, SUMMA lowerings: `generate_phases.PhasePlan`), the KV cache this
+    rank holds and its memory (parameter blocks + copies for the phases' own plans + cache). Empty
+    before the first generate."""
     gen = pmodel.__dict__.get("_gen")
     if gen is None or not gen.programs:
         return []
     lines = ["", "generation (inference: no backward, nothing saved for it):"]
-    for (phase, batch, length, *prompt, strategy), comp in gen.programs.items():
+    for key, comp in gen.programs.items():
+        phase, batch, length, *prompt, _ = key
         fwd = sum(r.fwd_bytes for r in graph_rows(comp.gm, pmodel.grid.shape))
         tokens = batch * (prompt[0] if prompt else 1)
         shape = f"B={batch} P={prompt[0]}" if prompt else f"B={batch}, one token each"
         lines.append(f"  {phase:<7} ({shape}, cache L={length}): received per rank {_fmt_bytes(fwd)} per call, "
-                     f"{_fmt_bytes(fwd / tokens)} per token; strategy " + _phase_plan(pmodel, strategy, comp))
-    cache = gen.kv_cache_bytes()
+                     f"{_fmt_bytes(fwd / tokens)} per token; strategy " + gen.plans[key].describe())
+    cache, copies = gen.kv_cache_bytes(), gen.relaid.nbytes()
     held = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
+    if copies:
+        lines.append(f"  parameter copies for the phases' own plans: {len(gen.relaid)} block(s), {_fmt_bytes(copies)} "
+                     f"per rank (kept across calls, refreshed when a parameter changes)")
     if gen.cache_key is not None:
         lines.append(f"  KV cache (B={gen.cache_key[0]}, L={gen.cache_key[1]}, layout {gen.cache_layout}): "
                      f"kv_cache_bytes_per_rank {cache} ({_fmt_bytes(cache)}); memory per rank: parameters "
-                     f"{_fmt_bytes(held)} + cache {_fmt_bytes(cache)} = {_fmt_bytes(held + cache)}")
+                     f"{_fmt_bytes(held)} + copies {_fmt_bytes(copies)} + cache {_fmt_bytes(cache)} = "
+                     f"{_fmt_bytes(held + copies + cache)}")
     return lines
-
-
-def _phase_plan(pmodel, strategy, comp) -> str:
-    """How a generation program was planned: the forward's plan, or its phase's own strategy (with
-    strategy 'auto', the assignment the search made for that phase)."""
-    if strategy is None:
-        return f"{pmodel._options.strategy} (the forward's plan)"
-    if comp.choice is None:
-        return f"{strategy} (this phase's own)"
-    return "auto (this phase's own): " + "; ".join(f"{k}: {v}" for k, v in comp.choice.assignment.items())

@@ -16,10 +16,11 @@ prefix is read from the cache.
 Programs are keyed by (phase, batch B, cache length L, for prefill the prompt length P, and the
 phase's strategy). L is the cache length bucket: `max_cache_len` when given, else prompt +
 max_new_tokens rounded up to a multiple of `BUCKET`; one decode program serves every step of every
-generation with the same (B, L). A phase's strategy None runs the forward's plan on the parameter
-blocks as stored; '2d', '1d' or 'auto' plans that phase alone, and the parameters it wants laid out
-otherwise are redistributed into copies once per generate call. Every program reads the
-parameters' current blocks, so a model generates right after training steps.
+generation with the same (B, L). Each phase has a plan (`autopar.generate_phases`): by default a
+model parallelized with strategy='auto' searches one per phase, priced as a forward alone, and a
+'2d' or '1d' model runs the forward's plan on its parameter blocks as stored. The parameters a
+phase's own plan lays out otherwise are copies kept across calls and refreshed when the parameters
+change, so a model generates right after training steps.
 
 Token choice follows transformers' `GenerationMixin` (its logits processors, stopping criteria and
 special-token handling, on full last-position logits gathered on every rank): greedy output is the
@@ -29,7 +30,6 @@ unmodified model's, and sampling matches when every rank seeds its generator ali
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 import math
 import re
@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from passes.layout import Layout, local_shape
 from passes.meta import PARAM, PLACED
 from passes.ops import comm
+from autopar.generate_phases import PhasePlan, Relaid, estimate_phase, phase_options, phase_plan, phase_strategy
 from autopar.guards import fingerprint
 from autopar.pipeline import Compiled, capture, compile_captured
 
@@ -188,19 +189,20 @@ class Generator:
         self.pmodel = pmodel
         self.programs: dict = {}  # (phase, B, L[, P], strategy) -> Compiled
         self.layouts: dict = {}  # the same keys -> the parameter layouts that program reads
+        self.plans: dict[tuple, PhasePlan] = {}  # the same keys -> how that program was planned
         self.cache: dict = {}  # buffer name -> this rank's block, for `cache_key`
         self.cache_key: tuple | None = None  # (B, L) the cache is allocated for
         self._layout: Layout | None = None
-        self.relaid: dict = {}  # (parameter, Layout) -> this rank's block, for one generate call
+        self.relaid = Relaid()  # parameter blocks laid out for a phase's own plan, kept across calls
 
     def program(self, phase: str, inputs: tuple, max_len: int, strategy: str | None = None) -> Compiled:
         """The program of `phase` for these inputs (input_ids, mask, positions, start), compiled once.
         `strategy` None: the forward's plan on the parameters as stored; '2d', '1d' or 'auto': that
-        strategy for this phase alone (parameters it wants laid out otherwise are copied per call)."""
+        strategy for this phase alone (parameters it lays out otherwise are read from `relaid`)."""
         batch, length = inputs[0].shape
         key = (phase, batch, max_len) + ((length,) if phase == "prefill" else ()) + (strategy,)
         if key not in self.programs:
-            self.programs[key], self.layouts[key] = self._compile(key, inputs, max_len, strategy)
+            self.programs[key], self.layouts[key], self.plans[key] = self._compile(key, inputs, max_len, strategy)
         return self.programs[key]
 
     def _compile(self, key: tuple, inputs: tuple, max_len: int, strategy: str | None) -> tuple:
@@ -217,15 +219,15 @@ class Generator:
         finally:
             model.train(was)
         cap = _marked(cap, cache_layout(batch, kv, pm.grid.shape))
+        estimate = estimate_phase(pm, cap.gm, strategy)
         if strategy is None:
             first = next(iter(pm._compiled.values()))
             comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, pm._options, first.choice,
                                              pinned=pm._param_layouts)
         else:
-            options = dataclasses.replace(pm._options, strategy=strategy)
-            comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, options)
+            comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, phase_options(pm._options, strategy))
         pm._check_parameters(comp, inputs, {})
-        return comp, layouts
+        return comp, layouts, phase_plan(pm, strategy, comp, estimate)
 
     def allocate(self, comp: Compiled, batch: int, max_len: int) -> None:
         """This rank's cache blocks for (batch, max_len), zeroed; kept for the next generation of that size."""
@@ -253,14 +255,11 @@ class Generator:
 
     def _param(self, name: str, layout: Layout | None) -> torch.Tensor:
         """This rank's block of parameter `name` in `layout`: the stored block, or (a phase planned
-        with its own strategy) a copy laid out so, made once per generate call (same order on every
-        rank: the programs' placeholder order)."""
+        with its own strategy) the copy laid out so (`generate_phases.Relaid`)."""
         p = self.pmodel.get_parameter(name)
         if layout is None or tuple(layout.placements) == tuple(p.placements):
             return p.to_local()
-        if (name, layout) not in self.relaid:
-            self.relaid[(name, layout)] = p.detach().redistribute(p.device_mesh, list(layout.placements)).to_local()
-        return self.relaid[(name, layout)]
+        return self.relaid.get(name, p, layout)
 
     def run(self, comp: Compiled, inputs: tuple) -> torch.Tensor:
         """One program on this rank's parameter and cache blocks; the logits [B, 1, V], whole."""
@@ -304,10 +303,8 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     _refuse(model)
     batch, prompt = input_ids.shape
     gc, max_len = _config(model, generation_config, kwargs, prompt, max_cache_len)
-    for name, value in (("prefill_strategy", prefill_strategy), ("decode_strategy", decode_strategy)):
-        if value not in (None, "2d", "1d", "auto"):
-            raise ValueError(f"pmodel.generate: {name}={value!r}: expected None (the forward's plan), '2d', "
-                             f"'1d' or 'auto'")
+    prefill_strategy = phase_strategy(pmodel, "prefill_strategy", prefill_strategy)
+    decode_strategy = phase_strategy(pmodel, "decode_strategy", decode_strategy)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     _agree(pmodel.grid, (batch, prompt, max_len, bool(gc.do_sample), fingerprint(input_ids)[-12:],
@@ -326,28 +323,23 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     inputs = (input_ids, mask, positions, torch.tensor(0, device=device))
     scores, logits_seen = [], []
     sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.long, device=device)
-    gen.relaid = {}  # parameters laid out for a phase's own strategy: copied from this call's weights
-    try:
-        with torch.no_grad():
-            comp = gen.program("prefill", inputs, max_len, prefill_strategy)
-            gen.allocate(comp, batch, max_len)
-            logits = gen.run(comp, inputs)
-            while True:
-                tokens, chosen, raw = _next_tokens(gc, processors, sequences, logits,
-                                                   unfinished if eos_stops else None)
-                scores.append(chosen)
-                logits_seen.append(raw)
-                sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
-                unfinished = unfinished & ~stopping(sequences, tuple(scores))
-                if unfinished.max() == 0:
-                    break
-                slot = sequences.shape[1] - 1  # the new token's cache slot
-                mask[:, slot] = 1
-                positions = positions[:, -1:] + 1
-                inputs = (tokens[:, None], mask, positions, torch.tensor(slot, device=device))
-                logits = gen.run(gen.program("decode", inputs, max_len, decode_strategy), inputs)
-    finally:
-        gen.relaid = {}
+    with torch.no_grad():
+        comp = gen.program("prefill", inputs, max_len, prefill_strategy)
+        gen.allocate(comp, batch, max_len)
+        logits = gen.run(comp, inputs)
+        while True:
+            tokens, chosen, raw = _next_tokens(gc, processors, sequences, logits, unfinished if eos_stops else None)
+            scores.append(chosen)
+            logits_seen.append(raw)
+            sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+            unfinished = unfinished & ~stopping(sequences, tuple(scores))
+            if unfinished.max() == 0:
+                break
+            slot = sequences.shape[1] - 1  # the new token's cache slot
+            mask[:, slot] = 1
+            positions = positions[:, -1:] + 1
+            inputs = (tokens[:, None], mask, positions, torch.tensor(slot, device=device))
+            logits = gen.run(gen.program("decode", inputs, max_len, decode_strategy), inputs)
     if not gc.return_dict_in_generate:
         return sequences
     return GenerateDecoderOnlyOutput(sequences=sequences,

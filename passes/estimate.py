@@ -72,8 +72,9 @@ def _local_elems(v, lay, mesh) -> int:
     return math.prod(local_shape(tuple(v.shape), lay, mesh, at=(0, 0)))
 
 
-def _summa(spec: SummaSpec, site: Site, cm: CostModel) -> Estimate:
-    """One SUMMA node (forward and the backward products that run), with the faster lowering."""
+def _summa(spec: SummaSpec, site: Site, cm: CostModel, fixed: str | None = None) -> Estimate:
+    """One SUMMA node (forward and the backward products that run), with the faster lowering (or the
+    `fixed` one)."""
     mesh = site.mesh
     per_axis, products = spec.axis_bytes(site), spec.products(site)
     compute = spec.flops(site) / cm.flops
@@ -81,7 +82,7 @@ def _summa(spec: SummaSpec, site: Site, cm: CostModel) -> Estimate:
     lat = {lo: sum(cm.alpha[a] * spec.launches(site, lo) for a in range(2) if mesh[a] > 1) * products
            for lo in ("broadcast", "allgather")}
     times = {"broadcast": lat["broadcast"] + max(bw, compute), "allgather": lat["allgather"] + bw + compute}
-    lowering = min(times, key=times.__getitem__)
+    lowering = fixed or min(times, key=times.__getitem__)
     return Estimate(time_s=times[lowering], bytes_per_axis=[b * products for b in per_axis],
                     lowerings={site.node.name: lowering})
 
@@ -96,7 +97,7 @@ class _NodeCost:
     activation_bytes: float
 
 
-def _node_cost(node, strat, layouts, mesh, grads, cm) -> _NodeCost:
+def _node_cost(node, strat, layouts, mesh, grads, cm, lowering=None) -> _NodeCost:
     shared: list[tuple[tuple, list]] = []  # ((input, layout) or (input, layout, axes), terms)
     params = []
     for inp, need in strat.inputs.items():
@@ -113,7 +114,7 @@ def _node_cost(node, strat, layouts, mesh, grads, cm) -> _NodeCost:
         if inp.op == "placeholder" and inp.meta.get(ROLE) == "param":
             params.append((inp, _local_elems(v, have, mesh) * v.element_size()))
     spec, site = strat.kernel, Site.planned(node, strat, layouts, mesh, grads)
-    summa = _summa(spec, site, cm) if isinstance(spec, SummaSpec) else None
+    summa = _summa(spec, site, cm, lowering) if isinstance(spec, SummaSpec) else None
     terms = spec.terms(site) if spec is not None and summa is None else []
     act, v = 0.0, node.meta.get("val")
     if node in grads and isinstance(v, torch.Tensor) and isinstance(strat.output, Layout):
@@ -123,10 +124,12 @@ def _node_cost(node, strat, layouts, mesh, grads, cm) -> _NodeCost:
 
 
 def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: set | None = None,
-          cache: dict | None = None) -> Estimate:
+          cache: dict | None = None, lowering: str | None = None) -> Estimate:
     """Estimated time, bytes and memory of `nodes` (already propagated) on one rank; a parameter in
     `params_seen` is not counted again (a tied table used before and after the blocks). `cache` keeps
-    each node's costs under the key of its rule's result (`propagate.rule_key`)."""
+    each node's costs under the key of its rule's result (`propagate.rule_key`), so one cache serves
+    one `lowering` (None: each SUMMA product at its faster lowering). An empty `grads` prices a forward
+    alone: no backward products, no gradient reductions, nothing saved."""
     est, seen = Estimate(), set()
     params_seen = set() if params_seen is None else params_seen
     for node in nodes:
@@ -135,12 +138,12 @@ def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: se
             continue
         nc: _NodeCost | None
         if cache is None:
-            nc = _node_cost(node, strat, layouts, mesh, grads, cm)
+            nc = _node_cost(node, strat, layouts, mesh, grads, cm, lowering)
         else:
             key = rule_key(node, layouts)
             nc = cache.get(key)
             if nc is None:
-                nc = cache[key] = _node_cost(node, strat, layouts, mesh, grads, cm)
+                nc = cache[key] = _node_cost(node, strat, layouts, mesh, grads, cm, lowering)
         terms = list(nc.terms)
         for key, ts in nc.shared:
             if key not in seen:

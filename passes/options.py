@@ -34,7 +34,10 @@ INDIVISIBLE = ("uneven", "replicate", "error")
 class Options:
     """How a model is compiled and run; the defaults are `parallelize`'s. See `parallelize` for what
     each option means. `optimizer_states` (per-parameter tensors of the optimizer; AdamW: 2) only
-    enters strategy='auto''s memory estimate; `check_inputs`, `timeout` and `compile` only the run time."""
+    enters strategy='auto''s memory estimate; `check_inputs`, `timeout` and `compile` only the run time.
+    `forward_only` (set by `pmodel.generate` for a phase's own plan, not a `parallelize` keyword): the
+    search prices a forward with no backward, no gradient reductions, nothing saved for backward and no
+    gradient or optimizer state, which is what inference runs."""
 
     lowering: str = "broadcast"
     indivisible: str = "uneven"  # split in torch.chunk blocks; "replicate", "error": see `parallelize`
@@ -49,6 +52,7 @@ class Options:
     optimizer_states: int = 2
     compile: bool = False  # run each rank's program under torch.compile
     recompute: str | bool | None = None  # None, False, "blocks" or "selective": see passes.recompute
+    forward_only: bool = False  # strategy='auto' prices a forward alone (a generation phase): see below
 
     def __post_init__(self) -> None:
         _one_of("lowering", self.lowering, LOWERINGS)
@@ -87,6 +91,10 @@ class Options:
                 or self.optimizer_states < 0:
             raise ValueError(f"optimizer_states={self.optimizer_states!r}: expected the number of tensors the "
                              f"optimizer keeps per parameter (AdamW: 2, SGD with momentum: 1, plain SGD: 0)")
+
+        if not isinstance(self.forward_only, bool):
+            raise ValueError(f"forward_only={self.forward_only!r}: expected True (price a forward alone, as "
+                             f"inference runs) or False (a training step)")
 
     def items(self) -> list:
         """(name, value) of every option, in declaration order (what ranks compare before compiling)."""

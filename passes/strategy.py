@@ -55,6 +55,7 @@ from passes.recompute_cost import BlockTrade, block_trade
 from passes.rules.views import TRANSPOSES
 
 __all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
+           "estimate_assignment",
            "find_units", "repeated_blocks", "block_of", "search_groups", "OPTIONS", "BUDGET_S"]
 
 aten = torch.ops.aten
@@ -169,12 +170,19 @@ class Choice:
 
 
 class _Evaluator:
-    def __init__(self, gm, mesh, cm, units, options: Options):
+    """Estimates of assignments of one graph. A training step (the default) prices forward, backward and
+    gradient reductions and holds parameters, gradients, optimizer states and what backward saves;
+    `options.forward_only` prices the forward alone and holds the parameters only. `lowering` None: each
+    SUMMA product at its faster lowering; else that lowering for all (what a fixed strategy runs)."""
+
+    def __init__(self, gm, mesh, cm, units, options: Options, lowering: str | None = None):
         self.gm, self.mesh, self.cm, self.units = gm, mesh_shape(mesh), cm, units
         self.options = replace(options, on_unsupported="replicate")  # a fallback is priced, never refused
-        self.grads = nodes_needing_grad(gm)
+        self.lowering = lowering
+        self.grads = set() if options.forward_only else nodes_needing_grad(gm)  # no backward: nothing needs one
         self.blocks = repeated_blocks(gm)
-        self.state_factor = 2 + options.optimizer_states  # parameter + gradient + optimizer states
+        # parameter + gradient + optimizer states; a forward holds the parameter alone
+        self.state_factor = 1 if options.forward_only else 2 + options.optimizer_states
         self.cache: dict[tuple, Estimate] = {}  # sorted assignment items -> estimate
         self.rules: dict = {}  # propagate.rule_key -> the rule's Strategy
         self.costs: dict = {}  # propagate.rule_key -> the node's priced costs (estimate.price)
@@ -202,7 +210,8 @@ class _Evaluator:
         est, trade = self._truncated()
         if est is None:
             nodes = list(self.gm.graph.nodes)
-            est = price(nodes, self._run(nodes), self.mesh, self.grads, self.cm, cache=self.costs)
+            est = price(nodes, self._run(nodes), self.mesh, self.grads, self.cm, cache=self.costs,
+                        lowering=self.lowering)
         est.memory_bytes = est.param_bytes * self.state_factor + est.activation_bytes
         self._recompute(est, trade)
         self.cache[key] = est
@@ -214,6 +223,8 @@ class _Evaluator:
         footprint). recompute=False, 'selective' and graphs without steady repeated blocks are priced
         as they are."""
         mode, limit = self.options.recompute, self.options.memory_limit
+        if self.options.forward_only:  # nothing is saved for a backward: nothing to recompute
+            return
         if trade is None or mode == "selective" or mode is False or (mode is None and limit is None):
             return
         k = trade.blocks if mode == "blocks" or limit is None else trade.blocks_for(est.memory_bytes, limit)
@@ -238,7 +249,7 @@ class _Evaluator:
         est, middle = Estimate(), Estimate()
         params: set[Node] = set()  # parameters already counted (a tied table)
         for part, k in ((pre, 1), (b0, 1), (b1, len(blocks) - 2), (b2, 1), (post, 1)):
-            one = price(part, layouts, self.mesh, self.grads, self.cm, params, self.costs)
+            one = price(part, layouts, self.mesh, self.grads, self.cm, params, self.costs, self.lowering)
             est.add(one, k)
             middle = one if part is b1 else middle
         return est, block_trade(blocks, middle, layouts, self.mesh, self.grads)
@@ -418,9 +429,22 @@ def fixed(gm: GraphModule, strategy: str) -> None:
             n.meta[CHOICE] = strategy
 
 
-def estimate_fixed(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options | None = None) -> Estimate:
+def estimate_fixed(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options | None = None,
+                   lowering: str | None = None) -> Estimate:
     """The estimate of one fixed strategy ("2d", "1d" or "rep") for every unit of `gm` on `mesh`, with
-    `options` (default `DEFAULTS`) for indivisible weights, fused projections and optimizer states."""
+    `options` (default `DEFAULTS`) for indivisible weights, fused projections, optimizer states and a
+    forward alone (`forward_only`); `lowering`: every SUMMA product's (None: each at its faster one)."""
     units = find_units(gm)
-    ev = _Evaluator(gm, mesh, cm, units, DEFAULTS if options is None else options)
-    return ev.estimate({u.key: strategy if strategy in u.options else "1d" for u in units})
+    return estimate_assignment(gm, mesh, cm, {u.key: strategy if strategy in u.options else "1d" for u in units},
+                               options, lowering)
+
+
+def estimate_assignment(gm: GraphModule, mesh, cm: CostModel, assignment: dict, options: Options | None = None,
+                        lowering: str | None = None) -> Estimate:
+    """The estimate of `assignment` (unit key -> option, as `Choice.assignment`) on `mesh`; see
+    `estimate_fixed`. Leaves the assignment's `CHOICE` marks on the units' nodes."""
+    units = find_units(gm)
+    missing = sorted({u.key for u in units} - set(assignment))
+    assert not missing, f"the assignment names no option for units {missing[:3]}"
+    ev = _Evaluator(gm, mesh, cm, units, DEFAULTS if options is None else options, lowering)
+    return ev.estimate(assignment)

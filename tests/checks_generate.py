@@ -205,12 +205,33 @@ def inference(rank):
     return res
 
 
-def phase_strategies(rank, prefill, decode):
-    """Greedy tokens (unmodified model, pmodel with its own strategy per phase), and explain's text."""
+def phase_strategies(rank, prefill, decode, strategy="2d"):
+    """A model parallelized with `strategy` generating with these phase strategies: greedy tokens
+    (unmodified model, pmodel), explain's text, (copies kept, copies made) after a first and a second
+    generate; then one SGD step on pmodel and a generate: (tokens of one process's copy holding the
+    trained weights, pmodel's tokens, copies made by then, how far the weights moved)."""
     model = build("llama")
     ids, mask = prompts()
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    pm = parallel(model, (2, 2), ids, mask)
-    got = pm.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                      prefill_strategy=prefill, decode_strategy=decode)
-    return want.tolist(), got.tolist(), autopar.explain(pm), len(pm._generator.relaid)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    pm = parallel(model, (2, 2), ids, mask, strategy=strategy)
+    got = pm.generate(ids, prefill_strategy=prefill, decode_strategy=decode, **kw)
+    relaid = pm._generator.relaid
+    first = (len(relaid), relaid.copies)
+    again = pm.generate(ids, prefill_strategy=prefill, decode_strategy=decode, **kw)
+    second = (len(relaid), relaid.copies)
+    text = autopar.explain(pm)
+    pm.train()
+    opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+    pm(ids, attention_mask=mask, labels=ids).loss.backward()
+    opt.step()
+    pm.eval()
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pm.state_dict().items()}
+    trained = build("llama")
+    trained.load_state_dict(full, strict=False)
+    with torch.no_grad():
+        up = trained.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight
+        moved = float((up[0] - up[1]).abs().max())
+    after = (trained.generate(ids, **kw).tolist(),
+             pm.generate(ids, prefill_strategy=prefill, decode_strategy=decode, **kw).tolist(), relaid.copies, moved)
+    return want.tolist(), got.tolist(), again.tolist(), text, first, second, after

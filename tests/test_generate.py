@@ -31,18 +31,49 @@ def test_greedy_with_other_strategies(pool4, strategy):
     _same_tokens(pool4.run(C.greedy, "llama", (2, 2), strategy=strategy), f"llama 2x2 {strategy}")
 
 
-@pytest.mark.parametrize("prefill,decode", [("2d", "1d"), (None, "auto")])
-def test_a_strategy_per_phase(pool4, prefill, decode):
+@pytest.mark.parametrize("strategy,prefill,decode", [("2d", "2d", "1d"), ("auto", None, None)])
+def test_a_strategy_per_phase(pool4, strategy, prefill, decode):
     """Catches a phase planned with its own strategy reading the stored blocks as if laid out for it
-    (its parameters must be copied into its layouts), a copy kept after the call, and explain not
-    showing each phase's plan."""
-    res = pool4.run(C.phase_strategies, prefill, decode)
-    _same_tokens(res, f"prefill {prefill}, decode {decode}")
-    for rank, (_, _, text, kept) in enumerate(res):
-        assert kept == 0, f"rank {rank}: {kept} relaid parameter blocks kept after generate"
-        want = "2d (this phase's own)" if prefill else "2d (the forward's plan)"
-        assert want in text.split("decode")[0], text
-        assert ("1d (this phase's own)" if decode == "1d" else "auto (this phase's own): ") in text, text
+    (its parameters must be copied into its layouts), copies made again by a second generate with the
+    same weights, copies kept stale after an optimizer step (tokens must equal one process's with the
+    trained weights), an 'auto' model whose phases do not default to their own search, and explain not
+    showing each phase's plan, estimated forward time and lowering."""
+    res = pool4.run(C.phase_strategies, prefill, decode, strategy)
+    for rank, (want, got, again, text, first, second, after) in enumerate(res):
+        assert got == want and again == want, f"rank {rank}: {got} / {again}\n  unmodified model {want}"
+        kept, made = first
+        assert kept == made and second == first, f"rank {rank}: (kept, made) {first}, after a second call {second}"
+        if strategy == "2d":
+            assert kept > 0, f"rank {rank}: decode 1d on a 2d model kept no copy"
+            assert "parameter copies for the phases' own plans" in text, text
+        trained, got_trained, made_after, moved = after
+        assert moved > 1e-4, f"rank {rank}: the step did not move the weights ({moved})"
+        assert got_trained == trained, f"rank {rank}: after a step {got_trained}\n  trained copy {trained}"
+        assert made_after == made + kept, f"rank {rank}: copies made {made_after}, expected {made} + {kept} refreshed"
+        prefill_text, decode_text = text.split("  decode ")[:2]
+        assert f"{prefill or 'auto'} (this phase's own)" in prefill_text.split("  prefill ")[1], text
+        assert f"{decode or 'auto'} (this phase's own)" in decode_text, text
+        assert "estimated forward" in prefill_text and "estimated forward" in decode_text, text
+        assert "SUMMA lowering" in prefill_text or "no SUMMA product" in prefill_text, text
+
+
+def test_phase_strategy_defaults_follow_the_model():
+    """Catches a default that ignores the model's strategy ('auto' plans each phase, '2d'/'1d' keep the
+    forward's plan), 'forward' not meaning the forward's plan, and an unknown value accepted."""
+    from types import SimpleNamespace
+
+    from autopar.generate_phases import phase_strategy
+
+    def pm(strategy, world=4):
+        return SimpleNamespace(_options=SimpleNamespace(strategy=strategy), grid=SimpleNamespace(world=world))
+    assert phase_strategy(pm("auto"), "decode_strategy", None) == "auto"
+    assert phase_strategy(pm("auto", world=1), "decode_strategy", None) is None
+    assert phase_strategy(pm("2d"), "decode_strategy", None) is None
+    assert phase_strategy(pm("1d"), "prefill_strategy", None) is None
+    assert phase_strategy(pm("auto"), "prefill_strategy", "forward") is None
+    assert phase_strategy(pm("2d"), "decode_strategy", "1d") == "1d"
+    with pytest.raises(ValueError, match="decode_strategy='3d': expected None \\(follow the model's strategy"):
+        phase_strategy(pm("2d"), "decode_strategy", "3d")
 
 
 def test_sampling_identical_given_the_seed(pool4):

@@ -177,3 +177,33 @@ def test_alternating_search_matches_exhaustive(monkeypatch):
     assert alt.evaluated < full.evaluated
     assert alt.estimate.time_s <= min(b.time_s for b in alt.baselines.values())
     assert math.isclose(alt.estimate.time_s, full.estimate.time_s, rel_tol=1e-12), (alt.assignment, full.assignment)
+
+
+TRAINING_FIGURES = {  # (time_s, bytes per axis, memory bytes) of the training-step estimate on 2x2 with CPU
+    ("_llama", "2d"): (0.0458053224, [500872, 408768], 1571588),
+    ("_llama", "1d"): (0.018223210399999995, [346120, 199296], 2427780),
+    ("_gpt2", "2d"): (0.04677992079999999, [803208, 613376], 2749956),
+    ("_gpt2", "1d"): (0.03935803279999999, [554376, 818432], 4441604),
+}
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama])
+def test_forward_only_prices_a_forward_and_training_figures_stay(build):
+    """Catches a forward-only mode that leaks into the training estimate (the figures of a training
+    step are pinned as they were before the mode existed), and a forward-only estimate that still
+    counts backward bytes, saved activations or gradient and optimizer state: its bytes must equal
+    the forward bytes of the plan the engine builds, its memory the parameter blocks alone."""
+    cm = S.CostModel.from_dict(CPU)
+    for strategy in ("2d", "1d"):
+        train = S.estimate_fixed(_captured(*build()), (2, 2), cm, strategy)
+        want_t, want_bytes, want_mem = TRAINING_FIGURES[(build.__name__, strategy)]
+        assert math.isclose(train.time_s, want_t, rel_tol=1e-12), (strategy, train.time_s)
+        assert [int(b) for b in train.bytes_per_axis] == want_bytes and int(train.memory_bytes) == want_mem, strategy
+        fwd = S.estimate_fixed(_captured(*build()), (2, 2), cm, strategy, Options(forward_only=True))
+        model, kw = build()
+        pl = autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy=strategy, measure_activations=False)
+        assert round(sum(fwd.bytes_per_axis)) == pl.comm_bytes_fwd, (strategy, fwd.bytes_per_axis, pl.comm_bytes_fwd)
+        assert fwd.activation_bytes == 0 and fwd.memory_bytes == fwd.param_bytes == train.param_bytes, strategy
+        assert fwd.time_s < train.time_s, strategy
+    with pytest.raises(ValueError, match="forward_only=1: expected True"):
+        Options(forward_only=1)
