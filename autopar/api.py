@@ -230,8 +230,10 @@ class ParallelModule(nn.Module):
         passes its attention_mask. `max_cache_len`: the KV cache slots to prepare (default: the request
         rounded up to a multiple of 64). The cache is split over the grid (batch over rows, KV heads
         over columns); a prefill and a decode program are compiled once per (batch, cache length) and
-        reused (see `autopar.generate`). `prefill_strategy` / `decode_strategy`: None (the forward's
-        plan), '2d', '1d' or 'auto' to plan that phase on its own. Runs under torch.no_grad()."""
+        reused (see `autopar.generate`). `prefill_strategy` / `decode_strategy`: None (follow the
+        model: strategy='auto' searches each phase's plan, '2d' and '1d' keep the forward's),
+        'forward' (the forward's plan), '2d', '1d' or 'auto' to plan that phase on its own (see
+        `autopar.generate_phases`). Runs under torch.no_grad()."""
         return generate_tokens(self, input_ids, attention_mask, **kwargs)
 
     @property

@@ -3,7 +3,8 @@ transformers Llama-style model (`autopar.bench`'s) as:
 
 - one process, transformers' `generate` (its dynamic KV cache);
 - autopar `pmodel.generate` on a 2x2 grid, a 1x4 grid, and strategy='auto' on 2x2 (published cost
-  figures unless --cost-model names a file); the 2x2 model also with its decode planned 1D
+  figures unless --cost-model names a file; its phases each searched, the default, and both running
+  the forward's plan, 'forward'); the 2x2 model also with its decode planned 1D
   (`decode_strategy='1d'`) and with both phases planned by the search (`'auto'`);
 - PyTorch's 1D tensor parallel (`parallelize_module` on the HF model, as `autopar.bench` builds it)
   with transformers' `generate`, on 4 ranks;
@@ -13,7 +14,7 @@ difference to a generate of 1 + N new tokens, divided by N (min_new_tokens keeps
 Bytes received per rank per decoded token come from the same difference: autopar's collective layer
 plus the functional collectives DTensor issues (the logits autopar gathers, all of PyTorch 1D's).
 Configurations alternate round by round; medians are reported. Then the planner's projection for a
-Llama-7B shape, 2D on 8x8 against 1D on 64 ranks (`autopar.generate_plan.project`).
+Llama-7B shape, 2D and a search per phase on 8x8 against 1D on 64 ranks (`autopar.generate_plan.project`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def _configs(rank, cost_model) -> dict:
         out[name] = (pm.eval(), {})
     out["autopar 2x2, decode 1d"] = (out["autopar 2x2"][0], {"decode_strategy": "1d"})
     out["autopar 2x2, phases auto"] = (out["autopar 2x2"][0], {"prefill_strategy": "auto", "decode_strategy": "auto"})
+    out["autopar auto 2x2, forward's plan"] = (out["autopar auto 2x2"][0],
+                                               {"prefill_strategy": "forward", "decode_strategy": "forward"})
     out["PyTorch 1D TP (4 ranks)"] = (_tp_1d(copy.deepcopy(base)).eval(), {})
     return out
 
@@ -75,8 +78,8 @@ def worker(rank, world, port, rounds, out, cost_model):
     init_local(rank, world, port)
     torch.manual_seed(0)
     configs = _configs(rank, cost_model)
-    names = ["one process", "autopar 2x2", "autopar 1x4", "autopar auto 2x2", "autopar 2x2, decode 1d",
-             "autopar 2x2, phases auto", "PyTorch 1D TP (4 ranks)"]
+    names = ["one process", "autopar 2x2", "autopar 1x4", "autopar auto 2x2", "autopar auto 2x2, forward's plan",
+             "autopar 2x2, decode 1d", "autopar 2x2, phases auto", "PyTorch 1D TP (4 ranks)"]
     results = {}
     for batch in BATCHES:
         ids = torch.randint(1, CONFIG["vocab_size"], (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
@@ -119,7 +122,7 @@ def projection(cost_model=None) -> list:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.float16)
     rows = []
-    for grid, strategy in (((8, 8), "2d"), ((1, 64), "1d")):
+    for grid, strategy in (((8, 8), "2d"), ((8, 8), "auto"), ((1, 64), "1d")):
         rows += project(model, grid, batch=8, prompt=512, max_len=1024, strategy=strategy, cost_model=cost_model)
     return rows + megatron_1d(cfg, 64, batch=8, prompt=512)
 
@@ -153,10 +156,15 @@ def markdown(res: dict, proj: list) -> str:
             lines.append(f"| {r['grid'][0]}x{r['grid'][1]} {r['strategy']} | {r['phase']} | "
                          f"{r['bytes_per_rank'] / 2**20:.1f} MiB | {r['bytes_per_rank_per_token'] / 2**10:.1f} KiB | "
                          f"{est} | {cache} |")
-        two = {r["phase"]: r for r in proj if r["strategy"] == "2d"}
         one = {r["phase"]: r for r in proj if r["strategy"] == "1d"}
-        lines.append("\nestimated forward throughput 2D 8x8 / 1D 64: " + ", ".join(
-            f"{p} {one[p]['estimated_s'] / two[p]['estimated_s']:.2f}x" for p in ("prefill", "decode")))
+        for name, strategy in (("2D 8x8", "2d"), ("auto per phase 8x8", "auto")):
+            mine = {r["phase"]: r for r in proj if r["strategy"] == strategy}
+            lines.append(f"\nestimated forward throughput {name} / 1D 64: " + ", ".join(
+                f"{p} {one[p]['estimated_s'] / mine[p]['estimated_s']:.2f}x" for p in ("prefill", "decode")))
+        for r in proj:
+            if r.get("assignment"):
+                lines.append(f"\n{r['grid'][0]}x{r['grid'][1]} auto {r['phase']}: " + "; ".join(
+                    f"{k.split(':', 1)[1]} {v}" for k, v in r["assignment"].items()))
     return "\n".join(lines)
 
 

@@ -8,10 +8,12 @@ collectives, localize) from the model wrapped with a static cache (`CachedLM`):
 
 The cache is two buffers per layer, keys and values [B, kv_heads, L, head_dim], marked `PLACED`
 before propagation: batch over the grid rows, KV heads over the columns (`S(0)S(1)`; an axis that
-does not divide its dim keeps it whole over that axis). Each rank allocates only its block and the
-programs write the new tokens' keys and values into it in place (`index_copy_`), so the cache is
-whole on a rank only where neither axis divides, and a decode step computes only the new token: the
-prefix is read from the cache.
+does not divide its dim keeps it whole over that axis). Columns that divide the query heads but not
+the KV heads (1x4 with 2 KV heads) split a cache of each KV head repeated (`kv_repeat`), so each
+column keeps only the KV heads its query heads read, as grouped-query attention picks them in
+training. Each rank allocates only its block and the programs write the new tokens' keys and values
+into it in place (`index_copy_`), so the cache is whole on a rank only where neither axis divides,
+and a decode step computes only the new token: the prefix is read from the cache.
 
 Programs are keyed by (phase, batch B, cache length L, for prefill the prompt length P, and the
 phase's strategy). L is the cache length bucket: `max_cache_len` when given, else prompt +
@@ -29,6 +31,7 @@ unmodified model's, and sampling matches when every rank seeds its generator ali
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -46,20 +49,46 @@ from autopar.generate_phases import PhasePlan, Relaid, estimate_phase, phase_opt
 from autopar.guards import fingerprint
 from autopar.pipeline import Compiled, capture, compile_captured
 
-__all__ = ["BUCKET", "CachedLM", "Generator", "cache_layout", "kv_cache_bytes_per_rank"]
+__all__ = ["BUCKET", "CachedLM", "Generator", "cache_layout", "kv_cache_bytes_per_rank", "kv_repeat",
+           "capture_cached"]
 
 BUCKET = 64  # cache lengths are rounded up to a multiple of this unless max_cache_len is given
 _PREFIX = "model."  # CachedLM holds the language model under this name
 
 
-def _head_shapes(config) -> tuple:
-    """(KV heads, head dim) of a decoder config: GQA configs name num_key_value_heads; GPT-2 n_head."""
+def _heads(config) -> tuple:
+    """(query heads, KV heads, head dim) of a decoder config: GQA configs name num_key_value_heads;
+    GPT-2 n_head."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     kv = getattr(config, "num_key_value_heads", None) or heads
     hidden = getattr(config, "hidden_size", None) or config.n_embd
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return kv, head_dim
+    return heads, kv, head_dim
+
+
+def _head_shapes(config) -> tuple:
+    """(KV heads, head dim) of a decoder config."""
+    return _heads(config)[1:]
+
+
+def kv_repeat(config, grid_shape: tuple) -> int:
+    """How many times the cache holds each KV head: 1, unless the C columns divide the query heads hq
+    but not the KV heads kv; then r = lcm(kv, C) / kv (when lcm(kv, C) divides hq), and the cache holds
+    lcm(kv, C) heads, KV head i as heads [i r, (i+1) r), split over the columns like the query heads:
+    column c's query heads read exactly the KV heads of its block (a local group of hq / lcm(kv, C)).
+
+    >>> from transformers import LlamaConfig
+    >>> cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    >>> kv_repeat(cfg, (1, 4)), kv_repeat(cfg, (2, 2)), kv_repeat(cfg, (1, 3))
+    (2, 1, 1)
+    """
+    heads, kv, _ = _heads(config)
+    cols = grid_shape[1]
+    if cols == 1 or kv % cols == 0 or heads % cols:
+        return 1
+    held = math.lcm(kv, cols)
+    return held // kv if heads % held == 0 else 1
 
 
 def cache_layout(batch: int, kv_heads: int, grid_shape: tuple) -> Layout:
@@ -82,8 +111,11 @@ def kv_cache_bytes_per_rank(config, batch: int, max_len: int, grid_shape: tuple,
     >>> cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     >>> kv_cache_bytes_per_rank(cfg, 8, 128, (2, 2))  # 2 * 2 * (8/2 * 2/2 * 128 * 16) * 4
     131072
+    >>> kv_cache_bytes_per_rank(cfg, 8, 128, (1, 4))  # 2 KV heads on 4 columns: each keeps the one it reads
+    262144
     """
-    kv, head_dim = _head_shapes(config)
+    _, kv, head_dim = _heads(config)
+    kv *= kv_repeat(config, grid_shape)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(text, "num_hidden_layers", None) or text.n_layer
     block = local_shape((batch, kv, max_len, head_dim), cache_layout(batch, kv, grid_shape), grid_shape)
@@ -94,9 +126,11 @@ class CachedLM(nn.Module):
     """A causal LM and a static KV cache held as buffers (`k{i}`, `v{i}`, and `n{i}`, the slots written
     so far): forward(input_ids [B, s], attention_mask [B, L], position_ids [B, s], start []) writes the
     s new tokens' keys and values at slots start..start+s-1 and returns the last position's logits
-    [B, 1, V]. Built for capture only: the buffers it traces with stand for each rank's blocks."""
+    [B, 1, V]. With `repeat` r > 1 the cache holds each KV head r times ([B, kv r, L, head_dim]; run
+    the model under `_kv_groups`). Built for capture only: the buffers it traces with stand for each
+    rank's blocks."""
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int, device: torch.device):
+    def __init__(self, model: nn.Module, batch: int, max_len: int, device: torch.device, repeat: int = 1):
         super().__init__()
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
@@ -104,11 +138,13 @@ class CachedLM(nn.Module):
         self.model = model
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         for i, layer in enumerate(self.cache.layers):  # a window's rolling writes cannot be traced: a
-            if isinstance(layer, StaticSlidingWindowLayer):  # full layer with the model's windowed mask
+            if repeat > 1:  # full layer with the model's windowed mask (every layer, when heads repeat)
+                self.cache.layers[i] = _repeated_layer(max_len, repeat)
+            elif isinstance(layer, StaticSlidingWindowLayer):
                 self.cache.layers[i] = StaticLayer(max_len)
         kv, head_dim = _head_shapes(model.config)
         dtype = next(model.parameters()).dtype
-        self.cache.early_initialization(batch, kv, head_dim, dtype, device)
+        self.cache.early_initialization(batch, kv * repeat, head_dim, dtype, device)
         for i, layer in enumerate(self.cache.layers):
             self.register_buffer(f"k{i}", layer.keys, persistent=False)
             self.register_buffer(f"v{i}", layer.values, persistent=False)
@@ -126,6 +162,49 @@ class CachedLM(nn.Module):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, **{self._cache_arg: self.cache}, **extra)
         return out.logits[:, -1:]  # [B, 1, V]
+
+
+def _repeated_layer(max_len: int, repeat: int):
+    """A static cache layer holding each KV head `repeat` times: new keys and values [B, kv, s, d] are
+    written as [B, kv repeat, s, d] (KV head i at heads [i repeat, (i+1) repeat))."""
+    from transformers.cache_utils import StaticLayer
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    class RepeatedLayer(StaticLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            return super().update(repeat_kv(key_states, repeat), repeat_kv(value_states, repeat), *args, **kwargs)
+
+    return RepeatedLayer(max_len)
+
+
+@contextlib.contextmanager
+def _kv_groups(model: nn.Module, groups: int | None):
+    """Attention modules read `groups` query heads per cached KV head (their `num_key_value_groups`,
+    which transformers' attention functions repeat or group KV heads by) inside; None: as they are."""
+    mods = [m for m in model.modules() if groups is not None and hasattr(m, "num_key_value_groups")]
+    saved = [m.num_key_value_groups for m in mods]
+    for m in mods:
+        m.num_key_value_groups = groups
+    try:
+        yield
+    finally:
+        for m, g in zip(mods, saved):
+            m.num_key_value_groups = g
+
+
+def capture_cached(model: nn.Module, batch: int, max_len: int, device, grid_shape: tuple, inputs: tuple):
+    """The captured CachedLM of `model` for `inputs` (input_ids, mask, positions, start), in eval mode,
+    named as the model and with its cache placed for `grid_shape` (KV heads repeated per `kv_repeat`)."""
+    heads, kv, _ = _heads(model.config)
+    r = kv_repeat(model.config, grid_shape)
+    was = model.training
+    model.eval()
+    try:
+        with _kv_groups(model, heads // (kv * r) if r > 1 else None):
+            cap = capture(CachedLM(model, batch, max_len, device, r), inputs, {})
+    finally:
+        model.train(was)
+    return _marked(cap, cache_layout(batch, kv * r, grid_shape))
 
 
 def _refuse(model) -> None:
@@ -210,15 +289,7 @@ class Generator:
         model = pm.source_model
         meta = any(p.is_meta for p in model.parameters())
         device = torch.device("meta") if meta else inputs[0].device
-        batch = inputs[0].shape[0]
-        kv, _ = _head_shapes(model.config)
-        was = model.training
-        model.eval()
-        try:
-            cap = capture(CachedLM(model, batch, max_len, device), inputs, {})
-        finally:
-            model.train(was)
-        cap = _marked(cap, cache_layout(batch, kv, pm.grid.shape))
+        cap = capture_cached(model, inputs[0].shape[0], max_len, device, pm.grid.shape, inputs)
         estimate = estimate_phase(pm, cap.gm, strategy)
         if strategy is None:
             first = next(iter(pm._compiled.values()))

@@ -26,8 +26,8 @@ from passes.estimate import price
 from passes.meta import LAYOUT
 from passes.mesh import Grid
 from passes.options import Options
-from autopar.generate import CachedLM, _head_shapes, _marked, cache_layout, kv_cache_bytes_per_rank
-from autopar.pipeline import capture, resolve_cost_model
+from autopar.generate import capture_cached, kv_cache_bytes_per_rank
+from autopar.pipeline import resolve_cost_model
 
 __all__ = ["project"]
 
@@ -41,28 +41,28 @@ def _inputs(batch: int, length: int, max_len: int, device) -> tuple:
 def project(model, grid: tuple, *, batch: int, prompt: int, max_len: int, strategy: str = "2d",
             cost_model=None) -> list:
     """One dict per phase (prefill of `prompt` tokens, decode of one token per sequence) for `model`
-    on an R x C `grid` with `strategy` '2d' or '1d' (each matmul unit fixed so): bytes received per
-    rank per call and per token, estimated seconds per call, tokens per call and the KV cache bytes a
-    rank holds. `model` may live on the meta device (nothing is allocated then)."""
-    if strategy not in ("2d", "1d"):
-        raise ValueError(f"strategy={strategy!r}: project prices a fixed strategy, '2d' or '1d'")
+    on an R x C `grid` with `strategy` '2d' or '1d' (each matmul unit fixed so) or 'auto' (the search
+    run on each phase's graph, priced as a forward alone, as `pmodel.generate` plans a phase): bytes
+    received per rank per call and per token, estimated seconds per call, tokens per call, the KV
+    cache bytes a rank holds and, for 'auto', the assignment. `model` may live on the meta device
+    (nothing is allocated then)."""
+    if strategy not in ("2d", "1d", "auto"):
+        raise ValueError(f"strategy={strategy!r}: project prices '2d', '1d' (each unit fixed so) or 'auto' (the "
+                         f"search per phase)")
     mesh = tuple(grid)
     cm = resolve_cost_model(cost_model)
     meta = any(p.is_meta for p in model.parameters())
     device = torch.device("meta") if meta else torch.device("cpu")
-    kv, _ = _head_shapes(model.config)
     dtype = next(model.parameters()).dtype
     rows = []
     for phase, length in (("prefill", prompt), ("decode", 1)):
         inputs = _inputs(batch, length, max_len, device)
-        was = model.training
-        model.eval()
-        try:
-            cap = _marked(capture(CachedLM(model, batch, max_len, device), inputs, {}),
-                          cache_layout(batch, kv, mesh))
-        finally:
-            model.train(was)
-        if mesh[0] * mesh[1] > 1:
+        cap = capture_cached(model, batch, max_len, device, mesh, inputs)
+        assignment = None
+        if mesh[0] * mesh[1] > 1 and strategy == "auto":
+            searched = Options(strategy="auto", forward_only=True, search_budget=None)
+            assignment = strategies.choose(cap.gm, mesh, cm, searched).assignment
+        elif mesh[0] * mesh[1] > 1:
             strategies.fixed(cap.gm, strategy)
         propagate(cap.gm, Grid.for_planning(*mesh).shape, Options(strategy=strategy))
         layouts = {n: n.meta[LAYOUT] for n in cap.gm.graph.nodes}
@@ -72,5 +72,5 @@ def project(model, grid: tuple, *, batch: int, prompt: int, max_len: int, strate
         rows.append({"phase": phase, "grid": mesh, "strategy": strategy, "tokens": tokens,
                      "bytes_per_rank": received, "bytes_per_rank_per_token": received / tokens,
                      "estimated_s": est.time_s, "kv_cache_bytes_per_rank":
-                         kv_cache_bytes_per_rank(model.config, batch, max_len, mesh, dtype)})
+                         kv_cache_bytes_per_rank(model.config, batch, max_len, mesh, dtype), "assignment": assignment})
     return rows

@@ -108,13 +108,16 @@ def test_generate_after_from_pretrained(pool4, tmp_path):
 
 @pytest.mark.parametrize("family,grid,block", [("llama_gqa", (2, 2), [2, 1, 32, 16]),
                                                 ("llama", (1, 4), [4, 1, 32, 16]),
+                                                ("llama_gqa", (1, 4), [4, 1, 32, 16]),
                                                 ("gpt2", (2, 2), [2, 2, 32, 16])])
 def test_cache_bytes_per_rank(pool4, family, grid, block):
     """Catches a cache held whole (or split other than batch over rows, KV heads over columns) and a
-    formula that disagrees with what ranks allocate: 2 * layers * B/R * kv/C * L * head_dim * 4."""
+    formula that disagrees with what ranks allocate: 2 * layers * B/R * kv/C * L * head_dim * 4. With
+    2 KV heads on 4 columns each column keeps the one KV head its query head reads (1 = lcm(2, 4)/4)."""
     layers, batch, length, head_dim = 2, 4, 32, 16
     kv = 2 if family == "llama_gqa" else 4
-    formula = 2 * layers * (batch // grid[0]) * (kv // grid[1]) * length * head_dim * 4
+    per_column = 1 if (family, grid) == ("llama_gqa", (1, 4)) else kv // grid[1]
+    formula = 2 * layers * (batch // grid[0]) * per_column * length * head_dim * 4
     for rank, (held, reported, shape, text) in enumerate(pool4.run(C.cache_bytes, family, grid)):
         assert held == reported == formula, f"rank {rank}: held {held}, reported {reported}, formula {formula}"
         assert shape == block, f"rank {rank}: block {shape}"
@@ -161,3 +164,20 @@ def test_refusals(pool4):
         assert "ranks [1]" in r["ids differ"] and "input_ids hash" in r["ids differ"], r
         assert "needs a causal language model" in r["not causal"] and "LlamaModel" in r["not causal"], r
         assert "encoder-decoder" in r["t5"] and "cross-attention cache" in r["t5"], r
+
+
+def test_projection_searches_each_phase():
+    """Catches a per-phase search priced as a training step or worse than a fixed scheme: on a tiny
+    Llama at 2x2 each phase's 'auto' estimate is at most the better of fixed 2d and 1d (forward only)."""
+    import transformers
+
+    from autopar.generate_plan import project
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    rows = {s: project(model, (2, 2), batch=4, prompt=8, max_len=16, strategy=s) for s in ("2d", "1d", "auto")}
+    for i, phase in enumerate(("prefill", "decode")):
+        best_fixed = min(rows["2d"][i]["estimated_s"], rows["1d"][i]["estimated_s"])
+        assert rows["auto"][i]["phase"] == phase and rows["auto"][i]["assignment"], rows["auto"][i]
+        assert rows["auto"][i]["estimated_s"] <= best_fixed * (1 + 1e-12), (phase, rows)
