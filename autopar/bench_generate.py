@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import autopar
 from autopar.bench import CONFIG, FunctionalCommBytes, _model, _spawn, _tp_1d
 from autopar.launch import init_local
+from passes.strategy import SearchWarning
 
 PROMPT, NEW, BATCHES = 32, 8, (1, 8)
 
@@ -122,8 +124,10 @@ def projection(cost_model=None) -> list:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.float16)
     rows = []
-    for grid, strategy in (((8, 8), "2d"), ((8, 8), "auto"), ((1, 64), "1d")):
-        rows += project(model, grid, batch=8, prompt=512, max_len=1024, strategy=strategy, cost_model=cost_model)
+    with warnings.catch_warnings():  # the searches of the 8x8 phases run ~30 s each without a budget: expected
+        warnings.simplefilter("ignore", SearchWarning)
+        for grid, strategy in (((8, 8), "2d"), ((8, 8), "auto"), ((1, 64), "1d")):
+            rows += project(model, grid, batch=8, prompt=512, max_len=1024, strategy=strategy, cost_model=cost_model)
     return rows + megatron_1d(cfg, 64, batch=8, prompt=512)
 
 
@@ -148,14 +152,15 @@ def markdown(res: dict, proj: list) -> str:
     if proj:
         lines += ["", "Planner projection, Llama-7B shape (fp16, batch 8, prompt 512, KV cache 1024 slots; published "
                   "GPU-cluster cost figures):", "",
-                  "| grid | phase | received/rank/call | received/rank/token | estimated time/call | KV cache/rank |",
-                  "|---|---|---|---|---|---|"]
+                  "| grid | phase | received/rank/call | received/rank/token | estimated time/call | KV cache/rank | "
+                  "parameters/rank |", "|---|---|---|---|---|---|---|"]
         for r in proj:
             est = f"{r['estimated_s'] * 1e3:.2f} ms" if r["estimated_s"] is not None else "-"
             cache = f"{r['kv_cache_bytes_per_rank'] / 2**20:.1f} MiB" if r["kv_cache_bytes_per_rank"] else "-"
+            params = f"{r['param_bytes_per_rank'] / 2**30:.2f} GiB" if r.get("param_bytes_per_rank") else "-"
             lines.append(f"| {r['grid'][0]}x{r['grid'][1]} {r['strategy']} | {r['phase']} | "
                          f"{r['bytes_per_rank'] / 2**20:.1f} MiB | {r['bytes_per_rank_per_token'] / 2**10:.1f} KiB | "
-                         f"{est} | {cache} |")
+                         f"{est} | {cache} | {params} |")
         one = {r["phase"]: r for r in proj if r["strategy"] == "1d"}
         for name, strategy in (("2D 8x8", "2d"), ("auto per phase 8x8", "auto")):
             mine = {r["phase"]: r for r in proj if r["strategy"] == strategy}

@@ -43,7 +43,8 @@ def project(model, grid: tuple, *, batch: int, prompt: int, max_len: int, strate
     """One dict per phase (prefill of `prompt` tokens, decode of one token per sequence) for `model`
     on an R x C `grid` with `strategy` '2d' or '1d' (each matmul unit fixed so) or 'auto' (the search
     run on each phase's graph, priced as a forward alone, as `pmodel.generate` plans a phase): bytes
-    received per rank per call and per token, estimated seconds per call, tokens per call, the KV
+    received per rank per call and per token, estimated seconds per call, tokens per call, the bytes
+    of parameter blocks the phase reads per rank (a unit replicated reads its whole weights), the KV
     cache bytes a rank holds and, for 'auto', the assignment. `model` may live on the meta device
     (nothing is allocated then)."""
     if strategy not in ("2d", "1d", "auto"):
@@ -71,6 +72,6 @@ def project(model, grid: tuple, *, batch: int, prompt: int, max_len: int, strate
         tokens = batch * length
         rows.append({"phase": phase, "grid": mesh, "strategy": strategy, "tokens": tokens,
                      "bytes_per_rank": received, "bytes_per_rank_per_token": received / tokens,
-                     "estimated_s": est.time_s, "kv_cache_bytes_per_rank":
+                     "estimated_s": est.time_s, "param_bytes_per_rank": est.param_bytes, "kv_cache_bytes_per_rank":
                          kv_cache_bytes_per_rank(model.config, batch, max_len, mesh, dtype), "assignment": assignment})
     return rows
