@@ -82,6 +82,48 @@ def test_explain_lists_uneven_splits(pool4):
     assert "tok.weight (97, 24) S(0)S(1): dim 0: 49, 48 over 2 rows; largest block 2352 B, 24 B above" in text
 
 
+def test_reblocking_moves_only_the_overlaps(pool4):
+    """GPT-2 with 3 heads of 8 (hidden 24) at 2x2: q, k and v leave c_attn in hidden blocks (12, 12)
+    and attention runs in head blocks (16, 8), so each view moves only the overlap: 4 elements per
+    token to one column, nothing to the other, and the output and every backward the reverse. Each
+    rank holds 16 tokens (batch 4 over 2 rows, 8 positions), so a move that receives takes
+    16 x 4 x 4 B = 256 B. Bytes and calls counted on each rank equal what the plan prices at that
+    rank's grid position. Catches a gather left in place, pieces sent to the wrong member, a backward
+    that does not move the gradient back, and a plan that prices another rank's share."""
+    from tests import checks_uneven as U
+
+    for r in pool4.run(U.planned_and_counted):
+        moves = {t: v for t, v in r["modules"].items() if r["kinds"][t] == "ReblockView"}
+        assert len(moves) == 8, r["kinds"]  # q, k, v and the output of 2 layers
+        for tag, v in moves.items():
+            assert v["planned"] == v["counted"], (r["at"], tag, v)
+            assert v["planned calls"] == v["counted calls"] == (1, 1), (r["at"], tag, v)
+        fwd, bwd = (sum(v["counted"][ph] for v in moves.values()) for ph in (0, 1))
+        assert (fwd, bwd) == ((1536, 512) if r["at"][1] == 0 else (512, 1536)), (r["at"], fwd, bwd)
+
+
+@pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
+def test_planned_bytes_are_each_ranks_own(pool4, lowering):
+    """GPT-2 with a vocabulary of 97 and 3 heads at 2x2: for every inserted module (SUMMA products,
+    the LM head's over vocabulary blocks of 49 and 48, reblocking views, norms, redistributions), the
+    bytes and calls the plan prices at a rank's grid position equal what that rank counts in one
+    training step, forward and backward. The LM head's SUMMA receives a different amount on each rank
+    (its vocabulary block is 49 or 48 rows), so a plan that prices rank (0, 0)'s blocks everywhere,
+    or the all-gather lowering's padding as broadcast pieces, fails here."""
+    from tests import checks_uneven as U
+
+    res = pool4.run(U.planned_and_counted, lowering)
+    for r in res:
+        wrong = {t: v for t, v in r["modules"].items()
+                 if v["planned"] != v["counted"] or v["planned calls"] != v["counted calls"]}
+        assert wrong == {}, (r["at"], wrong)
+    head = [r["modules"]["linear"]["counted"] for r in res]  # the LM head's SUMMA ABT
+    if lowering == "broadcast":  # the ranks' shares differ: the check above compared unequal figures
+        assert len(set(head)) > 1, head
+    else:  # every vocabulary block padded to 49 rows: (49 x 12 + 16 x 49) x 4 B forward, twice backward
+        assert head == [(5488, 10976)] * 4, head
+
+
 # hidden 27 (2x2: 14 + 13 per column and row; 2x3: 9 per column, 14 + 13 per row), 3 heads of 9
 ODD_HIDDEN = dict(vocab_size=101, max_seq=16, hidden=27, heads=3, layers=2)
 
