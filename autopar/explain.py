@@ -170,7 +170,7 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     stats = getattr(pmodel, "compile_stats", {}).get(comp.signature)
     if stats is not None:
         lines.append(f"torch.compile: {stats.graphs} graph(s), {stats.breaks} graph break(s)")
-    lines += uneven.summary_lines(pmodel)
+    lines += uneven.summary_lines(pmodel, fwd + bwd)
     if comp.choice is not None:
         lines += strategy_summary(comp.choice)
     if comp.fallbacks:

@@ -82,6 +82,7 @@ def planned_and_counted(rank, lowering="broadcast"):
     inserted module, the bytes and calls (forward, backward) that the plan prices at this rank's grid
     position and that the rank counts, keyed by the module's log tag; and the modules' kinds."""
     from autopar.explain import graph_rows
+    from autopar.uneven import most_received
 
     _, pm = _gpt2(0, (2, 2), lowering)
     pm.grid.log.reset()
@@ -98,4 +99,6 @@ def planned_and_counted(rank, lowering="broadcast"):
         out[tag] = {"planned": (r.fwd_bytes, r.bwd_bytes), "counted": counted,
                     "planned calls": (r.calls_fwd, r.calls_bwd), "counted calls": calls}
         kinds[tag] = type(gm.get_submodule(node.target)).__name__
-    return {"modules": out, "kinds": kinds, "at": (pm.grid.r, pm.grid.c)}
+    origin = sum(r.fwd_bytes + r.bwd_bytes for r in graph_rows(gm, pm.grid.shape))  # priced at (0, 0)
+    return {"modules": out, "kinds": kinds, "at": (pm.grid.r, pm.grid.c), "total": log.total(),
+            "most": most_received(gm, pm.grid.shape, origin)}

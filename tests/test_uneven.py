@@ -1,6 +1,8 @@
 """Dims the grid does not divide, split in torch.chunk blocks (indivisible='uneven', the default):
 parity with one process on real gloo ranks, and the layouts the split takes."""
 
+import re
+
 import pytest
 import torch
 
@@ -74,12 +76,17 @@ def test_checkpoints_keep_true_shapes_across_grids(pool4, tmp_path):
 def test_explain_lists_uneven_splits(pool4):
     """explain names each parameter split in unequal blocks, its blocks and the bytes the largest holds
     above an even share (97 x 24 fp32 on 2x2: 49 x 12 x 4 = 2352 B against 2328), and counts the op
-    results split that way. Catches an uneven split that explain hides or prices as even."""
+    results split that way, and which grid position receives the most. Catches an uneven split that
+    explain hides or prices as even."""
     from tests import checks_uneven as U
 
     text = pool4.run(U.explain_text)[0]
     assert "uneven splits (torch.chunk blocks, nothing padded): 1 parameter(s)" in text, text
     assert "tok.weight (97, 24) S(0)S(1): dim 0: 49, 48 over 2 rows; largest block 2352 B, 24 B above" in text
+    # the table prices grid position (0, 0); the footer names the rank that receives the most
+    found = re.search(r"differ by grid position: the table prices \(0, 0\), (\d+) B per step; the most, (\d+) B, "
+                      r"at \(([01]), ([01])\)", text)
+    assert found and int(found[2]) >= int(found[1]), text
 
 
 def test_reblocking_moves_only_the_overlaps(pool4):
@@ -109,7 +116,8 @@ def test_planned_bytes_are_each_ranks_own(pool4, lowering):
     bytes and calls the plan prices at a rank's grid position equal what that rank counts in one
     training step, forward and backward. The LM head's SUMMA receives a different amount on each rank
     (its vocabulary block is 49 or 48 rows), so a plan that prices rank (0, 0)'s blocks everywhere,
-    or the all-gather lowering's padding as broadcast pieces, fails here."""
+    or the all-gather lowering's padding as broadcast pieces, fails here; so does a plan whose rank
+    receiving the most is not the rank that counts the most."""
     from tests import checks_uneven as U
 
     res = pool4.run(U.planned_and_counted, lowering)
@@ -117,6 +125,9 @@ def test_planned_bytes_are_each_ranks_own(pool4, lowering):
         wrong = {t: v for t, v in r["modules"].items()
                  if v["planned"] != v["counted"] or v["planned calls"] != v["counted calls"]}
         assert wrong == {}, (r["at"], wrong)
+    totals = {r["at"]: r["total"] for r in res}
+    at, most = res[0]["most"]  # the plan's rank that receives the most, and how much
+    assert (most, totals[at]) == (max(totals.values()), most), (res[0]["most"], totals)
     head = [r["modules"]["linear"]["counted"] for r in res]  # the LM head's SUMMA ABT
     if lowering == "broadcast":  # the ranks' shares differ: the check above compared unequal figures
         assert len(set(head)) > 1, head
