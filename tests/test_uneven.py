@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+import autopar
 from tests import checks_engine as C
 from tests.compare import RTOL, ATOL_FRAC, assert_every_rank
 
@@ -133,6 +134,29 @@ def test_planned_bytes_are_each_ranks_own(pool4, lowering):
         assert len(set(head)) > 1, head
     else:  # every vocabulary block padded to 49 rows: (49 x 12 + 16 x 49) x 4 B forward, twice backward
         assert head == [(5488, 10976)] * 4, head
+
+
+@pytest.mark.parametrize("grid,batch,seq", [((2, 2), 3, 7), ((3, 3), 4, 5)])
+def test_batch_the_rows_do_not_divide(grid, batch, seq):
+    """A batch of 3 on 2 mesh rows (blocks 2, 1) and of 4 on 3 (2, 2 and an empty one), with sequence
+    lengths the rows do not divide either: every matmul keeps the batch split over the rows in
+    torch.chunk blocks (not whole on every row), the flattened logits are reblocked into token rows,
+    and the loss divides by the true token count. Outputs, loss, every gradient and the parameters
+    after 2 AdamW steps match one process on every rank. Catches an empty row block reaching a
+    reduction (a mean over zero rows, a max of nothing), a loss divided by a per-row count, and a
+    weight gradient summed over rows that hold the same rows."""
+    from models import GPTConfig, TinyGPT
+    from tests.checks_engine import _data
+    from tests.conftest import get_pool
+
+    cfg = dict(PRIME_VOCAB, norm="layernorm", mlp="gelu")
+    pl = autopar.plan(TinyGPT(GPTConfig(**cfg)), grid=grid, example_inputs=_data(GPTConfig(**cfg), batch, seq),
+                      measure_activations=False)
+    summa = [r for r in pl.rows if r.op.startswith("SummaLinear")]
+    assert summa and all(r.layout == "S(0)S(2)" and "whole" not in r.note for r in summa), \
+        [(r.node, r.layout, r.note) for r in summa]
+    res = get_pool(grid[0] * grid[1]).run(C.gpt_parity, grid, cfg, "broadcast", batch, seq, 2)
+    _assert_parity(res, f"batch {batch} x {seq} on {grid}")
 
 
 # hidden 27 (2x2: 14 + 13 per column and row; 2x3: 9 per column, 14 + 13 per row), 3 heads of 9

@@ -23,6 +23,7 @@ A blocking is the tuple of its q + 1 boundaries along the dim (`bounds`): member
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -70,7 +71,7 @@ def run_reblock(grid: Grid, axis: int, t: torch.Tensor, dim: int, src: list, dst
     recv = [overlap(src, j, dst, i) for j in range(q)]
     moved = t.movedim(dim, 0).contiguous()
     out = moved.new_empty((sum(recv),) + tuple(moved.shape[1:]))
-    row = moved[0].numel() * moved.element_size() if moved.dim() > 1 else moved.element_size()
+    row = math.prod(moved.shape[1:]) * moved.element_size()  # bytes per index of `dim` (its block may be empty)
     grid.log.add(tag, phase, (sum(recv) - recv[i]) * row)
     grid.log.launch(tag, phase)
     with comm.guarded(grid, "all-to-all", axis, tag):

@@ -164,7 +164,7 @@ def _mapped(node, layouts, mesh, mapping):
         kept = _reblock(lay, need, out, src, dst, mesh, node.name)
         if kept is not None:
             spec, need, out = kept
-            note = "hidden blocks <-> head blocks: only the overlaps move" if spec else ""
+            note = "blocks change (hidden <-> heads, batch rows <-> token rows): only the overlaps move" if spec else ""
             return Strategy({x: need}, out, kernel=spec, note=note)
     return Strategy({x: need}, out)
 
