@@ -175,6 +175,10 @@ def inspect_cmd(ns) -> int:
         print(json.dumps(report, indent=2, default=str))
         return 0
     print(group_by_module(pl))
+    if pl.comm_bytes_most != pl.comm_bytes_per_rank_per_step:
+        print(f"bytes received differ by grid position (torch.chunk blocks of unequal sizes): the table prices "
+              f"(0, 0), {pl.comm_bytes_per_rank_per_step / 2**30:.2f} GiB per step; the most, "
+              f"{pl.comm_bytes_most / 2**30:.2f} GiB, at {pl.comm_bytes_most_at}")
     for row in grids or []:
         if row["fits"]:
             print(f"grid {row['grid'][0]}x{row['grid'][1]}: estimated step auto {row['auto_s'] * 1e3:.1f} ms, fixed 2d "

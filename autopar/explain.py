@@ -75,15 +75,16 @@ def rows(pmodel) -> list:
     return graph_rows(comp.inspected, pmodel.grid.shape)
 
 
-def graph_rows(gm, mesh) -> list:
-    """One Row per op of a compiled per-rank graph on an R x C `mesh` ((R, C), or q for q x q)."""
+def graph_rows(gm, mesh, at: tuple = (0, 0)) -> list:
+    """One Row per op of a compiled per-rank graph on an R x C `mesh` ((R, C), or q for q x q), priced
+    at grid position `at` (where torch.chunk blocks differ per rank; (0, 0) holds the largest)."""
     out = []
     grads = nodes_needing_grad(gm)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_module"):
             continue
-        cost = node_cost(gm, node, mesh, grads)
-        calls = node_calls(gm, node, mesh, grads)
+        cost = node_cost(gm, node, mesh, grads, at)
+        calls = node_calls(gm, node, mesh, grads, at)
         strat = node.meta.get(STRATEGY)
         own = strat is not None and not node.meta.get(INSERTED)  # the strategy is this op's
         lay = node.meta.get(LAYOUT)
@@ -97,7 +98,7 @@ def graph_rows(gm, mesh) -> list:
             bwd_bytes=cost.bwd if cost else 0,
             note=strat.note + _why(node) if own else "",
             formula=cost.formula if cost else "",
-            flops=flops(Site.inserted(node, mesh, grads), node.meta.get(KERNEL)),
+            flops=flops(Site.inserted(node, mesh, grads, at), node.meta.get(KERNEL)),
             fallback=own and strat.fallback,
             recompute_bytes=cost.fwd if cost and node.meta.get(RECOMPUTE) else 0,
             calls_fwd=calls[0],
@@ -169,7 +170,7 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     stats = getattr(pmodel, "compile_stats", {}).get(comp.signature)
     if stats is not None:
         lines.append(f"torch.compile: {stats.graphs} graph(s), {stats.breaks} graph break(s)")
-    lines += uneven.summary_lines(pmodel)
+    lines += uneven.summary_lines(pmodel, fwd + bwd)
     if comp.choice is not None:
         lines += strategy_summary(comp.choice)
     if comp.fallbacks:

@@ -35,6 +35,7 @@ from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options
 from autopar.explain import graph_rows
 from autopar.generate import kv_cache_bytes_per_rank
+from autopar.uneven import most_received
 from passes.compat import fake_store, fake_tensor_mode, pytree
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
@@ -68,6 +69,10 @@ class Plan:
     collectives_fwd: int = 0  # collective calls per rank, forward
     collectives_bwd: int = 0  # and backward
     collectives_recompute: int = 0  # forward calls backward makes again (recompute=...)
+    # where the grid leaves torch.chunk blocks of unequal sizes ranks receive different bytes: the
+    # figures above are grid position (0, 0)'s; these the rank that receives the most
+    comm_bytes_most: int = 0
+    comm_bytes_most_at: tuple = (0, 0)
 
     @property
     def collectives_per_rank_per_step(self) -> int:
@@ -116,6 +121,8 @@ class Plan:
                                 "reason": f.reason, "costly": f.costly} for f in self.fallbacks],
             "nodes": [asdict(r) for r in self.rows],
             "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
+            "comm_bytes_per_rank_per_step_most": self.comm_bytes_most,
+            "comm_bytes_most_at": list(self.comm_bytes_most_at),
         }
 
 
@@ -194,6 +201,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
                   recompute=recompute, recompute_bytes=sum(r.recompute_bytes for r in rows),
                   collectives_fwd=sum(r.calls_fwd for r in rows), collectives_bwd=sum(r.calls_bwd for r in rows),
                   collectives_recompute=sum(r.calls_fwd for r in rows if r.recompute_bytes))
+    result.comm_bytes_most_at, result.comm_bytes_most = most_received(comp.inspected, mesh,
+                                                                      result.comm_bytes_per_rank_per_step)
     if generation is not None:
         dtype = next(model.parameters()).dtype
         result.kv_cache_bytes_per_rank = kv_cache_bytes_per_rank(model.config, *generation, mesh, dtype)

@@ -15,13 +15,17 @@ and that excess, and counts the activations that are split this way.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
+from passes.cost import nodes_needing_grad
+from passes.kernelspec import Site
 from passes.layout import Layout, chunk_range, is_uneven, local_shape, split_dim
-from passes.meta import LAYOUT
+from passes.meta import KERNEL, LAYOUT
 
-__all__ = ["UnevenSplit", "uneven_params", "uneven_nodes", "summary_lines"]
+__all__ = ["UnevenSplit", "uneven_params", "uneven_nodes", "summary_lines", "received_by_position",
+           "most_received"]
 _AXES = ("rows", "columns")
 
 
@@ -83,15 +87,46 @@ def uneven_nodes(gm, mesh) -> list:
     return names
 
 
-def summary_lines(pmodel) -> list:
-    """explain's footer on uneven splits: one line per parameter, one for the activations; none when
-    the grid divides every split dim."""
+def received_by_position(gm, mesh) -> dict:
+    """(r, c) -> bytes the rank at that grid position receives in a training step (forward and
+    backward), each inserted module of the rewritten graph `gm` priced by its spec at that position,
+    in numbers as the estimate counts them (`KernelSpec.steps` with exact=False)."""
+    grads = nodes_needing_grad(gm)
+    mods = [(n, n.meta[KERNEL]) for n in gm.graph.nodes if n.op == "call_module" and n.meta.get(KERNEL) is not None]
+    out = {}
+    for at in itertools.product(range(mesh[0]), range(mesh[1])):
+        sites = [(spec, Site.inserted(node, mesh, grads, at)) for node, spec in mods]
+        out[at] = sum(b for spec, site in sites for _, _, b in spec.steps(site, spec.values(site), exact=False))
+    return out
+
+
+def most_received(gm, mesh, origin: int) -> tuple:
+    """(grid position, bytes) of the rank that receives the most in a training step, given `origin`,
+    the plan's exact figure for (0, 0): that figure moved by the difference the position's blocks
+    make. ((0, 0), origin) when the grid divides every split dim (every rank receives the same)."""
+    mesh = tuple(mesh)
+    if not uneven_nodes(gm, mesh):
+        return (0, 0), origin
+    by = received_by_position(gm, mesh)
+    at = max(by, key=lambda k: by[k])
+    return at, origin + round(by[at] - by[(0, 0)])
+
+
+def summary_lines(pmodel, received: int | None = None) -> list:
+    """explain's footer on uneven splits: one line per parameter, one for the activations, and with
+    `received` (the table's total, priced at grid position (0, 0)) the rank that receives the most;
+    none when the grid divides every split dim."""
     params = uneven_params(pmodel)
-    nodes = uneven_nodes(pmodel.program.gm, tuple(pmodel.grid.shape))
+    mesh = tuple(pmodel.grid.shape)
+    nodes = uneven_nodes(pmodel.program.gm, mesh)
     if not params and not nodes:
         return []
     lines = [f"uneven splits (torch.chunk blocks, nothing padded): {len(params)} parameter(s), "
              f"{len(nodes)} op result(s)"]
+    if received is not None:
+        at, most = most_received(pmodel.program.inspected, mesh, received)
+        lines.append(f"  bytes received differ by grid position: the table prices (0, 0), {received} B per step; "
+                     f"the most, {most} B, at {at}")
     for s in params:
         lines.append(f"  {s.name} {s.shape} {s.layout}: {s.blocks}; largest block "
                      f"{s.largest_bytes} B, {s.excess_bytes} B above an even share")

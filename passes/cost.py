@@ -137,24 +137,24 @@ def nodes_needing_grad(gm: torch.fx.GraphModule) -> set:
     return out
 
 
-def node_cost(gm: torch.fx.GraphModule, node: Node, mesh, grads: set | None = None) -> Cost | None:
+def node_cost(gm: torch.fx.GraphModule, node: Node, mesh, grads: set | None = None, at: tuple = (0, 0)) -> Cost | None:
     """The bytes an inserted module of the rewritten graph receives, from the spec the insertion pass
     recorded on it (`node.meta[KERNEL]`); None for an op that is not a module, `Cost("")` for
     a module without one. `grads`: nodes_needing_grad(gm), computed once per graph by the caller;
-    `mesh`: (R, C) or q."""
+    `mesh`: (R, C) or q; `at`: the grid position priced (see `passes.kernelspec.Site`)."""
     if node.op != "call_module":
         return None
     spec = node.meta.get(KERNEL)
     if spec is None:
         return Cost("")
-    return spec.inserted_cost(node, mesh, grads if grads is not None else nodes_needing_grad(gm))
+    return spec.inserted_cost(node, mesh, grads if grads is not None else nodes_needing_grad(gm), at)
 
 
-def node_calls(gm: torch.fx.GraphModule, node: Node, mesh, grads: set) -> tuple:
+def node_calls(gm: torch.fx.GraphModule, node: Node, mesh, grads: set, at: tuple = (0, 0)) -> tuple:
     """(forward, backward) collective calls per rank of an inserted module of the rewritten graph, from
     its spec and (for a SUMMA product) the lowering its module runs; (0, 0) for any other node."""
     spec = node.meta.get(KERNEL) if node.op == "call_module" else None
     if spec is None:
         return 0, 0
     lowering = getattr(gm.get_submodule(node.target), "lowering", "broadcast")
-    return spec.inserted_calls(node, mesh, grads, lowering)
+    return spec.inserted_calls(node, mesh, grads, lowering, at)

@@ -37,7 +37,8 @@ from passes.cost import (C, E, R, Cost, all_reduce_bytes, redistribute_steps, su
 from passes.layout import Layout, local_shape, mesh_shape
 from passes.mesh import Grid
 from passes.meta import LAYOUT, LOWERING
-from passes.ops import kernels
+from passes.ops import kernels, reblock
+from passes.summa_blocks import product_elems, step_products
 
 if TYPE_CHECKING:  # passes.rules imports this module for Strategy.kernel
     from passes.rules import Strategy
@@ -67,7 +68,9 @@ class Site:
     """One node as its costs see it: its tensor operands `args` (a kernel's in its argument order),
     the layout each arrives in, the output's layout `out`, the grid (R, C), and whether each operand
     needs a gradient. `planned` reads them before insertion (layouts as the rule asks), `inserted`
-    from the rewritten graph, so the estimate and `explain` count the same."""
+    from the rewritten graph, so the estimate and `explain` count the same. `at`: the grid position
+    (r, c) whose blocks are priced where the grid does not divide a dim (torch.chunk blocks differ
+    per rank); (0, 0), which holds the largest blocks, unless a caller asks for another."""
 
     node: Node
     args: tuple
@@ -75,30 +78,31 @@ class Site:
     out: Layout | tuple | None  # the output's layout (a tuple for multi-output ops, which no kernel has; None: none)
     mesh: tuple
     grads: tuple
+    at: tuple = (0, 0)
 
     @classmethod
-    def planned(cls, node: Node, strat: Strategy, layouts: dict, mesh, grads: set) -> Site:
+    def planned(cls, node: Node, strat: Strategy, layouts: dict, mesh, grads: set, at: tuple = (0, 0)) -> Site:
         args = strat.kernel.operands(node) if strat.kernel is not None else operands(node)
         return cls(node, args, tuple(strat.inputs.get(a, layouts.get(a)) for a in args), strat.output,
-                   mesh_shape(mesh), tuple(a in grads for a in args))
+                   mesh_shape(mesh), tuple(a in grads for a in args), tuple(at))
 
     @classmethod
-    def inserted(cls, node: Node, mesh, grads: set) -> Site:
+    def inserted(cls, node: Node, mesh, grads: set, at: tuple = (0, 0)) -> Site:
         args = tuple(node.args) if node.op == "call_module" else operands(node)
         lays = tuple(a.meta.get(LAYOUT) if isinstance(a, Node) else None for a in args)
         out = node.meta.get(LAYOUT)
-        return cls(node, args, lays, out, mesh_shape(mesh), tuple(a in grads for a in args))
+        return cls(node, args, lays, out, mesh_shape(mesh), tuple(a in grads for a in args), tuple(at))
 
     def val(self, i: int) -> torch.Tensor:
         return self.args[i].meta["val"]
 
     def local(self, i: int) -> tuple:
         """The block of operand i a rank holds as it arrives."""
-        return local_shape(tuple(self.val(i).shape), self.layouts[i], self.mesh, self.args[i].name, at=(0, 0))
+        return local_shape(tuple(self.val(i).shape), self.layouts[i], self.mesh, self.args[i].name, at=self.at)
 
     def local_out(self) -> tuple:
         return local_shape(tuple(self.node.meta["val"].shape), cast(Layout, self.out), self.mesh, self.node.name,
-                           at=(0, 0))
+                           at=self.at)
 
 
 class KernelSpec:
@@ -138,9 +142,9 @@ class KernelSpec:
         bwd = sum((b for _, phase, b in steps if phase == "bwd"), sympy.Integer(0))
         return Cost(self.describe(site), fwd, bwd, {symbol(k): n for k, n in values.items()})
 
-    def inserted_cost(self, node: Node, mesh, grads: set) -> Cost:
-        """`cost` of `node`, a module of the rewritten graph this spec describes."""
-        return self.cost(Site.inserted(node, mesh, grads))
+    def inserted_cost(self, node: Node, mesh, grads: set, at: tuple = (0, 0)) -> Cost:
+        """`cost` of `node`, a module of the rewritten graph this spec describes, at grid position `at`."""
+        return self.cost(Site.inserted(node, mesh, grads, at))
 
     def calls(self, site: Site, lowering: str = "broadcast") -> tuple:
         """Collective calls this rank launches in one training step, (forward, backward): one per
@@ -148,9 +152,9 @@ class KernelSpec:
         steps = self.steps(site, self.values(site), exact=False)
         return tuple(sum(1 for a, ph, _ in steps if ph == phase and site.mesh[a] > 1) for phase in ("fwd", "bwd"))
 
-    def inserted_calls(self, node: Node, mesh, grads: set, lowering: str = "broadcast") -> tuple:
-        """`calls` of `node`, a module of the rewritten graph this spec describes."""
-        return self.calls(Site.inserted(node, mesh, grads), lowering)
+    def inserted_calls(self, node: Node, mesh, grads: set, lowering: str = "broadcast", at: tuple = (0, 0)) -> tuple:
+        """`calls` of `node`, a module of the rewritten graph this spec describes, at grid position `at`."""
+        return self.calls(Site.inserted(node, mesh, grads, at), lowering)
 
     def terms(self, site: Site) -> list:
         """(axis, bytes, launches) of each collective call that moves data (axes of one member left out)."""
@@ -206,7 +210,10 @@ class SummaSpec(KernelSpec):
                 else "SUMMA AB: bcast X (row), W (col); bwd ABT + ATB")
 
     def cost(self, site):
-        """Each product receives the same bytes; written as one fraction per product (`summa_ab_bytes`)."""
+        """Each product receives the same bytes; written as one fraction per product (`summa_ab_bytes`).
+        With K or N in unequal torch.chunk blocks, the site's rank's exact bytes (`_rank_steps`)."""
+        if self._unequal(site):
+            return super().cost(site)
         values = self.values(site)
         M, K, N = (symbol(k) for k in "MKN")
         fwd, bwd = (summa_abt_bytes if self.transposed else summa_ab_bytes)(M, K, N, self.products(site) - 1)
@@ -220,7 +227,29 @@ class SummaSpec(KernelSpec):
         """Bytes one product receives over mesh axis 0 and over axis 1 (the estimate prices each axis)."""
         return self._per_axis(self.values(site))
 
+    def _unequal(self, site: Site) -> bool:
+        """Whether the grid cuts K or N in blocks of unequal sizes: then ranks receive different bytes."""
+        v = self.values(site)
+        return any(v[d] % site.mesh[a] for d in "KN" for a in range(2))
+
+    def _rank_steps(self, site: Site) -> list:
+        """(axis, phase, bytes) of each product's collectives for the rank at `site.at`, as the lowering
+        its module runs sends them (`passes.summa_blocks`)."""
+        v, node = self.values(site), site.node
+        if node.op == "call_module":
+            lowering = getattr(node.graph.owning_module.get_submodule(node.target), "lowering", "broadcast")
+        else:
+            lowering = node.meta.get(LOWERING, "broadcast")
+        m = math.prod(site.local(0)[:-1])  # rows of x on this rank
+        roles = {"KN": (v["K"], v["N"]), "NK": (v["N"], v["K"])}
+        return [(a, phase, n * v["e"])
+                for phase, kind, dims in step_products(self.transposed, *site.grads[:2])
+                for a, n in product_elems(kind, lowering, site.mesh, site.at, m, *roles[dims],
+                                          rows_whole=self.rows_whole)]
+
     def steps(self, site, v, exact):
+        if self._unequal(site):
+            return self._rank_steps(site)
         one = list(enumerate(self._per_axis(v)))
         return [(a, phase, b) for phase, k in (("fwd", 1), ("bwd", self.products(site) - 1))
                 for _ in range(k) for a, b in one]
@@ -397,6 +426,46 @@ class GradSyncSpec(KernelSpec):
         if not site.grads[0]:
             return []
         return [(a, "bwd", all_reduce_bytes(v["n"] * v["e"], (v["R"], v["C"])[a], exact)) for a in self.axes]
+
+
+@dataclass(frozen=True)
+class ReblockSpec(KernelSpec):
+    """A view that merges or splits the dim split over mesh `axis` where the two sides' blocks differ
+    (hidden blocks <-> head blocks, `reblock.ReblockView`): input dims `group` taken as one dim, moved
+    from blocking `src` to `dst` by one all-to-all (backward the reverse), then viewed. Priced at
+    the site's grid position: each member receives a different share (`reblock.received`)."""
+
+    axis: int
+    group: tuple  # the input dims the view merges (one dim when it splits one)
+    src: tuple
+    dst: tuple
+    tag: str = field(default="", compare=False)
+    name: ClassVar[str] = "reblock"
+
+    def operands(self, node):
+        return (node.args[0],)
+
+    def build(self, node, grid, lowering):
+        x, at = node.args[0], (grid.r, grid.c)
+        xl = local_shape(tuple(x.meta["val"].shape), x.meta[LAYOUT], grid.shape, x.name, at=at)
+        lo, hi = self.group[0], self.group[-1] + 1
+        before = xl[:lo] + (math.prod(xl[lo:hi]),) + xl[hi:]
+        after = local_shape(tuple(node.meta["val"].shape), node.meta[LAYOUT], grid.shape, node.name, at=at)
+        return reblock.ReblockView(grid, self.axis, lo, self.src, self.dst, before, after, self.tag), (x,)
+
+    def describe(self, site):
+        return f"all-to-all {'row' if self.axis == 1 else 'col'} (blocks {self.src[1]} -> {self.dst[1]}); bwd back"
+
+    def values(self, site):
+        xl = site.local(0)
+        i = site.at[self.axis]
+        rest = math.prod(xl) // max(1, math.prod(xl[self.group[0]:self.group[-1] + 1]))
+        return {"e": site.val(0).element_size(), "t": rest,  # t: elements of the other dims this rank holds
+                "f": reblock.received(self.src, self.dst, i), "b": reblock.received(self.dst, self.src, i)}
+
+    def steps(self, site, v, exact):
+        out = [(self.axis, "fwd", v["e"] * v["t"] * v["f"])]
+        return out + ([(self.axis, "bwd", v["e"] * v["t"] * v["b"])] if site.grads[0] else [])
 
 
 def flops(site: Site, spec: KernelSpec | None = None) -> int:

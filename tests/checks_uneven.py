@@ -21,10 +21,10 @@ def _lm(b, s, seed):
     return dict(input_ids=torch.randint(0, 97, (b, s), generator=g), labels=torch.randint(0, 97, (b, s), generator=g))
 
 
-def _gpt2(seed: int, grid):
+def _gpt2(seed: int, grid, lowering: str = "broadcast"):
     torch.manual_seed(seed)
     model, _ = build("gpt2", **GPT2_UNEVEN)
-    return model, autopar.parallelize(model, grid=grid, example_kwargs=_lm(4, 8, 0))
+    return model, autopar.parallelize(model, grid=grid, example_kwargs=_lm(4, 8, 0), lowering=lowering)
 
 
 def _exact(pm, want: dict) -> dict:
@@ -75,3 +75,30 @@ def explain_text(rank):
     ids = torch.randint(0, 97, (4, 8))
     pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, ids))
     return autopar.explain(pm) if rank == 0 else ""
+
+
+def planned_and_counted(rank, lowering="broadcast"):
+    """One training step of GPT-2 (vocabulary 97, 3 heads of 8) at 2x2 with SUMMA `lowering`: for each
+    inserted module, the bytes and calls (forward, backward) that the plan prices at this rank's grid
+    position and that the rank counts, keyed by the module's log tag; and the modules' kinds."""
+    from autopar.explain import graph_rows
+    from autopar.uneven import most_received
+
+    _, pm = _gpt2(0, (2, 2), lowering)
+    pm.grid.log.reset()
+    pm(**_lm(4, 8, 1)).loss.backward()
+    gm, log = pm.program.inspected, pm.grid.log
+    rows = {r.node: r for r in graph_rows(gm, pm.grid.shape, at=(pm.grid.r, pm.grid.c))}
+    out, kinds = {}, {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not hasattr(gm.get_submodule(node.target), "tag"):
+            continue
+        tag, r = gm.get_submodule(node.target).tag, rows[node.name]
+        counted = tuple(log.bytes.get((tag, ph), 0) for ph in ("fwd", "bwd"))
+        calls = tuple(log.launches.get((tag, ph), 0) for ph in ("fwd", "bwd"))
+        out[tag] = {"planned": (r.fwd_bytes, r.bwd_bytes), "counted": counted,
+                    "planned calls": (r.calls_fwd, r.calls_bwd), "counted calls": calls}
+        kinds[tag] = type(gm.get_submodule(node.target)).__name__
+    origin = sum(r.fwd_bytes + r.bwd_bytes for r in graph_rows(gm, pm.grid.shape))  # priced at (0, 0)
+    return {"modules": out, "kinds": kinds, "at": (pm.grid.r, pm.grid.c), "total": log.total(),
+            "most": most_received(gm, pm.grid.shape, origin)}

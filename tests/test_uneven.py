@@ -1,9 +1,12 @@
 """Dims the grid does not divide, split in torch.chunk blocks (indivisible='uneven', the default):
 parity with one process on real gloo ranks, and the layouts the split takes."""
 
+import re
+
 import pytest
 import torch
 
+import autopar
 from tests import checks_engine as C
 from tests.compare import RTOL, ATOL_FRAC, assert_every_rank
 
@@ -74,12 +77,86 @@ def test_checkpoints_keep_true_shapes_across_grids(pool4, tmp_path):
 def test_explain_lists_uneven_splits(pool4):
     """explain names each parameter split in unequal blocks, its blocks and the bytes the largest holds
     above an even share (97 x 24 fp32 on 2x2: 49 x 12 x 4 = 2352 B against 2328), and counts the op
-    results split that way. Catches an uneven split that explain hides or prices as even."""
+    results split that way, and which grid position receives the most. Catches an uneven split that
+    explain hides or prices as even."""
     from tests import checks_uneven as U
 
     text = pool4.run(U.explain_text)[0]
     assert "uneven splits (torch.chunk blocks, nothing padded): 1 parameter(s)" in text, text
     assert "tok.weight (97, 24) S(0)S(1): dim 0: 49, 48 over 2 rows; largest block 2352 B, 24 B above" in text
+    # the table prices grid position (0, 0); the footer names the rank that receives the most
+    found = re.search(r"differ by grid position: the table prices \(0, 0\), (\d+) B per step; the most, (\d+) B, "
+                      r"at \(([01]), ([01])\)", text)
+    assert found and int(found[2]) >= int(found[1]), text
+
+
+def test_reblocking_moves_only_the_overlaps(pool4):
+    """GPT-2 with 3 heads of 8 (hidden 24) at 2x2: q, k and v leave c_attn in hidden blocks (12, 12)
+    and attention runs in head blocks (16, 8), so each view moves only the overlap: 4 elements per
+    token to one column, nothing to the other, and the output and every backward the reverse. Each
+    rank holds 16 tokens (batch 4 over 2 rows, 8 positions), so a move that receives takes
+    16 x 4 x 4 B = 256 B. Bytes and calls counted on each rank equal what the plan prices at that
+    rank's grid position. Catches a gather left in place, pieces sent to the wrong member, a backward
+    that does not move the gradient back, and a plan that prices another rank's share."""
+    from tests import checks_uneven as U
+
+    for r in pool4.run(U.planned_and_counted):
+        moves = {t: v for t, v in r["modules"].items() if r["kinds"][t] == "ReblockView"}
+        assert len(moves) == 8, r["kinds"]  # q, k, v and the output of 2 layers
+        for tag, v in moves.items():
+            assert v["planned"] == v["counted"], (r["at"], tag, v)
+            assert v["planned calls"] == v["counted calls"] == (1, 1), (r["at"], tag, v)
+        fwd, bwd = (sum(v["counted"][ph] for v in moves.values()) for ph in (0, 1))
+        assert (fwd, bwd) == ((1536, 512) if r["at"][1] == 0 else (512, 1536)), (r["at"], fwd, bwd)
+
+
+@pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
+def test_planned_bytes_are_each_ranks_own(pool4, lowering):
+    """GPT-2 with a vocabulary of 97 and 3 heads at 2x2: for every inserted module (SUMMA products,
+    the LM head's over vocabulary blocks of 49 and 48, reblocking views, norms, redistributions), the
+    bytes and calls the plan prices at a rank's grid position equal what that rank counts in one
+    training step, forward and backward. The LM head's SUMMA receives a different amount on each rank
+    (its vocabulary block is 49 or 48 rows), so a plan that prices rank (0, 0)'s blocks everywhere,
+    or the all-gather lowering's padding as broadcast pieces, fails here; so does a plan whose rank
+    receiving the most is not the rank that counts the most."""
+    from tests import checks_uneven as U
+
+    res = pool4.run(U.planned_and_counted, lowering)
+    for r in res:
+        wrong = {t: v for t, v in r["modules"].items()
+                 if v["planned"] != v["counted"] or v["planned calls"] != v["counted calls"]}
+        assert wrong == {}, (r["at"], wrong)
+    totals = {r["at"]: r["total"] for r in res}
+    at, most = res[0]["most"]  # the plan's rank that receives the most, and how much
+    assert (most, totals[at]) == (max(totals.values()), most), (res[0]["most"], totals)
+    head = [r["modules"]["linear"]["counted"] for r in res]  # the LM head's SUMMA ABT
+    if lowering == "broadcast":  # the ranks' shares differ: the check above compared unequal figures
+        assert len(set(head)) > 1, head
+    else:  # every vocabulary block padded to 49 rows: (49 x 12 + 16 x 49) x 4 B forward, twice backward
+        assert head == [(5488, 10976)] * 4, head
+
+
+@pytest.mark.parametrize("grid,batch,seq", [((2, 2), 3, 7), ((3, 3), 4, 5)])
+def test_batch_the_rows_do_not_divide(grid, batch, seq):
+    """A batch of 3 on 2 mesh rows (blocks 2, 1) and of 4 on 3 (2, 2 and an empty one), with sequence
+    lengths the rows do not divide either: every matmul keeps the batch split over the rows in
+    torch.chunk blocks (not whole on every row), the flattened logits are reblocked into token rows,
+    and the loss divides by the true token count. Outputs, loss, every gradient and the parameters
+    after 2 AdamW steps match one process on every rank. Catches an empty row block reaching a
+    reduction (a mean over zero rows, a max of nothing), a loss divided by a per-row count, and a
+    weight gradient summed over rows that hold the same rows."""
+    from models import GPTConfig, TinyGPT
+    from tests.checks_engine import _data
+    from tests.conftest import get_pool
+
+    cfg = dict(PRIME_VOCAB, norm="layernorm", mlp="gelu")
+    pl = autopar.plan(TinyGPT(GPTConfig(**cfg)), grid=grid, example_inputs=_data(GPTConfig(**cfg), batch, seq),
+                      measure_activations=False)
+    summa = [r for r in pl.rows if r.op.startswith("SummaLinear")]
+    assert summa and all(r.layout == "S(0)S(2)" and "whole" not in r.note for r in summa), \
+        [(r.node, r.layout, r.note) for r in summa]
+    res = get_pool(grid[0] * grid[1]).run(C.gpt_parity, grid, cfg, "broadcast", batch, seq, 2)
+    _assert_parity(res, f"batch {batch} x {seq} on {grid}")
 
 
 # hidden 27 (2x2: 14 + 13 per column and row; 2x3: 9 per column, 14 + 13 per row), 3 heads of 9

@@ -28,7 +28,7 @@ import torch
 
 from passes.layout import chunk_range
 from passes.mesh import grid_of
-from passes.ops import comm, summa
+from passes.ops import comm, reblock, summa
 
 
 @torch.library.custom_op("autopar::all_gather", mutates_args=())
@@ -103,3 +103,18 @@ def _(a, b, grid, kind, tag, phase, lowering, rows_whole, full=None):
     else:  # atb: a [m, K/C]  b [m, n]  ->  [K/R, n]
         shape = (a.shape[1] * C // R if full is None else block(full, R, summa.AXIS_SAME_COL), b.shape[1])
     return a.new_empty(shape)
+
+
+@torch.library.custom_op("autopar::reblock", mutates_args=())
+def reblocked(t: torch.Tensor, grid: int, axis: int, dim: int, src: list[int], dst: list[int], tag: str,
+              phase: str) -> torch.Tensor:
+    """Dim `dim` moved from blocking `src` to blocking `dst` over mesh `axis` (`passes.ops.reblock`)."""
+    return reblock.run_reblock(grid_of(grid), axis, t, dim, src, dst, tag, phase)
+
+
+@reblocked.register_fake
+def _(t, grid, axis, dim, src, dst, tag, phase):
+    i = grid_of(grid).index(axis)
+    shape = list(t.shape)
+    shape[dim] = dst[i + 1] - dst[i]
+    return t.new_empty(shape)

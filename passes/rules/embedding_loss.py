@@ -67,7 +67,9 @@ def cross_entropy(node, layouts, mesh):
     ls = shape(logits)
     if len(ls) != 2 or weight is not None or reduction not in (1, 2) or smoothing:
         raise Unsupported("cross_entropy other than mean or sum over [N, V] logits without weights/smoothing")
-    rows_whole = ls[0] % mesh[0] != 0  # a ragged batch: every mesh row takes all the rows
+    # a ragged batch: torch.chunk blocks of the rows (the loss sums them and their true count over
+    # the mesh rows), or, without uneven splits, every mesh row takes all of them
+    rows_whole = ls[0] % mesh[0] != 0 and not uneven_ok(mesh)
     rows = Replicate() if rows_whole else Shard(0)
     # else each row block holds whole rows of logits; uneven: torch.chunk blocks of the vocabulary
     vocab_split = ls[1] % mesh[1] == 0 or uneven_ok(mesh)

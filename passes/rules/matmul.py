@@ -32,11 +32,13 @@ def _param_name(node) -> str:
 def _rows(node, x, layouts, mesh) -> tuple:
     """(x's placement over the mesh rows, the output's): x's own split of a lead dim if it has one,
     else the first lead dim divisible by the number of mesh rows; when none is (a ragged last batch),
-    x stays whole over the rows and every row computes all of it, the weight split as ever."""
+    the first lead dim in torch.chunk blocks (indivisible='uneven'), or else x stays whole over the
+    rows and every row computes all of it, the weight split as ever."""
     xs = shape(x)
     rows = kept_row_split(layouts.get(x), len(xs))
     if rows is None:
-        rows = next((Shard(d) for d in range(len(xs) - 1) if xs[d] % mesh[0] == 0), Replicate())
+        ragged = Shard(0) if uneven_ok(mesh) and len(xs) > 1 and xs[0] > 0 else Replicate()
+        rows = next((Shard(d) for d in range(len(xs) - 1) if xs[d] % mesh[0] == 0), ragged)
     if isinstance(rows, Replicate):
         return rows, rows
     return rows, Shard(rows.dim if rows.dim < len(val(node).shape) - 1 else 0)

@@ -4,16 +4,22 @@ unsqueeze/squeeze, expand, slice, split, cat.
 view/reshape sizes are baked integers in the captured graph; `localize` rewrites them from the
 output layout, so these rules only decide which dims stay split. A split dim survives a reshape when
 it is the outermost dim of its group of merged/split dims and the matching output dim is divisible
-by q (contiguous blocks stay contiguous); otherwise that axis is gathered first.
+by q (contiguous blocks stay contiguous); otherwise that axis is gathered first, except where only
+the blocking changes (hidden blocks <-> head blocks when the columns do not divide the heads): then
+the view becomes a reblocking all-to-all that moves only the overlaps (`passes.ops.reblock`).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from passes.kernelspec import ReblockSpec
 from passes.layout import REPLICATED, Layout, moved, parts, split_dim, uneven_ok
 from passes.rules import Strategy, arg, register, shape, tensor_inputs, val, whole_along
+from passes.ops.reblock import bounds
 from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten
@@ -154,7 +160,40 @@ def _mapped(node, layouts, mesh, mapping):
     lay = _input_layout(layouts, x) or REPLICATED
     src, dst = shape(x), tuple(val(node).shape)
     need, out = _through(lay, mapping(src, dst), dst, mesh, src)
+    if mapping is reshape_mapping:
+        kept = _reblock(lay, need, out, src, dst, mesh, node.name)
+        if kept is not None:
+            spec, need, out = kept
+            note = "blocks change (hidden <-> heads, batch rows <-> token rows): only the overlaps move" if spec else ""
+            return Strategy({x: need}, out, kernel=spec, note=note)
     return Strategy({x: need}, out)
+
+
+def _reblock(lay, need, out, src, dst, mesh, name):
+    """A reshape that `_through` would gather over an axis because the blocks of a split dim change
+    (hidden h = heads x head_dim in torch.chunk blocks of h on one side, of the heads on the other):
+    keep the split and move only the overlaps instead (`ReblockSpec`), when the split dim is the
+    outermost of its group of merged/split dims, one side of the group is a single dim and no
+    other axis splits a dim of the group: (spec, need, out); spec None where both sides' blocks hold
+    the same elements (the split passes through). None where none of that applies."""
+    if not uneven_ok(mesh):
+        return None
+    for axis, p in enumerate(lay.placements):
+        if not isinstance(p, Shard) or need[axis] == p or mesh[axis] == 1:
+            continue
+        for gi, gj in reshape_groups(src, dst):
+            ins, outs = [d for d in gi if src[d] != 1], [d for d in gj if dst[d] != 1]
+            if not ins or ins[0] != p.dim or not outs or (len(ins) > 1 and len(outs) > 1):
+                continue
+            other = need[1 - axis], out[1 - axis]
+            if split_dim(other[0]) in gi or split_dim(other[1]) in gj:
+                return None
+            q = mesh[axis]
+            blocks = (bounds(src[ins[0]], q, math.prod(src[d] for d in ins[1:])),
+                      bounds(dst[outs[0]], q, math.prod(dst[d] for d in outs[1:])))
+            spec = None if blocks[0] == blocks[1] else ReblockSpec(axis, tuple(gi), *blocks, tag=name)
+            return spec, need.with_axis(axis, p), out.with_axis(axis, Shard(outs[0]))
+    return None
 
 
 @register(aten.slice.Tensor, aten.narrow.default)
