@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import REPLICATED, Layout, moved, parts, split_dim, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs, val, whole_along
+from passes.rules.expert_rows import rows_pointwise
 
 aten = torch.ops.aten
 
@@ -114,6 +115,10 @@ def pointwise(node, layouts, mesh):
     if not isinstance(out, torch.Tensor):
         raise Unsupported("non-tensor output")
     skip = (out.dim() - 1, out.dim() - 2) if node.target in (aten.tril.default, aten.triu.default) else ()
+    rows = rows_pointwise(node, layouts, data_inputs(node),
+                          lambda lays: broadcast_strategy(node, lays, tuple(out.shape), mesh, skip))
+    if rows is not None:  # an expert matmul's P(rows) result through act(gate) * up
+        return rows
     req, lay = broadcast_strategy(node, layouts, tuple(out.shape), mesh, skip)
     for axis in range(2):  # sums of partial sums, and casts/copies of one, stay partial
         if _keeps_partial(node, layouts, axis):

@@ -1,0 +1,57 @@
+"""Mixture-of-experts models with their experts split over the grid (passes/rules/experts.py).
+
+Each case runs tests/checks_moe.py on every rank of the shared 4-rank pool: outputs, router logits,
+the loss with the load-balancing term, every gradient against one process (tests/compare.py, rtol
+1e-4), and the parameters each rank holds.
+"""
+
+import pytest
+
+from tests.compare import assert_every_rank
+from tests.checks_moe import moe_parity
+
+HELD = 1.3  # x 1/p: the most of the model's parameters one rank may hold
+CASES = {
+    ("mixtral", (2, 2)): "top-2 router, fused gate|up experts over the rows and their columns",
+    ("mixtral", (1, 4)): "one row: experts whole over it, each expert's intermediate dim over 4 columns",
+    ("qwen2_moe", (2, 2)): "shared expert (a plain MLP) next to the routed ones, sigmoid shared gate",
+    ("qwen3_moe", (2, 2)): "normalized top-k probabilities",
+    ("olmoe", (2, 2)): "q/k norm, unnormalized top-k",
+    ("granitemoe", (2, 2)): "GraniteMoe's batched experts",
+    ("phimoe", (2, 2)): "sparsemixer router inside a no_grad region",
+    ("deepseek_v3", (2, 2)): "grouped sigmoid router, shared expert, dense first layer, 8 experts",
+}
+
+
+def _check(per_rank, what):
+    assert_every_rank([r["errs"] for r in per_rank], what)
+    names = set(per_rank[0]["errs"])
+    assert "output loss" in names and any(n.startswith("grad ") for n in names), names
+
+
+@pytest.mark.parametrize("family,grid", CASES)
+def test_experts_split_parity_and_memory(pool4, family, grid):
+    """Catches an expert block multiplied with another block's tokens, gate and up halves that do not
+    match on a column, a down projection whose column sums are lost or counted twice, a gradient of a
+    routed token missing its other rows' share -- and expert weights left whole on every rank."""
+    per_rank = pool4.run(moe_parity, family, grid)
+    _check(per_rank, f"{family} {grid} ({CASES[family, grid]})")
+    total = per_rank[0]["total"]
+    held = max(r["held"] for r in per_rank)
+    assert held <= HELD * total / 4, f"{family} {grid}: a rank holds {held} of {total} ({held * 4 / total:.2f}/p)"
+    assert not any("grouped_mm" in op for op in per_rank[0]["gathered"]), per_rank[0]["gathered"]
+
+
+def test_experts_without_tokens(pool4):
+    """Every token the same: all route to the same two experts, the others get none (an empty run of
+    rows on some ranks). Catches offsets read past a block's edge and an empty block that breaks or
+    returns garbage instead of zeros."""
+    per_rank = pool4.run(moe_parity, "mixtral", (2, 2), same_token=True, num_local_experts=8)
+    _check(per_rank, "mixtral 8 experts, one token everywhere")
+    assert all(len(layer) <= 2 for layer in per_rank[0]["routed"]), per_rank[0]["routed"]
+
+
+def test_expert_count_the_rows_do_not_divide(pool4):
+    """5 experts on 2 rows: torch.chunk blocks of 3 and 2. Catches block edges computed as E/R."""
+    per_rank = pool4.run(moe_parity, "mixtral", (2, 2), num_local_experts=5)
+    _check(per_rank, "mixtral 5 experts at 2x2")
