@@ -8,7 +8,8 @@ multiplies that run alone and leaves every other row zero. Summed over the grid'
 whole product, each row coming from exactly one member: the layout `passes.rules.experts.EXPERT_ROWS`.
 
 The offsets are read on the host (one `int()` per block edge, as transformers' own fallback reads
-them all with `tolist()`), so the run's length is known when the matmul starts.
+them all with `tolist()`), so the run's length is known when the matmul starts. A planning run on
+fake tensors has no offsets to read: it takes the routing as spread evenly over the experts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from passes.compat import is_fake
 from passes.layout import chunk_range
 from passes.mesh import Grid
 
@@ -24,6 +26,14 @@ from passes.mesh import Grid
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """transformers' registered grouped matmul (the op the captured graph calls)."""
     return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+
+
+def _run(offs: torch.Tensor, lo: int, hi: int, rows: int, experts: int) -> tuple:
+    """[start, stop) of the rows that experts [lo, hi) own."""
+    if is_fake(offs):
+        return rows * lo // experts, rows * hi // experts
+    start = int(offs[lo - 1]) if lo > 0 else 0
+    return start, int(offs[hi - 1]) if hi > lo else start
 
 
 class ExpertBlockMM(nn.Module):
@@ -40,8 +50,7 @@ class ExpertBlockMM(nn.Module):
         if not self.split:
             return grouped_mm(x, w, offs)
         lo, hi = chunk_range(self.experts, self.grid.shape[0], self.grid.r)
-        start = int(offs[lo - 1]) if lo > 0 else 0
-        stop = int(offs[hi - 1]) if hi > lo else start
+        start, stop = _run(offs, lo, hi, x.shape[0], self.experts)
         rows = grouped_mm(x[start:stop], w, offs[lo:hi] - start)  # [run, N']
         return F.pad(rows, (0, 0, start, x.shape[0] - stop))  # [S, N']; pad's backward drops other rows
 

@@ -26,6 +26,7 @@ over rows, and the grouped matmul that made it drops the rest.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -37,10 +38,11 @@ from passes.kernelspec import KernelSpec, Site, _products
 from passes.layout import REPLICATED, Layout, Strided, split_dim, uneven_ok
 from passes.ops.experts import ExpertBlockMM
 from passes.rules import Strategy, Unsupported, arg, register_named, shape, tensor_inputs
-from passes.rules.expert_rows import EXPERT_ROWS
+from passes.rules.expert_rows import ZERO_KEEPING, EXPERT_ROWS
 from passes.rules.matmul import fused_parts
 
 aten = torch.ops.aten
+_BETWEEN = ZERO_KEEPING | {aten.chunk, aten.split, aten.split_with_sizes}  # ops between two expert matmuls
 GROUPED_MM = "transformers.grouped_mm_fallback.default"
 
 
@@ -72,8 +74,12 @@ class ExpertsSpec(KernelSpec):
 
 
 def _source_mm(x: Node) -> Node | None:
-    """The grouped matmul a P(rows) tensor came from, through the ops that keep the placement."""
+    """The grouped matmul whose output x is, through casts, activations, products and the split into
+    gate and up (what lies between two expert matmuls); None when x is not such a value."""
     while x.op == "call_function" and str(x.target) != GROUPED_MM:
+        packet = getattr(x.target, "overloadpacket", None)
+        if x.target is not operator.getitem and packet not in _BETWEEN:
+            return None
         ins = tensor_inputs(x)
         if not ins:
             return None
@@ -81,20 +87,22 @@ def _source_mm(x: Node) -> Node | None:
     return x if x.op == "call_function" else None
 
 
-def _rows_in(node: Node, x: Node, have: Layout) -> bool:
-    """x arrives P(rows) from a grouped matmul over the same experts and offsets as `node`."""
-    src = _source_mm(x) if have[0] == EXPERT_ROWS else None
+def _second(node: Node, x: Node) -> bool:
+    """x is the result of a grouped matmul over the same experts and offsets as `node` (the down
+    projection reading the gate/up projection's output)."""
+    src = _source_mm(x)
     return src is not None and arg(src, 2, "offs") is arg(node, 2, "offs") and \
         shape(src.args[1])[0] == shape(node.args[1])[0]
 
 
-def _columns(node: Node, x_lay: Layout, w_shape: tuple, mesh) -> tuple:
-    """(x's, w's and the output's placement over the columns): K split when x arrives with its K dim
-    split (the down projection), else N split, interleaved when the output is cut into equal parts."""
+def _columns(node: Node, x_lay: Layout, second: bool, w_shape: tuple, mesh) -> tuple:
+    """(x's, w's and the output's placement over the columns): the second matmul splits K as its input
+    arrives split, the first splits N (interleaved when its output is cut into equal parts) and reads
+    x whole over the columns, so that the activation between them runs on its blocks."""
     _, K, N = w_shape
     C = mesh[1]
     px = x_lay[1]
-    if C > 1 and split_dim(px) == 1 and not isinstance(px, Strided) and (K % C == 0 or uneven_ok(mesh)):
+    if C > 1 and second and split_dim(px) == 1 and not isinstance(px, Strided) and (K % C == 0 or uneven_ok(mesh)):
         return Shard(1), Shard(1), Partial("sum")
     k = fused_parts(node)
     if C > 1 and N % (C * k) == 0:
@@ -117,10 +125,11 @@ def grouped_mm(node, layouts, mesh):
     split = R > 1 and (E % R == 0 or uneven_ok(mesh))
     if placed is not None:  # pinned by an earlier compile: follow it
         split = placed[0] == Shard(0)
-    x1, w1, o1 = _columns(node, have, ws, mesh)
+    second = _second(node, x)
+    x1, w1, o1 = _columns(node, have, second, ws, mesh)
     if placed is not None and placed[1] != w1:
         x1, w1, o1 = Replicate(), placed[1], Replicate() if isinstance(placed[1], Replicate) else o1
-    x0 = EXPERT_ROWS if split and _rows_in(node, x, have) else Replicate()
+    x0 = EXPERT_ROWS if split and second and have[0] == EXPERT_ROWS else Replicate()
     w0, o0 = (Shard(0), EXPERT_ROWS) if split else (Replicate(), Replicate())
     why = "" if split or R == 1 else f"; experts whole over the rows ({E} experts, {R} rows)"
     return Strategy({x: Layout((x0, x1)), w: Layout((w0, w1)), offs: REPLICATED}, Layout((o0, o1)),

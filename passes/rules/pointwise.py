@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import REPLICATED, Layout, moved, parts, split_dim, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs, val, whole_along
-from passes.rules.expert_rows import rows_pointwise
+from passes.rules.expert_rows import rows_pointwise, rows_sum
 
 aten = torch.ops.aten
 
@@ -151,20 +151,24 @@ def reduction(node, layouts, mesh):
     """A split reduced dim gives a partial result over its axis (sum, or avg for mean)."""
     x = node.args[0]
     lay = layouts[x]
+    kind = "avg" if node.target in (aten.mean.dim, aten.mean.default) else "sum"
+    summed = rows_sum(lay, kind)  # the experts' results summed over the top-k: reduced later, once
     if lay is None or lay.has_partial:
         lay = REPLICATED if lay is None else lay
-        lay = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
+        lay = Layout(tuple(Replicate() if isinstance(p, Partial) and a not in summed else p
+                           for a, p in enumerate(lay.placements)))
     lay = lay.normalized(len(shape(x)))
     dims = _reduced_dims(node)
     keep = arg(node, 2, "keepdim", False)
-    kind = "avg" if node.target in (aten.mean.dim, aten.mean.default) else "sum"
     if kind == "avg":  # the mean of unequal torch.chunk blocks' means is not the mean: reduce it whole
         xs = shape(x)
         lay = Layout(tuple(Replicate() if split_dim(p) in dims and xs[p.dim] % mesh[a] else p
                            for a, p in enumerate(lay.placements)))
     out = []
-    for p in lay.placements:
-        if split_dim(p) is None:
+    for a, p in enumerate(lay.placements):
+        if a in summed:
+            out.append(summed[a])
+        elif split_dim(p) is None:
             out.append(p)
         elif p.dim in dims:
             out.append(Partial(kind))
