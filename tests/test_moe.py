@@ -55,3 +55,20 @@ def test_expert_count_the_rows_do_not_divide(pool4):
     """5 experts on 2 rows: torch.chunk blocks of 3 and 2. Catches block edges computed as E/R."""
     per_rank = pool4.run(moe_parity, "mixtral", (2, 2), num_local_experts=5)
     _check(per_rank, "mixtral 5 experts at 2x2")
+
+
+def test_expert_count_kept_whole_is_a_visible_fallback():
+    """indivisible='replicate' with 5 experts on 2 rows: the experts stay whole over the rows. Catches
+    that happening silently (no fallback record, so no FallbackWarning and no explain line)."""
+    import torch
+
+    import autopar
+    import hf_families
+
+    torch.manual_seed(0)
+    model, make = hf_families.build("mixtral", num_local_experts=5)
+    with pytest.warns(autopar.FallbackWarning, match="experts whole over the rows: 5 experts on 2 rows"):
+        pl = autopar.plan(model, grid=(2, 2), example_kwargs=make(4, 8, 1), indivisible="replicate",
+                          measure_activations=False)
+    assert pl.params["model.layers.0.mlp.experts.down_proj"].layout == "RS(2)"
+    assert any("experts whole over the rows" in f.reason for f in pl.fallbacks)

@@ -131,6 +131,11 @@ def grouped_mm(node, layouts, mesh):
         x1, w1, o1 = Replicate(), placed[1], Replicate() if isinstance(placed[1], Replicate) else o1
     x0 = EXPERT_ROWS if split and second and have[0] == EXPERT_ROWS else Replicate()
     w0, o0 = (Shard(0), EXPERT_ROWS) if split else (Replicate(), Replicate())
-    why = "" if split or R == 1 else f"; experts whole over the rows ({E} experts, {R} rows)"
-    return Strategy({x: Layout((x0, x1)), w: Layout((w0, w1)), offs: REPLICATED}, Layout((o0, o1)),
-                    kernel=ExpertsSpec(experts=E, split=split), note=f"experts over the rows{why}")
+    need = {x: Layout((x0, x1)), w: Layout((w0, w1)), offs: REPLICATED}
+    spec = ExpertsSpec(experts=E, split=split)
+    if split or R == 1:
+        return Strategy(need, Layout((o0, o1)), kernel=spec, note="experts over the rows" if split else "")
+    # the experts whole on every row: correct, but each rank stores R times its share -- say so
+    return Strategy(need, Layout((o0, o1)), kernel=spec, fallback=True,
+                    note=f"fallback: experts whole over the rows: {E} experts on {R} rows; pass "
+                         f"indivisible='uneven' to split them in unequal blocks")
