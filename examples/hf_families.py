@@ -124,7 +124,7 @@ FAMILIES = {
                      "Llama-like, head_dim set"),
     # MoE decoders
     "mixtral": Family("MixtralForCausalLM", "MixtralConfig", _d(MOE, num_local_experts=4), "causal", "moe",
-                      "top-2 router, per-expert index_add"),
+                      "top-2 router, grouped expert matmul"),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
                         _d(MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
                         "causal", "moe", "shared expert with a sigmoid gate"),
