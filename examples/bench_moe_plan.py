@@ -64,7 +64,7 @@ def plan_one(name: str, layers: int | None, experts: int | None, fused: str = "r
             "comm_bytes_per_rank_per_step": pl.comm_bytes_per_rank_per_step,
             "param_grad_adam_bytes_per_rank": 4 * pl.param_bytes_per_rank, "plan_seconds": round(seconds, 1),
             "gathered": sorted({str(f.node.target) for f in pl.fallbacks if f.costly}),
-            "graph_nodes": len(pl.rows)}
+            "plan_rows": len(pl.rows)}
 
 
 def main(argv=None):

@@ -72,3 +72,14 @@ def test_expert_count_kept_whole_is_a_visible_fallback():
                           measure_activations=False)
     assert pl.params["model.layers.0.mlp.experts.down_proj"].layout == "RS(2)"
     assert any("experts whole over the rows" in f.reason for f in pl.fallbacks)
+
+
+def test_mixtral_8x7b_shape_planned_at_8x8():
+    """Two layers of the Mixtral-8x7B shape on the meta device at 8x8: every rank holds at most 1.15/p
+    of the parameters, the experts over rows and columns. Catches expert weights that a large grid
+    leaves whole (an expert or intermediate count the rule misreads) and a plan that no longer builds."""
+    import bench_moe_plan
+
+    row = bench_moe_plan.plan_one("mixtral-8x7b", layers=2, experts=None, batch=1, seq=256)
+    assert row["params_per_rank_x_1_over_p"] <= 1.15, row
+    assert row["gathered"] == ["aten.topk.default"], row
