@@ -57,7 +57,7 @@ def _train(model, steps, log=None) -> dict:
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+        losses.append(float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()))
         moved = log.total() if log is not None else 0
     return {"step_s": statistics.median(times[1:] or times), "losses": losses, "bytes": moved}
 

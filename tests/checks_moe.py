@@ -25,10 +25,12 @@ def routed_experts(out) -> list:
     return [sorted(set(logits.topk(k, dim=-1).indices.flatten().tolist())) for logits in out.router_logits]
 
 
-def moe_parity(rank, name: str, grid: tuple, same_token: bool = False, **config) -> dict:
+def moe_parity(rank, name: str, grid: tuple, same_token: bool = False, other_shape: bool = False,
+               **config) -> dict:
     """The family whole on one process against parallelize on `grid`: every output (router logits
     included), the loss (with the router's load-balancing loss) and every gradient; the parameter
-    bytes this rank holds; the ops gathered whole; which experts got tokens."""
+    bytes this rank holds; the ops gathered whole; which experts got tokens. `other_shape`: also the
+    outputs of a call with another batch and sequence length."""
     torch.manual_seed(0)
     model, make = hf_families.build(name, **config)
     model.eval()
@@ -41,7 +43,12 @@ def moe_parity(rank, name: str, grid: tuple, same_token: bool = False, **config)
     pm = autopar.parallelize(model, grid=grid, example_kwargs=kw)
     got = pm(**kw)
     got.loss.backward()
-    return {"errs": sweep_hf.compare(ref, want, pm, got),
+    errs = sweep_hf.compare(ref, want, pm, got)
+    if other_shape:  # a second signature: compiled again with the parameters' layouts pinned
+        kw2 = make(2, 6, 2)
+        errs.update({f"{k} (batch 2, seq 6)": v for k, v in
+                     sweep_hf.compare(ref, ref(**kw2), pm, pm(**kw2)).items() if not k.startswith("grad ")})
+    return {"errs": errs,
             "held": sum(p.to_local().numel() for p in pm.parameters()),
             "total": sum(p.numel() for p in pm.parameters()),
             "gathered": sorted({str(f.node.target) for f in pm.program.fallbacks if f.costly}),

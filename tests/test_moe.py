@@ -51,6 +51,14 @@ def test_experts_without_tokens(pool4):
     assert all(len(layer) <= 2 for layer in per_rank[0]["routed"]), per_rank[0]["routed"]
 
 
+def test_experts_at_a_second_input_shape(pool4):
+    """A call with another batch and sequence length compiles again with the expert weights' blocks
+    pinned. Catches a second compile that reads the stored (plain) gate|up blocks as interleaved."""
+    per_rank = pool4.run(moe_parity, "mixtral", (2, 2), other_shape=True)
+    _check(per_rank, "mixtral 2x2, two input shapes")
+    assert any("(batch 2, seq 6)" in n for n in per_rank[0]["errs"]), per_rank[0]["errs"]
+
+
 def test_expert_count_the_rows_do_not_divide(pool4):
     """5 experts on 2 rows: torch.chunk blocks of 3 and 2. Catches block edges computed as E/R."""
     per_rank = pool4.run(moe_parity, "mixtral", (2, 2), num_local_experts=5)

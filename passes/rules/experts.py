@@ -123,12 +123,10 @@ def grouped_mm(node, layouts, mesh):
     placed = layouts.get(w)
     E, R = ws[0], mesh[0]
     split = R > 1 and (E % R == 0 or uneven_ok(mesh))
-    if placed is not None:  # pinned by an earlier compile: follow it
+    if placed is not None:  # pinned by an earlier compile (another input shape): keep its expert blocks
         split = placed[0] == Shard(0)
     second = _second(node, x)
     x1, w1, o1 = _columns(node, have, second, ws, mesh)
-    if placed is not None and placed[1] != w1:
-        x1, w1, o1 = Replicate(), placed[1], Replicate() if isinstance(placed[1], Replicate) else o1
     x0 = EXPERT_ROWS if split and second and have[0] == EXPERT_ROWS else Replicate()
     w0, o0 = (Shard(0), EXPERT_ROWS) if split else (Replicate(), Replicate())
     need = {x: Layout((x0, x1)), w: Layout((w0, w1)), offs: REPLICATED}
