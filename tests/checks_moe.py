@@ -53,3 +53,31 @@ def moe_parity(rank, name: str, grid: tuple, same_token: bool = False, other_sha
             "total": sum(p.numel() for p in pm.parameters()),
             "gathered": sorted({str(f.node.target) for f in pm.program.fallbacks if f.costly}),
             "routed": routed_experts(want) if getattr(want, "router_logits", None) else None}
+
+
+def _rel(got, want) -> float:
+    got, want = got.detach().float(), want.detach().float()
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
+
+
+def moe_bf16(rank, grid: tuple) -> dict:
+    """Mixtral in bf16, where transformers calls torch's `_grouped_mm`: the loss, the logits and every
+    gradient as relative norm errors against one process in bf16, and the parameters this rank holds."""
+    torch.manual_seed(0)
+    model, make = hf_families.build("mixtral")
+    model = model.to(torch.bfloat16).eval()
+    ref = copy.deepcopy(model)
+    kw = make(sweep_hf.BATCH, sweep_hf.SEQ, 1)
+    want = ref(**kw)
+    want.loss.backward()
+    pm = autopar.parallelize(model, grid=grid, example_kwargs=kw)
+    got = pm(**kw)
+    got.loss.backward()
+    full = sweep_hf._full
+    errs = {"loss": _rel(full(got.loss), want.loss), "logits": _rel(full(got.logits), want.logits)}
+    mine = dict(pm.named_parameters())
+    errs.update({f"grad {n}": _rel(full(mine[n].grad), p.grad) for n, p in ref.named_parameters()})
+    return {"errs": errs, "held": sum(p.to_local().numel() for p in pm.parameters()),
+            "total": sum(p.numel() for p in pm.parameters()),
+            "ops": sorted({str(n.target) for n in pm.program.captured.gm.graph.nodes if "grouped" in str(n.target)}),
+            "gathered": sorted({str(f.node.target) for f in pm.program.fallbacks if f.costly})}

@@ -91,3 +91,21 @@ def test_mixtral_8x7b_shape_planned_at_8x8():
     row = bench_moe_plan.plan_one("mixtral-8x7b", layers=2, experts=None, batch=1, seq=256)
     assert row["params_per_rank_x_1_over_p"] <= 1.15, row
     assert row["gathered"] == ["aten.topk.default"], row
+
+
+BF16 = 3e-2  # relative norm error of a bf16 tensor: its 8-bit mantissa, summed in another order
+
+
+def test_bf16_experts_through_torch_grouped_mm(pool4):
+    """bf16 weights: transformers calls torch's `_grouped_mm` instead of its fallback op. Catches that
+    op left whole (experts replicated), or its runs cut at the wrong rows (errors far above bf16's)."""
+    from tests.checks_moe import moe_bf16
+
+    per_rank = pool4.run(moe_bf16, (2, 2))
+    # the expert kernels that replaced torch's op (named after its nodes), one per matmul and layer
+    assert per_rank[0]["ops"] == [f"autopar_experts__grouped_mm{i}" for i in ("", "_1", "_2", "_3")], per_rank[0]["ops"]
+    assert not any("grouped_mm" in op for op in per_rank[0]["gathered"]), per_rank[0]["gathered"]
+    for rank, r in enumerate(per_rank):
+        bad = {n: e for n, e in r["errs"].items() if not e <= BF16}
+        assert not bad, f"rank {rank}: relative errors above {BF16}: {bad}"
+        assert r["held"] <= HELD * r["total"] / 4, (r["held"], r["total"])

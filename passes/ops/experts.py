@@ -23,8 +23,14 @@ from passes.layout import chunk_range
 from passes.mesh import Grid
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """transformers' registered grouped matmul (the op the captured graph calls)."""
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aten: bool) -> torch.Tensor:
+    """The grouped matmul the captured graph calls: torch's own (`aten`, what transformers uses with
+    bf16 weights) or transformers' registered fallback (fp32). A run of no rows multiplies nothing
+    (torch's CPU kernel has no backward for it) but keeps w in the autograd graph: its gradient is zero."""
+    if x.shape[0] == 0:
+        return torch.einsum("sk,ekn->sn", x, w)  # [0, N']
+    if aten:
+        return torch._grouped_mm(x, w, offs=offs)
     return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
 
 
@@ -42,17 +48,17 @@ class ExpertBlockMM(nn.Module):
     Returns [S, N'], zero outside this rank's run of rows; with `split` False the experts are whole and
     it is transformers' op as captured."""
 
-    def __init__(self, grid: Grid, experts: int, split: bool):
+    def __init__(self, grid: Grid, experts: int, split: bool, aten: bool = False):
         super().__init__()
-        self.grid, self.experts, self.split = grid, experts, split
+        self.grid, self.experts, self.split, self.aten = grid, experts, split, aten
 
     def forward(self, x, w, offs):
         if not self.split:
-            return grouped_mm(x, w, offs)
+            return grouped_mm(x, w, offs, self.aten)
         lo, hi = chunk_range(self.experts, self.grid.shape[0], self.grid.r)
         start, stop = _run(offs, lo, hi, x.shape[0], self.experts)
-        rows = grouped_mm(x[start:stop], w, offs[lo:hi] - start)  # [run, N']
+        rows = grouped_mm(x[start:stop], w, (offs[lo:hi] - start).to(offs.dtype), self.aten)  # [run, N']
         return F.pad(rows, (0, 0, start, x.shape[0] - stop))  # [S, N']; pad's backward drops other rows
 
     def extra_repr(self) -> str:
-        return f"experts={self.experts}, split={self.split}"
+        return f"experts={self.experts}, split={self.split}, aten={self.aten}"

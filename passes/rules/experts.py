@@ -37,7 +37,7 @@ from torch.fx import Node
 from passes.kernelspec import KernelSpec, Site, _products
 from passes.layout import REPLICATED, Layout, Strided, split_dim, uneven_ok
 from passes.ops.experts import ExpertBlockMM
-from passes.rules import Strategy, Unsupported, arg, register_named, shape, tensor_inputs
+from passes.rules import Strategy, Unsupported, arg, register, register_named, shape, tensor_inputs
 from passes.rules.expert_rows import ZERO_KEEPING, EXPERT_ROWS
 from passes.rules.matmul import fused_parts
 
@@ -54,12 +54,13 @@ class ExpertsSpec(KernelSpec):
     local: ClassVar[bool] = True
     experts: int = 1
     split: bool = False  # the experts are split over the rows
+    aten: bool = False  # torch's aten._grouped_mm, else transformers' fallback op
 
     def operands(self, node):
         return node.args[0], node.args[1], arg(node, 2, "offs")
 
     def build(self, node, grid, lowering):
-        return ExpertBlockMM(grid, self.experts, self.split), self.operands(node)
+        return ExpertBlockMM(grid, self.experts, self.split, self.aten), self.operands(node)
 
     def describe(self, site):
         return f"grouped matmul, {self.experts} experts" + (" over the rows" if self.split else "")
@@ -73,10 +74,14 @@ class ExpertsSpec(KernelSpec):
         return 2 * rows * k * n * _products(*site.grads[:2])
 
 
+def _is_grouped_mm(node: Node) -> bool:
+    return node.target == aten._grouped_mm.default or str(node.target) == GROUPED_MM
+
+
 def _source_mm(x: Node) -> Node | None:
     """The grouped matmul whose output x is, through casts, activations, products and the split into
     gate and up (what lies between two expert matmuls); None when x is not such a value."""
-    while x.op == "call_function" and str(x.target) != GROUPED_MM:
+    while x.op == "call_function" and not _is_grouped_mm(x):
         packet = getattr(x.target, "overloadpacket", None)
         if x.target is not operator.getitem and packet not in _BETWEEN:
             return None
@@ -113,6 +118,15 @@ def _columns(node: Node, x_lay: Layout, second: bool, w_shape: tuple, mesh) -> t
     return Replicate(), Replicate(), Replicate()
 
 
+@register(aten._grouped_mm.default)
+def aten_grouped_mm(node, layouts, mesh):
+    """torch's grouped matmul (what transformers calls with bf16 weights): the same split as its
+    fallback when it has offsets and neither a bias nor another output dtype."""
+    if arg(node, 2, "offs") is None or arg(node, 3, "bias") is not None or arg(node, 4, "out_dtype") is not None:
+        raise Unsupported("_grouped_mm without offsets, or with a bias or an out_dtype")
+    return grouped_mm(node, layouts, mesh)
+
+
 @register_named(GROUPED_MM)
 def grouped_mm(node, layouts, mesh):
     x, w, offs = node.args[0], node.args[1], arg(node, 2, "offs")
@@ -130,7 +144,7 @@ def grouped_mm(node, layouts, mesh):
     x0 = EXPERT_ROWS if split and second and have[0] == EXPERT_ROWS else Replicate()
     w0, o0 = (Shard(0), EXPERT_ROWS) if split else (Replicate(), Replicate())
     need = {x: Layout((x0, x1)), w: Layout((w0, w1)), offs: REPLICATED}
-    spec = ExpertsSpec(experts=E, split=split)
+    spec = ExpertsSpec(experts=E, split=split, aten=node.target == aten._grouped_mm.default)
     if split or R == 1:
         return Strategy(need, Layout((o0, o1)), kernel=spec, note="experts over the rows" if split else "")
     # the experts whole on every row: correct, but each rank stores R times its share -- say so
