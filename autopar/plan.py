@@ -121,9 +121,9 @@ class Plan:
 
 
 _UNMEASURED = ("autopar.plan: activation memory not measured: running rank (0, 0)'s graph on fake CPU tensors "
-               "failed ({}). A model built on the meta device was captured with the code its non-CPU branches "
-               "take (transformers' MoE experts count tokens with an integer histc, which has no CPU kernel); "
-               "build it on the CPU to measure activations.")
+               "failed ({}). That happens when a model built on the meta device was captured with the code its "
+               "non-CPU branches take (transformers' MoE experts count tokens with an integer histc, which has "
+               "no CPU kernel); build it on the CPU to measure activations.")
 
 
 def _measure_activations(gm, cap, mesh):

@@ -109,3 +109,22 @@ def test_bf16_experts_through_torch_grouped_mm(pool4):
         bad = {n: e for n, e in r["errs"].items() if not e <= BF16}
         assert not bad, f"rank {rank}: relative errors above {BF16}: {bad}"
         assert r["held"] <= HELD * r["total"] / 4, (r["held"], r["total"])
+
+
+def test_meta_built_moe_plan_says_activations_are_unmeasured():
+    """A Mixtral built on the meta device captures transformers' integer histc, which the fake CPU run
+    measuring activations cannot execute. Catches `plan` (and `inspect`) failing on it, or leaving the
+    activation figure empty without saying why."""
+    import transformers
+
+    import autopar
+    import hf_families
+    import torch
+
+    cfg = transformers.MixtralConfig(**{**hf_families.TOKENS, **hf_families.FAMILIES["mixtral"].kw})
+    with autopar.meta_init():
+        model = transformers.MixtralForCausalLM(cfg)
+    ids = torch.ones(2, 8, dtype=torch.long)
+    with pytest.warns(UserWarning, match=r"activation memory not measured: .*histogram_cpu.*build it on the CPU"):
+        pl = autopar.plan(model, grid=(2, 2), example_kwargs=dict(input_ids=ids, labels=ids))
+    assert pl.activation_bytes is None and pl.param_bytes_per_rank * 4 <= HELD * pl.param_bytes_total
