@@ -90,7 +90,7 @@ def test_mixtral_8x7b_shape_planned_at_8x8():
 
     row = bench_moe_plan.plan_one("mixtral-8x7b", layers=2, experts=None, batch=1, seq=256)
     assert row["params_per_rank_x_1_over_p"] <= 1.15, row
-    assert row["gathered"] == ["aten.topk.default"], row
+    assert not row["gathered"], row  # the router picks its experts on its own rows (topk rule)
 
 
 BF16 = 3e-2  # relative norm error of a bf16 tensor: its 8-bit mantissa, summed in another order

@@ -184,3 +184,18 @@ def along_dim(node, layouts, mesh):
     x = node.args[0]
     lay = whole_along(layouts, x, node.args[1] % len(shape(x)))
     return Strategy({x: lay}, lay)
+
+
+@register(aten.topk.default, aten.sort.default, aten.sort.stable)
+def select_along(node, layouts, mesh):
+    """topk and sort (a router picking its experts): the values and indices along one dim, which must
+    be whole; the other dims stay split as they are (each token picks on its own row)."""
+    x = node.args[0]
+    if node.target == aten.topk.default:
+        dim = arg(node, 2, "dim", -1)
+    elif node.target == aten.sort.default:
+        dim = arg(node, 1, "dim", -1)
+    else:
+        dim = node.kwargs.get("dim", -1)
+    lay = whole_along(layouts, x, dim % len(shape(x)))
+    return Strategy({x: lay}, (lay, lay))
