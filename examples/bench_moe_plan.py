@@ -1,8 +1,8 @@
 """Benchmark: planning mixture-of-experts models at 8x8 on one CPU process (nothing allocated).
 
 A Mixtral-8x7B shape (32 layers, hidden 4096, 8 experts of intermediate 14336, top-2, 32 heads, 8 KV
-heads, vocab 32000) and a DeepSeek-V3-like shape (hidden 7168, 256 routed experts of intermediate
-2048 plus one shared, top-8, latent attention; fewer layers, see --layers), batch 8, sequence 1024:
+heads, vocab 32000) and the DeepSeek-V3 shape (61 layers, hidden 7168, 256 routed experts of
+intermediate 2048 plus one shared, top-8, latent attention; --layers plans fewer), batch 8, sequence 1024:
 parameters per rank against 1/p, bytes received per rank per step, memory, and the wall time of
 `autopar.plan` -- also for 8, 64 and 256 experts at a fixed layer count, to see how planning time
 grows with the graph.
