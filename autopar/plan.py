@@ -23,6 +23,7 @@ parallelism at p = q·q, from its analytic volume (docs/design.md section 1).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -126,6 +127,12 @@ class Plan:
         }
 
 
+_UNMEASURED = ("autopar.plan: activation memory not measured: running rank (0, 0)'s graph on fake CPU tensors "
+               "failed ({}). That happens when a model built on the meta device was captured with the code its "
+               "non-CPU branches take (transformers' MoE experts count tokens with an integer histc, which has "
+               "no CPU kernel); build it on the CPU to measure activations.")
+
+
 def _measure_activations(gm, cap, mesh):
     """Run rank (0, 0)'s graph under FakeTensorMode on a fake process group: bytes saved for backward
     and the largest tensor. Needs no process group in this process (it makes a fake one)."""
@@ -152,8 +159,12 @@ def _measure_activations(gm, cap, mesh):
                 shape = local_shape(tuple(v.shape), lay, mesh, at=(0, 0))
                 grad = role == "param" and v.dtype.is_floating_point
                 args.append(torch.zeros(shape, dtype=v.dtype, requires_grad=grad))
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                outs = gm(*args)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    outs = gm(*args)
+            except RuntimeError as e:  # said, not hidden: the plan's other figures stand
+                warnings.warn(_UNMEASURED.format(str(e).splitlines()[0]), stacklevel=3)
+                return None, None
             tensors = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
             for o in pytree.tree_leaves(outs):
                 if isinstance(o, torch.Tensor):

@@ -124,7 +124,7 @@ FAMILIES = {
                      "Llama-like, head_dim set"),
     # MoE decoders
     "mixtral": Family("MixtralForCausalLM", "MixtralConfig", _d(MOE, num_local_experts=4), "causal", "moe",
-                      "top-2 router, per-expert index_add"),
+                      "top-2 router, grouped expert matmul"),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
                         _d(MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
                         "causal", "moe", "shared expert with a sigmoid gate"),
@@ -149,6 +149,12 @@ FAMILIES = {
                           _d(MOE, head_dim=8, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64,
                              interleave_moe_layer_step=1, attention_chunk_size=4),
                           "causal", "moe", "sigmoid top-1 router with a shared expert, chunked attention, NoPE layers"),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                          _d(MOE, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, n_group=2,
+                             topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16, kv_lora_rank=16,
+                             q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                             routed_scaling_factor=2.5),
+                          "causal", "moe", "grouped sigmoid router with a score bias, shared expert, latent attention"),
     # encoders (masked LM unless stated)
     "bert": Family("BertForMaskedLM", "BertConfig", STD, "masked_types", "encoder", "padding mask, token types"),
     "roberta": Family("RobertaForMaskedLM", "RobertaConfig", _d(STD, max_position_embeddings=72), "masked", "encoder",
@@ -325,14 +331,15 @@ MAKERS = {
 }
 
 
-def build(name: str):
-    """(model, make) for a family; make(batch, seq, seed) -> one call's keyword inputs."""
+def build(name: str, **over):
+    """(model, make) for a family; make(batch, seq, seed) -> one call's keyword inputs. `over`: config
+    fields that replace the family's (another expert count, say)."""
     import transformers
 
     if name not in FAMILIES:
         raise ValueError(f"unknown family {name!r}: expected one of {', '.join(sorted(FAMILIES))}")
     fam = FAMILIES[name]
-    config = getattr(transformers, fam.config)(**{**TOKENS, **fam.kw})
+    config = getattr(transformers, fam.config)(**{**TOKENS, **fam.kw, **over})
     model = getattr(transformers, fam.model)(config)
     maker = MAKERS[fam.inputs]
 

@@ -107,6 +107,14 @@ def fake_tensor_mode():
     return FakeTensorMode()
 
 
+def is_fake(t) -> bool:
+    """Whether `t` is a FakeTensor (shapes only, as `autopar.plan` runs a rank's graph). Checked on
+    2.13.0. If it moves: the expert kernel cannot tell a planning run from a real one."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return fake(t)
+
+
 def register_flattened_mesh(mesh, name: str, flat) -> None:
     """Record `flat` (a 1-D DeviceMesh over all of `mesh`'s ranks) as `mesh` flattened under `name`.
 

@@ -34,7 +34,15 @@ def _bench_llama():
     return _model(), (), _batch(0)
 
 
-MODELS = {"mlp": _mlp, "attention": _attention, "gpt2": _gpt2, "bench llama": _bench_llama}
+def _mixtral():
+    import hf_families
+
+    torch.manual_seed(0)
+    model, make = hf_families.build("mixtral")
+    return model, (), make(4, 8, 1)
+
+
+MODELS = {"mlp": _mlp, "attention": _attention, "gpt2": _gpt2, "bench llama": _bench_llama, "mixtral": _mixtral}
 
 
 def plan_vs_run(rank, name):

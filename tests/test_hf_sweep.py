@@ -16,7 +16,7 @@ FAST = {
     "bloom": "ALiBi position bias added to baddbmm scores, LayerNorm on the embeddings",
     "gpt_neox": "q/k/v fused and interleaved per head in one projection, partial rotary, untied head",
     "falcon": "multi-query attention: one K/V head inside a fused projection, parallel attention + MLP",
-    "mixtral": "MoE: top-2 routing, experts run whole (gathered fallbacks), router load-balancing loss",
+    "mixtral": "MoE: top-2 routing, experts split over the grid (P(rows) results), router load-balancing loss",
     "bart": "encoder-decoder with learned offset positions, cross-attention, final_logits_bias buffer",
     "albert": "one layer's weights shared by both layers (gradients summed over uses), factorized embedding",
 }

@@ -15,7 +15,7 @@ from tests import checks_plan as C
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", ["mlp", "attention", "gpt2", "bench llama"])
+@pytest.mark.parametrize("name", ["mlp", "attention", "gpt2", "bench llama", "mixtral"])
 def test_plan_equals_a_real_2x2_run(pool4, name):
     """Catches a planner that drifts from the engine: a different rewritten graph, or bytes (or
     collective calls) that the collective layer does not actually move (launch)."""

@@ -368,6 +368,29 @@ def test_softmax_over_split_dim(q):
     check_local_rules(SoftmaxSplitDim(), (torch.randn(B, S_, H),), q, expect=(aten.softmax,))
 
 
+class TopkSort(nn.Module):
+    """A router's picks: topk and sort along the last dim and along a split dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.lin(x)  # S(0)S(2)
+        v, i = h.topk(2, dim=-1)
+        w, j = h.topk(3, dim=0)
+        s, k = h.sort(dim=1, descending=True)
+        return v, i, w, j, s, k
+
+
+@pytest.mark.parametrize("q", QS)
+def test_topk_and_sort(q):
+    """topk and sort along the last (split) dim, the batch dim and the sequence dim. Catches a rule
+    that keeps the picked dim split (each rank would pick among its block only) or moves the other
+    splits off their dims."""
+    check_local_rules(TopkSort(), (torch.randn(B, S_, H),), q, expect=(aten.topk, aten.sort))
+
+
 class HeadReshapes(nn.Module):
     def __init__(self):
         super().__init__()

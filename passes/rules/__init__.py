@@ -23,6 +23,7 @@ from passes.kernelspec import KernelSpec
 from passes.layout import REPLICATED, Layout, Partial, Replicate, Shard, split_dim
 
 RULES: dict = {}
+NAMED_RULES: dict = {}  # "namespace.op.overload" -> rule, for ops of libraries loaded later (transformers)
 
 
 @dataclass
@@ -50,6 +51,20 @@ def register(*ops):
                 if t in RULES:
                     raise RuntimeError(f"two sharding rules for {t}: {RULES[t].__name__} and {fn.__name__}")
                 RULES[t] = fn
+        return fn
+
+    return deco
+
+
+def register_named(*names: str):
+    """Register a rule for ops named "namespace.op.overload" that a library registers when it is
+    imported (transformers' grouped expert matmul): passes never imports that library itself."""
+
+    def deco(fn):
+        for name in names:
+            if name in NAMED_RULES:
+                raise RuntimeError(f"two sharding rules for {name}: {NAMED_RULES[name].__name__} and {fn.__name__}")
+            NAMED_RULES[name] = fn
         return fn
 
     return deco
@@ -102,9 +117,11 @@ def kept_row_split(lay: Layout | None, ndim: int) -> Shard | None:
 
 
 def lookup(target):
-    return RULES.get(target)
+    rule = RULES.get(target)
+    return rule if rule is not None or not NAMED_RULES else NAMED_RULES.get(str(target))
 
 
 # importing the families registers their rules
 from passes.rules import (attention, conv_inplace, embedding_loss, fallback, indexing, matmul,  # noqa: E402,F401
                           norms, pointwise, views)
+from passes.rules import experts  # noqa: E402,F401

@@ -21,6 +21,7 @@ from torch.distributed.tensor import Replicate
 
 from passes.layout import REPLICATED, Layout, moved, split_dim
 from passes.rules import Strategy, Unsupported, register, shape, val, whole_along
+from passes.rules.expert_rows import rows_index
 
 aten = torch.ops.aten
 
@@ -45,6 +46,9 @@ def index(node, layouts, mesh):
         raise Unsupported("index by a boolean mask (its result size depends on the data)")
     width = len(torch.broadcast_shapes(*(shape(t) for t in tensors)))
     to = _out_dims(nd, indexed, width)
+    rows = rows_index(x, layouts.get(x), indexed)
+    if rows is not None and x not in tensors:  # the experts' results put back in token order
+        return Strategy({**{t: REPLICATED for t in tensors}, x: rows}, rows)
     lay = whole_along(layouts, x, indexed[0])
     if x in tensors:  # x indexes itself: it arrives whole once
         lay = REPLICATED

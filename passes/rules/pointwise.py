@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import REPLICATED, Layout, moved, parts, split_dim, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs, val, whole_along
+from passes.rules.expert_rows import rows_pointwise, rows_sum
 
 aten = torch.ops.aten
 
@@ -114,6 +115,10 @@ def pointwise(node, layouts, mesh):
     if not isinstance(out, torch.Tensor):
         raise Unsupported("non-tensor output")
     skip = (out.dim() - 1, out.dim() - 2) if node.target in (aten.tril.default, aten.triu.default) else ()
+    rows = rows_pointwise(node, layouts, data_inputs(node),
+                          lambda lays: broadcast_strategy(node, lays, tuple(out.shape), mesh, skip))
+    if rows is not None:  # an expert matmul's P(rows) result through act(gate) * up
+        return rows
     req, lay = broadcast_strategy(node, layouts, tuple(out.shape), mesh, skip)
     for axis in range(2):  # sums of partial sums, and casts/copies of one, stay partial
         if _keeps_partial(node, layouts, axis):
@@ -146,20 +151,24 @@ def reduction(node, layouts, mesh):
     """A split reduced dim gives a partial result over its axis (sum, or avg for mean)."""
     x = node.args[0]
     lay = layouts[x]
+    kind = "avg" if node.target in (aten.mean.dim, aten.mean.default) else "sum"
+    summed = rows_sum(lay, kind)  # the experts' results summed over the top-k: reduced later, once
     if lay is None or lay.has_partial:
         lay = REPLICATED if lay is None else lay
-        lay = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
+        lay = Layout(tuple(Replicate() if isinstance(p, Partial) and a not in summed else p
+                           for a, p in enumerate(lay.placements)))
     lay = lay.normalized(len(shape(x)))
     dims = _reduced_dims(node)
     keep = arg(node, 2, "keepdim", False)
-    kind = "avg" if node.target in (aten.mean.dim, aten.mean.default) else "sum"
     if kind == "avg":  # the mean of unequal torch.chunk blocks' means is not the mean: reduce it whole
         xs = shape(x)
         lay = Layout(tuple(Replicate() if split_dim(p) in dims and xs[p.dim] % mesh[a] else p
                            for a, p in enumerate(lay.placements)))
     out = []
-    for p in lay.placements:
-        if split_dim(p) is None:
+    for a, p in enumerate(lay.placements):
+        if a in summed:
+            out.append(summed[a])
+        elif split_dim(p) is None:
             out.append(p)
         elif p.dim in dims:
             out.append(Partial(kind))
@@ -175,3 +184,18 @@ def along_dim(node, layouts, mesh):
     x = node.args[0]
     lay = whole_along(layouts, x, node.args[1] % len(shape(x)))
     return Strategy({x: lay}, lay)
+
+
+@register(aten.topk.default, aten.sort.default, aten.sort.stable)
+def select_along(node, layouts, mesh):
+    """topk and sort (a router picking its experts): the values and indices along one dim, which must
+    be whole; the other dims stay split as they are (each token picks on its own row)."""
+    x = node.args[0]
+    if node.target == aten.topk.default:
+        dim = arg(node, 2, "dim", -1)
+    elif node.target == aten.sort.default:
+        dim = arg(node, 1, "dim", -1)
+    else:
+        dim = node.kwargs.get("dim", -1)
+    lay = whole_along(layouts, x, dim % len(shape(x)))
+    return Strategy({x: lay}, (lay, lay))

@@ -1,0 +1,130 @@
+"""Mixture-of-experts models with their experts split over the grid (passes/rules/experts.py).
+
+Each case runs tests/checks_moe.py on every rank of the shared 4-rank pool: outputs, router logits,
+the loss with the load-balancing term, every gradient against one process (tests/compare.py, rtol
+1e-4), and the parameters each rank holds.
+"""
+
+import pytest
+
+from tests.compare import assert_every_rank
+from tests.checks_moe import moe_parity
+
+HELD = 1.3  # x 1/p: the most of the model's parameters one rank may hold
+CASES = {
+    ("mixtral", (2, 2)): "top-2 router, fused gate|up experts over the rows and their columns",
+    ("mixtral", (1, 4)): "one row: experts whole over it, each expert's intermediate dim over 4 columns",
+    ("qwen2_moe", (2, 2)): "shared expert (a plain MLP) next to the routed ones, sigmoid shared gate",
+    ("qwen3_moe", (2, 2)): "normalized top-k probabilities",
+    ("olmoe", (2, 2)): "q/k norm, unnormalized top-k",
+    ("granitemoe", (2, 2)): "GraniteMoe's batched experts",
+    ("phimoe", (2, 2)): "sparsemixer router inside a no_grad region",
+    ("deepseek_v3", (2, 2)): "grouped sigmoid router, shared expert, dense first layer, 8 experts",
+}
+
+
+def _check(per_rank, what):
+    assert_every_rank([r["errs"] for r in per_rank], what)
+    names = set(per_rank[0]["errs"])
+    assert "output loss" in names and any(n.startswith("grad ") for n in names), names
+
+
+@pytest.mark.parametrize("family,grid", CASES)
+def test_experts_split_parity_and_memory(pool4, family, grid):
+    """Catches an expert block multiplied with another block's tokens, gate and up halves that do not
+    match on a column, a down projection whose column sums are lost or counted twice, a gradient of a
+    routed token missing its other rows' share -- and expert weights left whole on every rank."""
+    per_rank = pool4.run(moe_parity, family, grid)
+    _check(per_rank, f"{family} {grid} ({CASES[family, grid]})")
+    total = per_rank[0]["total"]
+    held = max(r["held"] for r in per_rank)
+    assert held <= HELD * total / 4, f"{family} {grid}: a rank holds {held} of {total} ({held * 4 / total:.2f}/p)"
+    assert not any("grouped_mm" in op for op in per_rank[0]["gathered"]), per_rank[0]["gathered"]
+
+
+def test_experts_without_tokens(pool4):
+    """Every token the same: all route to the same two experts, the others get none (an empty run of
+    rows on some ranks). Catches offsets read past a block's edge and an empty block that breaks or
+    returns garbage instead of zeros."""
+    per_rank = pool4.run(moe_parity, "mixtral", (2, 2), same_token=True, num_local_experts=8)
+    _check(per_rank, "mixtral 8 experts, one token everywhere")
+    assert all(len(layer) <= 2 for layer in per_rank[0]["routed"]), per_rank[0]["routed"]
+
+
+def test_experts_at_a_second_input_shape(pool4):
+    """A call with another batch and sequence length compiles again with the expert weights' blocks
+    pinned. Catches a second compile that reads the stored (plain) gate|up blocks as interleaved."""
+    per_rank = pool4.run(moe_parity, "mixtral", (2, 2), other_shape=True)
+    _check(per_rank, "mixtral 2x2, two input shapes")
+    assert any("(batch 2, seq 6)" in n for n in per_rank[0]["errs"]), per_rank[0]["errs"]
+
+
+def test_expert_count_the_rows_do_not_divide(pool4):
+    """5 experts on 2 rows: torch.chunk blocks of 3 and 2. Catches block edges computed as E/R."""
+    per_rank = pool4.run(moe_parity, "mixtral", (2, 2), num_local_experts=5)
+    _check(per_rank, "mixtral 5 experts at 2x2")
+
+
+def test_expert_count_kept_whole_is_a_visible_fallback():
+    """indivisible='replicate' with 5 experts on 2 rows: the experts stay whole over the rows. Catches
+    that happening silently (no fallback record, so no FallbackWarning and no explain line)."""
+    import torch
+
+    import autopar
+    import hf_families
+
+    torch.manual_seed(0)
+    model, make = hf_families.build("mixtral", num_local_experts=5)
+    with pytest.warns(autopar.FallbackWarning, match="experts whole over the rows: 5 experts on 2 rows"):
+        pl = autopar.plan(model, grid=(2, 2), example_kwargs=make(4, 8, 1), indivisible="replicate",
+                          measure_activations=False)
+    assert pl.params["model.layers.0.mlp.experts.down_proj"].layout == "RS(2)"
+    assert any("experts whole over the rows" in f.reason for f in pl.fallbacks)
+
+
+def test_mixtral_8x7b_shape_planned_at_8x8():
+    """Two layers of the Mixtral-8x7B shape on the meta device at 8x8: every rank holds at most 1.15/p
+    of the parameters, the experts over rows and columns. Catches expert weights that a large grid
+    leaves whole (an expert or intermediate count the rule misreads) and a plan that no longer builds."""
+    import bench_moe_plan
+
+    row = bench_moe_plan.plan_one("mixtral-8x7b", layers=2, experts=None, batch=1, seq=256)
+    assert row["params_per_rank_x_1_over_p"] <= 1.15, row
+    assert not row["gathered"], row  # the router picks its experts on its own rows (topk rule)
+
+
+BF16 = 3e-2  # relative norm error of a bf16 tensor: its 8-bit mantissa, summed in another order
+
+
+def test_bf16_experts_through_torch_grouped_mm(pool4):
+    """bf16 weights: transformers calls torch's `_grouped_mm` instead of its fallback op. Catches that
+    op left whole (experts replicated), or its runs cut at the wrong rows (errors far above bf16's)."""
+    from tests.checks_moe import moe_bf16
+
+    per_rank = pool4.run(moe_bf16, (2, 2))
+    # the expert kernels that replaced torch's op (named after its nodes), one per matmul and layer
+    assert per_rank[0]["ops"] == [f"autopar_experts__grouped_mm{i}" for i in ("", "_1", "_2", "_3")], per_rank[0]["ops"]
+    assert not any("grouped_mm" in op for op in per_rank[0]["gathered"]), per_rank[0]["gathered"]
+    for rank, r in enumerate(per_rank):
+        bad = {n: e for n, e in r["errs"].items() if not e <= BF16}
+        assert not bad, f"rank {rank}: relative errors above {BF16}: {bad}"
+        assert r["held"] <= HELD * r["total"] / 4, (r["held"], r["total"])
+
+
+def test_meta_built_moe_plan_says_activations_are_unmeasured():
+    """A Mixtral built on the meta device captures transformers' integer histc, which the fake CPU run
+    measuring activations cannot execute. Catches `plan` (and `inspect`) failing on it, or leaving the
+    activation figure empty without saying why."""
+    import transformers
+
+    import autopar
+    import hf_families
+    import torch
+
+    cfg = transformers.MixtralConfig(**{**hf_families.TOKENS, **hf_families.FAMILIES["mixtral"].kw})
+    with autopar.meta_init():
+        model = transformers.MixtralForCausalLM(cfg)
+    ids = torch.ones(2, 8, dtype=torch.long)
+    with pytest.warns(UserWarning, match=r"activation memory not measured: .*histogram_cpu.*build it on the CPU"):
+        pl = autopar.plan(model, grid=(2, 2), example_kwargs=dict(input_ids=ids, labels=ids))
+    assert pl.activation_bytes is None and pl.param_bytes_per_rank * 4 <= HELD * pl.param_bytes_total
