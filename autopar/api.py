@@ -19,6 +19,7 @@ from passes.capture import flatten_inputs
 from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
+from passes.ops.grad_buckets import BucketPlan, BucketReduce, StepBuckets, with_arrivals
 from passes.mesh import warn
 from passes.meta import PARAM
 from passes.options import DEFAULTS, Options
@@ -83,6 +84,8 @@ class ParallelModule(nn.Module):
         self._compiled = {first.signature: first}
         self._runners: dict = {}  # signature -> the callable running that program (torch.compile'd if asked)
         self.compile_stats: dict = {}  # signature -> CompileStats of its first compiled call (compile=True)
+        self._bucket_plans: dict = {}  # signature -> BucketPlan of the replicas' gradients (dp > 1)
+        self._arrival_programs: dict = {}  # signature -> the eager program with its buckets' Arrive calls
         self._last = first
         device = first.captured.device
         for name, p in model.named_parameters():
@@ -202,12 +205,11 @@ class ParallelModule(nn.Module):
         self._validate_inputs(flat, comp)
         locals_, cache = [], {}
         for role, key in comp.captured.sources:
+            if role == "param" and key not in cache:
+                cache[key] = self.get_parameter(key).to_local()
+        step = self._replica_buckets(comp, cache) if self.grid.dp > 1 and torch.is_grad_enabled() else None
+        for role, key in comp.captured.sources:
             if role == "param":
-                if key not in cache:
-                    local = self.get_parameter(key).to_local()
-                    if self.grid.dp > 1:
-                        local = comm.DataParallelGrad.apply(local, self.grid, f"dp:{key}")
-                    cache[key] = local
                 locals_.append(cache[key])
             elif role == "buffer":
                 locals_.append(self.get_buffer(key))
@@ -216,9 +218,9 @@ class ParallelModule(nn.Module):
             else:
                 locals_.append(flat[key])
         if comp.random and self.training:
-            outs = self._run_with_rank_rng(comp, locals_)
+            outs = self._run_with_rank_rng(comp, locals_, step)
         else:
-            outs = self._run(comp, locals_)
+            outs = self._run(comp, locals_, step)
         wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
 
@@ -328,26 +330,52 @@ class ParallelModule(nn.Module):
                 return False
         return True
 
-    def _run_with_rank_rng(self, comp, locals_):
+    def grad_bucket_plan(self, comp=None) -> BucketPlan:
+        """With grid=(d, R, C), d > 1: how the gradients of `comp` (default: the latest program) are
+        averaged over the replicas, one all-reduce per bucket (`passes.ops.grad_buckets`)."""
+        comp = comp or self.program
+        plan = self._bucket_plans.get(comp.signature)
+        if plan is None:
+            blocks = {n: p.to_local() for n, p in self.named_parameters() if p.requires_grad}
+            plan = self._bucket_plans[comp.signature] = BucketPlan.build(
+                comp.gm, comp.captured.sources, blocks, self._options.grad_bucket_mb * 2**20)
+        return plan
+
+    def _replica_buckets(self, comp, blocks: dict) -> StepBuckets | None:
+        """This step's replica gradient buckets, the parameter blocks in `blocks` (name -> block)
+        replaced by their bucketed twins; None when no block needs a gradient."""
+        plan = self.grad_bucket_plan(comp)
+        if not plan.buckets:
+            return None
+        step = StepBuckets(plan, self.grid, blocks[plan.keys[0]].device)
+        for b, slots in enumerate(plan.buckets):
+            outs = BucketReduce.apply(step, b, *(blocks[plan.keys[s]] for s in slots))
+            blocks.update((plan.keys[s], o) for s, o in zip(slots, outs))
+        return step
+
+    def _run_with_rank_rng(self, comp, locals_, step=None):
         """Dropout masks independent per block: one number drawn from the default generator (equal on
         ranks seeded alike, so the user's RNG advances the same everywhere) seeds this rank's stream."""
         seed = int(torch.randint(0, 2**62, (1,)).item())
         devices = [comp.captured.device] if comp.captured.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((seed + 1_000_003 * (self.grid.rank + 1)) % 2**63)
-            return self._run(comp, locals_)
+            return self._run(comp, locals_, step)
 
-    def _run(self, comp, locals_):
+    def _run(self, comp, locals_, step=None):
         """comp's graph on this rank's blocks; with compile=True under torch.compile (compiled on first
         use, per signature). A program torch.compile cannot compile runs eagerly from then on, with one
         CompileWarning shown by rank 0 (`passes.mesh.warn`): every rank compiles the same program, so all
-        of them fail and fall back alike."""
+        of them fail and fall back alike. `step`: the replicas' gradient buckets; an eager program then
+        runs with their `Arrive` calls, which launch each bucket's all-reduce during backward."""
         runner = self._runners.get(comp.signature)
+        if step is not None and runner is comp.gm:
+            return self._with_arrivals(comp)(*locals_, step)
         if runner is not None:
             return runner(*locals_)
         if not self._options.compile:
             self._runners[comp.signature] = comp.gm
-            return comp.gm(*locals_)
+            return self._run(comp, locals_, step)
         compiled = torch.compile(comp.gm)
         before = dynamo_counts()
         try:
@@ -365,6 +393,12 @@ class ParallelModule(nn.Module):
         self.compile_stats[comp.signature] = CompileStats(after[0] - before[0], after[1] - before[1])
         return outs
 
+    def _with_arrivals(self, comp):
+        gm = self._arrival_programs.get(comp.signature)
+        if gm is None:
+            gm = self._arrival_programs[comp.signature] = with_arrivals(comp.gm, self.grad_bucket_plan(comp))
+        return gm
+
     def _wrap(self, out, lay_shape):
         if lay_shape is None or not isinstance(out, torch.Tensor):
             return out
@@ -381,7 +415,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 strategy: str = DEFAULTS.strategy, cost_model=DEFAULTS.cost_model,
                 memory_limit: float | None = DEFAULTS.memory_limit,
                 search_budget: float | None = DEFAULTS.search_budget,
-                compile: bool = DEFAULTS.compile, recompute: str | bool | None = DEFAULTS.recompute) -> ParallelModule:
+                compile: bool = DEFAULTS.compile, recompute: str | bool | None = DEFAULTS.recompute,
+                grad_bucket_mb: float = DEFAULTS.grad_bucket_mb) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -441,11 +476,16 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             is communicated twice. Dropout draws the same masks when recomputed. With strategy='auto' and
             a memory_limit, None lets the search recompute the fewest blocks that make the plan fit;
             False never recomputes.
+        grad_bucket_mb: with grid=(dp, R, C), dp > 1: the parameter gradients are averaged over the
+            replicas in buckets of at most this many MiB, one all-reduce each (default 25; 0: one per
+            parameter block). Eagerly, each bucket's all-reduce starts during backward as soon as its
+            gradients are complete and is waited for at the end of backward; see
+            `passes.ops.grad_buckets` and `pmodel.grad_bucket_plan()`.
     """
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
                       search_budget=search_budget, check_inputs=check_inputs, timeout=timeout,
-                      compile=compile, recompute=recompute)
+                      compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "

@@ -109,14 +109,17 @@ def graph_rows(gm, mesh, at: tuple = (0, 0)) -> list:
 
 def collectives_line(pmodel, every: list) -> str:
     """Collective calls each rank launches per training step (what `CommLog.calls` counts), and with
-    data-parallel replicas the gradient all-reduces over them (one per parameter block with a gradient)."""
+    data-parallel replicas the gradient all-reduces over them (one per bucket, `pmodel.grad_bucket_plan`)."""
     fwd, bwd = sum(r.calls_fwd for r in every), sum(r.calls_bwd for r in every)
     again = sum(r.calls_fwd for r in every if r.recompute_bytes)  # recompute=...: forward calls made again
     line = f"collectives per rank per step: {fwd + bwd + again} (forward {fwd}, backward {bwd}"
     line += f", recomputed {again})" if again else ")"
     if pmodel.grid.dp > 1:
-        dp = sum(1 for p in pmodel.parameters() if p.requires_grad)
-        line += f"; plus {dp} data-parallel gradient all-reduces over the {pmodel.grid.dp} replicas"
+        plan = pmodel.grad_bucket_plan()
+        cap = pmodel._options.grad_bucket_mb
+        line += (f"; plus {len(plan.buckets)} data-parallel gradient all-reduces over the {pmodel.grid.dp} "
+                 f"replicas ({len(plan.keys)} parameter blocks in buckets of <= {cap:g} MiB, "
+                 f"{_fmt_bytes(plan.received(pmodel.grid.dp))} received)")
     return line
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from passes.ops.grad_buckets import BUCKET_MB
 from passes.ops.summa import LOWERINGS
 
 __all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES", "INDIVISIBLE"]
@@ -53,6 +54,7 @@ class Options:
     compile: bool = False  # run each rank's program under torch.compile
     recompute: str | bool | None = None  # None, False, "blocks" or "selective": see passes.recompute
     forward_only: bool = False  # strategy='auto' prices a forward alone (a generation phase): see below
+    grad_bucket_mb: float = BUCKET_MB  # grid=(d, R, C): MiB of gradients per replica all-reduce
 
     def __post_init__(self) -> None:
         _one_of("lowering", self.lowering, LOWERINGS)
@@ -95,6 +97,11 @@ class Options:
         if not isinstance(self.forward_only, bool):
             raise ValueError(f"forward_only={self.forward_only!r}: expected True (price a forward alone, as "
                              f"inference runs) or False (a training step)")
+
+        if not (_number(self.grad_bucket_mb) and self.grad_bucket_mb >= 0):
+            raise ValueError(f"grad_bucket_mb={self.grad_bucket_mb!r}: expected MiB >= 0 of parameter gradients "
+                             f"per data-parallel all-reduce (default {BUCKET_MB:g}; 0: one all-reduce per "
+                             f"parameter block)")
 
     def items(self) -> list:
         """(name, value) of every option, in declaration order (what ranks compare before compiling)."""

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 import autopar
 from models import GPTConfig, TinyGPT
 from passes.compat import TorchDispatchMode, pytree
+from passes.ops import grad_buckets
 from tests.checks_engine import _data, _full
 from tests.checks_hf import build
 from tests.compare import excess, group_excess, scaled_atol
@@ -240,6 +241,43 @@ def dp_parity(rank, steps=2):
     params = group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
                           prefix=f"param after {steps} steps ")
     return {**grads, **params}
+
+
+def dp_buckets(rank, grid=(2, 1, 2), bucket_mb=0.004, micro=2, compile=False):
+    """`micro` micro-batches accumulated into .grad (forward and backward each) on `grid`, the replica
+    gradients averaged in buckets of `bucket_mb` MiB: the gradients against one process on the whole
+    batches, and the replica all-reduces counted against the bucket plan."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    d = grid[0]
+    replica, rows = dist.get_rank() // (dist.get_world_size() // d), 8 // d
+    pm = autopar.parallelize(model, grid=grid, example_inputs=_data(cfg, rows, 8), grad_bucket_mb=bucket_mb,
+                             compile=compile)
+    pm.grid.log.reset()
+    launched, launch = [], grad_buckets.StepBuckets._launch
+
+    def record(step, b, async_op):  # which buckets start during backward (async) and which at its end
+        launched.append(async_op)
+        launch(step, b, async_op)
+
+    grad_buckets.StepBuckets._launch = record
+    try:
+        for m in range(micro):
+            ids, tgt = _data(cfg, 8, 8, seed=m + 1)
+            pm(ids[rows * replica:rows * (replica + 1)], tgt[rows * replica:rows * (replica + 1)])[1].backward()
+            ref(ids, tgt)[1].backward()
+    finally:
+        grad_buckets.StepBuckets._launch = launch
+    plan = pm.grad_bucket_plan()
+    ref_params = dict(ref.named_parameters())
+    return {"excess": group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                                   prefix="grad "),
+            "counted": (pm.grid.log.calls("dp:"), pm.grid.log.total("dp:")),
+            "planned": (micro * len(plan.buckets), micro * plan.received(d)),
+            "buckets": len(plan.buckets), "blocks": len(plan.keys), "async launches": sum(launched),
+            "line": [ln for ln in autopar.explain(pm).splitlines() if "data-parallel" in ln]}
 
 
 def meta_parallelize(rank):

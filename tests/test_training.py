@@ -83,6 +83,24 @@ def test_data_parallel_2x2x2():
     assert_every_rank(get_pool(8).run(C.dp_parity), "2 replicas of 2x2")
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_replica_gradients_in_buckets(pool4, compile):
+    """grid=(2, 1, 2), two micro-batches accumulated, buckets of 4 KiB: catches a bucket whose
+    all-reduce is launched twice or never (planned calls and bytes against counted), eagerly only once
+    backward has ended (not overlapped), gradients written to the wrong block of a bucket, a
+    micro-batch's gradient lost or reduced twice when accumulating, and an all-reduce read before it
+    completed (parity with one process). Compiled (one case: ~100 s here), every bucket reduces at the
+    end of backward, outside the compiled graph."""
+    res = pool4.run(C.dp_buckets, compile=compile)
+    assert_every_rank([r["excess"] for r in res], f"2 replicas of 1x2, bucketed, compile={compile}")
+    for rank, r in enumerate(res):
+        assert 1 < r["buckets"] < r["blocks"], (rank, r["buckets"], r["blocks"])  # blocks share buckets
+        assert r["counted"] == r["planned"], (rank, r["counted"], r["planned"])
+        # eagerly every bucket starts during backward; compiled, none does (no Arrive in the graph)
+        assert r["async launches"] == (0 if compile else r["planned"][0]), (rank, r)
+        assert f"plus {r['buckets']} data-parallel gradient all-reduces" in r["line"][0], r["line"]
+
+
 def test_meta_init_allocates_blocks_only(pool4):
     """parallelize on a meta-built model never allocates a parameter at full size."""
     for rank, r in enumerate(pool4.run(C.meta_parallelize)):

@@ -270,25 +270,6 @@ class GradSync(torch.autograd.Function):
         return all_reduce(grid, axis, g, tag, "bwd"), None, None, None
 
 
-class DataParallelGrad(torch.autograd.Function):
-    """A parameter block shared by dp replicas: identity forward, gradient averaged over them."""
-
-    @staticmethod
-    def forward(ctx, x, grid, tag):
-        ctx.args = (grid, tag)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        grid, tag = ctx.args
-        g = g.clone(memory_format=torch.contiguous_format)
-        grid.log.add(tag, "bwd", 2 * (grid.dp - 1) * _nbytes(g) // grid.dp)
-        grid.log.launch(tag, "bwd")
-        with guarded(grid, "all-reduce", "dp", tag):
-            dist.all_reduce(g, group=grid.dp_group)
-        return g / grid.dp, None, None
-
-
 class ToPartial(torch.autograd.Function):
     """Replicate -> Partial: member 0 keeps the value (sum) or all keep it (avg); backward identity."""
 
