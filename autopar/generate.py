@@ -138,11 +138,11 @@ class CachedLM(nn.Module):
 
         self.model = model
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        for i, layer in enumerate(self.cache.layers):  # a window's rolling writes cannot be traced: a
-            if repeat > 1:  # full layer with the model's windowed mask (every layer, when heads repeat)
+        for i, layer in enumerate(self.cache.layers):
+            if repeat > 1:  # every layer repeats its KV heads (a full layer, also for a window: below)
                 self.cache.layers[i] = _repeated_layer(max_len, repeat)
-            elif isinstance(layer, StaticSlidingWindowLayer):
-                self.cache.layers[i] = StaticLayer(max_len)
+            elif isinstance(layer, StaticSlidingWindowLayer):  # a window's rolling writes cannot be traced:
+                self.cache.layers[i] = StaticLayer(max_len)  # a full layer, with the model's windowed mask
         kv, head_dim = _head_shapes(model.config)
         dtype = next(model.parameters()).dtype
         self.cache.early_initialization(batch, kv * repeat, head_dim, dtype, device)
