@@ -29,6 +29,7 @@ import torch.distributed as dist
 from passes import Grid, capture as capture_graph, insert_collectives, localize, propagate
 from passes import strategy as strategies
 from passes.capture import Captured, retarget_meta
+from passes.group_siblings import group_siblings
 from passes.compat import pytree
 from passes.meta import LAYOUT
 from passes.mesh import warn
@@ -219,6 +220,7 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     if grid.world > 1:
         gm = insert_collectives(cap.gm, grid, options.lowering)
         localize(gm, grid.shape, (grid.r, grid.c))
+        group_siblings(gm, grid)
     else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
         gm = cap.gm
     out_node = gm.graph.output_node()

@@ -21,7 +21,7 @@ import torch
 
 from passes.insert_collectives import gradsync_axes
 from passes.kernelspec import MATMULS, GradSyncSpec, RedistributeSpec, Site, SummaSpec, flops
-from passes.layout import Layout, local_shape
+from passes.layout import Layout, local_shape, mesh_shape
 from passes.meta import ROLE, STRATEGY
 from passes.propagate import rule_key
 
@@ -72,18 +72,40 @@ def _local_elems(v, lay, mesh) -> int:
     return math.prod(local_shape(tuple(v.shape), lay, mesh, at=(0, 0)))
 
 
+def siblings(node, mesh) -> int:
+    """How many products share the collective calls of SUMMA node `node` in the all-gather lowering:
+    its AB siblings on the same x (itself included) that `passes.group_siblings` groups; else 1."""
+    spec = getattr(node.meta.get(STRATEGY), "kernel", None)
+    if not isinstance(spec, SummaSpec):
+        return 1
+    inp = spec.x
+
+    def groupable(s) -> bool:
+        return isinstance(s, SummaSpec) and not s.transposed and not s.rows_whole and s.x is inp
+
+    x, (R, C) = inp.meta.get("val"), mesh_shape(mesh)
+    if not groupable(spec) or not isinstance(x, torch.Tensor) or x.shape[-1] % R or x.shape[-1] % C:
+        return 1  # K in torch.chunk blocks: not grouped
+    return sum(1 for u in inp.users if groupable(getattr(u.meta.get(STRATEGY), "kernel", None)))
+
+
 def _summa(spec: SummaSpec, site: Site, cm: CostModel, fixed: str | None = None) -> Estimate:
     """One SUMMA node (forward and the backward products that run), with the faster lowering (or the
-    `fixed` one)."""
+    `fixed` one). In the
+    all-gather lowering k `siblings` share their calls and x's bytes (axis 1): each is charged 1/k."""
     mesh = site.mesh
     per_axis, products = spec.axis_bytes(site), spec.products(site)
     compute = spec.flops(site) / cm.flops
-    bw = sum(per_axis[a] / cm.beta[a] for a in range(2) if mesh[a] > 1) * products
-    lat = {lo: sum(cm.alpha[a] * spec.launches(site, lo) for a in range(2) if mesh[a] > 1) * products
-           for lo in ("broadcast", "allgather")}
-    times = {"broadcast": lat["broadcast"] + max(bw, compute), "allgather": lat["allgather"] + bw + compute}
+    k = {"broadcast": 1, "allgather": siblings(site.node, mesh)}
+    bw = {lo: sum(per_axis[a] / cm.beta[a] / (k[lo] if a == 1 else 1) for a in range(2) if mesh[a] > 1) * products
+          for lo in k}
+    lat = {lo: sum(cm.alpha[a] * spec.launches(site, lo) for a in range(2) if mesh[a] > 1) * products / k[lo]
+           for lo in k}
+    times = {"broadcast": lat["broadcast"] + max(bw["broadcast"], compute),
+             "allgather": lat["allgather"] + bw["allgather"] + compute}
     lowering = fixed or min(times, key=times.__getitem__)
-    return Estimate(time_s=times[lowering], bytes_per_axis=[b * products for b in per_axis],
+    return Estimate(time_s=times[lowering], bytes_per_axis=[b * products / (k[lowering] if a == 1 else 1)
+                                                            for a, b in enumerate(per_axis)],
                     lowerings={site.node.name: lowering})
 
 
@@ -140,7 +162,7 @@ def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: se
         if cache is None:
             nc = _node_cost(node, strat, layouts, mesh, grads, cm, lowering)
         else:
-            key = rule_key(node, layouts)
+            key = (rule_key(node, layouts), siblings(node, mesh))
             nc = cache.get(key)
             if nc is None:
                 nc = cache[key] = _node_cost(node, strat, layouts, mesh, grads, cm, lowering)

@@ -184,6 +184,7 @@ class SummaSpec(KernelSpec):
     transposed: bool
     flip: bool
     rows_whole: bool = False
+    grouped: str = ""  # "lead" / "follow": runs in one `summa_group.SummaGroup` with its siblings
     name: ClassVar[str] = "summa"
 
     def operands(self, node: Node) -> tuple:
@@ -211,16 +212,22 @@ class SummaSpec(KernelSpec):
 
     def cost(self, site):
         """Each product receives the same bytes; written as one fraction per product (`summa_ab_bytes`).
-        With K or N in unequal torch.chunk blocks, the site's rank's exact bytes (`_rank_steps`)."""
+        A grouped follower receives only its weight's (the lead gathers x and reduces dX for all). With K or
+        N in unequal torch.chunk blocks, the site's rank's exact bytes (`_rank_steps`)."""
         if self._unequal(site):
             return super().cost(site)
         values = self.values(site)
         M, K, N = (symbol(k) for k in "MKN")
         fwd, bwd = (summa_abt_bytes if self.transposed else summa_ab_bytes)(M, K, N, self.products(site) - 1)
+        if self.grouped == "follow":
+            fwd = E * summa_axis_elems(M, K, N, R, C, False)[0] / (R * C)
+            bwd = (self.products(site) - 1) * fwd
         return Cost(self.describe(site), fwd, bwd, {symbol(k): n for k, n in values.items()})
 
     def _per_axis(self, v: dict) -> list:
         elems = summa_axis_elems(v["M"], v["K"], v["N"], v["R"], v["C"], self.transposed)
+        if self.grouped == "follow":  # x's panel and dX's partial sums (axis 1) move once, for the lead
+            elems = (elems[0], 0)
         return [n * v["e"] / (v["R"] * v["C"]) for n in elems]
 
     def axis_bytes(self, site: Site) -> list:
@@ -262,7 +269,11 @@ class SummaSpec(KernelSpec):
 
     def calls(self, site, lowering="broadcast"):
         """`launches` per product and axis: the forward product, then the backward ones that run. With
-        `rows_whole` an upper bound, as the bytes (the weight gradient's product sends fewer pieces)."""
+        `rows_whole` an upper bound, as the bytes (the weight gradient's product sends fewer pieces).
+        In a group of siblings (`passes.group_siblings`) the lead launches the group's calls, as many
+        as one product's, and the others none."""
+        if self.grouped == "follow":
+            return 0, 0
         per_product = sum(self.launches(site, lowering) for a in range(2) if site.mesh[a] > 1)
         return per_product, per_product * (self.products(site) - 1)
 

@@ -39,7 +39,7 @@ def _optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)  # eps: see checks_engine.gpt_parity
 
 
-def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3):
+def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3, lowering="broadcast"):
     """`steps` steps of `opt` on `name` at `grid`, the model run as torch.compile(pmodel) (how=
     'torch.compile') or parallelize(..., compile=True) (how='option'). Returns the excess of the
     loss, every gradient (each step) and the parameters after the steps, and the first call's time."""
@@ -47,11 +47,12 @@ def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3):
     model, batch, loss_of = _model(name)
     ref = copy.deepcopy(model)
     args, kwargs = batch(0)
-    eager = autopar.parallelize(copy.deepcopy(model), grid=grid, example_inputs=args, example_kwargs=kwargs)
+    eager = autopar.parallelize(copy.deepcopy(model), grid=grid, example_inputs=args, example_kwargs=kwargs,
+                                lowering=lowering)
     loss_of(eager(*args, **kwargs)).backward()
     eager_bytes = eager.grid.log.total()  # one eager step's traffic
     pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs,
-                             compile=how == "option")
+                             compile=how == "option", lowering=lowering)
     run = torch.compile(pm) if how == "torch.compile" else pm
     o, ref_o = _optimizer(opt, pm.parameters()), _optimizer(opt, ref.parameters())
     ref_params = dict(ref.named_parameters())

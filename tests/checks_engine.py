@@ -112,7 +112,7 @@ def gpt_bytes(rank, q, cfg_kw, lowering, batch=4, seq=8):
     loss.backward()
     measured = {}
     for r in rows(pm):
-        if r.op.startswith("SummaLinear"):
+        if r.op.startswith(("SummaLinear", "SummaMember")):  # a grouped sibling: SummaMember
             measured[r.module] = sum(v for (tag, _), v in pm.grid.log.bytes.items() if tag == r.node)
     planned = sum(r.fwd_bytes + r.bwd_bytes for r in rows(pm))
     why = [line for line in autopar.explain(pm, formulas=True).splitlines() if line.startswith("    why:")]
@@ -239,7 +239,7 @@ def gpt_calls(rank, grid, cfg_kw, lowering, batch=4, seq=8):
     loss.backward()
     log, table = pm.grid.log, rows(pm)
     summa = {r.node: ((r.calls_fwd, r.calls_bwd), (log.launches[(r.node, "fwd")], log.launches[(r.node, "bwd")]))
-             for r in table if r.op.startswith("SummaLinear")}
+             for r in table if r.op.startswith(("SummaLinear", "SummaMember"))}
     line = next(ln for ln in autopar.explain(pm).splitlines() if ln.startswith("collectives per rank per step"))
     return {"planned": (sum(r.calls_fwd for r in table), sum(r.calls_bwd for r in table)),
             "counted": (log.calls(phase="fwd"), log.calls(phase="bwd")), "summa": summa, "line": line}

@@ -8,21 +8,22 @@ from tests import checks_compile as C
 from tests.compare import assert_every_rank
 
 # compile is slow on 2 cores (each case compiles forward and backward on 4 ranks): the cases cover
-# each model, each way of asking for compile, each grid shape and both optimizers once
+# each model, each way of asking for compile, each grid shape, both optimizers and both lowerings
+# (all-gather: Llama's q|k|v and gate|up run as grouped SUMMA products) once
 CASES = [
-    ("tinygpt", (2, 2), "torch.compile", "adamw"),
-    ("tinygpt", (1, 4), "option", "sgd"),
-    ("llama", (2, 2), "option", "adamw"),
-    ("gpt2", (1, 4), "torch.compile", "adamw"),
+    ("tinygpt", (2, 2), "torch.compile", "adamw", "broadcast"),
+    ("tinygpt", (1, 4), "option", "sgd", "broadcast"),
+    ("llama", (2, 2), "option", "adamw", "allgather"),
+    ("gpt2", (1, 4), "torch.compile", "adamw", "broadcast"),
 ]
 
 
-@pytest.mark.parametrize("name,grid,how,opt", CASES)
-def test_compiled_training_parity(pool4, name, grid, how, opt):
+@pytest.mark.parametrize("name,grid,how,opt,lowering", CASES)
+def test_compiled_training_parity(pool4, name, grid, how, opt, lowering):
     """Catches a kernel whose saved tensors alias its inputs or outputs (refused by dynamo inside an
     autograd.Function), a compiled region that reorders or drops a collective, and a compiled backward
     that differs from the eager one."""
-    res = pool4.run(C.compile_parity, name, grid, how, opt)
+    res = pool4.run(C.compile_parity, name, grid, how, opt, lowering=lowering)
     assert_every_rank([r["excess"] for r in res], f"{name} at {grid} via {how}, {opt}")
     for rank, r in enumerate(res):
         assert not r["fell back"], (rank, r["fell back"])  # compiled, not run eagerly after a failure

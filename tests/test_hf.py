@@ -95,13 +95,18 @@ SLOW_LINKS = {  # links slow against compute: the search then keeps some matmuls
     ("gpt2", (2, 2), dict(strategy="1d")),
     ("llama", (1, 4), dict(strategy="1d")),
     ("llama", (4, 1), dict(strategy="2d")),
-], ids=["gpt2-auto", "gpt2-auto-slow-links", "llama-auto", "gpt2-1d", "llama-1d-1x4", "llama-2d-4x1"])
+    ("llama", (2, 2), dict(strategy="2d", lowering="allgather")),
+], ids=["gpt2-auto", "gpt2-auto-slow-links", "llama-auto", "gpt2-1d", "llama-1d-1x4", "llama-2d-4x1",
+        "llama-2d-allgather-grouped"])
 def test_strategies_parity(pool4, family, grid, options):
     """Every strategy, and the mixed plans strategy='auto' builds (1D column/row splits next to 2D
     SUMMA and replicated weights, with the all-reduces between them), against the unmodified model:
     logits, loss and every gradient, also at a second shape (which reuses the first choice)."""
     res = pool4.run(C.hf_parity, family, None, 4, 8, (8, 12), None, grid, options)
     _parity(res, f"{family} {grid} {options}")
+    if options.get("lowering") == "allgather":  # q|k|v (unequal: 2 KV heads) and gate|up share their calls
+        assert res[0]["explain"].count("SummaGroup(AB x3") == 2, res[0]["explain"]
+        assert res[0]["explain"].count("SummaGroup(AB x2") == 2, res[0]["explain"]
     assignment = res[0]["assignment"]
     if options["strategy"] == "auto":
         assert len(set(assignment.values())) >= 2, assignment  # a mixed plan, not one fixed scheme
