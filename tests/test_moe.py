@@ -20,6 +20,8 @@ CASES = {
     ("granitemoe", (2, 2)): "GraniteMoe's batched experts",
     ("phimoe", (2, 2)): "sparsemixer router inside a no_grad region",
     ("deepseek_v3", (2, 2)): "grouped sigmoid router, shared expert, dense first layer, 8 experts",
+    **{(f, (1, 4)): "one row: each expert's intermediate dim over 4 columns"
+       for f in ("qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "deepseek_v3")},
 }
 
 
