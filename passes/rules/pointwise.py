@@ -77,11 +77,11 @@ def broadcast_strategy(node, layouts, out_shape, mesh, skip_dims=()) -> tuple:
         if chosen is None:  # a partial input is reduce-scattered onto the first divisible dim it has
             full_dims = {od for n in ins if layouts.get(n) is not None and isinstance(layouts[n][axis], Partial)
                          for od in dim_map(shape(n), out_shape).values()}
-            free = [od for od in sorted(full_dims) if od not in skip_dims and od not in out_ps
-                    and od != len(out_shape) - 1]
-            chosen = next((od for od in free if out_shape[od] % mesh[axis] == 0), None)
-            if chosen is None and free and uneven_ok(mesh):  # none divisible: torch.chunk blocks of the first
-                chosen = free[0]
+            spare = [od for od in sorted(full_dims) if od not in skip_dims and od not in out_ps
+                     and od != len(out_shape) - 1]
+            chosen = next((od for od in spare if out_shape[od] % mesh[axis] == 0), None)
+            if chosen is None and spare and uneven_ok(mesh):  # none divisible: torch.chunk blocks of the first
+                chosen = spare[0]
         out_ps.append(chosen)
         kinds.append(kind)
     out = Layout(tuple(moved(k, d) if d is not None else Replicate() for d, k in zip(out_ps, kinds)))
