@@ -177,6 +177,25 @@ def test_hidden_size_the_grid_does_not_divide(grid, norm, mlp):
     _assert_parity(pool.run(C.gpt_parity, grid, cfg, "broadcast", 6, 8, 2), f"hidden 27, vocab 101 on {grid}")
 
 
+@pytest.mark.parametrize("norm,mlp", [("layernorm", "gelu"), ("rmsnorm", "swiglu")])
+def test_1d_strategy_with_sizes_the_columns_do_not_divide(pool4, norm, mlp):
+    """strategy='1d' on 1x4 with a vocabulary of 101, a hidden size of 27 (blocks 7, 7, 7, 6) and 3
+    heads (1, 1, 1 and none): every weight split over the columns in torch.chunk blocks, none
+    replicated and no op falling back, and one process's outputs, loss, gradients and parameters
+    after 2 AdamW steps. Catches a 1D column or row split still refused for such sizes (the weight
+    then whole on every rank) and a partial sum over unequal in-feature blocks."""
+    from models import GPTConfig, TinyGPT
+    from tests.checks_engine import _data
+
+    cfg = dict(ODD_HIDDEN, norm=norm, mlp=mlp)
+    pl = autopar.plan(TinyGPT(GPTConfig(**cfg)), grid=(1, 4), example_inputs=_data(GPTConfig(**cfg), 4, 8),
+                      strategy="1d", measure_activations=False)
+    whole = [n for n, p in pl.params.items() if len(p.shape) == 2 and p.layout == "RR"]
+    assert pl.fallbacks == [] and whole == [], (pl.fallbacks, whole)
+    res = pool4.run(C.gpt_parity, (1, 4), cfg, "broadcast", 4, 8, 2, strategy="1d")
+    _assert_parity(res, f"1d, hidden 27, vocab 101, {norm} {mlp}")
+
+
 @pytest.mark.parametrize("family,over,grid", [
     ("gpt2", dict(vocab_size=97, n_embd=24, n_head=3), (2, 2)),  # tied LM head, fused c_attn, 3 heads
     ("llama", dict(vocab_size=97), (2, 2)),  # untied LM head, RMSNorm, 2 KV heads

@@ -33,7 +33,7 @@ def embedding(node, layouts, mesh):
     table, ids = node.args[:2]
     V, h = shape(table)
     have = layouts.get(table)
-    if have is None and node.meta.get(CHOICE) in ("1d", "col") and V % mesh[1] == 0:
+    if have is None and node.meta.get(CHOICE) in ("1d", "col") and (V % mesh[1] == 0 or uneven_ok(mesh)):
         have = Layout((Replicate(), Shard(0)))  # 1D: vocab over the columns (Megatron's vocab-parallel table)
     if have is None:  # a vocabulary R does not divide is split in torch.chunk blocks (indivisible='uneven')
         # or kept whole with the hidden split (an LM head tied to it then runs a local matmul whose

@@ -145,16 +145,17 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
     kd, nd = (1, 0) if n_first else (0, 1)
     K, N = ws[kd], ws[nd]
     last = len(shape(x)) - 1
+    uneven = uneven_ok(mesh)  # sizes the columns do not divide split in torch.chunk blocks
     if kind == "1d":
         lay = layouts.get(x)
         split_in = lay is not None and split_dim(lay.normalized(last + 1)[1]) == last
-        kind = "row" if split_in and K % C == 0 else "col"
+        kind = "row" if split_in and (K % C == 0 or uneven) else "col"
     rows, out_rows = _rows(node, x, layouts, mesh)
     out_last = len(val(node).shape) - 1
     if kind == "col":
         k = fused_parts(node)
         fused = k > 1 and N % (k * C) == 0
-        if N % C:
+        if N % C and not uneven:
             raise ShardingError(f"weight {_param_name(w)} of shape {tuple(ws)}: out-features {N} not divisible "
                                 f"by the {C} mesh columns (1D column split)")
         n_split = (lambda d: Strided(d, split_factor=k)) if fused else Shard
@@ -164,7 +165,7 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
         note = "1D column split" + (f", fused x{k}" if fused else "")
         return Strategy(need, Layout((out_rows, n_split(out_last))), note=note)
     if kind == "row":
-        if K % C:
+        if K % C and not uneven:
             raise ShardingError(f"weight {_param_name(w)} of shape {tuple(ws)}: in-features {K} not divisible "
                                 f"by the {C} mesh columns (1D row split)")
         need = {x: Layout((rows, Shard(last))), w: Layout((Replicate(), Shard(kd)))}
