@@ -46,7 +46,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from passes.layout import Layout, local_shape
 from passes.meta import PARAM, PLACED
 from passes.ops import comm
-from autopar.generate_phases import PhasePlan, Relaid, estimate_phase, phase_options, phase_plan, phase_strategy
+from autopar.generate_phases import (PhasePlan, Relaid, estimate_phase, phase_options, phase_plan, phase_strategy,
+                                     stored_bytes)
 from autopar.guards import fingerprint
 from autopar.pipeline import Compiled, capture, compile_captured
 
@@ -297,7 +298,13 @@ class Generator:
             comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, pm._options, first.choice,
                                              pinned=pm._param_layouts)
         else:
-            comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, phase_options(pm._options, strategy))
+            options = phase_options(pm._options, strategy, stored_bytes(pm))
+            try:
+                comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, options)
+            except MemoryError as e:  # raised on every rank (the search's verdict is rank 0's)
+                raise MemoryError(f"pmodel.generate, {key[0]}: {e} The phase's own plan must fit memory_limit less "
+                                  f"the parameter blocks this rank stores; pass {key[0]}_strategy='forward' to run "
+                                  f"the forward's plan.") from e
         pm._check_parameters(comp, inputs, {})
         return comp, layouts, phase_plan(pm, strategy, comp, estimate)
 

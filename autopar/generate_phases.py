@@ -32,8 +32,8 @@ from passes.estimate import Estimate
 from passes.layout import Layout
 from passes.ops import kernels
 
-__all__ = ["PHASE_STRATEGIES", "PhasePlan", "Relaid", "phase_strategy", "phase_options", "estimate_phase",
-           "phase_plan"]
+__all__ = ["PHASE_STRATEGIES", "PhasePlan", "Relaid", "phase_strategy", "phase_options", "stored_bytes",
+           "estimate_phase", "phase_plan"]
 
 PHASE_STRATEGIES = (None, "forward", "2d", "1d", "auto")
 
@@ -50,9 +50,33 @@ def phase_strategy(pmodel, name: str, value) -> str | None:
     return None if value == "forward" else value
 
 
-def phase_options(options, strategy: str | None):
-    """The Options a phase compiles with: its strategy (None: the forward's), priced as a forward alone."""
-    return dataclasses.replace(options, forward_only=True, **({"strategy": strategy} if strategy else {}))
+def phase_options(options, strategy: str | None, stored_bytes: int = 0):
+    """The Options a phase compiles with: its strategy (None: the forward's), priced as a forward alone.
+    A phase's own search under `memory_limit` counts the parameter blocks the rank stores beside it
+    (`stored_bytes`): its plan must fit the limit less those (an upper bound on what the phase adds, as a
+    parameter its plan keeps in the stored layout is counted twice).
+
+    >>> from passes.options import Options
+    >>> phase_options(Options(strategy="auto", memory_limit=1000), "auto", stored_bytes=300).memory_limit
+    700
+    >>> phase_options(Options(strategy="auto"), "auto", stored_bytes=300).memory_limit is None
+    True
+    """
+    over: dict = {"strategy": strategy} if strategy else {}
+    if strategy == "auto" and options.memory_limit is not None:
+        if options.memory_limit <= stored_bytes:
+            raise MemoryError(
+                f"pmodel.generate: memory_limit={options.memory_limit} bytes per rank leaves nothing for a phase's "
+                f"own plan beside the {stored_bytes} bytes of parameter blocks this rank stores. Pass "
+                f"prefill_strategy='forward' and decode_strategy='forward' (the forward's plan, no copies) or a "
+                f"larger memory_limit.")
+        over["memory_limit"] = options.memory_limit - stored_bytes
+    return dataclasses.replace(options, forward_only=True, **over)
+
+
+def stored_bytes(pmodel) -> int:
+    """Bytes of the parameter blocks this rank stores (local blocks of DTensors, else the tensors)."""
+    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in pmodel.parameters())
 
 
 def estimate_phase(pmodel, gm, strategy: str | None) -> Estimate | None:
