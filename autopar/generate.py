@@ -93,21 +93,29 @@ def kv_repeat(config, grid_shape: tuple) -> int:
     return held // kv if heads % held == 0 else 1
 
 
-def cache_layout(batch: int, kv_heads: int, grid_shape: tuple) -> Layout:
+def cache_layout(batch: int, kv_heads: int, grid_shape: tuple, uneven: bool = False,
+                 heads: int | None = None) -> Layout:
     """Keys/values [B, kv_heads, L, head_dim]: batch over rows and KV heads over columns, each axis
-    only where it divides its dim (otherwise that dim stays whole over the axis).
+    where it divides its dim. With `uneven` (`indivisible="uneven"`, the default) a batch the rows do not
+    divide is cut in torch.chunk blocks as the activations are, and so are the KV heads when they are the
+    query heads (`heads`: every column's query heads read their own KV heads); otherwise that dim stays
+    whole over the axis.
 
     >>> cache_layout(8, 4, (2, 2)), cache_layout(1, 4, (2, 2)), cache_layout(8, 2, (2, 4))
     (S(0)S(1), RS(1), S(0)R)
+    >>> cache_layout(3, 3, (2, 2), uneven=True, heads=3), cache_layout(3, 2, (2, 4), uneven=True, heads=4)
+    (S(0)S(1), S(0)R)
     """
     rows, cols = grid_shape
-    return Layout((Shard(0) if batch % rows == 0 and rows > 1 else Replicate(),
-                   Shard(1) if kv_heads % cols == 0 and cols > 1 else Replicate()))
+    return Layout((Shard(0) if rows > 1 and (batch % rows == 0 or uneven) else Replicate(),
+                   Shard(1) if cols > 1 and (kv_heads % cols == 0 or (uneven and kv_heads == heads)) else Replicate()))
 
 
-def kv_cache_bytes_per_rank(config, batch: int, max_len: int, grid_shape: tuple, dtype=torch.float32) -> int:
-    """Bytes of KV cache one rank holds: 2 (keys, values) * layers * its block of [B, kv_heads, L,
-    head_dim] (B/R * kv_heads/C * L * head_dim when both divide) * element size.
+def kv_cache_bytes_per_rank(config, batch: int, max_len: int, grid_shape: tuple, dtype=torch.float32,
+                            uneven: bool = True) -> int:
+    """Bytes of KV cache the rank holding the most holds: 2 (keys, values) * layers * its block of
+    [B, kv_heads, L, head_dim] (B/R * kv_heads/C * L * head_dim when both divide; torch.chunk blocks,
+    the largest at grid position (0, 0), where they do not and `uneven`) * element size.
 
     >>> from transformers import LlamaConfig
     >>> cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -115,12 +123,15 @@ def kv_cache_bytes_per_rank(config, batch: int, max_len: int, grid_shape: tuple,
     131072
     >>> kv_cache_bytes_per_rank(cfg, 8, 128, (1, 4))  # 2 KV heads on 4 columns: each keeps the one it reads
     262144
+    >>> kv_cache_bytes_per_rank(cfg, 3, 128, (2, 2))  # batch 3 on 2 rows: 2 * 2 * (2 * 1 * 128 * 16) * 4
+    65536
     """
-    _, kv, head_dim = _heads(config)
+    heads, kv, head_dim = _heads(config)
     kv *= kv_repeat(config, grid_shape)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(text, "num_hidden_layers", None) or text.n_layer
-    block = local_shape((batch, kv, max_len, head_dim), cache_layout(batch, kv, grid_shape), grid_shape)
+    layout = cache_layout(batch, kv, grid_shape, uneven, heads)
+    block = local_shape((batch, kv, max_len, head_dim), layout, grid_shape, at=(0, 0))
     return 2 * layers * math.prod(block) * torch.empty((), dtype=dtype).element_size()
 
 
@@ -194,7 +205,8 @@ def _kv_groups(model: nn.Module, groups: int | None):
             m.num_key_value_groups = g
 
 
-def capture_cached(model: nn.Module, batch: int, max_len: int, device, grid_shape: tuple, inputs: tuple):
+def capture_cached(model: nn.Module, batch: int, max_len: int, device, grid_shape: tuple, inputs: tuple,
+                   uneven: bool = True):
     """The captured CachedLM of `model` for `inputs` (input_ids, mask, positions, start), in eval mode,
     named as the model and with its cache placed for `grid_shape` (KV heads repeated per `kv_repeat`)."""
     heads, kv, _ = _heads(model.config)
@@ -206,7 +218,7 @@ def capture_cached(model: nn.Module, batch: int, max_len: int, device, grid_shap
             cap = capture(CachedLM(model, batch, max_len, device, r), inputs, {})
     finally:
         model.train(was)
-    return _marked(cap, cache_layout(batch, kv * r, grid_shape))
+    return _marked(cap, cache_layout(batch, kv * r, grid_shape, uneven, heads))
 
 
 def _refuse(model) -> None:
@@ -291,7 +303,8 @@ class Generator:
         model = pm.source_model
         meta = any(p.is_meta for p in model.parameters())
         device = torch.device("meta") if meta else inputs[0].device
-        cap = capture_cached(model, inputs[0].shape[0], max_len, device, pm.grid.shape, inputs)
+        cap = capture_cached(model, inputs[0].shape[0], max_len, device, pm.grid.shape, inputs,
+                             pm._options.indivisible == "uneven")
         estimate = estimate_phase(pm, cap.gm, strategy)
         if strategy is None:
             first = next(iter(pm._compiled.values()))
@@ -316,8 +329,9 @@ class Generator:
                 if role == "buffer" and _cache_buffer(key):
                     v = node.meta["val"]
                     self._layout = node.meta.get(PLACED, self._layout)
+                    grid = self.pmodel.grid
                     shape = local_shape(tuple(v.shape), node.meta.get(PLACED, Layout((Replicate(), Replicate()))),
-                                        self.pmodel.grid.shape)
+                                        grid.shape, at=(grid.r, grid.c))
                     self.cache[key] = torch.zeros(shape, dtype=v.dtype, device=comp.captured.device)
             self.cache_key = (batch, max_len)
         for t in self.cache.values():

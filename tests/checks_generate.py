@@ -253,3 +253,24 @@ def compiled(rank):
     after = dynamo_counts()
     stats = {k[1]: tuple(v) for k, v in pm.compile_stats.items() if k[0] == "generate"}
     return want.tolist(), got.tolist(), again.tolist(), stats, after[0] - before[0]
+
+
+def uneven_cache(rank, cases):
+    """For each (grid, batch, heads, kv heads): (tokens equal the unmodified model's, this rank's key
+    block shape, bytes of its key and value blocks, kv_cache_bytes_per_rank) for a 2-layer Llama."""
+    out = []
+    for grid, batch, heads, kv in cases:
+        torch.manual_seed(0)
+        cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=128)
+        cfg._attn_implementation = "sdpa"
+        model = T.LlamaForCausalLM(cfg).eval()
+        ids, mask = prompts(batch)
+        kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        want = model.generate(ids, **kw).tolist()
+        pm = parallel(model, grid, ids, mask)
+        got = pm.generate(ids, max_cache_len=32, **kw).tolist()
+        blocks = [t for name, t in pm._generator.cache.items() if name[0] in "kv"]
+        out.append((got == want, list(blocks[0].shape), sum(t.nbytes for t in blocks),
+                    kv_cache_bytes_per_rank(cfg, batch, 32, grid)))
+    return out

@@ -1,6 +1,8 @@
 """pmodel.generate: token identity with the unmodified model's generate, on every rank, at 2x2 and
 1x4; the KV cache's bytes per rank against the formula; the refusals' texts."""
 
+import math
+
 import pytest
 import torch
 
@@ -190,3 +192,27 @@ def test_projection_searches_each_phase():
         best_fixed = min(rows["2d"][i]["estimated_s"], rows["1d"][i]["estimated_s"])
         assert rows["auto"][i]["phase"] == phase and rows["auto"][i]["assignment"], rows["auto"][i]
         assert rows["auto"][i]["estimated_s"] <= best_fixed * (1 + 1e-12), (phase, rows)
+
+
+UNEVEN_CACHE = [((2, 2), 3, 3, 3), ((2, 2), 1, 4, 4), ((1, 4), 2, 3, 3), ((2, 2), 3, 4, 2)]
+
+
+def test_cache_split_in_unequal_blocks(pool4):
+    """Catches a cache kept whole where the grid does not divide it (batch 3 or 1 on 2 rows, 3 heads on
+    2 or 4 columns), blocks that disagree with the activations' torch.chunk blocks (tokens would then
+    differ from the unmodified model's), and a reported figure other than the largest block's."""
+    res = pool4.run(C.uneven_cache, UNEVEN_CACHE)
+    for i, (grid, batch, heads, kv) in enumerate(UNEVEN_CACHE):
+        largest = 0
+        for rank, per_case in enumerate(res):
+            same, shape, held, reported = per_case[i]
+            r, c = divmod(rank, grid[1])
+            rows = [len(b) for b in torch.arange(batch).chunk(grid[0])] + [0] * grid[0]
+            cols = [len(b) for b in torch.arange(kv).chunk(grid[1])] + [0] * grid[1]
+            want = [rows[r], cols[c] if kv == heads else kv // grid[1], 32, 16]
+            assert same, f"case {i} rank {rank}: tokens differ from the unmodified model's"
+            assert shape == want, f"case {i} rank {rank}: key block {shape}, expected {want}"
+            assert held == 2 * 2 * math.prod(want) * 4, f"case {i} rank {rank}: held {held} B for blocks {want}"
+            largest = max(largest, held)
+        reported = {per_case[i][3] for per_case in res}
+        assert reported == {largest}, f"case {i}: reported {reported}, largest block {largest}"
