@@ -37,6 +37,14 @@ def build(family: str, seed: int = 0):
     return CLASSES[family](config).eval()
 
 
+def trained_copy(pm):
+    """One process's Llama holding pmodel's current weights (gathered whole from its DTensors)."""
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pm.state_dict().items()}
+    trained = build("llama")
+    trained.load_state_dict(full, strict=False)
+    return trained
+
+
 def prompts(batch: int = 4, length: int = 7, seed: int = 1, left_pad: bool = True):
     """input_ids [B, P] and attention_mask: row i left-padded by i tokens (pad id 0) when left_pad."""
     g = torch.Generator().manual_seed(seed)
@@ -108,9 +116,7 @@ def after_training(rank, grid=(2, 2)):
         pm(ids, attention_mask=mask, labels=ids).loss.backward()
         opt.step()
     pm.eval()
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pm.state_dict().items()}
-    trained = build("llama")
-    trained.load_state_dict(full, strict=False)
+    trained = trained_copy(pm)
     changed = (trained.model.layers[0].mlp.up_proj.weight - model.model.layers[0].mlp.up_proj.weight).abs().max()
     want = trained.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     got = pm.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -226,9 +232,7 @@ def phase_strategies(rank, prefill, decode, strategy="2d"):
     pm(ids, attention_mask=mask, labels=ids).loss.backward()
     opt.step()
     pm.eval()
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pm.state_dict().items()}
-    trained = build("llama")
-    trained.load_state_dict(full, strict=False)
+    trained = trained_copy(pm)
     with torch.no_grad():
         up = trained.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight
         moved = float((up[0] - up[1]).abs().max())
