@@ -19,6 +19,7 @@ FAST = {
     "mixtral": "MoE: top-2 routing, experts split over the grid (P(rows) results), router load-balancing loss",
     "bart": "encoder-decoder with learned offset positions, cross-attention, final_logits_bias buffer",
     "albert": "one layer's weights shared by both layers (gradients summed over uses), factorized embedding",
+    "xlm_roberta_xl": "a token-type table of one row split over 2 mesh rows: the second row's block is empty",
 }
 
 

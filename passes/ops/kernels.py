@@ -246,6 +246,9 @@ class VocabSplitEmbedding(nn.Module):
         rows = table.shape[0]  # V/q (this rank's torch.chunk block of V)
         vocab = self.vocab or rows * self.grid.size(self.vocab_axis)
         start = chunk_range(vocab, self.grid.size(self.vocab_axis), self.grid.index(self.vocab_axis))[0]
+        if rows == 0:  # an empty torch.chunk block (a table of 1 row over 2 rows): no id is inside it
+            # zeros that keep the (empty) table in the graph, so its gradient is an empty tensor, not None
+            return table.new_zeros(ids.shape + table.shape[1:]) + table.sum()
         local = ids - start
         inside = (local >= 0) & (local < rows)
         pad = self.padding_idx - start if 0 <= self.padding_idx - start < rows else -1
