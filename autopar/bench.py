@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.launch import free_port, init_local
+from autopar.launch import close, free_port, init_local
 from passes.compat import TorchDispatchMode, peak_tensor_bytes
 
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -147,7 +147,7 @@ def calibrate_worker(rank, world, port, out):
     if rank == 0:
         save(model, out)
         print(summary(model), file=sys.stderr, flush=True)  # stdout stays the report (or its JSON)
-    dist.destroy_process_group()
+    close()
 
 
 COMPILED = " (compiled)"  # suffix of a configuration's compiled twin
@@ -235,7 +235,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
                          for m in res[k]}
         with open(out, "w") as f:
             json.dump(merged, f)
-    dist.destroy_process_group()
+    close()
 
 
 def overhead_worker(rank, world, port, steps, out, compiled=True):
@@ -256,7 +256,7 @@ def overhead_worker(rank, world, port, steps, out, compiled=True):
                 t[k].append(time.perf_counter() - t0)
     with open(out, "w") as f:
         json.dump({k: statistics.median(v) for k, v in t.items()}, f)
-    dist.destroy_process_group()
+    close()
 
 
 def _spawn(target, world, *args):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.bench import CONFIG, FunctionalCommBytes, _model, _spawn, _tp_1d
-from autopar.launch import init_local
+from autopar.launch import close, init_local
 from passes.strategy import SearchWarning
 
 PROMPT, NEW, BATCHES = 32, 8, (1, 8)
@@ -109,7 +109,7 @@ def worker(rank, world, port, rounds, out, cost_model):
                       for m in results[k]} for k in results}
         with open(out, "w") as f:
             json.dump(merged, f)
-    dist.destroy_process_group()
+    close()
 
 
 def projection(cost_model=None) -> list:

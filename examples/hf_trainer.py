@@ -73,6 +73,7 @@ def main(out: str) -> None:
         print("resumed from step 3:", again)
         loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
         print("transformers loads", os.path.join(out, "final"), "->", type(loaded).__name__)
+    dist.barrier()  # rank 0 was still reading: nobody closes the group under it
     dist.destroy_process_group()
 
 
