@@ -338,6 +338,29 @@ class GroupedHeadsSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
+class GroupedConvSpec(KernelSpec):
+    """A convolution with `groups` > 1 whose groups the mesh columns divide (`kernels.GroupedConv`): each
+    column holds groups/C whole groups of input and output channels; no communication of its own."""
+
+    name: ClassVar[str] = "gconv"
+    local: ClassVar[bool] = True
+
+    def operands(self, node):
+        from passes.rules import arg  # late: passes.rules imports this module
+
+        return node.args[0], node.args[1], arg(node, 2, "bias")
+
+    def build(self, node, grid, lowering):
+        from passes.rules import arg
+
+        dims = len(node.args[1].meta["val"].shape) - 2
+        one, zero = [1] * dims, [0] * dims
+        module = kernels.GroupedConv(dims, arg(node, 6, "groups", 1) // grid.shape[1], arg(node, 3, "stride", one),
+                                     arg(node, 4, "padding", zero), arg(node, 5, "dilation", one))
+        return module, self.operands(node)
+
+
+@dataclass(frozen=True)
 class EmbeddingSpec(KernelSpec):
     """Lookup in a table whose vocab dim is split over mesh axis `vocab_axis`
     (`kernels.VocabSplitEmbedding`): no communication; the result is a partial sum."""

@@ -232,6 +232,23 @@ class GroupedHeadsAttention(nn.Module):
         return f"heads={self.heads}, kv_heads={self.kv_heads}"
 
 
+class GroupedConv(nn.Module):
+    """A grouped convolution (depthwise included) on this column's whole groups: the input channels and
+    the output channels are split over the mesh columns along group boundaries, so a column convolves
+    its groups/C groups with its weight block alone. No communication."""
+
+    def __init__(self, dims: int, groups: int, stride, padding, dilation):
+        super().__init__()
+        self.conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+        self.groups, self.stride, self.padding, self.dilation = groups, stride, padding, dilation
+
+    def forward(self, x, w, b=None):
+        return self.conv(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+
+    def extra_repr(self) -> str:
+        return f"groups={self.groups} per column"
+
+
 class VocabSplitEmbedding(nn.Module):
     """Lookup in a table whose vocab dim is split over `vocab_axis`: ids outside this rank's block
     give zero rows, so the result is a partial sum over that axis."""

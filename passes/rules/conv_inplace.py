@@ -3,7 +3,9 @@
 Convolution: the batch is split over mesh rows and the output channels over mesh columns; the
 weight [C_out, C_in, k...] is split by output channel over columns and replicated over rows (its
 gradient is summed over the rows by the insertion pass). Input channels stay whole, so the op runs
-locally.
+locally. A grouped convolution (depthwise included) whose groups the columns divide splits the input
+channels too, along group boundaries: each column convolves its groups/C groups alone
+(`kernelspec.GroupedConvSpec`), so neither the activation nor the weight is gathered.
 
 In-place ops (`add_`, `copy_`, `masked_fill_`, ...) mutate their first argument, so that argument
 must be used as it is: the other operands are brought to its layout. Capture already rewrote those on
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from passes.kernelspec import GroupedConvSpec
 from passes.layout import REPLICATED, Layout, moved, split_dim
 from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs
 from passes.rules.pointwise import dim_map
@@ -29,18 +32,32 @@ def conv(node, layouts, mesh):
     x, w = node.args[:2]
     b = arg(node, 2, "bias")
     groups = arg(node, 6, "groups", 1)
-    if groups != 1:
-        raise Unsupported("grouped convolution")
     xs, ws = shape(x), shape(w)
     if len(xs) != len(ws):
         raise Unsupported("unbatched convolution input")
     rows = Shard(0) if xs[0] % mesh[0] == 0 else Replicate()
+    if groups != 1:
+        return grouped_conv(x, w, b, groups, rows, mesh)
     cols = Shard(0) if ws[0] % mesh[1] == 0 else Replicate()
     need = {x: Layout((rows, Replicate())), w: Layout((Replicate(), cols))}
     if b is not None:
         need[b] = Layout((Replicate(), cols))
     out = Layout((rows, Shard(1) if isinstance(cols, Shard) else Replicate()))
     return Strategy(need, out, note="local conv: batch over rows, out-channels over columns")
+
+
+def grouped_conv(x, w, b, groups: int, rows, mesh) -> Strategy:
+    """Input and output channels over the columns in whole groups (groups/C per column): the weight
+    [C_out, C_in/groups, k...] by output channel, the input by channel, the output by channel."""
+    if groups % mesh[1]:
+        raise Unsupported(f"grouped convolution: {groups} groups, which the {mesh[1]} mesh columns do not divide")
+    cols = Shard(0) if mesh[1] > 1 else Replicate()
+    chan = Shard(1) if mesh[1] > 1 else Replicate()
+    need = {x: Layout((rows, chan)), w: Layout((Replicate(), cols))}
+    if b is not None:
+        need[b] = Layout((Replicate(), cols))
+    return Strategy(need, Layout((rows, chan)), kernel=GroupedConvSpec() if mesh[1] > 1 else None,
+                    note=f"local grouped conv: {groups // mesh[1]} groups per column")
 
 
 INPLACE = [aten.add_, aten.sub_, aten.mul_, aten.div_, aten.masked_fill_, aten.copy_, aten.clamp_,
