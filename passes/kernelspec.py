@@ -361,6 +361,45 @@ class GroupedConvSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
+class BatchNormSpec(KernelSpec):
+    """Training-mode batch norm (`kernels.SplitBatchNorm`): with the batch over the mesh rows (`rows`),
+    per-channel statistics all-reduced in the column, `kernels.BN_STATS` of them per channel; with the
+    channels over the columns (`cols`) and running statistics (`running`), the new mean and variance of
+    every channel all-gathered in the row to update the whole buffers."""
+
+    rows: bool
+    cols: bool
+    running: bool
+    name: ClassVar[str] = "bnorm"
+
+    def operands(self, node):
+        return tuple(node.args[:5])
+
+    def build(self, node, grid, lowering):
+        momentum, eps = node.args[6], node.args[7]
+        return kernels.SplitBatchNorm(grid, momentum, eps, node.name, self.rows, self.cols), self.operands(node)
+
+    def describe(self, site):
+        fwd, bwd = kernels.BN_STATS
+        parts = [f"all-reduce x{len(fwd)} (column) stats; bwd x{len(bwd)}"] if self.rows else []
+        return "; ".join(parts + (["all-gather (row) running stats"] if self.cols and self.running else []))
+
+    def values(self, site):
+        return {"R": site.mesh[0], "C": site.mesh[1], "c": site.local_out()[1]}  # c: channels on this rank
+
+    def steps(self, site, v, exact):
+        size = kernels.norm_stat_size(site.val(0).dtype)
+        fwd, bwd = kernels.BN_STATS
+        out = []
+        if self.rows:
+            calls = [("fwd", k) for k in fwd] + ([("bwd", k) for k in bwd] if site.grads[0] else [])
+            out += [(0, phase, all_reduce_bytes(k * size * v["c"], v["R"], exact)) for phase, k in calls]
+        if self.cols and self.running:
+            out.append((1, "fwd", (v["C"] - 1) * 2 * size * v["c"]))
+        return out
+
+
+@dataclass(frozen=True)
 class EmbeddingSpec(KernelSpec):
     """Lookup in a table whose vocab dim is split over mesh axis `vocab_axis`
     (`kernels.VocabSplitEmbedding`): no communication; the result is a partial sum."""

@@ -60,6 +60,25 @@ def grouped_conv(x, w, b, groups: int, rows, mesh) -> Strategy:
                     note=f"local grouped conv: {groups // mesh[1]} groups per column")
 
 
+POOLS = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3,
+         aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3,
+         aten.adaptive_avg_pool1d.default: 1, aten.adaptive_avg_pool2d.default: 2,
+         aten.adaptive_avg_pool3d.default: 3, aten.adaptive_max_pool2d.default: 2}
+
+
+@register(*POOLS)
+def pool(node, layouts, mesh):
+    """Pooling works per sample and channel over the spatial dims: the batch over the rows and the
+    channels over the columns (where they divide), spatial dims whole; local."""
+    x = node.args[0]
+    xs = shape(x)
+    if len(xs) != POOLS[node.target] + 2:
+        raise Unsupported("unbatched pooling input")
+    lay = Layout((Shard(0) if xs[0] % mesh[0] == 0 else Replicate(), Shard(1) if xs[1] % mesh[1] == 0 else Replicate()))
+    out = lay if node.target != aten.adaptive_max_pool2d.default else (lay, lay)
+    return Strategy({x: lay}, out, note="local pooling: batch over rows, channels over columns")
+
+
 INPLACE = [aten.add_, aten.sub_, aten.mul_, aten.div_, aten.masked_fill_, aten.copy_, aten.clamp_,
            aten.fill_, aten.zero_, aten.neg_, aten.exp_, aten.tanh_, aten.relu_, aten.sigmoid_]
 

@@ -1,9 +1,15 @@
-"""LayerNorm / RMSNorm over the last dim, which the mesh columns split.
+"""LayerNorm / RMSNorm over the last dim, which the mesh columns split; batch norm over channels.
 
 The per-token statistics are sums over the hidden dim: each rank sums its h/C slice and the sums are
 all-reduced in the same-row group. LayerNorm sends 3 numbers per token forward (the sum, then the
 shifted sum and sum of squares) and 2 backward; RMSNorm 1 each way (`passes.ops.kernels.NORM_STATS`).
 The weight and bias are split like the hidden dim and replicated over the rows.
+
+Batch norm normalizes each channel over the batch and spatial dims: the batch is split over the rows
+and the channels over the columns (weight, bias and running statistics by channel over the columns).
+In eval mode, or with the batch whole on every row, it runs on the blocks alone; in training mode
+with the batch split the per-channel statistics are all-reduced in the column (`BatchNormSpec`), and
+each rank updates the running statistics of its channels.
 """
 
 from __future__ import annotations
@@ -11,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.kernelspec import NormSpec
-from passes.layout import Layout, uneven_ok
+from passes.kernelspec import BatchNormSpec, NormSpec
+from passes.layout import REPLICATED, Layout, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape
 
 aten = torch.ops.aten
@@ -55,3 +61,30 @@ def rms_norm(node, layouts, mesh):
     x, normalized_shape = node.args[:2]
     w = arg(node, 2, "weight")
     return norm_strategy(node, layouts, mesh, x, (w,), len(normalized_shape))
+
+
+@register(aten.batch_norm.default)
+def batch_norm(node, layouts, mesh):
+    # batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
+    x, w, b, rm, rv, training, momentum = (list(node.args) + [None] * 7)[:7]
+    xs = shape(x)
+    if len(xs) < 2:
+        raise Unsupported("batch norm of a tensor without a channel dim")
+    if training and not isinstance(momentum, (int, float)):
+        raise Unsupported("batch norm with a computed momentum (momentum=None: a cumulative average)")
+    rows = xs[0] % mesh[0] == 0 and mesh[0] > 1
+    cols = xs[1] % mesh[1] == 0 and mesh[1] > 1
+    x_lay = Layout((Shard(0) if rows else Replicate(), Shard(1) if cols else Replicate()))
+    p_lay = Layout((Replicate(), Shard(0) if cols else Replicate()))
+    need = {x: x_lay}
+    need.update({p: p_lay for p in (w, b) if p is not None})
+    running = rm is not None
+    # the running statistics are buffers whole on every rank: updated in place in training (the kernel
+    # updates them whole), read as this column's block in eval
+    need.update({p: REPLICATED if training else p_lay for p in (rm, rv) if p is not None})
+    if not training or not (rows or cols):
+        return Strategy(need, x_lay, note="local batch norm")
+    return Strategy(need, x_lay, kernel=BatchNormSpec(rows=rows, cols=cols, running=running),
+                    note="batch norm: " + ", ".join(k for k, on in (("stats all-reduced over the column", rows),
+                                                                    ("running stats all-gathered", cols and running))
+                                                    if on))
