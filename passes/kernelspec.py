@@ -338,12 +338,15 @@ class GroupedHeadsSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class GroupedConvSpec(KernelSpec):
-    """A convolution with `groups` > 1 whose groups the mesh columns divide (`kernels.GroupedConv`): each
-    column holds groups/C whole groups of input and output channels; no communication of its own."""
+class ConvSpec(KernelSpec):
+    """A convolution run split (`kernels.SplitConv`): a grouped one (`grouped`: groups the columns
+    divide) on whole groups per column, no communication; with `gathered`, a weight stored split over
+    the rows by input channel: an all-gather of its block in the column forward, a reduce-scatter of
+    its gradient backward."""
 
-    name: ClassVar[str] = "gconv"
-    local: ClassVar[bool] = True
+    grouped: bool
+    gathered: bool
+    name: ClassVar[str] = "conv"
 
     def operands(self, node):
         from passes.rules import arg  # late: passes.rules imports this module
@@ -355,9 +358,21 @@ class GroupedConvSpec(KernelSpec):
 
         dims = len(node.args[1].meta["val"].shape) - 2
         one, zero = [1] * dims, [0] * dims
-        module = kernels.GroupedConv(dims, arg(node, 6, "groups", 1) // grid.shape[1], arg(node, 3, "stride", one),
-                                     arg(node, 4, "padding", zero), arg(node, 5, "dilation", one))
+        groups = arg(node, 6, "groups", 1) // (grid.shape[1] if self.grouped else 1)
+        module = kernels.SplitConv(grid, dims, groups, arg(node, 3, "stride", one), arg(node, 4, "padding", zero),
+                                   arg(node, 5, "dilation", one), node.name, self.gathered)
         return module, self.operands(node)
+
+    def describe(self, site):
+        return "all-gather (column) weight; bwd reduce-scatter" if self.gathered else ""
+
+    def values(self, site):
+        return {"R": site.mesh[0], "w": math.prod(site.local(1)) * site.val(1).element_size()} if self.gathered else {}
+
+    def steps(self, site, v, exact):
+        if not self.gathered:
+            return []
+        return [(0, "fwd", (v["R"] - 1) * v["w"])] + ([(0, "bwd", (v["R"] - 1) * v["w"])] if site.grads[1] else [])
 
 
 @dataclass(frozen=True)

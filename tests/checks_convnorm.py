@@ -16,8 +16,9 @@ from tests.compare import group_excess
 
 
 class SmallCNN(nn.Module):
-    """A stem conv, batch norm, a depthwise 3x3 conv (groups = channels), batch norm, a grouped 1x1
-    conv (groups 4), batch norm without affine parameters; max and adaptive average pooling."""
+    """A stem conv (3 input channels), batch norm, a depthwise 3x3 conv (groups = channels), batch norm,
+    a grouped 1x1 conv (groups 4), an ordinary 3x3 conv, batch norm without affine parameters; max and
+    adaptive average pooling."""
 
     def __init__(self, ch: int = 8, classes: int = 4):
         super().__init__()
@@ -26,13 +27,14 @@ class SmallCNN(nn.Module):
         self.dw = nn.Conv2d(ch, ch, 3, padding=1, groups=ch)
         self.bn2 = nn.BatchNorm2d(ch, momentum=0.3)
         self.pw = nn.Conv2d(ch, ch, 1, groups=4, bias=False)
+        self.mix = nn.Conv2d(ch, ch, 3, padding=1)  # input channels the rows divide: weight stored 1/(RC)
         self.bn3 = nn.BatchNorm2d(ch, affine=False)
         self.head = nn.Linear(ch, classes)
 
     def forward(self, x, y):
         h = F.max_pool2d(F.relu(self.bn1(self.stem(x))), 2)
         h = F.relu(self.bn2(self.dw(h)))
-        h = self.bn3(self.pw(h))
+        h = self.bn3(self.mix(self.pw(h)))
         logits = self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
         return logits, F.cross_entropy(logits, y)
 
@@ -90,6 +92,7 @@ def cnn_parity(rank, grid, steps: int = 2):
     with torch.no_grad():
         logits, _ = pm(x, y)
         errs.update(group_excess({"eval logits": (_full(logits), ref(x, y)[0])}))
-    kernels = sorted({r.op.split("(")[0] for r in table} & {"GroupedConv", "SplitBatchNorm"})
-    return {"excess": errs, "planned": planned, "counted": counted, "kernels": kernels,
+    kernels = sorted({r.op.split("(")[0] for r in table} & {"SplitConv", "SplitBatchNorm"})
+    held = {n: p.to_local().numel() for n, p in pm.named_parameters() if n.endswith("weight")}
+    return {"held": held, "excess": errs, "planned": planned, "counted": counted, "kernels": kernels,
             "fallbacks": [r.node for r in rows(pm) if r.fallback]}

@@ -232,21 +232,40 @@ class GroupedHeadsAttention(nn.Module):
         return f"heads={self.heads}, kv_heads={self.kv_heads}"
 
 
-class GroupedConv(nn.Module):
-    """A grouped convolution (depthwise included) on this column's whole groups: the input channels and
-    the output channels are split over the mesh columns along group boundaries, so a column convolves
-    its groups/C groups with its weight block alone. No communication."""
+class _GatherRows(torch.autograd.Function):
+    """A weight block stored split over the mesh rows along `dim`: all-gathered in the column forward,
+    its gradient reduce-scattered back backward (the sum over the rows' batch blocks, already split)."""
 
-    def __init__(self, dims: int, groups: int, stride, padding, dilation):
+    @staticmethod
+    def forward(ctx, w, grid, dim, tag):
+        ctx.args = (grid, dim, tag)
+        return comm.all_gather(grid, 0, w, dim, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        grid, dim, tag = ctx.args
+        return comm.reduce_scatter(grid, 0, g, dim, tag, "bwd"), None, None, None
+
+
+class SplitConv(nn.Module):
+    """A convolution with the batch over the mesh rows and the output channels over the columns. A
+    grouped one (depthwise included; `groups` is this column's count) holds whole groups per column,
+    so its input channels are split alike. With `gathered` the weight block is stored split over the
+    rows too (by input channel) and gathered in the column for the step, its gradient reduce-scattered:
+    the bytes of the all-reduce a weight whole over the rows would need, 1/(RC) of the weight held."""
+
+    def __init__(self, grid: Grid, dims: int, groups: int, stride, padding, dilation, tag: str, gathered: bool):
         super().__init__()
+        self.grid, self.tag, self.gathered = grid, tag, gathered
         self.conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
         self.groups, self.stride, self.padding, self.dilation = groups, stride, padding, dilation
 
     def forward(self, x, w, b=None):
+        w = _GatherRows.apply(w, self.grid, 1, self.tag) if self.gathered else w
         return self.conv(x, w, b, self.stride, self.padding, self.dilation, self.groups)
 
     def extra_repr(self) -> str:
-        return f"groups={self.groups} per column"
+        return f"groups={self.groups} per column" + (", weight gathered over the rows" if self.gathered else "")
 
 
 class _BatchNormFn(torch.autograd.Function):

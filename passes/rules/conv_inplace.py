@@ -1,11 +1,13 @@
 """Convolutions (a ViT patch embedding) and in-place ops.
 
 Convolution: the batch is split over mesh rows and the output channels over mesh columns; the
-weight [C_out, C_in, k...] is split by output channel over columns and replicated over rows (its
-gradient is summed over the rows by the insertion pass). Input channels stay whole, so the op runs
-locally. A grouped convolution (depthwise included) whose groups the columns divide splits the input
-channels too, along group boundaries: each column convolves its groups/C groups alone
-(`kernelspec.GroupedConvSpec`), so neither the activation nor the weight is gathered.
+weight [C_out, C_in/groups, k...] is split by output channel over columns. With groups 1 the input
+channels stay whole in the product, so it runs locally; a grouped convolution (depthwise included)
+whose groups the columns divide splits the input channels too, along group boundaries, and each
+column convolves its groups/C groups alone. A weight parameter whose dim 1 the rows divide is stored
+split over the rows too and gathered in the column each step, its gradient reduce-scattered: the
+bytes of the all-reduce a weight whole over the rows would need, 1/(RC) of it held (otherwise it is
+whole over the rows and its gradient summed over them by the insertion pass). `kernelspec.ConvSpec`.
 
 In-place ops (`add_`, `copy_`, `masked_fill_`, ...) mutate their first argument, so that argument
 must be used as it is: the other operands are brought to its layout. Capture already rewrote those on
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.kernelspec import GroupedConvSpec
+from passes.kernelspec import ConvSpec
 from passes.layout import REPLICATED, Layout, moved, split_dim
 from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs
 from passes.rules.pointwise import dim_map
@@ -35,29 +37,23 @@ def conv(node, layouts, mesh):
     xs, ws = shape(x), shape(w)
     if len(xs) != len(ws):
         raise Unsupported("unbatched convolution input")
+    if groups != 1 and groups % mesh[1]:
+        raise Unsupported(f"grouped convolution: {groups} groups, which the {mesh[1]} mesh columns do not divide")
     rows = Shard(0) if xs[0] % mesh[0] == 0 else Replicate()
-    if groups != 1:
-        return grouped_conv(x, w, b, groups, rows, mesh)
-    cols = Shard(0) if ws[0] % mesh[1] == 0 else Replicate()
-    need = {x: Layout((rows, Replicate())), w: Layout((Replicate(), cols))}
+    grouped = groups != 1 and mesh[1] > 1  # whole groups per column: the input channels split alike
+    cols = Shard(0) if ws[0] % mesh[1] == 0 and mesh[1] > 1 else Replicate()
+    need = {x: Layout((rows, Shard(1) if grouped else Replicate())), w: Layout((Replicate(), cols))}
     if b is not None:
         need[b] = Layout((Replicate(), cols))
     out = Layout((rows, Shard(1) if isinstance(cols, Shard) else Replicate()))
-    return Strategy(need, out, note="local conv: batch over rows, out-channels over columns")
-
-
-def grouped_conv(x, w, b, groups: int, rows, mesh) -> Strategy:
-    """Input and output channels over the columns in whole groups (groups/C per column): the weight
-    [C_out, C_in/groups, k...] by output channel, the input by channel, the output by channel."""
-    if groups % mesh[1]:
-        raise Unsupported(f"grouped convolution: {groups} groups, which the {mesh[1]} mesh columns do not divide")
-    cols = Shard(0) if mesh[1] > 1 else Replicate()
-    chan = Shard(1) if mesh[1] > 1 else Replicate()
-    need = {x: Layout((rows, chan)), w: Layout((Replicate(), cols))}
-    if b is not None:
-        need[b] = Layout((Replicate(), cols))
-    return Strategy(need, Layout((rows, chan)), kernel=GroupedConvSpec() if mesh[1] > 1 else None,
-                    note=f"local grouped conv: {groups // mesh[1]} groups per column")
+    stored = Layout((Shard(1), cols))  # a weight parameter kept split over the rows too, gathered per step
+    gathered = isinstance(rows, Shard) and mesh[0] > 1 and ws[1] % mesh[0] == 0 and w.op == "placeholder" \
+        and layouts.get(w) in (None, stored)
+    if gathered:
+        need[w] = stored
+    what = f"grouped conv, {groups // mesh[1]} groups per column" if grouped else "conv"
+    note = f"{what}: batch over rows, out-channels over columns" + (", weight gathered over rows" if gathered else "")
+    return Strategy(need, out, kernel=ConvSpec(grouped, gathered) if grouped or gathered else None, note=note)
 
 
 POOLS = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3,
