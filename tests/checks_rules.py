@@ -84,3 +84,42 @@ def hf_parity(rank, family, grid, force_gqa=False, over=None):
         return res
     finally:
         os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
+
+
+class Einsums(nn.Module):
+    """Relative attention written with einsum as Funnel does: projections with 3-D weights, content
+    scores with a bias added to the queries, position scores against a parameter, the weighted sum of
+    values (with an ellipsis), the output projection summing two letters, and an implicit scalar."""
+
+    def __init__(self, heads: int = 6, d: int = 4):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Parameter(torch.randn(H, heads, d) / H ** 0.5) for _ in range(3))
+        self.bias = nn.Parameter(torch.randn(heads, d))
+        self.pos = nn.Parameter(torch.randn(S, heads, d))
+        self.wo = nn.Parameter(torch.randn(heads, d, H) / H ** 0.5)
+
+    def forward(self, x):
+        q = torch.einsum("bsh,hnd->bsnd", x, self.wq)
+        k = torch.einsum("bsh,hnd->bsnd", x, self.wk)
+        v = torch.einsum("bsh,hnd->bsnd", x, self.wv)
+        score = torch.einsum("bind,bjnd->bnij", q + self.bias, k) + torch.einsum("bind,jnd->bnij", q, self.pos)
+        a = torch.einsum("...nij,...jnd->...ind", score.softmax(-1), v)
+        out = torch.einsum("bind,ndh->bih", a, self.wo)
+        return out, torch.einsum("bih,bih", out, x)
+
+
+def einsum_parity(rank, grid):
+    """Einsums' outputs and every gradient on every rank against one process, and what fell back."""
+    torch.manual_seed(0)
+    model = Einsums()
+    ref = copy.deepcopy(model)
+    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))
+    pm = autopar.parallelize(model, grid=grid, example_inputs=(x,))
+    out, want = pm(x), ref(x)
+    ((_full(out[0]) ** 2).sum() + _full(out[1])).backward()
+    ((want[0] ** 2).sum() + want[1]).backward()
+    errs = group_excess({f"out {i}": (_full(o), w) for i, (o, w) in enumerate(zip(out, want))})
+    mine = _grads(pm)
+    errs.update(group_excess({n: (_full(mine[n]), w) for n, w in _grads(ref).items()}, prefix="grad "))
+    held = {n: p.to_local().numel() / p.numel() for n, p in pm.named_parameters()}
+    return {"excess": errs, "gathered": [str(f.node.target) for f in pm.program.fallbacks], "held": held}

@@ -124,4 +124,5 @@ def lookup(target):
 # importing the families registers their rules
 from passes.rules import (attention, conv_inplace, embedding_loss, fallback, indexing, matmul,  # noqa: E402,F401
                           norms, pointwise, views)
+from passes.rules import einsum  # noqa: E402,F401
 from passes.rules import experts  # noqa: E402,F401
