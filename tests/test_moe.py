@@ -113,10 +113,13 @@ def test_bf16_experts_through_torch_grouped_mm(pool4):
         assert r["held"] <= HELD * r["total"] / 4, (r["held"], r["total"])
 
 
-def test_meta_built_moe_plan_says_activations_are_unmeasured():
-    """A Mixtral built on the meta device captures transformers' integer histc, which the fake CPU run
-    measuring activations cannot execute. Catches `plan` (and `inspect`) failing on it, or leaving the
-    activation figure empty without saying why."""
+def test_meta_built_moe_plan_measures_activations():
+    """A Mixtral built on the meta device captures transformers' integer histc (its non-CPU branch),
+    which torch cannot run on CPU tensors. Catches `plan` (and `inspect`) leaving the activation figure
+    empty on it, histc falling back to replication, or the meta-built plan measuring other figures than
+    the same model built on the CPU (float histc, split the same way)."""
+    import warnings
+
     import transformers
 
     import autopar
@@ -125,8 +128,18 @@ def test_meta_built_moe_plan_says_activations_are_unmeasured():
 
     cfg = transformers.MixtralConfig(**{**hf_families.TOKENS, **hf_families.FAMILIES["mixtral"].kw})
     with autopar.meta_init():
-        model = transformers.MixtralForCausalLM(cfg)
+        meta = transformers.MixtralForCausalLM(cfg)
+    torch.manual_seed(0)
+    cpu = transformers.MixtralForCausalLM(cfg)
     ids = torch.ones(2, 8, dtype=torch.long)
-    with pytest.warns(UserWarning, match=r"activation memory not measured: .*histogram_cpu.*build it on the CPU"):
-        pl = autopar.plan(model, grid=(2, 2), example_kwargs=dict(input_ids=ids, labels=ids))
-    assert pl.activation_bytes is None and pl.param_bytes_per_rank * 4 <= HELD * pl.param_bytes_total
+    plans = []
+    for model in (meta, cpu):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # neither "activation memory not measured" nor a fallback warning
+            plans.append(autopar.plan(model, grid=(2, 2), example_kwargs=dict(input_ids=ids, labels=ids)))
+    pl, ref = plans
+    assert pl.activation_bytes is not None and pl.activation_bytes == ref.activation_bytes, \
+        (pl.activation_bytes, ref.activation_bytes)
+    assert pl.comm_bytes_per_rank_per_step == ref.comm_bytes_per_rank_per_step
+    assert not any("histc" in str(f.node.target) for f in pl.fallbacks), pl.fallbacks
+    assert pl.param_bytes_per_rank * 4 <= HELD * pl.param_bytes_total
