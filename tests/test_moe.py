@@ -22,6 +22,8 @@ CASES = {
     ("deepseek_v3", (2, 2)): "grouped sigmoid router, shared expert, dense first layer, 8 experts",
     **{(f, (1, 4)): "one row: each expert's intermediate dim over 4 columns"
        for f in ("qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "deepseek_v3")},
+    ("llama4_text", (2, 2)): "experts as a batched matmul over 3-D weights (every token through every expert)",
+    ("llama4_text", (1, 4)): "batched-matmul experts: the intermediate dim over 4 columns",
 }
 
 
@@ -82,6 +84,23 @@ def test_expert_count_kept_whole_is_a_visible_fallback():
                           measure_activations=False)
     assert pl.params["model.layers.0.mlp.experts.down_proj"].layout == "RS(2)"
     assert any("experts whole over the rows" in f.reason for f in pl.fallbacks)
+
+
+def test_batched_experts_kept_whole_is_a_visible_fallback():
+    """Llama 4's batched-matmul experts, 5 on 2 rows with indivisible='replicate': they stay whole over
+    the rows. Catches that happening silently, and the gate|up weight not split over the columns."""
+    import torch
+
+    import autopar
+    import hf_families
+
+    torch.manual_seed(0)
+    model, make = hf_families.build("llama4_text", num_local_experts=5)
+    with pytest.warns(autopar.FallbackWarning, match="experts whole over the rows: 5 experts on 2 rows"):
+        pl = autopar.plan(model, grid=(2, 2), example_kwargs=make(4, 8, 1), indivisible="replicate",
+                          measure_activations=False)
+    assert pl.params["model.layers.0.feed_forward.experts.down_proj"].layout == "RS(1)"
+    assert pl.params["model.layers.0.feed_forward.experts.gate_up_proj"].layout == "RS(2)"
 
 
 def test_mixtral_8x7b_shape_planned_at_8x8():
