@@ -81,3 +81,22 @@ def moe_bf16(rank, grid: tuple) -> dict:
             "total": sum(p.numel() for p in pm.parameters()),
             "ops": sorted({str(n.target) for n in pm.program.captured.gm.graph.nodes if "grouped" in str(n.target)}),
             "gathered": sorted({str(f.node.target) for f in pm.program.fallbacks if f.costly})}
+
+
+def moe_from_pretrained(rank, path: str, grid: tuple) -> dict:
+    """Mixtral saved in `path`, read back by `autopar.from_pretrained` (built on the meta device, so
+    transformers' experts take their non-CPU branch: an integer histc) against the same model whole
+    on one process: every output and every gradient."""
+    torch.manual_seed(0)
+    ref, make = hf_families.build("mixtral")
+    ref.eval()
+    kw = make(sweep_hf.BATCH, sweep_hf.SEQ, 1)
+    want = ref(**kw)
+    want.loss.backward()
+    pm = autopar.from_pretrained(path, grid=grid, example_kwargs=kw, progress=False)
+    pm.eval()
+    got = pm(**kw)
+    got.loss.backward()
+    histc = [n for n in pm.program.captured.gm.graph.nodes if "histc" in str(n.target)]
+    return {"errs": sweep_hf.compare(ref, want, pm, got),
+            "int_histc": sum(not n.args[0].meta["val"].is_floating_point() for n in histc)}

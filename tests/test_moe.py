@@ -132,6 +132,24 @@ def test_bf16_experts_through_torch_grouped_mm(pool4):
         assert r["held"] <= HELD * r["total"] / 4, (r["held"], r["total"])
 
 
+def test_moe_from_pretrained_on_cpu(pool4, tmp_path):
+    """`autopar.from_pretrained` traces on the meta device, where transformers' experts count tokens
+    with an integer histc that torch cannot run on CPU tensors. Catches that call failing at the first
+    step, and counts of the split histc summed wrongly (outputs, loss, gradients off)."""
+    import torch
+
+    import hf_families
+
+    torch.manual_seed(0)
+    model, _ = hf_families.build("mixtral")
+    model.save_pretrained(tmp_path)
+    from tests.checks_moe import moe_from_pretrained
+
+    per_rank = pool4.run(moe_from_pretrained, str(tmp_path), (2, 2))
+    _check(per_rank, "mixtral from_pretrained at 2x2")
+    assert per_rank[0]["int_histc"] > 0, "the meta-built graph no longer counts tokens with an integer histc"
+
+
 def test_meta_built_moe_plan_measures_activations():
     """A Mixtral built on the meta device captures transformers' integer histc (its non-CPU branch),
     which torch cannot run on CPU tensors. Catches `plan` (and `inspect`) leaving the activation figure
