@@ -25,7 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import operator
 
 from passes.layout import REPLICATED, Layout, Strided, split_dim, uneven_ok
-from passes.rules import Strategy, shape, tensor_inputs, val
+from passes.rules import Strategy, shape, tensor_inputs
 from passes.rules.expert_rows import ZERO_KEEPING
 from passes.rules.matmul import _is_param, fused_parts
 
@@ -33,9 +33,9 @@ aten = torch.ops.aten
 _BETWEEN = ZERO_KEEPING | {aten.chunk, aten.split, aten.split_with_sizes}  # act(gate) * up and its cut
 
 
-def applies(node, layouts=None) -> bool:
-    """bmm(x [E, T, K], w [E, K, N]) with w a 3-D parameter (or a transpose of one), as it is unplaced
-    or as an earlier compile placed it (experts over the rows or whole)."""
+def applies(node) -> bool:
+    """bmm(x [E, T, K], w [E, K, N]) with w a 3-D parameter (or a transpose of one), unplaced or as an
+    earlier compile placed it (experts over the rows or whole)."""
     if node.target != aten.bmm.default:
         return False
     w = node.args[1]
@@ -85,7 +85,7 @@ def batched_experts(node, layouts, mesh) -> Strategy:
     row = Shard(0) if split else Replicate()
     strat = Strategy({x: Layout((row, x1)), w: Layout((row, w1))}, Layout((row, o1)),
                      note="experts over the rows" if split else "")
-    if split or R == 1 or val(node) is None:
+    if split or R == 1:
         return strat
     strat.fallback = True  # correct, but each rank stores R times its share of the experts -- say so
     strat.note = (f"fallback: experts whole over the rows: {E} experts on {R} rows; pass indivisible='uneven' "

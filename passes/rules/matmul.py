@@ -227,7 +227,7 @@ def matmul(node, layouts, mesh):
     a, b = node.args[:2]
     from passes.rules import batched_experts  # imports this module
 
-    if batched_experts.applies(node, layouts):
+    if batched_experts.applies(node):
         return batched_experts.batched_experts(node, layouts, mesh)
     if len(shape(a)) >= 2 and _is_weight(b, layouts):
         return weight_strategy(node, layouts, mesh, a, b, None, n_first=False)
