@@ -319,13 +319,17 @@ def main(argv=None) -> int:
 
 def run(ns) -> int:
     """The benchmark for parsed flags (see `autopar bench --help`); --generate runs
-    `autopar.bench_generate` instead."""
+    `autopar.bench_generate` instead, --moe `autopar.bench_moe`."""
     import tempfile
 
     if getattr(ns, "generate", False):
         from autopar import bench_generate
 
         return bench_generate.run(ns)
+    if getattr(ns, "moe", False):
+        from autopar import bench_moe
+
+        return bench_moe.run(ns)
 
     from autopar.report import require_matplotlib
 

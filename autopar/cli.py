@@ -269,6 +269,9 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--generate", action="store_true", help="measure generation instead: prefill and decode "
                    "tokens/s at batch 1 and 8, bytes per decoded token, and the planner's Llama-7B projection "
                    "(see autopar.bench_generate)")
+    p.add_argument("--moe", action="store_true", help="measure a Mixtral-style mixture of experts instead: one "
+                   "process, autopar 2x2 and 1x4, PyTorch 1D TP with the experts' intermediate dim split "
+                   "(see autopar.bench_moe)")
 
 
 def bench_cmd(ns) -> int:

@@ -33,7 +33,7 @@ MODELS = {"mixtral-8x7b": MIXTRAL, "deepseek-v3": DEEPSEEK}
 
 
 def plan_one(name: str, layers: int | None, experts: int | None, fused: str = "regroup", grid=(8, 8), batch=8,
-             seq=1024) -> dict:
+             seq=1024, activations: bool = False) -> dict:
     import torch
     import transformers
 
@@ -51,10 +51,9 @@ def plan_one(name: str, layers: int | None, experts: int | None, fused: str = "r
         model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kw))
     ids = torch.zeros(batch, seq, dtype=torch.long)
     t0 = time.perf_counter()
-    # activations are not measured: a model built on the meta device captures transformers' integer
-    # histc (its non-CPU path), which the fake CPU run of the measurement cannot execute
-    pl = autopar.plan(model, grid=grid, example_kwargs=dict(input_ids=ids, labels=ids), measure_activations=False,
-                      fused=fused)
+    # activations: rank (0, 0)'s graph run on fake tensors (minutes for the whole models), off unless asked
+    pl = autopar.plan(model, grid=grid, example_kwargs=dict(input_ids=ids, labels=ids),
+                      measure_activations=activations, fused=fused)
     seconds = time.perf_counter() - t0
     p = grid[0] * grid[1]
     return {"model": name, "layers": kw["num_hidden_layers"], "experts": experts or "default", "fused": fused,
@@ -64,7 +63,7 @@ def plan_one(name: str, layers: int | None, experts: int | None, fused: str = "r
             "comm_bytes_per_rank_per_step": pl.comm_bytes_per_rank_per_step,
             "param_grad_adam_bytes_per_rank": 4 * pl.param_bytes_per_rank, "plan_seconds": round(seconds, 1),
             "gathered": sorted({str(f.node.target) for f in pl.fallbacks if f.costly}),
-            "plan_rows": len(pl.rows)}
+            "plan_rows": len(pl.rows), "activation_bytes_per_rank": pl.activation_bytes}
 
 
 def main(argv=None):
@@ -74,10 +73,13 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, nargs="*", help="expert counts to time (default: the model's)")
     ap.add_argument("--fused", choices=("regroup", "interleave"), default="regroup",
                     help="how the interleaved gate|up weights are stored (see Options.fused)")
+    ap.add_argument("--activations", action="store_true",
+                    help="also measure activation memory (rank (0, 0)'s graph on fake tensors; slower)")
     args = ap.parse_args(argv)
     for name in [args.only] if args.only else sorted(MODELS):
         for experts in args.experts or [None]:
-            print(json.dumps(plan_one(name, args.layers, experts, args.fused)), flush=True)
+            print(json.dumps(plan_one(name, args.layers, experts, args.fused, activations=args.activations)),
+                  flush=True)
 
 
 if __name__ == "__main__":

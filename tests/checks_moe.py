@@ -10,6 +10,7 @@ import torch
 import autopar
 import hf_families
 import sweep_hf
+from tests.compare import ATOL_FRAC, RTOL, group_excess
 
 
 def _same_token(kw: dict) -> dict:
@@ -81,3 +82,50 @@ def moe_bf16(rank, grid: tuple) -> dict:
             "total": sum(p.numel() for p in pm.parameters()),
             "ops": sorted({str(n.target) for n in pm.program.captured.gm.graph.nodes if "grouped" in str(n.target)}),
             "gathered": sorted({str(f.node.target) for f in pm.program.fallbacks if f.costly})}
+
+
+def moe_from_pretrained(rank, path: str, grid: tuple) -> dict:
+    """Mixtral saved in `path`, read back by `autopar.from_pretrained` (built on the meta device, so
+    transformers' experts take their non-CPU branch: an integer histc) against the same model whole
+    on one process: every output and every gradient."""
+    torch.manual_seed(0)
+    ref, make = hf_families.build("mixtral")
+    ref.eval()
+    kw = make(sweep_hf.BATCH, sweep_hf.SEQ, 1)
+    want = ref(**kw)
+    want.loss.backward()
+    pm = autopar.from_pretrained(path, grid=grid, example_kwargs=kw, progress=False)
+    pm.eval()
+    got = pm(**kw)
+    got.loss.backward()
+    histc = [n for n in pm.program.captured.gm.graph.nodes if "histc" in str(n.target)]
+    return {"errs": sweep_hf.compare(ref, want, pm, got),
+            "int_histc": sum(not n.args[0].meta["val"].is_floating_point() for n in histc)}
+
+
+def torch_tp_parity(rank) -> dict:
+    """`autopar bench --moe`'s PyTorch baseline (1D TP, each expert's intermediate dim split by
+    `ExpertIntermediateParallel`) on a tiny Mixtral against one process: the loss and every gradient
+    (gate|up gradients compared in the style's row order: gate block r next to up block r)."""
+    from autopar import bench_moe
+
+    torch.manual_seed(0)
+    model, make = hf_families.build("mixtral", num_key_value_heads=4)  # PyTorch's 1D TP splits whole KV heads
+    ref = copy.deepcopy(model)
+    kw = make(sweep_hf.BATCH, sweep_hf.SEQ, 1)
+    want = ref(**kw)
+    want.loss.backward()
+    tp = bench_moe._tp_1d(model)
+    got = tp(**kw)
+    got.loss.backward()
+    mine, world = dict(tp.named_parameters()), torch.distributed.get_world_size()
+    grads = {}
+    for n, p in ref.named_parameters():
+        g = p.grad
+        if n.endswith("experts.gate_up_proj"):  # [E, 2I, H] -> the style's [E, (rank, gate|up, I/p), H]
+            e, two_i, h = g.shape
+            g = g.view(e, 2, world, two_i // 2 // world, h).transpose(1, 2).reshape(e, two_i, h)
+        grads[n] = (sweep_hf._full(mine[n].grad), g)
+    errs = group_excess({"loss": (got.loss, want.loss)}, RTOL, ATOL_FRAC, "output ")
+    errs.update(group_excess(grads, RTOL, ATOL_FRAC, "grad "))
+    return {"errs": errs}

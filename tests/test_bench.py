@@ -20,3 +20,30 @@ def test_compiled_rows_report_the_ratio_to_eager():
 def test_no_compiled_rows_without_compile():
     res = {"PyTorch 1D TP (4 ranks)": dict(ROW, step_s=0.4)}
     assert "torch.compile" not in markdown(res, {"eager": 0.2, "autopar 1x1": 0.21})
+
+
+def test_moe_report_sets_losses_against_one_process():
+    """`autopar bench --moe`'s table. Catches a configuration whose losses drift from one process's
+    reported as matching, params x 1/p computed against the wrong total, or a row left out."""
+    from autopar.bench_moe import ONE, TORCH_TP, markdown
+
+    row = dict(step_s=0.25, bytes=3 * 2**20, param_bytes=2**20, total_param_bytes=2**22)
+    res = {ONE: dict(row, bytes=0, param_bytes=2**22, losses=[8.0, 7.5]),
+           "autopar 2x2": dict(row, losses=[8.0, 7.5 * (1 + 5e-5)]),
+           TORCH_TP: dict(row, param_bytes=2**21, losses=[8.0, 7.5 * (1 + 2e-3)])}
+    lines = markdown(res).splitlines()
+    assert lines[2] == "| one process | 250 ms | 0.0 MiB | 4.0 MiB | 4.00 | - |", lines
+    assert lines[3] == "| autopar 2x2 | 250 ms | 3.0 MiB | 1.0 MiB | 1.00 | match (5.0e-05) |", lines
+    assert lines[4].endswith("| 2.0 MiB | 2.00 | MISMATCH (2.0e-03) |"), lines
+
+
+def test_moe_bench_pytorch_baseline_matches_one_process(pool4):
+    """The PyTorch row of `autopar bench --moe` (DTensor 1D TP, experts split by
+    ExpertIntermediateParallel) on a tiny Mixtral. Catches gate and up blocks that do not match on a
+    rank, a token or routing-weight gradient left as one rank's share, or a sum counted twice."""
+    from tests.checks_moe import torch_tp_parity
+    from tests.compare import assert_every_rank
+
+    per_rank = pool4.run(torch_tp_parity)
+    assert_every_rank([r["errs"] for r in per_rank], "PyTorch 1D TP + expert TP, tiny mixtral")
+    assert any(n.endswith("experts.gate_up_proj") for n in per_rank[0]["errs"]), per_rank[0]["errs"]

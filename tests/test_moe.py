@@ -22,6 +22,8 @@ CASES = {
     ("deepseek_v3", (2, 2)): "grouped sigmoid router, shared expert, dense first layer, 8 experts",
     **{(f, (1, 4)): "one row: each expert's intermediate dim over 4 columns"
        for f in ("qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "deepseek_v3")},
+    ("llama4_text", (2, 2)): "experts as a batched matmul over 3-D weights (every token through every expert)",
+    ("llama4_text", (1, 4)): "batched-matmul experts: the intermediate dim over 4 columns",
 }
 
 
@@ -84,6 +86,23 @@ def test_expert_count_kept_whole_is_a_visible_fallback():
     assert any("experts whole over the rows" in f.reason for f in pl.fallbacks)
 
 
+def test_batched_experts_kept_whole_is_a_visible_fallback():
+    """Llama 4's batched-matmul experts, 5 on 2 rows with indivisible='replicate': they stay whole over
+    the rows. Catches that happening silently, and the gate|up weight not split over the columns."""
+    import torch
+
+    import autopar
+    import hf_families
+
+    torch.manual_seed(0)
+    model, make = hf_families.build("llama4_text", num_local_experts=5)
+    with pytest.warns(autopar.FallbackWarning, match="experts whole over the rows: 5 experts on 2 rows"):
+        pl = autopar.plan(model, grid=(2, 2), example_kwargs=make(4, 8, 1), indivisible="replicate",
+                          measure_activations=False)
+    assert pl.params["model.layers.0.feed_forward.experts.down_proj"].layout == "RS(1)"
+    assert pl.params["model.layers.0.feed_forward.experts.gate_up_proj"].layout == "RS(2)"
+
+
 def test_mixtral_8x7b_shape_planned_at_8x8():
     """Two layers of the Mixtral-8x7B shape on the meta device at 8x8: every rank holds at most 1.15/p
     of the parameters, the experts over rows and columns. Catches expert weights that a large grid
@@ -113,10 +132,31 @@ def test_bf16_experts_through_torch_grouped_mm(pool4):
         assert r["held"] <= HELD * r["total"] / 4, (r["held"], r["total"])
 
 
-def test_meta_built_moe_plan_says_activations_are_unmeasured():
-    """A Mixtral built on the meta device captures transformers' integer histc, which the fake CPU run
-    measuring activations cannot execute. Catches `plan` (and `inspect`) failing on it, or leaving the
-    activation figure empty without saying why."""
+def test_moe_from_pretrained_on_cpu(pool4, tmp_path):
+    """`autopar.from_pretrained` traces on the meta device, where transformers' experts count tokens
+    with an integer histc that torch cannot run on CPU tensors. Catches that call failing at the first
+    step, and counts of the split histc summed wrongly (outputs, loss, gradients off)."""
+    import torch
+
+    import hf_families
+
+    torch.manual_seed(0)
+    model, _ = hf_families.build("mixtral")
+    model.save_pretrained(tmp_path)
+    from tests.checks_moe import moe_from_pretrained
+
+    per_rank = pool4.run(moe_from_pretrained, str(tmp_path), (2, 2))
+    _check(per_rank, "mixtral from_pretrained at 2x2")
+    assert per_rank[0]["int_histc"] > 0, "the meta-built graph no longer counts tokens with an integer histc"
+
+
+def test_meta_built_moe_plan_measures_activations():
+    """A Mixtral built on the meta device captures transformers' integer histc (its non-CPU branch),
+    which torch cannot run on CPU tensors. Catches `plan` (and `inspect`) leaving the activation figure
+    empty on it, histc falling back to replication, or the meta-built plan measuring other figures than
+    the same model built on the CPU (float histc, split the same way)."""
+    import warnings
+
     import transformers
 
     import autopar
@@ -125,8 +165,18 @@ def test_meta_built_moe_plan_says_activations_are_unmeasured():
 
     cfg = transformers.MixtralConfig(**{**hf_families.TOKENS, **hf_families.FAMILIES["mixtral"].kw})
     with autopar.meta_init():
-        model = transformers.MixtralForCausalLM(cfg)
+        meta = transformers.MixtralForCausalLM(cfg)
+    torch.manual_seed(0)
+    cpu = transformers.MixtralForCausalLM(cfg)
     ids = torch.ones(2, 8, dtype=torch.long)
-    with pytest.warns(UserWarning, match=r"activation memory not measured: .*histogram_cpu.*build it on the CPU"):
-        pl = autopar.plan(model, grid=(2, 2), example_kwargs=dict(input_ids=ids, labels=ids))
-    assert pl.activation_bytes is None and pl.param_bytes_per_rank * 4 <= HELD * pl.param_bytes_total
+    plans = []
+    for model in (meta, cpu):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # neither "activation memory not measured" nor a fallback warning
+            plans.append(autopar.plan(model, grid=(2, 2), example_kwargs=dict(input_ids=ids, labels=ids)))
+    pl, ref = plans
+    assert pl.activation_bytes is not None and pl.activation_bytes == ref.activation_bytes, \
+        (pl.activation_bytes, ref.activation_bytes)
+    assert pl.comm_bytes_per_rank_per_step == ref.comm_bytes_per_rank_per_step
+    assert not any("histc" in str(f.node.target) for f in pl.fallbacks), pl.fallbacks
+    assert pl.param_bytes_per_rank * 4 <= HELD * pl.param_bytes_total

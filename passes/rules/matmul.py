@@ -225,6 +225,10 @@ def addmm(node, layouts, mesh):
 @register(aten.mm.default, aten.matmul.default, aten.bmm.default)
 def matmul(node, layouts, mesh):
     a, b = node.args[:2]
+    from passes.rules import batched_experts  # imports this module
+
+    if batched_experts.applies(node):
+        return batched_experts.batched_experts(node, layouts, mesh)
     if len(shape(a)) >= 2 and _is_weight(b, layouts):
         return weight_strategy(node, layouts, mesh, a, b, None, n_first=False)
     return batched_local(node, layouts, mesh, a, b)
