@@ -19,12 +19,14 @@ MAX_IDLE_RANKS = 13
 def get_pool(world: int):
     """One live pool per world size, at most MAX_IDLE_RANKS ranks in all; a pool broken by a failed
     check is replaced. To make room, the least recently used pool whose closing alone suffices closes
-    (4 + 6 ranks then 9: the 6 closes, the 4 stays), else the least recently used."""
+    (4 + 6 ranks then 9: the 6 closes), else the least recently used; the 4-rank pool, which most tests
+    use, closes last."""
     pool = _pools.pop(world, None)
     if pool is None or pool.broken:
         while _pools and sum(_pools) + world > MAX_IDLE_RANKS:
-            enough = [w for w in _pools if sum(_pools) - w + world <= MAX_IDLE_RANKS]
-            _pools.pop((enough or list(_pools))[0]).close()
+            order = sorted(_pools, key=lambda w: w == 4)  # stable: least recently used first otherwise
+            enough = [w for w in order if sum(_pools) - w + world <= MAX_IDLE_RANKS]
+            _pools.pop((enough or order)[0]).close()
         pool = start(world)
     _pools[world] = pool  # re-inserted: now the most recently used
     return pool
