@@ -50,8 +50,25 @@ def test_plan_8x8_on_one_process():
 
 
 def _cli(*args):
+    """`python -m autopar inspect ...` in a real subprocess: the command as a user runs it."""
     return subprocess.run([sys.executable, "-m", "autopar", "inspect", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
+
+
+def _inspect(capsys, *args):
+    """`autopar inspect ...` through cli.main in this process (torch and transformers already loaded:
+    a subprocess costs seconds of imports each); the same exit code, stdout and stderr text."""
+    from autopar import cli
+
+    capsys.readouterr()
+    try:
+        code = cli.main(["inspect", *args])
+    except SystemExit as e:  # as the interpreter does: a message goes to stderr with exit status 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["autopar", "inspect", *args], code, out, err)
 
 
 def test_cli_json():
@@ -66,19 +83,19 @@ def test_cli_json():
     assert out["grid"] == [2, 2] and out["comm_bytes_per_rank_per_step"] > 0
 
 
-def test_cli_bad_set_key():
-    r = _cli("gpt2", "--grid", "2x2", "--set", "n_layerz=2")
+def test_cli_bad_set_key(capsys):
+    r = _inspect(capsys, "gpt2", "--grid", "2x2", "--set", "n_layerz=2")
     assert r.returncode != 0
     assert "GPT2Config has no key(s) ['n_layerz']" in r.stderr and "n_layer" in r.stderr
 
 
-def test_cli_grid_auto_and_strategy():
+def test_cli_grid_auto_and_strategy(capsys):
     """`inspect --grid auto --devices 4` searches every shape of 4 ranks and plans the fastest with
     strategy auto; the JSON carries the search table and the choice."""
     small = ["--batch", "4", "--seq", "16", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
              "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
              "--set", "vocab_size=256"]
-    r = _cli("llama", "--grid", "auto", "--devices", "4", *small, "--json")
+    r = _inspect(capsys, "llama", "--grid", "auto", "--devices", "4", *small, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     shapes = [tuple(row["grid"]) for row in out["grid_search"]]
@@ -87,8 +104,8 @@ def test_cli_grid_auto_and_strategy():
     assert out["grid"] == list(best["grid"])
     auto = out["strategy_auto"]
     assert auto["estimated_step_s"] <= min(auto["fixed_2d_step_s"], auto["fixed_1d_step_s"])
-    r = _cli("llama", "--grid", "auto", *small)
+    r = _inspect(capsys, "llama", "--grid", "auto", *small)
     assert r.returncode != 0 and "--grid auto needs --devices N" in r.stderr
-    r = _cli("llama", "--grid", "2x2", "--strategy", "auto", *small)
+    r = _inspect(capsys, "llama", "--grid", "2x2", "--strategy", "auto", *small)
     assert r.returncode == 0, r.stderr
     assert "strategy auto: estimated step" in r.stdout and "[auto: " not in r.stdout  # table by module

@@ -1,0 +1,34 @@
+"""The session's pools of ranks (tests/conftest.py): which pools stay up when a test asks for another
+world size. Fake pools only: nothing is spawned."""
+
+from tests import conftest
+
+
+class _FakePool:
+    def __init__(self, world):
+        self.world, self.broken = world, False
+
+    def close(self):
+        self.broken = True
+
+
+def test_pools_kept_within_the_rank_budget(monkeypatch):
+    """Catches a pool restarted at every switch between world sizes (8-20 s each on 2 cores), more
+    idle ranks than MAX_IDLE_RANKS, and the 4-rank pool most tests use closed to make room for a
+    pool that another closing would have fitted."""
+    started = []
+
+    def start(world):
+        started.append(world)
+        return _FakePool(world)
+
+    monkeypatch.setattr(conftest, "_pools", {})
+    monkeypatch.setattr(conftest, "start", start)
+    # test_uneven's order, then test_comm's, test_training's and a broken 4-rank pool
+    for world in [4, 4, 9, 6, 6, 6, 4, 9, 9, 4, 6, 6, 4, 4, 9, 4, 2, 2, 4, 6, 4, 1, 8, 4]:
+        pool = conftest.get_pool(world)
+        assert pool.world == world and not pool.broken
+        assert sum(conftest._pools) <= conftest.MAX_IDLE_RANKS, conftest._pools
+    assert started == [4, 9, 6, 9, 6, 9, 2, 6, 1, 8], started
+    conftest._pools[4].close()  # a check failed on a rank: the next test gets a fresh pool
+    assert conftest.get_pool(4) is not pool and started[-1] == 4
