@@ -178,14 +178,14 @@ def dynamo_counts() -> tuple:
 
 def register_ordered(qualname: str) -> None:
     """Declare the torch.library op `qualname` ("namespace::name") side-effecting with torch's
-    ORDERED effect: torch.compile then threads an effect token through every call of such ops, so the
-    compiled program runs them in the traced order and never drops one whose result is unused
-    (AOTAutograd's `with_effects`; inductor chains them with star dependencies), in forward and
-    backward alike. Eager calls are unchanged. `torch.library._register_effectful_op` and
-    `torch._library.effects.EffectType` are private (what torch's own docs point to for ops with side
-    effects). Checked on 2.13.0. If they move: `passes.ops.library` fails to import; without them
-    inductor may reorder independent collectives, and ranks compiling different graphs (uneven
-    blocks) then launch them in different orders and hang."""
+    ORDERED effect: torch.compile then threads an effect token through every call of such ops
+    (AOTAutograd's `with_effects`, forward and backward) and never drops one whose result is unused.
+    Inductor 2.13 keeps the calls but not, in every scheduling pass, their order (see
+    `passes.ops.library.INDUCTOR_OPTIONS`). Eager calls are unchanged.
+    `torch.library._register_effectful_op` and `torch._library.effects.EffectType` are private (what
+    torch's own docs point to for ops with side effects). Checked on 2.13.0. If they move:
+    `passes.ops.library` fails to import; without them a compiled program may drop a collective whose
+    result it does not use, and ranks compiling different graphs (uneven blocks) then hang."""
     from torch._library.effects import EffectType
 
     torch.library._register_effectful_op(qualname, EffectType.ORDERED)  # 2.13 refuses a CustomOpDef here

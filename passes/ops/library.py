@@ -11,10 +11,11 @@ backward calls the ops too. Every op returns a new tensor (never a view of an in
 torch.library requires.
 
 Every op here is declared ORDERED-effectful (`passes.compat.register_ordered`): a compiled program
-runs them in the program's order, whatever inductor fuses, reorders for memory or finds unused.
-Ranks whose graphs differ (uneven blocks, rank-specific shapes) compile different programs; without
-the order each could launch its collectives in its own order and the ranks would wait on one
-another for ever.
+keeps every call, even one whose result nobody reads, and AOTAutograd threads a token through them
+in program order. Ranks whose graphs differ (uneven blocks, rank-specific shapes) compile different
+programs; each must still launch its collectives in the program's order, or the ranks wait on one
+another for ever. torch 2.13's inductor does not enforce the token's order in its scheduler
+(`INDUCTOR_OPTIONS` below turns off the pass seen to break it; compiled generation stays eager).
 
 >>> import torch
 >>> from passes.mesh import Grid
