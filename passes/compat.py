@@ -44,7 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
            "exit_autocast", "fake_store", "fake_tensor_mode", "implicit_replication", "legacy_reduction", "parse_to",
-           "pytree", "reduce_scatter_single", "register_flattened_mesh", "set_grad_enabled", "set_version_counter"]
+           "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
+           "set_version_counter"]
 
 # torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.regions` inlines
 # no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
@@ -173,3 +174,18 @@ def dynamo_counts() -> tuple:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def register_ordered(qualname: str) -> None:
+    """Declare the torch.library op `qualname` ("namespace::name") side-effecting with torch's
+    ORDERED effect: torch.compile then threads an effect token through every call of such ops
+    (AOTAutograd's `with_effects`, forward and backward) and never drops one whose result is unused.
+    Inductor 2.13 keeps the calls but not, in every scheduling pass, their order (see
+    `passes.ops.library.INDUCTOR_OPTIONS`). Eager calls are unchanged.
+    `torch.library._register_effectful_op` and `torch._library.effects.EffectType` are private (what
+    torch's own docs point to for ops with side effects). Checked on 2.13.0. If they move:
+    `passes.ops.library` fails to import; without them a compiled program may drop a collective whose
+    result it does not use, and ranks compiling different graphs (uneven blocks) then hang."""
+    from torch._library.effects import EffectType
+
+    torch.library._register_effectful_op(qualname, EffectType.ORDERED)  # 2.13 refuses a CustomOpDef here

@@ -53,12 +53,14 @@ class CommLog:
     on the destination; all-gather of N bytes per rank -> (q-1)*N; reduce-scatter of an N-byte input
     -> (q-1)*N/q; all-reduce of N bytes -> 2*(q-1)*N/q (ring). Launches: one per collective call this
     rank makes, sender or receiver alike (a broadcast's root launches it too); a group of one member
-    launches nothing.
+    launches nothing. `order`: None, or a list to which each launch appends its (tag, phase), in the
+    order this rank launched them (set it to [] to check that a compiled step keeps the eager order).
     """
 
     bytes: dict = field(default_factory=lambda: defaultdict(int))
     recomputing: int = 0  # > 0 while backward recomputes a region: its forward bytes count as "recompute"
     launches: dict = field(default_factory=lambda: defaultdict(int))
+    order: list | None = None
 
     def add(self, tag: str, phase: str, nbytes: int) -> None:
         if self.recomputing and phase == "fwd":
@@ -78,6 +80,8 @@ class CommLog:
         if self.recomputing and phase == "fwd":
             phase = "recompute"
         self.launches[(tag, phase)] += 1
+        if self.order is not None:
+            self.order.append((tag, phase))
 
     def total(self, prefix: str = "") -> int:
         return sum(v for (tag, _), v in self.bytes.items() if tag.startswith(prefix))
@@ -89,6 +93,8 @@ class CommLog:
     def reset(self) -> None:
         self.bytes.clear()
         self.launches.clear()
+        if self.order is not None:
+            self.order.clear()
 
 
 _GRIDS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # Grid.key -> the live grid

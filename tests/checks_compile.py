@@ -117,21 +117,23 @@ def compile_fallback(rank, steps=2):
 
 def compile_graphs(rank, name, grid):
     """One compiled training step of `name` at `grid` (parallelize(compile=True)): the graphs and graph
-    breaks dynamo made of the per-rank program, explain's line about them, and the step's bytes and
-    collective calls against an eager step's."""
+    breaks dynamo made of the per-rank program, explain's line about them, and the step's bytes,
+    collective calls and the order this rank launched them in against an eager step's."""
     torch.manual_seed(0)
     model, batch, loss_of = _model(name)
     args, kwargs = batch(0)
     eager = autopar.parallelize(copy.deepcopy(model), grid=grid, example_inputs=args, example_kwargs=kwargs)
     eager.grid.log.reset()
+    eager.grid.log.order = []
     loss_of(eager(*args, **kwargs)).backward()
     pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, compile=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm.grid.log.reset()
+        pm.grid.log.order = []
         loss_of(pm(*args, **kwargs)).backward()
     line = [ln for ln in autopar.explain(pm).splitlines() if ln.startswith("torch.compile:")]
-    logs = [(dict(g.log.bytes), dict(g.log.launches)) for g in (eager.grid, pm.grid)]
+    logs = [(dict(g.log.bytes), dict(g.log.launches), g.log.order) for g in (eager.grid, pm.grid)]
     return {"stats": tuple(pm.compile_stats[pm.program.signature]), "line": line, "eager log": logs[0],
             "compiled log": logs[1], "fell back": [str(w.message) for w in caught
                                                    if issubclass(w.category, autopar.CompileWarning)]}
@@ -149,3 +151,26 @@ def recompiles(rank, batches=(4, 6, 4, 6)):
         loss_of(pm(torch.randn(b, 8, 16))).backward()
         seen.append(counters["stats"]["unique_graphs"])
     return seen
+
+
+def kept_order(rank):
+    """A compiled function of three collectives, the second's result unused and the third independent
+    of the first: (the order this rank launched them in eagerly, compiled)."""
+    from passes.mesh import Grid
+    from passes.ops import comm
+
+    grid = Grid(2, 2)
+    grid.log.order = []
+
+    def step(x, y):
+        a = comm.all_reduce(grid, 0, x, "first", "fwd")
+        comm.all_reduce(grid, 1, y, "unused", "fwd")
+        b = comm.all_gather(grid, 1, y, 0, "independent", "fwd")
+        return a.sum() + b.sum()
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    step(x, y)
+    eager = list(grid.log.order)
+    grid.log.reset()
+    torch.compile(step)(x, y)
+    return eager, grid.log.order

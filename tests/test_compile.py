@@ -56,14 +56,28 @@ def test_compile_option_is_validated():
 def test_compiled_program_has_no_graph_breaks(pool4, name, grid):
     """Catches a collective or SUMMA kernel dynamo cannot trace (a graph break at every call, the
     collectives then run between compiled regions), and a traced collective that the compiled step
-    drops, repeats or counts differently from the eager step ('gpt2 uneven': the reblocking
-    all-to-all and SUMMA over unequal vocabulary blocks)."""
+    drops, repeats, counts differently or launches in another order than the eager step ('gpt2
+    uneven': the reblocking all-to-all and SUMMA over unequal vocabulary blocks, where the two grid
+    columns compile different graphs: inductor free to reorder, they would launch in different orders
+    and hang)."""
     res = pool4.run(C.compile_graphs, name, grid)
     for rank, r in enumerate(res):
         assert not r["fell back"], (rank, r["fell back"])
         assert r["stats"] == (1, 0), f"rank {rank}: (graphs, graph breaks) = {r['stats']}, want one graph"
         assert r["line"] == ["torch.compile: 1 graph(s), 0 graph break(s)"], r["line"]
-        assert r["compiled log"] == r["eager log"], f"rank {rank}: bytes and launches of the compiled step differ"
+        (bytes_, calls, order), eager = r["compiled log"], r["eager log"]
+        assert (bytes_, calls) == eager[:2], f"rank {rank}: bytes and launches of the compiled step differ"
+        assert order == eager[2], f"rank {rank}: the compiled step launched its collectives in another order\n" \
+            f"  compiled {order}\n  eager    {eager[2]}"
+
+
+def test_compiled_collectives_keep_the_program_order(pool4):
+    """Catches collectives that inductor may drop (a result nobody reads) or reorder (no data
+    dependency between them): ranks compiling different graphs would then launch different sequences
+    and hang. The ops are declared ORDERED-effectful (`passes.compat.register_ordered`)."""
+    want = [("first", "fwd"), ("unused", "fwd"), ("independent", "fwd")]
+    for rank, (eager, compiled) in enumerate(pool4.run(C.kept_order)):
+        assert eager == want and compiled == want, f"rank {rank}: eager {eager}, compiled {compiled}"
 
 
 def test_a_new_shape_compiles_once(pool4):

@@ -10,6 +10,13 @@ Gradients stay with the autograd Functions that call these ops: dynamo traces th
 backward calls the ops too. Every op returns a new tensor (never a view of an input), as
 torch.library requires.
 
+Every op here is declared ORDERED-effectful (`passes.compat.register_ordered`): a compiled program
+keeps every call, even one whose result nobody reads, and AOTAutograd threads a token through them
+in program order. Ranks whose graphs differ (uneven blocks, rank-specific shapes) compile different
+programs; each must still launch its collectives in the program's order, or the ranks wait on one
+another for ever. torch 2.13's inductor does not enforce the token's order in its scheduler
+(`INDUCTOR_OPTIONS` below turns off the pass seen to break it; compiled generation stays eager).
+
 >>> import torch
 >>> from passes.mesh import Grid
 >>> g = Grid.for_planning(2, 4)
@@ -26,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from passes.compat import register_ordered
 from passes.layout import chunk_range
 from passes.mesh import grid_of
 from passes.ops import comm, reblock, summa
@@ -118,3 +126,14 @@ def _(t, grid, axis, dim, src, dst, tag, phase):
     shape = list(t.shape)
     shape[dim] = dst[i + 1] - dst[i]
     return t.new_empty(shape)
+
+
+for _name in ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_stack", "summa", "reblock"):
+    register_ordered(f"autopar::{_name}")
+
+# torch 2.13's inductor drops the ordering between effectful ops when its scheduler reorders nodes for peak
+# memory (`reorder_for_peak_memory`): a collective reading only parameters (a bias gathered over the columns)
+# moved ahead of activation collectives in the compiled GPT-2 with uneven heads; ranks compiling different
+# graphs can move different ones, and then hang. Programs autopar compiles turn that pass off (the effect
+# still keeps every call). The option is part of torch.compile's cache key: no entry compiled before is reused.
+INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}

@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn as nn
 
-from passes.compat import all_gather_single, reduce_scatter_single
+from passes.compat import all_gather_single, reduce_scatter_single, register_ordered
 from passes.mesh import Grid, grid_of
 from passes.ops.comm import _nbytes, guarded
 from passes.ops.summa import AXIS_SAME_COL, AXIS_SAME_ROW
@@ -134,6 +134,10 @@ def atb_op(x: torch.Tensor, gs: list[torch.Tensor], grid: int, tags: str) -> lis
 def _(x, gs, grid, tags):
     R, C = grid_of(grid).shape
     return [x.new_empty(x.shape[1] * C // R, g.shape[1]) for g in gs]
+
+
+for _name in ("ab_group", "abt_group", "atb_group"):  # run in program order when compiled, as `passes.ops.library`'s
+    register_ordered(f"autopar::{_name}")
 
 
 class SummaGroupAB(torch.autograd.Function):
