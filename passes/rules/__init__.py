@@ -125,3 +125,4 @@ def lookup(target):
 from passes.rules import (attention, conv_inplace, embedding_loss, fallback, indexing, matmul,  # noqa: E402,F401
                           norms, pointwise, views)
 from passes.rules import experts  # noqa: E402,F401
+from passes.rules import moe_routing  # noqa: E402,F401
