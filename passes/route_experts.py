@@ -21,6 +21,7 @@ Requires `val` on every node; sets it on the nodes it adds. `mode`: `Options.moe
 from __future__ import annotations
 
 import operator
+from typing import cast
 
 import torch
 from torch._guards import detect_fake_mode
@@ -62,6 +63,14 @@ def _sort_of(perm: Node) -> Node | None:
     return None
 
 
+def _weights_at(factor, perm: Node) -> Node | None:
+    """w when `factor` is unsqueeze(w[perm], -1) (the routing weights in sorted order), else None."""
+    if not isinstance(factor, Node) or factor.target != aten.unsqueeze.default:
+        return None
+    pick = factor.args[0]
+    return pick.args[0] if pick.target == aten.index.Tensor and list(pick.args[1]) == [perm] else None
+
+
 class _Region:
     """One layer's routed region, matched from its first grouped matmul; `missing` says what did not match."""
 
@@ -72,11 +81,11 @@ class _Region:
             self.missing = "the routed tokens are not an index of the hidden states"
             return
         self.index, self.h, fd = x, x.args[0], x.args[1][0]
-        if fd.target not in (aten.floor_divide.default, aten.div.Tensor_mode) or _sort_of(fd.args[0]) is None:
+        sort = _sort_of(fd.args[0]) if fd.target in (aten.floor_divide.default, aten.div.Tensor_mode) else None
+        if sort is None:
             self.missing = "the token index is not sort(ids).indices // k"
             return
-        self.perm, self.k = fd.args[0], fd.args[1]
-        self.ids = _sort_of(self.perm).args[0]
+        self.perm, self.k, self.ids = fd.args[0], fd.args[1], sort.args[0]
         self.offs = arg(g1, 2, "offs")
         seconds = [u for u in self.offs.users if _is_grouped_mm(u) and u is not g1 and _second(u, u.args[0])]
         if len(seconds) != 1 or not isinstance(self.k, int):
@@ -87,25 +96,18 @@ class _Region:
 
     def _combine(self) -> None:
         """mul(y, unsqueeze(w[perm], -1)) -> [inv_perm] -> view(T, k, H) -> sum(1)."""
-        users = list(self.g2.users)
-        mul = users[0] if len(users) == 1 else None
-        ok = mul is not None and mul.target == aten.mul.Tensor and mul.args[0] is self.g2
-        factor = mul.args[1] if ok else None
-        ok = ok and factor.target == aten.unsqueeze.default and factor.args[0].target == aten.index.Tensor
-        ok = ok and factor.args[0].args[1] == [self.perm]
-        if ok:
-            self.w = factor.args[0].args[0]
-            chain = [mul]
-            for target in (aten.index.Tensor, aten.view.default, aten.sum.dim_IntList):
-                nxt = list(chain[-1].users)
-                if len(nxt) != 1 or nxt[0].target != target:
-                    ok = False
-                    break
-                chain.append(nxt[0])
-        if not ok or list(chain[-1].args[1]) != [1] or len(chain[-1].args) > 2 and chain[-1].args[2]:
+        chain, node = [], self.g2
+        for target in (aten.mul.Tensor, aten.index.Tensor, aten.view.default, aten.sum.dim_IntList):
+            users = list(node.users)
+            if len(users) != 1 or users[0].target != target:
+                break
+            node = users[0]
+            chain.append(node)
+        if len(chain) == 4 and chain[0].args[0] is self.g2 and _weights_at(chain[0].args[1], self.perm) is not None \
+                and list(chain[3].args[1]) == [1] and not (len(chain[3].args) > 2 and chain[3].args[2]):
+            self.w, self.sum = cast(Node, _weights_at(chain[0].args[1], self.perm)), chain[3]
+        else:
             self.missing = "the combine is not (y * w[perm])[inv_perm].view(T, k, H).sum(1)"
-            return
-        self.sum = chain[-1]
 
     def rewrite(self, gm: GraphModule) -> None:
         g, experts = gm.graph, self.g1.args[1].meta["val"].shape[0]

@@ -42,6 +42,8 @@ def test_experts_split_parity_and_memory(pool4, family, grid):
     held = max(r["held"] for r in per_rank)
     assert held <= HELD * total / 4, f"{family} {grid}: a rank holds {held} of {total} ({held * 4 / total:.2f}/p)"
     assert not any("grouped_mm" in op for op in per_rank[0]["gathered"]), per_rank[0]["gathered"]
+    if grid[0] > 1:  # the default dispatch on more than one row: tokens exchanged by all-to-all, none gathered
+        assert {"ExpertDispatch", "ExpertCombine"} <= set(per_rank[0]["kernels"]), per_rank[0]["kernels"]
 
 
 def test_experts_without_tokens(pool4):
@@ -130,3 +132,34 @@ def test_meta_built_moe_plan_says_activations_are_unmeasured():
     with pytest.warns(UserWarning, match=r"activation memory not measured: .*histogram_cpu.*build it on the CPU"):
         pl = autopar.plan(model, grid=(2, 2), example_kwargs=dict(input_ids=ids, labels=ids))
     assert pl.activation_bytes is None and pl.param_bytes_per_rank * 4 <= HELD * pl.param_bytes_total
+
+
+def test_routed_bytes_are_the_routing_s_exact_figure(pool4):
+    """All-to-all dispatch at 2x2: the bytes the routing ops count in a training step equal, on every
+    rank, the figure computed from the routing the router chose (pairs each row sends to each row's
+    experts). Catches tokens sent to the wrong row, a run gathered whole over the rows, a collective
+    left uncounted or counted twice."""
+    from tests.checks_moe import moe_routed_bytes
+
+    per_rank = pool4.run(moe_routed_bytes, (2, 2))
+    for r in per_rank:
+        assert r["counted"] == r["exact"], r
+        assert r["exact"]["fwd"] > 0, r
+
+
+def test_gathered_dispatch_stays_available(pool4):
+    """moe_dispatch='gather' at 2x2: the routed tokens gathered over the rows, as before expert
+    parallelism; outputs, loss and every gradient still match. Catches the option ignored (the
+    all-to-all kernels built anyway) or the gathered path broken by the rewrite's rules."""
+    per_rank = pool4.run(moe_parity, "qwen2_moe", (2, 2), dispatch="gather")
+    _check(per_rank, "qwen2_moe 2x2, gathered dispatch")
+    assert "ExpertDispatch" not in per_rank[0]["kernels"], per_rank[0]["kernels"]
+
+
+def test_moe_dispatch_option_is_validated():
+    """A misspelt dispatch is refused with the values it accepts."""
+    from passes.options import Options
+
+    expected = r"moe_dispatch='alltoall': expected one of \('auto', 'all_to_all', 'gather'\)"
+    with pytest.raises(ValueError, match=expected):
+        Options(moe_dispatch="alltoall")

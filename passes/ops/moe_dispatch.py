@@ -35,16 +35,24 @@ run is exactly those global rows. Sizes depend on the routing; the planner price
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from passes.compat import is_fake
 from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.ops import comm
 
 ROWS, COLS = 0, 1
+
+
+def _counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Pairs per expert [E] (int64), with no data-dependent shape (a fake run of the kernels has none)."""
+    return ids.new_zeros(experts).index_add_(0, ids, torch.ones_like(ids))
 
 
 def _order(ids: torch.Tensor) -> torch.Tensor:
@@ -54,7 +62,7 @@ def _order(ids: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("autopar::moe_offsets", mutates_args=())
 def moe_offsets(ids: torch.Tensor, experts: int) -> torch.Tensor:
-    return torch.bincount(ids, minlength=experts).cumsum(0).to(torch.int32)
+    return _counts(ids, experts).cumsum(0).to(torch.int32)
 
 
 @moe_offsets.register_fake
@@ -121,7 +129,9 @@ def all_to_all(grid: Grid, axis: int, t: torch.Tensor, send: list, recv: list, t
     out = t.new_empty((sum(recv),) + tuple(t.shape[1:]))
     if grid.size(axis) == 1:
         return t.clone()
-    row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+    if is_fake(t):  # a planning run: shapes only
+        return out
+    row = math.prod(t.shape[1:]) * t.element_size()
     grid.log.add(tag, phase, row * (sum(recv) - recv[grid.index(axis)]))
     grid.log.launch(tag, phase)
     with comm.guarded(grid, "all-to-all", axis, tag):
@@ -139,7 +149,10 @@ class Routing:
     def __init__(self, grid: Grid, ids: torch.Tensor, experts: int, tag: str, phase: str):
         R, me = grid.size(ROWS), grid.index(ROWS)
         self.order = _order(ids)
-        counts = torch.bincount(ids, minlength=experts).unsqueeze(0)  # [1, E]
+        if is_fake(ids):  # a planning run has no routing to read: take it balanced, as the costs do
+            self._balanced(len(ids), R, me)
+            return
+        counts = _counts(ids, experts).unsqueeze(0)  # [1, E]
         table = comm.all_gather(grid, ROWS, counts, 0, tag, phase)  # [R, E]
         edges = [chunk_range(experts, R, d) for d in range(R)]
         lo, hi = edges[me]
@@ -152,6 +165,12 @@ class Routing:
                 for e in range(hi - lo) for s in range(R)]
         self.regroup = torch.cat(runs) if runs else torch.zeros(0, dtype=torch.long)
         self.n = len(self.regroup)
+
+    def _balanced(self, pairs: int, R: int, me: int) -> None:
+        self.send = [hi - lo for lo, hi in (chunk_range(pairs, R, d) for d in range(R))]
+        self.recv = self.send[me:me + 1] * R
+        self.n, self.start, self.total = sum(self.recv), me * pairs, R * pairs
+        self.regroup = torch.arange(self.n)
 
     def to_experts(self, grid, x, tag, phase):
         """[pairs sorted, K] of this row -> [n, K] of its experts' pairs, expert-major."""
@@ -214,7 +233,7 @@ class ExpertOffsets(nn.Module):
         self.grid, self.experts, self.tag = grid, experts, tag
 
     def forward(self, ids):
-        counts = torch.bincount(ids, minlength=self.experts)
+        counts = _counts(ids, self.experts)
         return comm.all_reduce(self.grid, ROWS, counts, self.tag, "fwd").cumsum(0).to(torch.int32)
 
 

@@ -34,7 +34,8 @@ from passes.ops import moe_dispatch as ops
 from passes.rules import Strategy, Unsupported, register_named, shape
 from passes.rules.expert_rows import EXPERT_ROWS
 
-OFFSETS, DISPATCH, COMBINE = "autopar.moe_offsets.default", "autopar.moe_dispatch.default", "autopar.moe_combine.default"
+OFFSETS, DISPATCH = "autopar.moe_offsets.default", "autopar.moe_dispatch.default"
+COMBINE = "autopar.moe_combine.default"
 BALANCED = "estimate: routing taken as balanced"
 _PAIRS = Layout((Shard(0), Replicate()))  # ids and weights [Tk]: this row's pairs, whole over the columns
 _TOKENS = Layout((Shard(0), Shard(1)))  # h [T, H] and the combined result
