@@ -163,3 +163,27 @@ def test_moe_dispatch_option_is_validated():
     expected = r"moe_dispatch='alltoall': expected one of \('auto', 'all_to_all', 'gather'\)"
     with pytest.raises(ValueError, match=expected):
         Options(moe_dispatch="alltoall")
+
+
+def test_unrecognised_routing_keeps_the_gathered_dispatch_visibly():
+    """Grouped expert matmuls fed by tokens that are not the sorted routed copy (no router, fixed
+    offsets): the all-to-all rewrite cannot apply. Catches that layer rewritten anyway (wrong
+    results) or left gathered silently (no RoutingWarning naming it)."""
+    import torch
+    import transformers.integrations.moe  # noqa: F401  (registers transformers' grouped matmul op)
+
+    import autopar
+    from passes.route_experts import RoutingWarning
+
+    class Fixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = torch.nn.Parameter(torch.randn(4, 8, 16)), torch.nn.Parameter(torch.randn(4, 16, 8))
+
+        def forward(self, x):  # x [16, 8]: 4 rows per expert
+            offs = torch.arange(4, 17, 4, dtype=torch.int32)
+            h = torch.ops.transformers.grouped_mm_fallback(x, self.w1, offs)
+            return torch.ops.transformers.grouped_mm_fallback(torch.relu(h), self.w2, offs)
+
+    with pytest.warns(RoutingWarning, match=r"(?s)1 MoE layer\(s\) keep the gathered token dispatch.*grouped_mm_fallback\): the routed tokens are not an index"):
+        autopar.plan(Fixed(), grid=(2, 2), example_inputs=(torch.randn(16, 8),), measure_activations=False)
