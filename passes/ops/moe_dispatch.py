@@ -98,12 +98,12 @@ moe_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup
 def moe_combine(y: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, k: int, experts: int) -> torch.Tensor:
     pairs = torch.empty_like(y)
     pairs[_order(ids)] = y  # [Tk, H] in pair order
-    return (pairs * w.unsqueeze(-1).to(y.dtype)).view(-1, k, y.shape[-1]).sum(1)
+    return (pairs * w.unsqueeze(-1)).view(-1, k, y.shape[-1]).sum(1)  # in y's and w's promoted dtype, as captured
 
 
 @moe_combine.register_fake
 def _(y, w, ids, k, experts):
-    return y.new_empty((ids.shape[0] // k, y.shape[-1]))
+    return y.new_empty((ids.shape[0] // k, y.shape[-1]), dtype=torch.promote_types(y.dtype, w.dtype))
 
 
 def _combine_setup(ctx, inputs, output):
@@ -117,7 +117,7 @@ def _combine_backward(ctx, g):
     order = _order(ids)
     gp = g.repeat_interleave(ctx.k, 0)  # [Tk, H]: each pair's share of its token's gradient
     gw = (gp * y[torch.argsort(order)]).sum(-1).to(w.dtype)
-    return (gp * w.unsqueeze(-1).to(g.dtype))[order], gw, None, None, None
+    return (gp * w.unsqueeze(-1)).to(y.dtype)[order], gw, None, None, None
 
 
 moe_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
@@ -211,7 +211,7 @@ class _Combine(torch.autograd.Function):
         pairs[route.order] = route.to_tokens(grid, run, tag, "fwd")  # [Tk/R, H/C] in pair order
         ctx.save_for_backward(pairs, w)
         ctx.grid, ctx.k, ctx.tag, ctx.route, ctx.total = grid, k, tag, route, y.shape[0]
-        return (pairs * w.unsqueeze(-1).to(pairs.dtype)).view(-1, k, pairs.shape[-1]).sum(1)
+        return (pairs * w.unsqueeze(-1)).view(-1, k, pairs.shape[-1]).sum(1)
 
     @staticmethod
     def backward(ctx, g):
@@ -219,7 +219,7 @@ class _Combine(torch.autograd.Function):
         route, grid = ctx.route, ctx.grid
         gp = g.repeat_interleave(ctx.k, 0)  # [Tk/R, H/C]
         gw = (gp * pairs).sum(-1).to(w.dtype)  # a partial sum over the columns: the GradSync of w adds them
-        sent = route.to_experts(grid, (gp * w.unsqueeze(-1).to(gp.dtype))[route.order], ctx.tag, "bwd")
+        sent = route.to_experts(grid, (gp * w.unsqueeze(-1)).to(pairs.dtype)[route.order], ctx.tag, "bwd")
         whole = comm.all_gather(grid, COLS, sent, 1, ctx.tag, "bwd")  # [n, H]
         gy = F.pad(whole, (0, 0, route.start, ctx.total - route.start - route.n))
         return gy, gw, None, None, None, None, None
