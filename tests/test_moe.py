@@ -44,6 +44,8 @@ def test_experts_split_parity_and_memory(pool4, family, grid):
     assert not any("grouped_mm" in op for op in per_rank[0]["gathered"]), per_rank[0]["gathered"]
     if grid[0] > 1:  # the default dispatch on more than one row: tokens exchanged by all-to-all, none gathered
         assert {"ExpertDispatch", "ExpertCombine"} <= set(per_rank[0]["kernels"]), per_rank[0]["kernels"]
+    else:  # one row: nothing to exchange, the gathered dispatch
+        assert "ExpertDispatch" not in per_rank[0]["kernels"], per_rank[0]["kernels"]
 
 
 def test_experts_without_tokens(pool4):
@@ -188,3 +190,20 @@ def test_unrecognised_routing_keeps_the_gathered_dispatch_visibly():
     kept = r"(?s)1 MoE layer\(s\) keep the gathered token dispatch.*grouped_mm_fallback\): the routed tokens are not an"
     with pytest.warns(RoutingWarning, match=kept):
         autopar.plan(Fixed(), grid=(2, 2), example_inputs=(torch.randn(16, 8),), measure_activations=False)
+
+
+def test_routing_ops_whole_have_the_gradients_of_what_they_replace():
+    """The routing ops run whole where a rule cannot split them (their global meaning, what one process
+    computes): gradcheck of the dispatch and the combine, with ties among the expert ids and an expert
+    with no pairs. Catches a backward that misses a pair's share or mixes up the sorted order."""
+    import torch
+
+    import passes.ops.moe_dispatch  # noqa: F401  (registers the ops)
+
+    ids = torch.tensor([2, 0, 2, 2, 0, 3])  # 3 tokens, top-2; expert 1 gets nothing
+    h = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
+    y = torch.randn(6, 4, dtype=torch.double, requires_grad=True)
+    w = torch.rand(6, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda h: torch.ops.autopar.moe_dispatch(h, ids, 2, 4), (h,))
+    assert torch.autograd.gradcheck(lambda y, w: torch.ops.autopar.moe_combine(y, w, ids, 2, 4), (y, w))
+    assert torch.ops.autopar.moe_offsets(ids, 4).tolist() == [2, 2, 5, 6]
