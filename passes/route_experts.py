@@ -79,7 +79,10 @@ class _Region:
 
     def __init__(self, g1: Node):
         self.g1, self.missing = g1, ""
-        x, self.same_dtype = _through_casts(g1.args[0])
+        x, same_dtype = _through_casts(g1.args[0])
+        if not same_dtype:  # the dispatch's backward expects the first matmul's column partials, uncast
+            self.missing = "the routed tokens are cast to another dtype before the first matmul"
+            return
         if x.target != aten.index.Tensor or len(x.args[1]) != 1 or x.args[1][0] is None:
             self.missing = "the routed tokens are not an index of the hidden states"
             return
@@ -128,13 +131,10 @@ class _Region:
             offs.meta["val"] = torch.ops.autopar.moe_offsets(self.ids.meta["val"], experts)
             comb.meta["val"] = torch.ops.autopar.moe_combine(self.g2.meta["val"], self.w.meta["val"],
                                                              self.ids.meta["val"], self.k, experts)
-        # the first matmul reads the dispatch directly when the casts between keep the dtype (so that its
-        # gradient reaches the dispatch, which sums it over the columns, and no GradSync of a cast does)
+        # the first matmul reads the dispatch directly (the casts between keep the dtype), so that its
+        # gradient's column partials reach the dispatch, which sums them, and no GradSync of a cast does
         routed = self.g1.args[0]
-        if self.same_dtype:
-            self.g1.replace_input_with(routed, disp)
-        else:
-            self.index.replace_all_uses_with(disp)
+        self.g1.replace_input_with(routed, disp)
         for u in list(self.offs.users):
             if u in (self.g1, self.g2):
                 u.replace_input_with(self.offs, offs)
