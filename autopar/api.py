@@ -417,7 +417,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 memory_limit: float | None = DEFAULTS.memory_limit,
                 search_budget: float | None = DEFAULTS.search_budget,
                 compile: bool = DEFAULTS.compile, recompute: str | bool | None = DEFAULTS.recompute,
-                grad_bucket_mb: float = DEFAULTS.grad_bucket_mb) -> ParallelModule:
+                grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
+                moe_dispatch: str = DEFAULTS.moe_dispatch) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -484,11 +485,16 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             parameter block). Eagerly, each bucket's all-reduce starts during backward as soon as its
             gradients are complete and is waited for at the end of backward; see
             `passes.ops.grad_buckets` and `pmodel.grad_bucket_plan()`.
+        moe_dispatch: how a mixture of experts' routed tokens reach their experts (split over the
+            grid rows). 'all_to_all': each row keeps its tokens and sends each routed token's hidden
+            block to its expert's row and back (expert parallelism); 'gather': every row gathers
+            all the routed tokens; 'auto' (default): all-to-all when the grid has more than one row.
     """
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
                       search_budget=search_budget, check_inputs=check_inputs, timeout=timeout,
-                      compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb)
+                      compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
+                      moe_dispatch=moe_dispatch)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "

@@ -35,6 +35,7 @@ from passes.meta import LAYOUT
 from passes.mesh import warn
 from passes.options import Options
 from passes.recompute import recompute
+from passes.route_experts import route_experts
 from passes.rules import arg
 from autopar import calibrate
 from autopar.guards import check_mixed_dtypes, handshake
@@ -208,6 +209,8 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     """`compile_program` from a graph already captured (and, for generation, marked: `autopar.generate`
     renames its parameters and places its cache before this runs); `key` becomes its signature."""
     chosen = None
+    if grid.world > 1:
+        route_experts(cap.gm, grid.shape, options.moe_dispatch)
     if grid.world > 1 and options.strategy == "1d":
         strategies.fixed(cap.gm, "1d")
     elif grid.world > 1 and choice is not None:

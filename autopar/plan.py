@@ -181,7 +181,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
          measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
          cost_model=DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
          search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
-         recompute: str | bool | None = DEFAULTS.recompute) -> Plan:
+         recompute: str | bool | None = DEFAULTS.recompute, moe_dispatch: str = DEFAULTS.moe_dispatch) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
     the options are validated as `parallelize` validates them (ops without a split form are planned
     replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
@@ -191,7 +191,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     `autopar.generate.kv_cache_bytes_per_rank`), in the parameters' dtype."""
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
                       cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
-                      recompute=recompute)
+                      recompute=recompute, moe_dispatch=moe_dispatch)
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
         raise ValueError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
     mesh = tuple(grid)

@@ -6,7 +6,7 @@ A MixtralForCausalLM (hidden 256, 4 layers, 8 experts of intermediate 512, top-2
 median step time, bytes received per rank per step (autopar's collective layer), the parameters one
 rank holds against 1/p, and whether its losses match one process's (rtol 1e-4).
 
-    .venv/bin/python examples/bench_moe.py [--steps 4]
+    .venv/bin/python examples/bench_moe.py [--steps 4] [--dispatch gather]   # see Options.moe_dispatch
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ def _train(model, steps, log=None) -> dict:
     return {"step_s": statistics.median(times[1:] or times), "losses": losses, "bytes": moved}
 
 
-def worker(rank, world, port, steps, out):
+def worker(rank, world, port, steps, out, dispatch="auto"):
     init_local(rank, world, port)
     res = {}
     for grid in GRIDS:
-        pm = autopar.parallelize(_model(), grid=grid, example_kwargs=_batch(0))
+        pm = autopar.parallelize(_model(), grid=grid, example_kwargs=_batch(0), moe_dispatch=dispatch)
         r = _train(pm, steps, pm.grid.log)
         held = sum(p.to_local().numel() for p in pm.parameters())
         total = sum(p.numel() for p in pm.parameters())
@@ -85,6 +85,8 @@ def worker(rank, world, port, steps, out):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dispatch", choices=("auto", "all_to_all", "gather"), default="auto",
+                    help="how routed tokens reach their experts (parallelize's moe_dispatch)")
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
         out = os.path.join(d, "res.json")
         ctx = mp.get_context("spawn")
         port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, 4, port, args.steps, out)) for r in range(4)]
+        procs = [ctx.Process(target=worker, args=(r, 4, port, args.steps, out, args.dispatch)) for r in range(4)]
         for p in procs:
             p.start()
         for p in procs:

@@ -33,7 +33,7 @@ MODELS = {"mixtral-8x7b": MIXTRAL, "deepseek-v3": DEEPSEEK}
 
 
 def plan_one(name: str, layers: int | None, experts: int | None, fused: str = "regroup", grid=(8, 8), batch=8,
-             seq=1024, activations: bool = False) -> dict:
+             seq=1024, activations: bool = False, dispatch: str = "auto") -> dict:
     import torch
     import transformers
 
@@ -53,11 +53,11 @@ def plan_one(name: str, layers: int | None, experts: int | None, fused: str = "r
     t0 = time.perf_counter()
     # activations: rank (0, 0)'s graph run on fake tensors (minutes for the whole models), off unless asked
     pl = autopar.plan(model, grid=grid, example_kwargs=dict(input_ids=ids, labels=ids),
-                      measure_activations=activations, fused=fused)
+                      measure_activations=activations, fused=fused, moe_dispatch=dispatch)
     seconds = time.perf_counter() - t0
     p = grid[0] * grid[1]
     return {"model": name, "layers": kw["num_hidden_layers"], "experts": experts or "default", "fused": fused,
-            "grid": list(grid),
+            "dispatch": dispatch, "grid": list(grid),
             "params_total": pl.param_bytes_total // 4, "params_per_rank_x_1_over_p":
             round(pl.param_bytes_per_rank * p / pl.param_bytes_total, 4),
             "comm_bytes_per_rank_per_step": pl.comm_bytes_per_rank_per_step,
@@ -75,11 +75,13 @@ def main(argv=None):
                     help="how the interleaved gate|up weights are stored (see Options.fused)")
     ap.add_argument("--activations", action="store_true",
                     help="also measure activation memory (rank (0, 0)'s graph on fake tensors; slower)")
+    ap.add_argument("--dispatch", choices=("auto", "all_to_all", "gather"), default="auto",
+                    help="how routed tokens reach their experts (see Options.moe_dispatch)")
     args = ap.parse_args(argv)
     for name in [args.only] if args.only else sorted(MODELS):
         for experts in args.experts or [None]:
-            print(json.dumps(plan_one(name, args.layers, experts, args.fused, activations=args.activations)),
-                  flush=True)
+            print(json.dumps(plan_one(name, args.layers, experts, args.fused, activations=args.activations,
+                                      dispatch=args.dispatch)), flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from passes.kernelspec import GradSyncSpec, RedistributeSpec
 from passes.layout import Layout
 from passes.mesh import Grid
 from passes.meta import INSERTED, KERNEL, LAYOUT, REGION, STRATEGY
+from passes.rules.moe_routing import grad_summed
 
 
 def gradsync_axes(consumer: Node, out_layout, inp: Node, need: Layout) -> tuple:
@@ -35,6 +36,8 @@ def gradsync_axes(consumer: Node, out_layout, inp: Node, need: Layout) -> tuple:
     (laid out `out_layout`) is split or partial: its gradient must be all-reduced over them."""
     v = inp.meta.get("val")
     if consumer.op == "output" or not (isinstance(v, torch.Tensor) and v.dtype.is_floating_point):
+        return ()
+    if grad_summed(inp):  # the expert dispatch sums its gradient over the columns itself
         return ()
     lays = out_layout if isinstance(out_layout, tuple) else (out_layout,)
     split = {a for lay in lays if isinstance(lay, Layout) for a in range(2) if not isinstance(lay[a], Replicate)}

@@ -55,12 +55,14 @@ class Options:
     recompute: str | bool | None = None  # None, False, "blocks" or "selective": see passes.recompute
     forward_only: bool = False  # strategy='auto' prices a forward alone (a generation phase): see below
     grad_bucket_mb: float = BUCKET_MB  # grid=(d, R, C): MiB of gradients per replica all-reduce
+    moe_dispatch: str = "auto"  # how routed tokens reach their experts: see passes.route_experts
 
     def __post_init__(self) -> None:
         _one_of("lowering", self.lowering, LOWERINGS)
         _one_of("indivisible", self.indivisible, INDIVISIBLE)
         _one_of("fused", self.fused, ("regroup", "interleave"))
         _one_of("on_unsupported", self.on_unsupported, ("replicate", "error"))
+        _one_of("moe_dispatch", self.moe_dispatch, ("auto", "all_to_all", "gather"))
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits "
                              f"over the grid's columns) or 'auto' (chosen per matmul from estimated step time)")

@@ -10,6 +10,7 @@ import torch
 import autopar
 import hf_families
 import sweep_hf
+from passes.layout import chunk_range
 from tests.compare import ATOL_FRAC, RTOL, group_excess
 
 
@@ -27,7 +28,7 @@ def routed_experts(out) -> list:
 
 
 def moe_parity(rank, name: str, grid: tuple, same_token: bool = False, other_shape: bool = False,
-               **config) -> dict:
+               dispatch: str = "auto", **config) -> dict:
     """The family whole on one process against parallelize on `grid`: every output (router logits
     included), the loss (with the router's load-balancing loss) and every gradient; the parameter
     bytes this rank holds; the ops gathered whole; which experts got tokens. `other_shape`: also the
@@ -41,7 +42,7 @@ def moe_parity(rank, name: str, grid: tuple, same_token: bool = False, other_sha
         kw = _same_token(kw)
     want = ref(**kw)
     want.loss.backward()
-    pm = autopar.parallelize(model, grid=grid, example_kwargs=kw)
+    pm = autopar.parallelize(model, grid=grid, example_kwargs=kw, moe_dispatch=dispatch)
     got = pm(**kw)
     got.loss.backward()
     errs = sweep_hf.compare(ref, want, pm, got)
@@ -53,7 +54,8 @@ def moe_parity(rank, name: str, grid: tuple, same_token: bool = False, other_sha
             "held": sum(p.to_local().numel() for p in pm.parameters()),
             "total": sum(p.numel() for p in pm.parameters()),
             "gathered": sorted({str(f.node.target) for f in pm.program.fallbacks if f.costly}),
-            "routed": routed_experts(want) if getattr(want, "router_logits", None) else None}
+            "routed": routed_experts(want) if getattr(want, "router_logits", None) else None,
+            "kernels": sorted({type(m).__name__ for m in pm.program.gm.modules()})}
 
 
 def _rel(got, want) -> float:
@@ -129,3 +131,39 @@ def torch_tp_parity(rank) -> dict:
     errs = group_excess({"loss": (got.loss, want.loss)}, RTOL, ATOL_FRAC, "output ")
     errs.update(group_excess(grads, RTOL, ATOL_FRAC, "grad "))
     return {"errs": errs}
+
+
+def moe_routed_bytes(rank, grid: tuple) -> dict:
+    """Mixtral with the all-to-all dispatch: the bytes its routing ops counted in one training step, per
+    phase, next to the exact figure for the routing the router chose (read back from one process's
+    router logits): per layer, the pairs each row sends to each row's experts."""
+    torch.manual_seed(0)
+    model, make = hf_families.build("mixtral")
+    ref = copy.deepcopy(model)
+    kw = make(sweep_hf.BATCH, sweep_hf.SEQ, 1)
+    want = ref(**kw)
+    pm = autopar.parallelize(model, grid=grid, example_kwargs=kw, moe_dispatch="all_to_all")
+    log = pm.grid.log
+    before = dict(log.bytes)
+    pm(**kw).loss.backward()
+    counted = {ph: sum(v - before.get((t, p), 0) for (t, p), v in log.bytes.items() if t.startswith("moe:") and p == ph)
+               for ph in ("fwd", "bwd")}
+    R, C = grid
+    r, c = pm.grid.r, pm.grid.c
+    k, E, H = model.config.num_experts_per_tok, model.config.num_local_experts, model.config.hidden_size
+    block = H // C * 4  # one pair's [H/C] fp32 block
+    exact = {"fwd": 0, "bwd": 0}
+    for logits in want.router_logits:  # [T, E] per layer, tokens in row order
+        ids = logits.topk(k, dim=-1).indices  # [T, k]
+        rows = ids.chunk(R, 0)
+        owner = [chunk_range(E, R, d) for d in range(R)]
+        mine = [int(((x >= owner[r][0]) & (x < owner[r][1])).sum()) for x in rows]  # pairs from row s to row r
+        away = sum(int(((rows[r] >= lo) & (rows[r] < hi)).sum()) for d, (lo, hi) in enumerate(owner) if d != r)
+        n = sum(mine)
+        a2a_in, a2a_back = (n - mine[r]) * block, away * block
+        cols = (C - 1) * n * block  # the all-gather of the run, and its reduce-scatter of [n, H]
+        counts = 2 * (R - 1) * E * 8  # the counts' all-gather, in dispatch and in combine
+        offsets = 2 * (R - 1) * E * 8 // R  # the all-reduce of the counts
+        exact["fwd"] += a2a_in + a2a_back + 2 * cols + counts + offsets
+        exact["bwd"] += a2a_in + a2a_back + 2 * cols
+    return {"counted": counted, "exact": exact, "at": (r, c)}

@@ -45,6 +45,9 @@ def _mixtral():
 MODELS = {"mlp": _mlp, "attention": _attention, "gpt2": _gpt2, "bench llama": _bench_llama, "mixtral": _mixtral}
 
 
+ROUTING_KERNELS = ("ExpertDispatch", "ExpertCombine", "ExpertOffsets")
+
+
 def plan_vs_run(rank, name):
     """The plan's code equals parallelize's, and its bytes equal what one real step counts."""
     model, args, kwargs = MODELS[name]()
@@ -55,6 +58,9 @@ def plan_vs_run(rank, name):
     loss = out.loss if hasattr(out, "loss") else out
     loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
     loss.sum().backward()
-    return {"same code": pl.gm.code == pm.graph_module.code, "planned": pl.comm_bytes_per_rank_per_step,
-            "counted": pm.grid.log.total(), "planned calls": (pl.collectives_fwd, pl.collectives_bwd),
+    # the token dispatch's sizes depend on the routing: planned for balanced routing, counted as routed
+    routing = sum(r.fwd_bytes + r.bwd_bytes for r in pl.rows if r.op.startswith(ROUTING_KERNELS))
+    return {"same code": pl.gm.code == pm.graph_module.code, "planned": pl.comm_bytes_per_rank_per_step - routing,
+            "counted": pm.grid.log.total() - pm.grid.log.total("moe:"), "routing": routing,
+            "planned calls": (pl.collectives_fwd, pl.collectives_bwd),
             "counted calls": (pm.grid.log.calls(phase="fwd"), pm.grid.log.calls(phase="bwd"))}

@@ -44,6 +44,10 @@ def test_experts_split_parity_and_memory(pool4, family, grid):
     held = max(r["held"] for r in per_rank)
     assert held <= HELD * total / 4, f"{family} {grid}: a rank holds {held} of {total} ({held * 4 / total:.2f}/p)"
     assert not any("grouped_mm" in op for op in per_rank[0]["gathered"]), per_rank[0]["gathered"]
+    if grid[0] > 1:  # the default dispatch on more than one row: tokens exchanged by all-to-all, none gathered
+        assert {"ExpertDispatch", "ExpertCombine"} <= set(per_rank[0]["kernels"]), per_rank[0]["kernels"]
+    else:  # one row: nothing to exchange, the gathered dispatch
+        assert "ExpertDispatch" not in per_rank[0]["kernels"], per_rank[0]["kernels"]
 
 
 def test_experts_without_tokens(pool4):
@@ -180,3 +184,76 @@ def test_meta_built_moe_plan_measures_activations():
     assert pl.comm_bytes_per_rank_per_step == ref.comm_bytes_per_rank_per_step
     assert not any("histc" in str(f.node.target) for f in pl.fallbacks), pl.fallbacks
     assert pl.param_bytes_per_rank * 4 <= HELD * pl.param_bytes_total
+
+
+def test_routed_bytes_are_the_routing_s_exact_figure(pool4):
+    """All-to-all dispatch at 2x2: the bytes the routing ops count in a training step equal, on every
+    rank, the figure computed from the routing the router chose (pairs each row sends to each row's
+    experts). Catches tokens sent to the wrong row, a run gathered whole over the rows, a collective
+    left uncounted or counted twice."""
+    from tests.checks_moe import moe_routed_bytes
+
+    per_rank = pool4.run(moe_routed_bytes, (2, 2))
+    for r in per_rank:
+        assert r["counted"] == r["exact"], r
+        assert r["exact"]["fwd"] > 0, r
+
+
+def test_gathered_dispatch_stays_available(pool4):
+    """moe_dispatch='gather' at 2x2: the routed tokens gathered over the rows, as before expert
+    parallelism; outputs, loss and every gradient still match. Catches the option ignored (the
+    all-to-all kernels built anyway) or the gathered path broken by the rewrite's rules."""
+    per_rank = pool4.run(moe_parity, "qwen2_moe", (2, 2), dispatch="gather")
+    _check(per_rank, "qwen2_moe 2x2, gathered dispatch")
+    assert "ExpertDispatch" not in per_rank[0]["kernels"], per_rank[0]["kernels"]
+
+
+def test_moe_dispatch_option_is_validated():
+    """A misspelt dispatch is refused with the values it accepts."""
+    from passes.options import Options
+
+    expected = r"moe_dispatch='alltoall': expected one of \('auto', 'all_to_all', 'gather'\)"
+    with pytest.raises(ValueError, match=expected):
+        Options(moe_dispatch="alltoall")
+
+
+def test_unrecognised_routing_keeps_the_gathered_dispatch_visibly():
+    """Grouped expert matmuls fed by tokens that are not the sorted routed copy (no router, fixed
+    offsets): the all-to-all rewrite cannot apply. Catches that layer rewritten anyway (wrong
+    results) or left gathered silently (no RoutingWarning naming it)."""
+    import torch
+    import transformers.integrations.moe  # noqa: F401  (registers transformers' grouped matmul op)
+
+    import autopar
+    from passes.route_experts import RoutingWarning
+
+    class Fixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = torch.nn.Parameter(torch.randn(4, 8, 16)), torch.nn.Parameter(torch.randn(4, 16, 8))
+
+        def forward(self, x):  # x [16, 8]: 4 rows per expert
+            offs = torch.arange(4, 17, 4, dtype=torch.int32)
+            h = torch.ops.transformers.grouped_mm_fallback(x, self.w1, offs)
+            return torch.ops.transformers.grouped_mm_fallback(torch.relu(h), self.w2, offs)
+
+    kept = r"(?s)1 MoE layer\(s\) keep the gathered token dispatch.*grouped_mm_fallback\): the routed tokens are not an"
+    with pytest.warns(RoutingWarning, match=kept):
+        autopar.plan(Fixed(), grid=(2, 2), example_inputs=(torch.randn(16, 8),), measure_activations=False)
+
+
+def test_routing_ops_whole_have_the_gradients_of_what_they_replace():
+    """The routing ops run whole where a rule cannot split them (their global meaning, what one process
+    computes): gradcheck of the dispatch and the combine, with ties among the expert ids and an expert
+    with no pairs. Catches a backward that misses a pair's share or mixes up the sorted order."""
+    import torch
+
+    import passes.ops.moe_dispatch  # noqa: F401  (registers the ops)
+
+    ids = torch.tensor([2, 0, 2, 2, 0, 3])  # 3 tokens, top-2; expert 1 gets nothing
+    h = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
+    y = torch.randn(6, 4, dtype=torch.double, requires_grad=True)
+    w = torch.rand(6, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda h: torch.ops.autopar.moe_dispatch(h, ids, 2, 4), (h,))
+    assert torch.autograd.gradcheck(lambda y, w: torch.ops.autopar.moe_combine(y, w, ids, 2, 4), (y, w))
+    assert torch.ops.autopar.moe_offsets(ids, 4).tolist() == [2, 2, 5, 6]

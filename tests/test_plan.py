@@ -18,9 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("name", ["mlp", "attention", "gpt2", "bench llama", "mixtral"])
 def test_plan_equals_a_real_2x2_run(pool4, name):
     """Catches a planner that drifts from the engine: a different rewritten graph, or bytes (or
-    collective calls) that the collective layer does not actually move (launch)."""
+    collective calls) that the collective layer does not actually move (launch). The MoE token
+    dispatch's bytes depend on the routing and are left out here (planned for balanced routing;
+    tests/test_moe.py checks the counted ones against the router's choices)."""
     for rank, r in enumerate(pool4.run(C.plan_vs_run, name)):
         assert r["same code"], f"rank {rank}: plan and parallelize built different graphs"
+        assert (r["routing"] > 0) == (name == "mixtral"), f"rank {rank}: routing bytes planned {r['routing']}"
         assert r["planned"] == r["counted"], f"rank {rank}: planned {r['planned']} B, counted {r['counted']} B"
         assert r["planned calls"] == r["counted calls"], \
             f"rank {rank}: planned {r['planned calls']} collective calls (fwd, bwd), launched {r['counted calls']}"

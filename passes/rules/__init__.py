@@ -127,3 +127,4 @@ from passes.rules import (attention, conv_inplace, embedding_loss, fallback, ind
 from passes.rules import einsum  # noqa: E402,F401
 from passes.rules import experts  # noqa: E402,F401
 from passes.rules import histogram  # noqa: E402,F401
+from passes.rules import moe_routing  # noqa: E402,F401

@@ -141,7 +141,8 @@ def grouped_mm(node, layouts, mesh):
         split = placed[0] == Shard(0)
     second = _second(node, x)
     x1, w1, o1 = _columns(node, have, second, ws, mesh)
-    x0 = EXPERT_ROWS if split and second and have[0] == EXPERT_ROWS else Replicate()
+    # the first matmul reads x P(rows) too when the dispatch sent each row its experts' tokens
+    x0 = EXPERT_ROWS if split and have[0] == EXPERT_ROWS else Replicate()
     w0, o0 = (Shard(0), EXPERT_ROWS) if split else (Replicate(), Replicate())
     need = {x: Layout((x0, x1)), w: Layout((w0, w1)), offs: REPLICATED}
     spec = ExpertsSpec(experts=E, split=split, aten=node.target == aten._grouped_mm.default)
