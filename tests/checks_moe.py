@@ -86,7 +86,7 @@ def moe_bf16(rank, grid: tuple) -> dict:
             "gathered": sorted({str(f.node.target) for f in pm.program.fallbacks if f.costly})}
 
 
-def moe_from_pretrained(rank, path: str, grid: tuple) -> dict:
+def moe_from_pretrained(rank, path: str, grid: tuple, dispatch: str = "auto") -> dict:
     """Mixtral saved in `path`, read back by `autopar.from_pretrained` (built on the meta device, so
     transformers' experts take their non-CPU branch: an integer histc) against the same model whole
     on one process: every output and every gradient."""
@@ -96,7 +96,7 @@ def moe_from_pretrained(rank, path: str, grid: tuple) -> dict:
     kw = make(sweep_hf.BATCH, sweep_hf.SEQ, 1)
     want = ref(**kw)
     want.loss.backward()
-    pm = autopar.from_pretrained(path, grid=grid, example_kwargs=kw, progress=False)
+    pm = autopar.from_pretrained(path, grid=grid, example_kwargs=kw, progress=False, moe_dispatch=dispatch)
     pm.eval()
     got = pm(**kw)
     got.loss.backward()
