@@ -26,23 +26,9 @@ import torch  # noqa: E402
 import autopar  # noqa: E402
 from autopar.launch import free_port, init_local  # noqa: E402
 
-CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
-              output_router_logits=True, pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
-BATCH, SEQ = 8, 128
 GRIDS = ((2, 2), (1, 4))
-
-
-def _model():
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**CONFIG))
-
-
-def _batch(step):
-    ids = torch.randint(1, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
-    return dict(input_ids=ids, labels=ids)
+# the model and batches of `python -m autopar bench --moe`, so the two measure the same thing
+from autopar.bench_moe import _batch, _model  # noqa: E402,F401
 
 
 def _train(model, steps, log=None) -> dict:
