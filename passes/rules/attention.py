@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.kernelspec import GroupedHeadsSpec
+from passes.kernelspec_local import GroupedHeadsSpec
 from passes.layout import Layout, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, register, shape
 from passes.rules.pointwise import dim_map

@@ -7,7 +7,7 @@ whose groups the columns divide splits the input channels too, along group bound
 column convolves its groups/C groups alone. A weight parameter whose dim 1 the rows divide is stored
 split over the rows too and gathered in the column each step, its gradient reduce-scattered: the
 bytes of the all-reduce a weight whole over the rows would need, 1/(RC) of it held (otherwise it is
-whole over the rows and its gradient summed over them by the insertion pass). `kernelspec.ConvSpec`.
+whole over the rows and its gradient summed over them by the insertion pass). `kernelspec_local.ConvSpec`.
 
 In-place ops (`add_`, `copy_`, `masked_fill_`, ...) mutate their first argument, so that argument
 must be used as it is: the other operands are brought to its layout. Capture already rewrote those on
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.kernelspec import ConvSpec
+from passes.kernelspec_local import ConvSpec
 from passes.layout import REPLICATED, Layout, moved, split_dim
 from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs
 from passes.rules.pointwise import dim_map

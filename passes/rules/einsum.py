@@ -69,7 +69,7 @@ def _axis_letter(axis: int, subs, ops, sizes: dict, layouts: dict, mesh, taken, 
 
 
 @register(aten.einsum.default)
-def einsum(node, layouts, mesh):
+def einsum(node, layouts, mesh) -> Strategy:
     equation, ops = node.args[0], list(node.args[1])
     if not all(hasattr(o, "meta") for o in ops):
         raise Unsupported("einsum of a non-tensor operand")

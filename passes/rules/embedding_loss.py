@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.kernelspec import CrossEntropySpec, EmbeddingSpec
+from passes.kernelspec_local import CrossEntropySpec, EmbeddingSpec
 from passes.layout import REPLICATED, Layout, uneven_ok
 from passes.meta import CHOICE
 from passes.rules import Strategy, Unsupported, arg, register, shape, val

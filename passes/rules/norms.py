@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.kernelspec import BatchNormSpec, NormSpec
+from passes.kernelspec_local import BatchNormSpec, NormSpec
 from passes.layout import REPLICATED, Layout, uneven_ok
 from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape
 
