@@ -93,12 +93,20 @@ def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase
     return torch.ops.autopar.all_gather(t, grid.key, axis, dim, tag, phase)
 
 
-def run_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
+def _count(grid: Grid, tag: str, phase: str, nbytes: int, received: list | None) -> None:
+    """Log one call under `tag` and the bytes it receives: `nbytes` under `tag`, or, for a call shared
+    by several ops (`passes.ops.summa_group`), each op's (tag, bytes) of `received`."""
+    for t, n in received or [(tag, nbytes)]:
+        grid.log.add(t, phase, n)
+    grid.log.launch(tag, phase)
+
+
+def run_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
+                   received: list | None = None) -> torch.Tensor:
     """`all_gather` now, on a group of more than one member: the body of its torch.library op."""
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((grid.size(axis) * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t))
-    grid.log.launch(tag, phase)
+    _count(grid, tag, phase, (grid.size(axis) - 1) * _nbytes(t), received)
     with guarded(grid, "all-gather", axis, tag):
         all_gather_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
@@ -125,12 +133,12 @@ def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     return torch.ops.autopar.reduce_scatter(t, grid.key, axis, dim, tag, phase)
 
 
-def run_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str) -> torch.Tensor:
+def run_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
+                       received: list | None = None) -> torch.Tensor:
     """`reduce_scatter` now, on a group of more than one member: the body of its torch.library op."""
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // grid.size(axis),) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    grid.log.add(tag, phase, (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis))
-    grid.log.launch(tag, phase)
+    _count(grid, tag, phase, (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis), received)
     with guarded(grid, "reduce-scatter", axis, tag):
         reduce_scatter_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()

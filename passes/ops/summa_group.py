@@ -26,44 +26,27 @@ import math
 import torch
 import torch.nn as nn
 
-from passes.compat import all_gather_single, reduce_scatter_single, register_ordered
+from passes.compat import register_ordered
 from passes.mesh import Grid, grid_of
-from passes.ops.comm import _nbytes, guarded
+from passes.ops.comm import _nbytes, run_all_gather, run_reduce_scatter
 from passes.ops.summa import AXIS_SAME_COL, AXIS_SAME_ROW
 
 SEP = "|"  # joins the members' tags into one op argument (a torch.library op takes no list of str)
 
 
 def _gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, received: list, phase: str) -> torch.Tensor:
-    """All-gather of t along dim over `axis`; `received`: (tag, bytes) this rank counts for it."""
-    q = grid.size(axis)
-    if q == 1:
+    """All-gather of t along dim over `axis`; `received`: (tag, bytes) this rank counts for it, the call
+    under the first tag."""
+    if grid.size(axis) == 1:
         return t
-    _count(grid, received, phase)
-    moved = t.movedim(dim, 0).contiguous()
-    out = moved.new_empty((q * moved.shape[0],) + tuple(moved.shape[1:]))
-    with guarded(grid, "all-gather", axis, received[0][0]):
-        all_gather_single(out, moved, group=grid.group(axis))
-    return out.movedim(0, dim)
+    return run_all_gather(grid, axis, t, dim, received[0][0], phase, received)
 
 
 def _reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, received: list, phase: str) -> torch.Tensor:
     """Sum of the members' t, this member's block of dim; `received` as in `_gather`."""
-    q = grid.size(axis)
-    if q == 1:
+    if grid.size(axis) == 1:
         return t
-    _count(grid, received, phase)
-    moved = t.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // q,) + tuple(moved.shape[1:]))
-    with guarded(grid, "reduce-scatter", axis, received[0][0]):
-        reduce_scatter_single(out, moved, group=grid.group(axis))
-    return out.movedim(0, dim)
-
-
-def _count(grid: Grid, received: list, phase: str) -> None:
-    for tag, nbytes in received:
-        grid.log.add(tag, phase, nbytes)
-    grid.log.launch(received[0][0], phase)
+    return run_reduce_scatter(grid, axis, t, dim, received[0][0], phase, received)
 
 
 def _weights(grid: Grid, ws: list, tags: list, phase: str) -> torch.Tensor:
