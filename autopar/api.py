@@ -20,7 +20,6 @@ from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
 from passes.ops.grad_buckets import BucketPlan, BucketReduce, StepBuckets, with_arrivals
-from passes.ops.library import INDUCTOR_OPTIONS
 from passes.mesh import warn
 from passes.meta import PARAM
 from passes.options import DEFAULTS, Options
@@ -377,7 +376,7 @@ class ParallelModule(nn.Module):
         if not self._options.compile:
             self._runners[comp.signature] = comp.gm
             return self._run(comp, locals_, step)
-        compiled = torch.compile(comp.gm, options=INDUCTOR_OPTIONS)  # collectives in program order
+        compiled = torch.compile(comp.gm)  # collectives in program order: passes.compat.keep_effect_order_in_inductor
         before = dynamo_counts()
         try:
             outs = compiled(*locals_)

@@ -22,8 +22,8 @@ generation with the same (B, L). Each phase has a plan (`autopar.generate_phases
 model parallelized with strategy='auto' searches one per phase, priced as a forward alone, and a
 '2d' or '1d' model runs the forward's plan on its parameter blocks as stored. The parameters a
 phase's own plan lays out otherwise are copies kept across calls and refreshed when the parameters
-change, so a model generates right after training steps. The programs run eagerly, also with
-`compile=True`.
+change, so a model generates right after training steps. With `compile=True` each program runs
+under torch.compile, compiled on its first call and reused (`ParallelModule._run`).
 
 Token choice follows transformers' `GenerationMixin` (its logits processors, stopping criteria and
 special-token handling, on full last-position logits gathered on every rank): greedy output is the
@@ -368,9 +368,7 @@ class Generator:
                 locals_.append(comp.captured.constants[key])
             else:
                 locals_.append(inputs[key])
-        # eager even with compile=True: compiled generation programs were seen to launch their collectives
-        # in a different order on the two grid columns (a hang), so they are not compiled
-        out = comp.gm(*locals_)
+        out = pm._run(comp, locals_)  # with compile=True: compiled once per program (its key)
         out = out[0] if isinstance(out, (tuple, list)) else out
         lay, shape = comp.out_layouts[0]
         if lay.is_replicated:

@@ -45,7 +45,7 @@ __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShar
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
            "exit_autocast", "fake_store", "fake_tensor_mode", "implicit_replication", "legacy_reduction", "parse_to",
            "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
-           "set_version_counter"]
+           "set_version_counter", "keep_effect_order_in_inductor"]
 
 # torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.regions` inlines
 # no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
@@ -180,8 +180,8 @@ def register_ordered(qualname: str) -> None:
     """Declare the torch.library op `qualname` ("namespace::name") side-effecting with torch's
     ORDERED effect: torch.compile then threads an effect token through every call of such ops
     (AOTAutograd's `with_effects`, forward and backward) and never drops one whose result is unused.
-    Inductor 2.13 keeps the calls but not, in every scheduling pass, their order (see
-    `passes.ops.library.INDUCTOR_OPTIONS`). Eager calls are unchanged.
+    Inductor 2.13 keeps the calls, and their order only with `keep_effect_order_in_inductor`.
+    Eager calls are unchanged.
     `torch.library._register_effectful_op` and `torch._library.effects.EffectType` are private (what
     torch's own docs point to for ops with side effects). Checked on 2.13.0. If they move:
     `passes.ops.library` fails to import; without them a compiled program may drop a collective whose
@@ -189,3 +189,90 @@ def register_ordered(qualname: str) -> None:
     from torch._library.effects import EffectType
 
     torch.library._register_effectful_op(qualname, EffectType.ORDERED)  # 2.13 refuses a CustomOpDef here
+
+
+_EFFECT_ORDER_MODULE = "torch._inductor.lowering"
+
+
+def keep_effect_order_in_inductor() -> None:
+    """Make inductor keep ORDERED-effectful ops (`register_ordered`) in program order.
+
+    torch 2.13's lowering of `with_effects` (`torch._inductor.lowering.with_effects`) records the
+    edge from each effectful op to the one before it in `V.graph.additional_star_deps`, keyed by
+    the op's buffer name ("buf41"); the scheduler looks those edges up by operation name ("op41"),
+    so none is ever found and inductor may reorder the ops. Two grid columns whose programs differ
+    then launch their collectives in different orders and wait on each other for ever (seen in
+    compiled generation). Upstream: pytorch/pytorch#189209, open when this was written.
+
+    This wraps that lowering: after it runs, each edge filed under a buffer name is moved to the
+    operation's name, in `additional_buffer_deps` (an ordering-only edge that does not keep the
+    previous op's output alive, unlike a star dep). Where torch already files edges by operation
+    name, nothing is found and nothing changes. Idempotent; `torch._inductor.lowering` is imported
+    only by a compile (7 s here), so when it is not imported yet the wrap is installed by an import
+    hook on its first import. Checked on 2.13.0. If `lowerings`, `V.graph.additional_star_deps` or
+    `additional_buffer_deps` move: this raises at the first compile, naming the missing attribute."""
+    import sys
+
+    if _EFFECT_ORDER_MODULE in sys.modules:
+        _wrap_with_effects_lowering(sys.modules[_EFFECT_ORDER_MODULE])
+    elif not any(isinstance(f, _EffectOrderFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _EffectOrderFinder())
+
+
+def _wrap_with_effects_lowering(lowering) -> None:
+    op = torch.ops.higher_order.with_effects
+    original = getattr(lowering, "lowerings", {}).get(op)
+    if original is None:
+        raise RuntimeError(
+            f"autopar: torch {torch.__version__} has no inductor lowering `lowerings[with_effects]` in "
+            f"torch._inductor.lowering (checked on 2.13.0), so autopar cannot make compiled programs keep "
+            f"their collectives in order. Use parallelize(..., compile=False), or a torch version autopar "
+            f"supports.")
+    if getattr(original, "_autopar_effect_order", False):
+        return
+    from torch._inductor.virtualized import V
+
+    def with_effects_in_order(*args, **kwargs):
+        graph = V.graph
+        before = len(graph.operations)
+        out = original(*args, **kwargs)
+        for new_op in graph.operations[before:]:
+            buf, name = new_op.get_name(), new_op.get_operation_name()
+            if buf != name and buf in graph.additional_star_deps:
+                graph.additional_buffer_deps[name] |= graph.additional_star_deps.pop(buf)
+        return out
+
+    with_effects_in_order._autopar_effect_order = True  # type: ignore[attr-defined]
+    lowering.lowerings[op] = with_effects_in_order
+
+
+class _EffectOrderFinder:
+    """A `sys.meta_path` finder that wraps the with_effects lowering when inductor's lowering module is
+    first imported (`keep_effect_order_in_inductor`); it finds nothing itself."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _EFFECT_ORDER_MODULE:
+            return None
+        import sys
+
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if finder is self or find is None else find(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _WrapAfterExec(spec.loader)
+                return spec
+        return None
+
+
+class _WrapAfterExec:
+    """The loader of `torch._inductor.lowering`, wrapping the with_effects lowering once it has run."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _wrap_with_effects_lowering(module)

@@ -241,6 +241,24 @@ def phase_strategies(rank, prefill, decode, strategy="2d"):
     return want.tolist(), got.tolist(), again.tolist(), text, first, second, after
 
 
+def compiled(rank):
+    """Greedy tokens (unmodified model, pmodel parallelized with compile=True), the compile stats of
+    the generation programs, and the graphs dynamo compiled during a second generate of the same size."""
+    from passes.compat import dynamo_counts
+
+    model = build("llama")
+    ids, mask = prompts()
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    pm = parallel(model, (2, 2), ids, mask, compile=True)
+    got = pm.generate(ids, **kw)
+    before = dynamo_counts()
+    again = pm.generate(ids, **kw)
+    after = dynamo_counts()
+    stats = {k[1]: tuple(v) for k, v in pm.compile_stats.items() if k[0] == "generate"}
+    return want.tolist(), got.tolist(), again.tolist(), stats, after[0] - before[0]
+
+
 def uneven_cache(rank, cases):
     """For each (grid, batch, heads, kv heads): (tokens equal the unmodified model's, this rank's key
     block shape, bytes of its key and value blocks, kv_cache_bytes_per_rank) for a 2-layer Llama."""

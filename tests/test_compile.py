@@ -85,3 +85,20 @@ def test_a_new_shape_compiles_once(pool4):
     that fail on a value that changes per call)."""
     for rank, seen in enumerate(pool4.run(C.recompiles, (4, 6, 4, 6))):
         assert seen == [1, 2, 2, 2], f"rank {rank}: graphs compiled after each step {seen}, want [1, 2, 2, 2]"
+
+
+def test_effect_order_wrap_when_inductor_is_loaded_first():
+    """Catches the order fix missing when a user's process loaded inductor before autopar's ops (the
+    import hook covers only a later first import): the with_effects lowering must be wrapped either
+    way. `passes.ops.library` is what parallelize loads to insert the collectives."""
+    import subprocess
+    import sys
+
+    code = ("import torch, torch._inductor.lowering as L\n"
+            "before = getattr(L.lowerings[torch.ops.higher_order.with_effects], '_autopar_effect_order', False)\n"
+            "import passes.ops.library\n"
+            "after = getattr(L.lowerings[torch.ops.higher_order.with_effects], '_autopar_effect_order', False)\n"
+            "print(before, after)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"], out.stdout

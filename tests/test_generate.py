@@ -78,6 +78,15 @@ def test_phase_strategy_defaults_follow_the_model():
         phase_strategy(pm("2d"), "decode_strategy", "3d")
 
 
+def test_generate_compiled(pool4):
+    """Catches generation programs that do not run under compile=True, break into several graphs, or
+    compile again per decode step or per call (one graph per program key, none on a second call)."""
+    for rank, (want, got, again, stats, recompiled) in enumerate(pool4.run(C.compiled, timeout=900)):
+        assert got == want and again == want, f"rank {rank}: {got} / {again}\n  unmodified model {want}"
+        assert stats == {"prefill": (1, 0), "decode": (1, 0)}, f"rank {rank}: (graphs, breaks) {stats}"
+        assert recompiled == 0, f"rank {rank}: {recompiled} graphs compiled by a second generate"
+
+
 def test_sampling_identical_given_the_seed(pool4):
     """Catches a sampler that draws other numbers than transformers' (temperature, top-k, top-p
     warpers in its order, one multinomial per step) or that differs between ranks."""

@@ -14,8 +14,8 @@ Every op here is declared ORDERED-effectful (`passes.compat.register_ordered`): 
 keeps every call, even one whose result nobody reads, and AOTAutograd threads a token through them
 in program order. Ranks whose graphs differ (uneven blocks, rank-specific shapes) compile different
 programs; each must still launch its collectives in the program's order, or the ranks wait on one
-another for ever. torch 2.13's inductor does not enforce the token's order in its scheduler
-(`INDUCTOR_OPTIONS` below turns off the pass seen to break it; compiled generation stays eager).
+another for ever. torch 2.13's inductor files the order edges between such ops where its scheduler
+never looks (`passes.compat.keep_effect_order_in_inductor`, installed below, files them where it does).
 
 >>> import torch
 >>> from passes.mesh import Grid
@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from passes.compat import register_ordered
+from passes.compat import keep_effect_order_in_inductor, register_ordered
 from passes.layout import chunk_range
 from passes.mesh import grid_of
 from passes.ops import comm, reblock, summa
@@ -130,10 +130,4 @@ def _(t, grid, axis, dim, src, dst, tag, phase):
 
 for _name in ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_stack", "summa", "reblock"):
     register_ordered(f"autopar::{_name}")
-
-# torch 2.13's inductor drops the ordering between effectful ops when its scheduler reorders nodes for peak
-# memory (`reorder_for_peak_memory`): a collective reading only parameters (a bias gathered over the columns)
-# moved ahead of activation collectives in the compiled GPT-2 with uneven heads; ranks compiling different
-# graphs can move different ones, and then hang. Programs autopar compiles turn that pass off (the effect
-# still keeps every call). The option is part of torch.compile's cache key: no entry compiled before is reused.
-INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
+keep_effect_order_in_inductor()  # inductor 2.13 loses the order edges between them otherwise
