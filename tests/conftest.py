@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -9,6 +11,14 @@ for p in (ROOT, os.path.join(ROOT, "examples")):
         sys.path.insert(0, p)
 
 from tests.dist_pool import start  # noqa: E402
+
+# Inductor's on-disk caches (compiled C++ kernels) in a directory of this session's own, set before any
+# pool rank is spawned so that every rank inherits it: the ranks and the tests share the kernels one of
+# them compiled, and a cache left warm by an earlier run cannot make the suite look faster than a clean
+# CI checkout runs it. A directory the caller chose is kept (and used).
+_OWN_CACHE = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-tests-inductor-")
 
 _pools: dict = {}  # world -> live pool, least recently used first
 # Idle ranks cost memory (~0.4 GB each), not CPU: the 4-rank pool most tests use stays up while a
@@ -45,3 +55,5 @@ def pool9():
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)

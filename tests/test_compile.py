@@ -51,8 +51,21 @@ def test_compile_option_is_validated():
         Options(compile="yes")
 
 
-@pytest.mark.parametrize("name,grid", [("mlp", (1, 4)), ("tinygpt", (2, 2)), ("gpt2", (2, 2)),
-                                       ("gpt2 uneven", (2, 2))])
+def _assert_one_graph(res, case):
+    """The compiled step of every rank made one graph, no break, and launched the eager step's
+    collectives: the same bytes and calls, in the same order."""
+    for rank, r in enumerate(res):
+        assert not r["fell back"], (case, rank, r["fell back"])
+        assert r["stats"] == (1, 0), f"{case}: rank {rank}: (graphs, graph breaks) = {r['stats']}, want one graph"
+        assert r["line"] == ["torch.compile: 1 graph(s), 0 graph break(s)"], (case, r["line"])
+        (bytes_, calls, order), eager = r["compiled log"], r["eager log"]
+        assert (bytes_, calls) == eager[:2], f"{case}: rank {rank}: bytes and launches of the compiled step differ"
+        assert order == eager[2], f"{case}: rank {rank}: the compiled step launched its collectives in another " \
+            f"order\n  compiled {order}\n  eager    {eager[2]}"
+
+
+# the MLP at 1x4 is checked by test_a_new_shape_compiles_once, which compiles the same program first
+@pytest.mark.parametrize("name,grid", [("tinygpt", (2, 2)), ("gpt2", (2, 2)), ("gpt2 uneven", (2, 2))])
 def test_compiled_program_has_no_graph_breaks(pool4, name, grid):
     """Catches a collective or SUMMA kernel dynamo cannot trace (a graph break at every call, the
     collectives then run between compiled regions), and a traced collective that the compiled step
@@ -60,15 +73,7 @@ def test_compiled_program_has_no_graph_breaks(pool4, name, grid):
     uneven': the reblocking all-to-all and SUMMA over unequal vocabulary blocks, where the two grid
     columns compile different graphs: inductor free to reorder, they would launch in different orders
     and hang)."""
-    res = pool4.run(C.compile_graphs, name, grid)
-    for rank, r in enumerate(res):
-        assert not r["fell back"], (rank, r["fell back"])
-        assert r["stats"] == (1, 0), f"rank {rank}: (graphs, graph breaks) = {r['stats']}, want one graph"
-        assert r["line"] == ["torch.compile: 1 graph(s), 0 graph break(s)"], r["line"]
-        (bytes_, calls, order), eager = r["compiled log"], r["eager log"]
-        assert (bytes_, calls) == eager[:2], f"rank {rank}: bytes and launches of the compiled step differ"
-        assert order == eager[2], f"rank {rank}: the compiled step launched its collectives in another order\n" \
-            f"  compiled {order}\n  eager    {eager[2]}"
+    _assert_one_graph(pool4.run(C.compile_graphs, name, grid), f"{name} at {grid}")
 
 
 def test_compiled_collectives_keep_the_program_order(pool4):
@@ -82,9 +87,12 @@ def test_compiled_collectives_keep_the_program_order(pool4):
 
 def test_a_new_shape_compiles_once(pool4):
     """Catches a program recompiled on every call, or on every return to a shape already seen (guards
-    that fail on a value that changes per call)."""
-    for rank, seen in enumerate(pool4.run(C.recompiles, (4, 6, 4, 6))):
-        assert seen == [1, 2, 2, 2], f"rank {rank}: graphs compiled after each step {seen}, want [1, 2, 2, 2]"
+    that fail on a value that changes per call). Its first step is the MLP case of
+    test_compiled_program_has_no_graph_breaks (one graph, the eager step's collectives, at 1x4)."""
+    res = pool4.run(C.compile_graphs, "mlp", (1, 4), batches=(6, 4, 6))
+    _assert_one_graph(res, "mlp at (1, 4)")
+    for rank, r in enumerate(res):
+        assert r["seen"] == [1, 2, 2, 2], f"rank {rank}: graphs compiled after each step {r['seen']}, want [1, 2, 2, 2]"
 
 
 def test_effect_order_wrap_when_inductor_is_loaded_first():
