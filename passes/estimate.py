@@ -8,7 +8,8 @@ equal what `explain` and the collective layer count, and the FLOPs `explain` cou
 model per mesh axis turns them into time: a collective costs alpha + bytes/beta, a matmul flops/F;
 SUMMA's broadcast lowering overlaps its next broadcast with the current matmul, so it is charged
 calls*alpha + max(bytes/beta, flops/F), the all-gather lowering calls*alpha + bytes/beta + flops/F
-(calls: the spec's launches). Memory: the parameter blocks held, and every
+less what the weight gradient's reduction hides behind the input gradient's matmul in backward
+(`hidden_dw_reduction`; calls: the spec's launches). Memory: the parameter blocks held, and every
 intermediate that needs a gradient (an upper bound on what autograd saves).
 """
 
@@ -102,11 +103,24 @@ def _summa(spec: SummaSpec, site: Site, cm: CostModel, fixed: str | None = None)
     lat = {lo: sum(cm.alpha[a] * spec.launches(site, lo) for a in range(2) if mesh[a] > 1) * products / k[lo]
            for lo in k}
     times = {"broadcast": lat["broadcast"] + max(bw["broadcast"], compute),
-             "allgather": lat["allgather"] + bw["allgather"] + compute}
+             "allgather": lat["allgather"] + bw["allgather"] + compute - hidden_dw_reduction(spec, site, cm)}
     lowering = fixed or min(times, key=times.__getitem__)
     return Estimate(time_s=times[lowering], bytes_per_axis=[b * products / (k[lowering] if a == 1 else 1)
                                                             for a, b in enumerate(per_axis)],
                     lowerings={site.node.name: lowering})
+
+
+def hidden_dw_reduction(spec: SummaSpec, site: Site, cm: CostModel) -> float:
+    """Seconds of the all-gather lowering's backward that the weight gradient's reduction hides behind
+    the input gradient's product (`passes.ops.overlap`): its reduce-scatter over the rows runs during
+    dX's matmul, min(its transfer time, that matmul's), charged once. Its link is the one dX's own
+    gather over the rows uses, so only the matmul is counted as cover. 0 unless both backward products
+    run and the rows sum dW. The broadcast lowering's price already overlaps each product's
+    collectives with its matmuls (max of the two), so nothing more is taken off there."""
+    if not (site.grads[0] and site.grads[1]) or spec.rows_whole or site.mesh[0] == 1:
+        return 0.0
+    reduce_s = spec.axis_bytes(site)[0] / cm.beta[0]  # dW's reduce-scatter: axis-0 bytes of one product
+    return min(reduce_s, spec.flops(site) / spec.products(site) / cm.flops)
 
 
 @dataclass

@@ -143,6 +143,10 @@ class Grid:
     dp_group: Any  # over the replicas (dp > 1)
     world_group: Any  # this grid's R*C ranks; None: the default group (dp == 1, no timeout)
     key: int  # names this grid to the traceable collectives (`grid_of`)
+    # backward launches each SUMMA weight gradient's reduction before the input gradient's product and
+    # waits for it after (`passes.ops.overlap`); False: one after the other. A compiled program keeps
+    # the value it was traced with.
+    overlap_grad_reduce: bool = True
 
     def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"

@@ -131,3 +131,97 @@ def groups_shared(rank):
     dist.all_reduce(t, group=grids[4].same_row_group)
     return {"new_threads": threads() - before, "shared": grids[0].same_row_group is grids[4].same_row_group
             and grids[0].mesh is grids[4].mesh, "sum": t.tolist()}
+
+
+class _Events:
+    """An event log of the collectives this rank launches: ("post", name) when one is launched, ("wait",
+    name) when its work is waited for (a call that is not async: both at once). Installed over the
+    functions `passes.ops.comm` calls (`dist.broadcast`, `dist.reduce`, its all-gather and reduce-scatter)."""
+
+    NAMES = (("dist", "broadcast"), ("dist", "reduce"), ("comm", "all_gather_single"),
+             ("comm", "reduce_scatter_single"))
+
+    def __init__(self):
+        self.log: list = []
+
+    def __enter__(self):
+        from passes.ops import comm
+
+        self.saved = []
+        for where, name in self.NAMES:
+            owner = dist if where == "dist" else comm
+            fn = getattr(owner, name)
+            self.saved.append((owner, name, fn))
+            setattr(owner, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
+
+    def _wrap(self, name, fn):
+        events = self.log
+
+        class Work:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self):
+                events.append(("wait", name))
+                return self.work.wait()
+
+        def call(*args, async_op=False, **kwargs):
+            events.append(("post", name))
+            work = fn(*args, async_op=async_op, **kwargs)
+            if not async_op:
+                events.append(("wait", name))
+                return work
+            return Work(work)
+
+        return call
+
+
+def gathers_in_flight(events: list) -> int:
+    """Broadcasts and all-gathers launched while a reduce or reduce-scatter is in flight."""
+    open_, n = {"reduce": 0, "reduce_scatter_single": 0}, 0
+    for kind, name in events:
+        if name in open_:
+            open_[name] += 1 if kind == "post" else -1
+        elif kind == "post" and any(open_.values()):
+            n += 1
+    return n
+
+
+def overlap_events(rank, lowering):
+    """One backward of SummaAB, SummaABT and (all-gather lowering) a group of two sibling products on a
+    2x2 grid, with the grid's `overlap_grad_reduce` on and off: per product and setting, how many of
+    the backward's broadcasts and all-gathers were launched while a weight-gradient reduction was in
+    flight; whether the gradients, bytes and launches are identical in both settings."""
+    from passes.ops.summa_group import SummaGroup
+
+    g = Grid(2, 2)
+    torch.manual_seed(0)
+    x, w_ab, w_abt, w2 = torch.randn(8, 4), torch.randn(4, 3), torch.randn(3, 4), torch.randn(4, 5)  # K = 8, N = 6
+    cases = {"AB": lambda x, w: summa.SummaAB.apply(x, w, g, "t", lowering),
+             "ABT": lambda x, w: summa.SummaABT.apply(x, w, g, "t", lowering)}
+    weights = {"AB": (w_ab,), "ABT": (w_abt,)}
+    if lowering == "allgather":
+        group = SummaGroup(g, (False, False), ("t", "u"))
+        cases["group"] = lambda x, *ws: torch.cat(group(x, *ws), 1)
+        weights["group"] = (w_ab, w2)
+    out, same = {}, {}
+    for name, fn in cases.items():
+        runs = []
+        for overlap in (True, False):
+            g.overlap_grad_reduce = overlap
+            xs, ws = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in weights[name]]
+            y = fn(xs, *ws)
+            g.log.reset()
+            with _Events() as ev:
+                y.backward(torch.ones_like(y))
+            runs.append((xs.grad, [w.grad for w in ws], dict(g.log.bytes), dict(g.log.launches)))
+            out[(name, overlap)] = gathers_in_flight(ev.log)
+        (gx, gws, nb, nl), (hx, hws, mb, ml) = runs
+        same[name] = torch.equal(gx, hx) and all(map(torch.equal, gws, hws)) and (nb, nl) == (mb, ml)
+    g.overlap_grad_reduce = True
+    return {"in flight": out, "same": same}

@@ -86,3 +86,15 @@ def test_grids_share_process_groups(pool4):
         row = rank // 2
         assert r["new_threads"] == 0 and r["shared"], r
         assert r["sum"] == [float(4 * row + 1)] * 3, r
+
+
+@pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
+def test_weight_gradient_reduction_overlaps_the_input_gradient(pool4, lowering):
+    """Catches a backward that waits for dW's reduction before dX's product starts (no overlap), and an
+    overlap that changes a gradient bit, a byte or a launch: with `overlap_grad_reduce` each product's
+    dX collectives are launched while dW's reduce (or reduce-scatter) is still in flight, without it
+    none are, and both give identical gradients, bytes and launches."""
+    for rank, r in enumerate(pool4.run(C.overlap_events, lowering)):
+        assert all(r["same"].values()), (rank, r["same"])
+        for (name, overlap), n in r["in flight"].items():
+            assert (n > 0) == overlap, f"rank {rank}, {name}, overlap={overlap}: {n} launched during dW's reduction"

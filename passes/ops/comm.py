@@ -10,6 +10,8 @@ the gradient of a local block is the block of the global gradient with the same 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,25 @@ def _from_backend(e: RuntimeError) -> bool:
 def wait(work, grid: Grid, what: str, axis, tag: str) -> None:
     with guarded(grid, what, axis, tag):
         work.wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class Posted:
+    """Collectives launched and not yet waited for, and what their result is once they are done.
+    `works`: (work handle, what, axis) in launch order; `finish()`: the result, valid only after every
+    handle is waited for; `inputs`: tensors the collectives read or write, kept alive until then."""
+
+    grid: Grid
+    tag: str
+    works: list
+    finish: Callable[[], torch.Tensor]
+    inputs: tuple = ()
+
+    def wait(self) -> torch.Tensor:
+        """Wait for every collective (a failure raised as `CollectiveError`), then the result."""
+        for work, what, axis in self.works:
+            wait(work, self.grid, what, axis, self.tag)
+        return self.finish()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -136,12 +157,33 @@ def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
 def run_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
                        received: list | None = None) -> torch.Tensor:
     """`reduce_scatter` now, on a group of more than one member: the body of its torch.library op."""
+    return _launch_reduce_scatter(grid, axis, t, dim, tag, phase, received, async_op=False).finish()
+
+
+def post_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
+                        received: list | None = None) -> Posted:
+    """`reduce_scatter` launched and not waited for (from the body of an op that waits for it in another
+    op: `passes.ops.overlap`); the same padding of torch.chunk blocks, bytes and launch."""
+    if grid.size(axis) == 1:
+        out = t.contiguous()
+        return Posted(grid, tag, [], lambda: out)
+    q, size = grid.size(axis), t.shape[dim]
+    if size % q == 0:
+        return _launch_reduce_scatter(grid, axis, t, dim, tag, phase, received, async_op=True)
+    posted = _launch_reduce_scatter(grid, axis, _pad(t, dim, -(-size // q) * q), dim, tag, phase, received, True)
+    lo, hi = chunk_range(size, q, grid.index(axis))
+    return dataclasses.replace(posted, finish=lambda: posted.finish().narrow(dim, 0, hi - lo).contiguous())
+
+
+def _launch_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
+                           received: list | None, async_op: bool) -> Posted:
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // grid.size(axis),) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     _count(grid, tag, phase, (grid.size(axis) - 1) * _nbytes(t) // grid.size(axis), received)
     with guarded(grid, "reduce-scatter", axis, tag):
-        reduce_scatter_single(out, moved, group=grid.group(axis))
-    return out.movedim(0, dim).contiguous()
+        work = reduce_scatter_single(out, moved, group=grid.group(axis), async_op=async_op)
+    works = [(work, "reduce-scatter", axis)] if async_op else []
+    return Posted(grid, tag, works, lambda: out.movedim(0, dim).contiguous(), (moved, out))
 
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}

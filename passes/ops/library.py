@@ -97,7 +97,11 @@ def product(a: torch.Tensor, b: torch.Tensor, grid: int, kind: str, tag: str, ph
 
 @product.register_fake
 def _(a, b, grid, kind, tag, phase, lowering, rows_whole, full=None):
-    g = grid_of(grid)
+    return a.new_empty(summa_shape(grid_of(grid), kind, a, b, full))
+
+
+def summa_shape(g, kind: str, a, b, full: int | None) -> tuple:
+    """The shape of SUMMA product `kind` of the local blocks a, b on this rank of grid `g`."""
     R, C = g.shape
 
     def block(n: int, parts: int, axis: int) -> int:  # this rank's torch.chunk block of n
@@ -105,12 +109,11 @@ def _(a, b, grid, kind, tag, phase, lowering, rows_whole, full=None):
         return hi - lo
 
     if kind == "ab":  # a [m, K/C]  b [K/R, n]
-        shape = (a.shape[0], b.shape[1])
-    elif kind == "abt":  # a [m, K/C]  b [N/R, K/C]  ->  [m, N/C]
-        shape = (a.shape[0], b.shape[0] * R // C if full is None else block(full, C, summa.AXIS_SAME_ROW))
-    else:  # atb: a [m, K/C]  b [m, n]  ->  [K/R, n]
-        shape = (a.shape[1] * C // R if full is None else block(full, R, summa.AXIS_SAME_COL), b.shape[1])
-    return a.new_empty(shape)
+        return (a.shape[0], b.shape[1])
+    if kind == "abt":  # a [m, K/C]  b [N/R, K/C]  ->  [m, N/C]
+        return (a.shape[0], b.shape[0] * R // C if full is None else block(full, C, summa.AXIS_SAME_ROW))
+    # atb: a [m, K/C]  b [m, n]  ->  [K/R, n]
+    return (a.shape[1] * C // R if full is None else block(full, R, summa.AXIS_SAME_COL), b.shape[1])
 
 
 @torch.library.custom_op("autopar::reblock", mutates_args=())

@@ -25,6 +25,7 @@ import torch
 from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.ops import comm
+from passes.ops.comm import Posted
 
 LOWERINGS = ("broadcast", "allgather")
 AXIS_SAME_ROW, AXIS_SAME_COL = 1, 0  # mesh axis whose group shares the row / the column index
@@ -79,21 +80,27 @@ def _bcast_steps(grid: Grid, steps, tag, phase):
         yield bufs
 
 
-def _reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase, empty: torch.Tensor):
-    """Reduce each partial onto its destination member of `axis`'s group; return the concatenation
-    (along `dim`) of the pieces this member receives (`empty` when its torch.chunk block is empty)."""
+def _post_reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase, empty: torch.Tensor) -> Posted:
+    """Launch the reduce of each partial onto its destination member of `axis`'s group; the `Posted`
+    whose wait gives the concatenation (along `dim`) of the pieces this member receives (`empty` when
+    its torch.chunk block is empty)."""
     if grid.size(axis) == 1:
-        return torch.cat([p for _, p in partials], dim) if len(partials) > 1 else partials[0][1]
+        out = torch.cat([p for _, p in partials], dim) if len(partials) > 1 else partials[0][1]
+        return Posted(grid, tag, [], lambda: out)
     works, mine = [], []
     for dst, p in partials:
-        works.append(comm.reduce(grid, axis, p, dst, tag, phase, async_op=True))
+        works.append((comm.reduce(grid, axis, p, dst, tag, phase, async_op=True), "reduce", axis))
         if grid.index(axis) == dst:
             mine.append(p)
-    for w in works:
-        comm.wait(w, grid, "reduce", axis, tag)
+    kept = tuple(p for _, p in partials)
     if not mine:
-        return empty
-    return mine[0] if len(mine) == 1 else torch.cat(mine, dim)
+        return Posted(grid, tag, works, lambda: empty, kept)
+    return Posted(grid, tag, works, lambda: mine[0] if len(mine) == 1 else torch.cat(mine, dim), kept)
+
+
+def _reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase, empty: torch.Tensor):
+    """`_post_reduce_steps`, waited for."""
+    return _post_reduce_steps(grid, axis, partials, dim, tag, phase, empty).wait()
 
 
 def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast", full: int | None = None):
@@ -139,6 +146,13 @@ def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadca
     """`rows_whole`: every mesh row holds all m rows of a and b (a batch the rows do not divide), so
     each row forms its own [K/R, n] block in full and nothing is summed over the rows. `full`: the
     dim K (a's columns) when the grid does not divide it."""
+    return post_atb(grid, a, b, tag, phase, lowering, rows_whole, full).wait()
+
+
+def post_atb(grid: Grid, a, b, tag: str, phase: str, lowering: str, rows_whole: bool = False,
+             full: int | None = None) -> Posted:
+    """`atb` up to its reduction over the mesh rows, which is launched and not waited for: its partial
+    products formed (their broadcasts or gather waited for), the reduce or reduce-scatter in flight."""
     a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [m, n]  ->  [K/R, n]
     R, C = grid.shape
     K = a.shape[1] * C if full is None else full
@@ -146,8 +160,9 @@ def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadca
         a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase, K)  # [m, K]
         if rows_whole:
             lo, hi = chunk_range(K, R, grid.index(AXIS_SAME_COL))
-            return a_panel[:, lo:hi].t() @ b  # [K/R, n]
-        return comm.reduce_scatter(grid, AXIS_SAME_COL, a_panel.t() @ b, 0, tag, phase)  # [K/R, n]
+            out = a_panel[:, lo:hi].t() @ b  # [K/R, n]
+            return Posted(grid, tag, [], lambda: out)
+        return comm.post_reduce_scatter(grid, AXIS_SAME_COL, a_panel.t() @ b, 0, tag, phase)  # [K/R, n]
     ka = -(-K // C)
     segs = segments(K, C, R)
     if rows_whole:  # only the pieces of this row's block; the whole row group skips the same steps
@@ -156,8 +171,9 @@ def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadca
     partials = [(j, a_s.t() @ b) for (_, _, _, j), (a_s,) in zip(segs, _bcast_steps(grid, steps, tag, phase))]
     empty = a.new_zeros(0, b.shape[1])
     if rows_whole:
-        return torch.cat([p for _, p in partials], 0) if len(partials) > 1 else (partials[0][1] if partials else empty)
-    return _reduce_steps(grid, AXIS_SAME_COL, partials, 0, tag, phase, empty)
+        out = torch.cat([p for _, p in partials], 0) if len(partials) > 1 else (partials[0][1] if partials else empty)
+        return Posted(grid, tag, [], lambda: out)
+    return _post_reduce_steps(grid, AXIS_SAME_COL, partials, 0, tag, phase, empty)
 
 
 def product(grid: Grid, kind: str, a, b, tag: str, phase: str, lowering: str, rows_whole: bool = False,
@@ -168,9 +184,32 @@ def product(grid: Grid, kind: str, a, b, tag: str, phase: str, lowering: str, ro
     return torch.ops.autopar.summa(a, b, grid.key, kind, tag, phase, lowering, rows_whole, full)
 
 
+def backward_pair(grid: Grid, dx, post_dw, wait_dw) -> tuple:
+    """(dX, dW) of one product's backward, from callables (None: that operand needs no gradient): `dx()`
+    the input's product, `post_dw()` dW up to its reduction over the rows, launched (`passes.ops.overlap`),
+    `wait_dw()` dW once reduced. dW is launched first and waited for last, so its reduction overlaps
+    dX's product; with `grid.overlap_grad_reduce` False, dX runs first and dW after it, in line."""
+    if post_dw is None:
+        return (dx() if dx else None), None
+    if dx is None or not grid.overlap_grad_reduce:
+        first = dx() if dx else None
+        post_dw()
+        return first, wait_dw()
+    post_dw()
+    return dx(), wait_dw()
+
+
+def _dw_ops(grid: Grid, needed: bool, a, b, tag: str, lowering: str, rows_whole: bool, full) -> tuple:
+    """(post, wait) of ATB(a, b) in phase "bwd" (`passes.ops.overlap`'s two ops), or (None, None)."""
+    if not needed:
+        return None, None
+    args = (a, b, grid.key, tag, lowering, rows_whole, full)
+    return (lambda: torch.ops.autopar.atb_post(*args)), (lambda: torch.ops.autopar.atb_wait(*args))
+
+
 class SummaAB(torch.autograd.Function):
-    """C = A B; backward dA = ABT(dC, B), dB = ATB(A, dC). `full`: K, when the grid does not divide it
-    (A's columns are torch.chunk blocks over the mesh columns, B's rows over the rows)."""
+    """C = A B; backward dA = ABT(dC, B), dB = ATB(A, dC) (`backward_pair`). `full`: K, when the grid
+    does not divide it (A's columns are torch.chunk blocks over the mesh columns, B's rows over the rows)."""
 
     @staticmethod
     def forward(ctx, a, b, grid, tag, lowering, rows_whole=False, full=None):
@@ -182,14 +221,15 @@ class SummaAB(torch.autograd.Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         grid, tag, lowering, rows_whole, full = ctx.args
-        da = product(grid, "abt", g, b, tag, "bwd", lowering, full=full) if ctx.needs_input_grad[0] else None
-        db = product(grid, "atb", a, g, tag, "bwd", lowering, rows_whole, full) if ctx.needs_input_grad[1] else None
+        dx = (lambda: product(grid, "abt", g, b, tag, "bwd", lowering, full=full)) if ctx.needs_input_grad[0] else None
+        da, db = backward_pair(grid, dx, *_dw_ops(grid, ctx.needs_input_grad[1], a, g, tag, lowering, rows_whole, full))
         return da, db, None, None, None, None, None
 
 
 class SummaABT(torch.autograd.Function):
-    """C = A B^T; backward dA = AB(dC, B), dB = ATB(dC, A). `full`: N, when the grid does not divide it
-    (a vocabulary: B^T's rows are torch.chunk blocks over the mesh rows, C's columns over the columns)."""
+    """C = A B^T; backward dA = AB(dC, B), dB = ATB(dC, A) (`backward_pair`). `full`: N, when the grid
+    does not divide it (a vocabulary: B^T's rows are torch.chunk blocks over the mesh rows, C's columns
+    over the columns)."""
 
     @staticmethod
     def forward(ctx, a, b, grid, tag, lowering, rows_whole=False, full=None):
@@ -201,8 +241,8 @@ class SummaABT(torch.autograd.Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         grid, tag, lowering, rows_whole, full = ctx.args
-        da = product(grid, "ab", g, b, tag, "bwd", lowering, full=full) if ctx.needs_input_grad[0] else None
-        db = product(grid, "atb", g, a, tag, "bwd", lowering, rows_whole, full) if ctx.needs_input_grad[1] else None
+        dx = (lambda: product(grid, "ab", g, b, tag, "bwd", lowering, full=full)) if ctx.needs_input_grad[0] else None
+        da, db = backward_pair(grid, dx, *_dw_ops(grid, ctx.needs_input_grad[1], g, a, tag, lowering, rows_whole, full))
         return da, db, None, None, None, None, None
 
 

@@ -21,6 +21,7 @@ each member its own weight's (`Grid.log`, under each member's tag; a call counte
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -28,8 +29,8 @@ import torch.nn as nn
 
 from passes.compat import register_ordered
 from passes.mesh import Grid, grid_of
-from passes.ops.comm import _nbytes, run_all_gather, run_reduce_scatter
-from passes.ops.summa import AXIS_SAME_COL, AXIS_SAME_ROW
+from passes.ops.comm import Posted, _nbytes, post_reduce_scatter, run_all_gather, run_reduce_scatter
+from passes.ops.summa import AXIS_SAME_COL, AXIS_SAME_ROW, backward_pair
 
 SEP = "|"  # joins the members' tags into one op argument (a torch.library op takes no list of str)
 
@@ -79,12 +80,14 @@ def abt(grid: Grid, gs: list, ws: list, tags: list) -> torch.Tensor:
     return dx.contiguous()  # the layout the fake kernel promises
 
 
-def atb(grid: Grid, x, gs: list, tags: list) -> list:
-    """dW_i = x^T dY_i: the weight gradients [[K/R, N_i/C]]."""
+def post_atb(grid: Grid, x, gs: list, tags: list) -> Posted:
+    """dW_i = x^T dY_i, the weight gradients [[K/R, N_i/C]], once the returned reduce-scatter over the
+    rows is waited for (launched, not waited: `passes.ops.overlap`'s atb_group ops)."""
     prod = _x_panel(grid, x, tags, "bwd").t() @ torch.cat(gs, 1)  # [K, sum N_i/C], partial over the rows
     R, K = grid.size(AXIS_SAME_COL), prod.shape[0]
     received = [(t, (R - 1) * K * g.shape[1] * prod.element_size() // R) for t, g in zip(tags, gs)]
-    return _split(_reduce_scatter(grid, AXIS_SAME_COL, prod, 0, received, "bwd"), gs)
+    posted = post_reduce_scatter(grid, AXIS_SAME_COL, prod, 0, tags[0], "bwd", received)
+    return dataclasses.replace(posted, finish=lambda: _split(posted.finish(), gs))
 
 
 @torch.library.custom_op("autopar::ab_group", mutates_args=())
@@ -108,18 +111,7 @@ def _(gs, ws, grid, tags):
     return gs[0].new_empty(gs[0].shape[0], ws[0].shape[0] * R // C)
 
 
-@torch.library.custom_op("autopar::atb_group", mutates_args=())
-def atb_op(x: torch.Tensor, gs: list[torch.Tensor], grid: int, tags: str) -> list[torch.Tensor]:
-    return atb(grid_of(grid), x, gs, tags.split(SEP))
-
-
-@atb_op.register_fake
-def _(x, gs, grid, tags):
-    R, C = grid_of(grid).shape
-    return [x.new_empty(x.shape[1] * C // R, g.shape[1]) for g in gs]
-
-
-for _name in ("ab_group", "abt_group", "atb_group"):  # run in program order when compiled, as `passes.ops.library`'s
+for _name in ("ab_group", "abt_group"):  # run in program order when compiled, as `passes.ops.library`'s
     register_ordered(f"autopar::{_name}")
 
 
@@ -137,10 +129,14 @@ class SummaGroupAB(torch.autograd.Function):
     def backward(ctx, *gs):
         x, *ws = ctx.saved_tensors
         gs = [g.contiguous() for g in gs]
-        key = ctx.grid.key
-        dx = torch.ops.autopar.abt_group(gs, ws, key, ctx.tags) if ctx.needs_input_grad[0] else None
-        dws = torch.ops.autopar.atb_group(x, gs, key, ctx.tags) if any(ctx.needs_input_grad[3:]) else [None] * len(ws)
-        return (dx, None, None, *dws)
+        key, tags = ctx.grid.key, ctx.tags
+        dx = (lambda: torch.ops.autopar.abt_group(gs, ws, key, tags)) if ctx.needs_input_grad[0] else None
+        post, wait = None, None
+        if any(ctx.needs_input_grad[3:]):  # dW's reduce-scatter overlaps dX (`passes.ops.overlap`)
+            post, wait = (lambda: torch.ops.autopar.atb_group_post(x, gs, key, tags)), \
+                (lambda: torch.ops.autopar.atb_group_wait(x, gs, key, tags))
+        dx, dws = backward_pair(ctx.grid, dx, post, wait)
+        return (dx, None, None, *(dws if dws is not None else [None] * len(ws)))
 
 
 class SummaGroup(nn.Module):
