@@ -2,7 +2,8 @@
 transformers Llama-style model (`autopar.bench`'s) as:
 
 - one process, transformers' `generate` (its dynamic KV cache);
-- autopar `pmodel.generate` on a 2x2 grid, a 1x4 grid, and strategy='auto' on 2x2 (published cost
+- autopar `pmodel.generate` on a 2x2 grid (eager, and with `compile=True`: its prefill and decode
+  programs under torch.compile, compiled in the warm-up round), a 1x4 grid, and strategy='auto' on 2x2 (published cost
   figures unless --cost-model names a file; its phases each searched, the default, and both running
   the forward's plan, 'forward'); the 2x2 model also with its decode planned 1D
   (`decode_strategy='1d'`) and with both phases planned by the search (`'auto'`);
@@ -53,6 +54,8 @@ def _configs(rank, cost_model) -> dict:
                                  ("autopar auto 2x2", (2, 2), "auto")):
         pm = autopar.parallelize(copy.deepcopy(base), grid, (ids,), kw, strategy=strategy, cost_model=cost_model)
         out[name] = (pm.eval(), {})
+    compiled = autopar.parallelize(copy.deepcopy(base), (2, 2), (ids,), kw, compile=True)
+    out["autopar 2x2 compiled"] = (compiled.eval(), {})
     out["autopar 2x2, decode 1d"] = (out["autopar 2x2"][0], {"decode_strategy": "1d"})
     out["autopar 2x2, phases auto"] = (out["autopar 2x2"][0], {"prefill_strategy": "auto", "decode_strategy": "auto"})
     out["autopar auto 2x2, forward's plan"] = (out["autopar auto 2x2"][0],
@@ -80,7 +83,8 @@ def worker(rank, world, port, rounds, out, cost_model):
     init_local(rank, world, port)
     torch.manual_seed(0)
     configs = _configs(rank, cost_model)
-    names = ["one process", "autopar 2x2", "autopar 1x4", "autopar auto 2x2", "autopar auto 2x2, forward's plan",
+    names = ["one process", "autopar 2x2", "autopar 2x2 compiled", "autopar 1x4", "autopar auto 2x2",
+             "autopar auto 2x2, forward's plan",
              "autopar 2x2, decode 1d", "autopar 2x2, phases auto", "PyTorch 1D TP (4 ranks)"]
     results = {}
     for batch in BATCHES:
