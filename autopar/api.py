@@ -22,6 +22,7 @@ from passes.ops import comm
 from passes.ops.grad_buckets import BucketPlan, BucketReduce, StepBuckets, with_arrivals
 from passes.mesh import warn
 from passes.meta import PARAM
+from passes.ops.library import INDUCTOR_OPTIONS
 from passes.options import DEFAULTS, Options
 from autopar import hf_compat, outputs
 from autopar.generate import Generator, generate as generate_tokens
@@ -376,7 +377,7 @@ class ParallelModule(nn.Module):
         if not self._options.compile:
             self._runners[comp.signature] = comp.gm
             return self._run(comp, locals_, step)
-        compiled = torch.compile(comp.gm)  # collectives in program order: passes.compat.keep_effect_order_in_inductor
+        compiled = torch.compile(comp.gm, options=INDUCTOR_OPTIONS)  # order kept: compat.keep_effect_order_in_inductor
         before = dynamo_counts()
         try:
             outs = compiled(*locals_)

@@ -45,7 +45,7 @@ __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShar
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
            "exit_autocast", "fake_store", "fake_tensor_mode", "implicit_replication", "legacy_reduction", "parse_to",
            "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
-           "set_version_counter", "keep_effect_order_in_inductor"]
+           "set_version_counter", "keep_effect_order_in_inductor", "CACHEABLE_EFFECTS"]
 
 # torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.regions` inlines
 # no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
@@ -276,3 +276,13 @@ class _WrapAfterExec:
     def exec_module(self, module):
         self.loader.exec_module(module)
         _wrap_with_effects_lowering(module)
+
+
+# torch._inductor.config.unsafe_marked_cacheable_functions: higher-order ops (by "module.name") that
+# inductor's FX graph cache may keep, each with a value that enters the cache key. AOTAutograd wraps
+# every ORDERED op (`register_ordered`) in the `with_effects` higher-order op, which torch does not mark
+# cacheable: without this entry every graph calling an autopar collective is compiled again by each new
+# process (a restarted job). The value names the effect-order wrap, so no graph compiled without it
+# (`keep_effect_order_in_inductor`) is ever reused. Passed by `compile=True` (`passes.ops.library.
+# INDUCTOR_OPTIONS`). Checked on 2.13.0. If it moves: torch.compile refuses the option at the first compile.
+CACHEABLE_EFFECTS = {"torch.ops.higher_order.with_effects": f"{torch.__version__}+autopar-effect-order-1"}

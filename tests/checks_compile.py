@@ -131,7 +131,7 @@ def compile_graphs(rank, name, grid, batches=()):
     collective calls and the order this rank launched them in against an eager step's. Then, for a
     model called on one tensor (the MLP), one more step per batch size in `batches`: "seen" holds
     the graphs dynamo has compiled after each step, the first included (one per new shape, none for
-    a shape seen before)."""
+    a shape seen before). "cache": what inductor's FX graph cache made of the first step's graphs."""
     torch.manual_seed(0)
     model, batch, loss_of = _model(name, GRAPH_LAYERS)
     args, kwargs = batch(0)
@@ -147,13 +147,14 @@ def compile_graphs(rank, name, grid, batches=()):
         pm.grid.log.order = []
         loss_of(pm(*args, **kwargs)).backward()
     seen = [counters["stats"]["unique_graphs"]]
+    cache = {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
     line = [ln for ln in autopar.explain(pm).splitlines() if ln.startswith("torch.compile:")]
     logs = [(dict(g.log.bytes), dict(g.log.launches), list(g.log.order)) for g in (eager.grid, pm.grid)]
     stats = tuple(pm.compile_stats[pm.program.signature])
     for b in batches:
         loss_of(pm(torch.randn(b, *args[0].shape[1:]))).backward()
         seen.append(counters["stats"]["unique_graphs"])
-    return {"stats": stats, "line": line, "eager log": logs[0], "compiled log": logs[1], "seen": seen,
+    return {"stats": stats, "line": line, "eager log": logs[0], "compiled log": logs[1], "seen": seen, "cache": cache,
             "fell back": [str(w.message) for w in caught if issubclass(w.category, autopar.CompileWarning)]}
 
 

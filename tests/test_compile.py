@@ -53,7 +53,8 @@ def test_compile_option_is_validated():
 
 def _assert_one_graph(res, case):
     """The compiled step of every rank made one graph, no break, and launched the eager step's
-    collectives: the same bytes and calls, in the same order."""
+    collectives: the same bytes and calls, in the same order; inductor's FX graph cache took its
+    graphs (none bypassed it)."""
     for rank, r in enumerate(res):
         assert not r["fell back"], (case, rank, r["fell back"])
         assert r["stats"] == (1, 0), f"{case}: rank {rank}: (graphs, graph breaks) = {r['stats']}, want one graph"
@@ -62,6 +63,9 @@ def _assert_one_graph(res, case):
         assert (bytes_, calls) == eager[:2], f"{case}: rank {rank}: bytes and launches of the compiled step differ"
         assert order == eager[2], f"{case}: rank {rank}: the compiled step launched its collectives in another " \
             f"order\n  compiled {order}\n  eager    {eager[2]}"
+        # every graph may be kept by inductor's FX graph cache (a restarted job finds it there)
+        cache = r["cache"]
+        assert cache["bypass"] == 0 and cache["hit"] + cache["miss"] > 0, f"{case}: rank {rank}: FX graph cache {cache}"
 
 
 # the MLP at 1x4 is checked by test_a_new_shape_compiles_once, which compiles the same program first

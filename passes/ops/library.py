@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from passes.compat import keep_effect_order_in_inductor, register_ordered
+from passes.compat import CACHEABLE_EFFECTS, keep_effect_order_in_inductor, register_ordered
 from passes.layout import chunk_range
 from passes.mesh import grid_of
 from passes.ops import comm, reblock, summa
@@ -134,3 +134,6 @@ def _(t, grid, axis, dim, src, dst, tag, phase):
 for _name in ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_stack", "summa", "reblock"):
     register_ordered(f"autopar::{_name}")
 keep_effect_order_in_inductor()  # inductor 2.13 loses the order edges between them otherwise
+
+# what compile=True passes to torch.compile: graphs calling these ops may be kept by inductor's FX graph cache
+INDUCTOR_OPTIONS = {"unsafe_marked_cacheable_functions": CACHEABLE_EFFECTS}
