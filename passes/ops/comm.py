@@ -146,12 +146,19 @@ def reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     then cut off)."""
     if grid.size(axis) == 1:
         return t.contiguous()
+    padded, cut = _chunk_padding(grid, axis, t, dim)
+    return cut(torch.ops.autopar.reduce_scatter(padded, grid.key, axis, dim, tag, phase))
+
+
+def _chunk_padding(grid: Grid, axis: int, t: torch.Tensor, dim: int) -> tuple:
+    """(`t` padded with zeros along `dim` to a multiple of `axis`'s group size, the function that cuts
+    this member's torch.chunk block out of a reduce-scatter of it): `t` and the identity when the group
+    divides `dim`."""
     q, size = grid.size(axis), t.shape[dim]
-    if size % q:
-        out = torch.ops.autopar.reduce_scatter(_pad(t, dim, -(-size // q) * q), grid.key, axis, dim, tag, phase)
-        lo, hi = chunk_range(size, q, grid.index(axis))
-        return out.narrow(dim, 0, hi - lo).contiguous()
-    return torch.ops.autopar.reduce_scatter(t, grid.key, axis, dim, tag, phase)
+    if size % q == 0:
+        return t, lambda out: out
+    lo, hi = chunk_range(size, q, grid.index(axis))
+    return _pad(t, dim, -(-size // q) * q), lambda out: out.narrow(dim, 0, hi - lo).contiguous()
 
 
 def run_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
@@ -167,12 +174,9 @@ def post_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: s
     if grid.size(axis) == 1:
         out = t.contiguous()
         return Posted(grid, tag, [], lambda: out)
-    q, size = grid.size(axis), t.shape[dim]
-    if size % q == 0:
-        return _launch_reduce_scatter(grid, axis, t, dim, tag, phase, received, async_op=True)
-    posted = _launch_reduce_scatter(grid, axis, _pad(t, dim, -(-size // q) * q), dim, tag, phase, received, True)
-    lo, hi = chunk_range(size, q, grid.index(axis))
-    return dataclasses.replace(posted, finish=lambda: posted.finish().narrow(dim, 0, hi - lo).contiguous())
+    padded, cut = _chunk_padding(grid, axis, t, dim)
+    posted = _launch_reduce_scatter(grid, axis, padded, dim, tag, phase, received, async_op=True)
+    return dataclasses.replace(posted, finish=lambda: cut(posted.finish()))
 
 
 def _launch_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
