@@ -7,16 +7,19 @@ import importlib
 import sys
 import types
 
+from autopar import moved
+
 _HOME = {
-    "parallelize": "autopar.api", "ParallelModule": "autopar.api", "FallbackWarning": "autopar.pipeline",
-    "explain": "autopar.explain", "CaptureError": "passes", "ShardingError": "passes",
-    "SearchWarning": "passes.strategy", "from_pretrained": "autopar.checkpoint",
-    "save_pretrained": "autopar.checkpoint",
-    "CheckpointWarning": "autopar.checkpoint", "load_safetensors": "autopar.checkpoint",
-    "meta_init": "autopar.checkpoint", "save_distributed": "autopar.distributed_checkpoint",
-    "load_distributed": "autopar.distributed_checkpoint", "plan": "autopar.plan", "Plan": "autopar.plan",
-    "compare_1d": "autopar.plan", "choose_grid": "autopar.plan", "CompileWarning": "autopar.api",
-    "max_batch": "autopar.capacity",
+    "parallelize": "autopar.parallel.module", "ParallelModule": "autopar.parallel.module",
+    "FallbackWarning": "autopar.errors", "explain": "autopar.planning.explain", "CaptureError": "autopar.errors",
+    "ShardingError": "autopar.errors", "SearchWarning": "autopar.errors", "from_pretrained": "autopar.checkpoint",
+    "save_pretrained": "autopar.checkpoint", "CheckpointWarning": "autopar.errors",
+    "load_safetensors": "autopar.checkpoint", "meta_init": "autopar.checkpoint",
+    "save_distributed": "autopar.checkpoint", "load_distributed": "autopar.checkpoint",
+    "plan": "autopar.planning.plan", "Plan": "autopar.planning.plan", "compare_1d": "autopar.planning.plan",
+    "choose_grid": "autopar.planning.plan", "CompileWarning": "autopar.errors",
+    "max_batch": "autopar.planning.capacity", "AutoparError": "autopar.errors", "AutoparWarning": "autopar.errors",
+    "UsageError": "autopar.errors", "CollectiveError": "autopar.errors", "RoutingWarning": "autopar.errors",
 }
 __all__ = list(_HOME)
 __version__ = "0.1.0"
@@ -38,8 +41,8 @@ class _Package(types.ModuleType):
     def __setattr__(self, name, value):
         # importing the submodule autopar.plan (or .explain) binds it on the package; the function
         # of the same name stays `autopar.plan`, as it was when these names were imported eagerly
-        if _HOME.get(name) == f"autopar.{name}" and isinstance(value, types.ModuleType):
-            value = getattr(value, name)
+        if name in _HOME and isinstance(value, types.ModuleType):
+            value = getattr(importlib.import_module(_HOME[name]), name)
         super().__setattr__(name, value)
 
     def __dir__(self):
@@ -47,3 +50,4 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+moved.install()

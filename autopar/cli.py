@@ -123,7 +123,7 @@ def _layers_hidden(model) -> tuple:
 
 
 def inspect_cmd(ns) -> int:
-    from autopar.report import dot, group_by_module, html, plot, require_matplotlib, sweep_table
+    from autopar.planning.report import dot, group_by_module, html, plot, require_matplotlib, sweep_table
 
     if ns.plot:  # before torch loads and the minutes of planning
         require_matplotlib("autopar inspect --plot")
@@ -190,7 +190,7 @@ def inspect_cmd(ns) -> int:
         print(f"recomputation: {pl.recompute_bytes / 2**20:.1f} MiB received again per rank per step; saved for "
               f"backward {(pl.activation_bytes or 0) / 2**20:.1f} MiB per rank")
     if pl.choice is not None:
-        from autopar.explain import strategy_summary
+        from autopar.planning.explain import strategy_summary
 
         print("\n".join(strategy_summary(pl.choice)))
     if "vs_1d" in report:
@@ -205,14 +205,14 @@ def inspect_cmd(ns) -> int:
 
 def max_batch_cmd(ns, overrides: dict) -> int:
     """`inspect MODEL --max-batch --memory-limit GIB --grid RxC`: the largest batch per scheme (2D, 1D,
-    1D x data parallel, auto), without and with recomputation (`autopar.capacity`)."""
+    1D x data parallel, auto), without and with recomputation (`autopar.planning.capacity`)."""
     if ":" in ns.model:
         raise SystemExit("autopar inspect --max-batch: needs a transformers model type (it builds the model at "
                          "several batch sizes), not module:callable")
     if not ns.memory_limit or ns.grid == "auto":
         raise SystemExit("autopar inspect --max-batch: needs --memory-limit GIB and --grid RxC (e.g. --grid 8x8 "
                          "--memory-limit 80)")
-    from autopar.capacity import max_batch, ratio, table
+    from autopar.planning.capacity import max_batch, ratio, table
 
     limit = ns.memory_limit * 2**30
     rows = max_batch(lambda b: build_hf(ns.model, overrides, b, ns.seq), ns.grid, limit, cost_model=ns.cost_model)
@@ -238,7 +238,7 @@ def calibrate_cmd(ns) -> int:
 
     import torch
 
-    from autopar.calibrate import SIZES, check_args, main_worker
+    from autopar.planning.calibrate import SIZES, check_args, main_worker
     from autopar.launch import run
 
     (R, C), sizes = ns.grid, tuple(ns.sizes or SIZES)
@@ -268,18 +268,18 @@ def add_bench_arguments(p) -> None:
                                                         "(default: measured here first, on 2x2)")
     p.add_argument("--generate", action="store_true", help="measure generation instead: prefill and decode "
                    "tokens/s at batch 1 and 8, bytes per decoded token, and the planner's Llama-7B projection "
-                   "(see autopar.bench_generate)")
+                   "(see autopar.bench.generate)")
     p.add_argument("--moe", action="store_true", help="measure a Mixtral-style mixture of experts instead: one "
                    "process, autopar 2x2 and 1x4, PyTorch 1D TP with the experts' intermediate dim split "
-                   "(see autopar.bench_moe)")
+                   "(see autopar.bench.moe)")
 
 
 def bench_cmd(ns) -> int:
-    from autopar.report import require_matplotlib
+    from autopar.planning.report import require_matplotlib
 
     if ns.plot:  # before torch loads and the minutes of measuring
         require_matplotlib("autopar bench --plot")
-    from autopar.bench import run
+    from autopar.bench.compare import run
 
     return run(ns)
 

@@ -28,7 +28,7 @@ from autopar.launch import free_port, init_local  # noqa: E402
 
 GRIDS = ((2, 2), (1, 4))
 # the model and batches of `python -m autopar bench --moe`, so the two measure the same thing
-from autopar.bench_moe import _batch, _model  # noqa: E402,F401
+from autopar.bench.moe import _batch, _model  # noqa: E402,F401
 
 
 def _train(model, steps, log=None) -> dict:

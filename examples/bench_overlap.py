@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.bench import _batch, _model  # noqa: E402
+from autopar.bench.compare import _batch, _model  # noqa: E402
 from autopar.launch import spawn  # noqa: E402
 
 WARMUP = 2

@@ -18,9 +18,9 @@ import torch
 import transformers
 
 import autopar
-from autopar.pipeline import capture, resolve_cost_model
-from autopar.bench import BATCH, CONFIG, SEQ
-from passes import strategy as S
+from autopar.program.build import capture, resolve_cost_model
+from autopar.bench.compare import BATCH, CONFIG, SEQ
+from passes.search import strategy as S
 
 
 def build(name: str):

@@ -19,7 +19,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.trainer import ParallelTrainer  # noqa: E402
+from autopar.hf.trainer import ParallelTrainer  # noqa: E402
 
 BATCH, SEQ = 4, 16
 

@@ -16,7 +16,7 @@ import transformers
 
 import autopar
 from autopar.launch import spawn
-from autopar.outputs import LOSS_TAG
+from autopar.program.outputs import LOSS_TAG
 
 
 def main(rank):

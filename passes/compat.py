@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 # (`passes.rules.register`), functionalize's aten check and propagate's refusal of higher-order ops.
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 # torch.amp.autocast_mode._enter_autocast / _exit_autocast: what export's own graphs call for an
-# autocast region. Checked on 2.13.0. If they move: `passes.regions` cannot inline autocast regions
+# autocast region. Checked on 2.13.0. If they move: `passes.capture.regions` cannot inline autocast regions
 # (models using torch.autocast in forward fail to capture).
 from torch.amp.autocast_mode import _enter_autocast as enter_autocast
 from torch.amp.autocast_mode import _exit_autocast as exit_autocast
@@ -47,18 +47,18 @@ __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShar
            "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
            "set_version_counter", "keep_effect_order_in_inductor", "CACHEABLE_EFFECTS"]
 
-# torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.regions` inlines
+# torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.capture.regions` inlines
 # no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
 # If it moves: models with `torch.no_grad()` inside forward fail to capture.
 set_grad_enabled = torch._C._set_grad_enabled
 
 # torch._C.DisableTorchFunctionSubclass: the context in which a tensor subclass's __torch_function__
 # runs torch's own implementation (the pattern torch's subclassing docs show). Checked on 2.13.0. If it
-# moves: `autopar.outputs.Output` (the outputs a user computes a loss on) fails to import.
+# moves: `autopar.program.outputs.Output` (the outputs a user computes a loss on) fails to import.
 disable_torch_function_subclass = torch._C.DisableTorchFunctionSubclass
 
 # torch.nn._reduction.legacy_get_string(size_average, reduce): what torch's loss functions do with
-# their deprecated size_average/reduce arguments. Checked on 2.13.0. If it moves: `autopar.outputs`
+# their deprecated size_average/reduce arguments. Checked on 2.13.0. If it moves: `autopar.program.outputs`
 # fails to import (a user's loss on the outputs).
 from torch.nn._reduction import legacy_get_string as legacy_reduction  # noqa: E402
 
@@ -131,7 +131,7 @@ def register_flattened_mesh(mesh, name: str, flat) -> None:
 def dtensor_parts(dt) -> tuple:
     """(local tensor, DTensorSpec) of a DTensor: what `DTensor(local, spec, requires_grad=...)` takes to
     build a subclass instance over the same block without a copy. DTensor keeps them in the private
-    `_local_tensor` and `_spec`. Checked on 2.13.0. If they move: `autopar.outputs.Output` (every split
+    `_local_tensor` and `_spec`. Checked on 2.13.0. If they move: `autopar.program.outputs.Output` (every split
     output of a ParallelModule) cannot be built."""
     return dt._local_tensor, dt._spec
 
@@ -142,7 +142,7 @@ def implicit_replication():
     (torch's public `torch.distributed.tensor.experimental.implicit_replication` sets the same private
     `DTensor._op_dispatcher._allow_implicit_replication`, but resets it to False on exit, which would end
     a user's own enclosing `implicit_replication()`). Checked on 2.13.0. If it moves: operations mixing
-    an `autopar.outputs.Output` with a plain tensor fail with DTensor's mixed-tensor error."""
+    an `autopar.program.outputs.Output` with a plain tensor fail with DTensor's mixed-tensor error."""
     from torch.distributed.tensor import DTensor
 
     dispatcher = DTensor._op_dispatcher

@@ -22,6 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from passes.compat import StridedShard
+from passes.errors import ShardingError
 
 __all__ = ["Layout", "Partial", "Replicate", "Shard", "Strided", "REPLICATED", "local_shape", "ShardingError",
            "split_dim", "parts", "moved", "mesh_shape", "chunk_range", "GridShape", "uneven_ok", "is_uneven"]
@@ -42,9 +43,6 @@ def moved(p: Placement, dim: int) -> Placement:
     """The same kind of split, on another dim."""
     return Strided(dim, split_factor=p.split_factor) if isinstance(p, Strided) else Shard(dim)
 
-
-class ShardingError(ValueError):
-    """A tensor cannot be laid out as asked (for example a dimension not divisible by q)."""
 
 
 def _short(p: Placement) -> str:

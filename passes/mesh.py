@@ -47,7 +47,7 @@ def warn(message: str, category: type[Warning], stacklevel: int = 1) -> None:
 class CommLog:
     """Bytes each collective *received* on this rank, and the collective calls it launched, keyed by
     (tag, phase): "fwd", "bwd", or "recompute" for a forward collective that backward runs again
-    (`passes.recompute`).
+    (`passes.transforms.recompute`).
 
     Conventions (per rank): broadcast of N bytes -> N on every non-root; reduce of N bytes -> (q-1)*N
     on the destination; all-gather of N bytes per rank -> (q-1)*N; reduce-scatter of an N-byte input

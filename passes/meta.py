@@ -31,11 +31,11 @@ Each entry: the value, on which nodes, written by -> read by.
 - `RECOMPUTE`: the name of the `Recompute` module whose region holds the node, on the nodes of the
   flat graph `recompute` grouped (recompute=... only). recompute -> autopar.explain, autopar.plan.
 - `PLAN_ARGS`: the args grid position (0, 0) bakes, on the sized nodes whose args this rank bakes
-  otherwise (its torch.chunk block of a dim the grid does not divide). localize -> autopar.guards
+  otherwise (its torch.chunk block of a dim the grid does not divide). localize -> autopar.program.guards
   (ranks compare one plan).
 
 >>> import torch
->>> from passes.capture import capture
+>>> from passes.capture.export import capture
 >>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(2, 4),))
 >>> [(n.name, n.meta[ROLE], n.meta.get(PARAM)) for n in cap.gm.graph.find_nodes(op="placeholder")]
 [('p_weight', 'param', 'weight'), ('p_bias', 'param', 'bias'), ('input', 'input', None)]

@@ -18,14 +18,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from passes.ops.grad_buckets import BUCKET_MB
-from passes.ops.summa import LOWERINGS
+from passes.cost.model import CostModel
 
 __all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES", "INDIVISIBLE"]
 
+LOWERINGS = ("broadcast", "allgather")  # how a SUMMA product moves its panels (passes.ops.summa)
+BUCKET_MB = 25.0  # default cap per replica gradient bucket, MiB (what DistributedDataParallel uses)
 BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
 STRATEGIES = ("2d", "1d", "auto")
-RECOMPUTE_MODES = ("blocks", "selective")  # passes.recompute.MODES
+RECOMPUTE_MODES = ("blocks", "selective")  # passes.transforms.recompute.MODES
 # a dim the grid does not divide: split in torch.chunk blocks where a rule can, else run unsplit (the
 # only choice for "replicate"), or raise
 INDIVISIBLE = ("uneven", "replicate", "error")
@@ -52,10 +53,10 @@ class Options:
     timeout: float | None = None  # seconds
     optimizer_states: int = 2
     compile: bool = False  # run each rank's program under torch.compile
-    recompute: str | bool | None = None  # None, False, "blocks" or "selective": see passes.recompute
+    recompute: str | bool | None = None  # None, False, "blocks" or "selective": see passes.transforms.recompute
     forward_only: bool = False  # strategy='auto' prices a forward alone (a generation phase): see below
     grad_bucket_mb: float = BUCKET_MB  # grid=(d, R, C): MiB of gradients per replica all-reduce
-    moe_dispatch: str = "auto"  # how routed tokens reach their experts: see passes.route_experts
+    moe_dispatch: str = "auto"  # how routed tokens reach their experts: see passes.transforms.route_experts
 
     def __post_init__(self) -> None:
         _one_of("lowering", self.lowering, LOWERINGS)
@@ -66,10 +67,10 @@ class Options:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits "
                              f"over the grid's columns) or 'auto' (chosen per matmul from estimated step time)")
-        if self.cost_model is not None and not isinstance(self.cost_model, (_cost_model_class(), dict, str,
+        if self.cost_model is not None and not isinstance(self.cost_model, (CostModel, dict, str,
                                                                               os.PathLike)):
             raise ValueError(f"cost_model={self.cost_model!r}: expected None (published GPU-cluster figures), the "
-                             f"path or dict of JSON that `autopar calibrate` wrote, or a passes.estimate.CostModel")
+                             f"path or dict of JSON that `autopar calibrate` wrote, or a passes.cost.model.CostModel")
         if self.memory_limit is not None and not (_number(self.memory_limit) and self.memory_limit > 0):
             raise ValueError(f"memory_limit={self.memory_limit!r}: expected a positive number of bytes per rank "
                              f"(e.g. 40 * 2**30), or None for no limit")
@@ -108,12 +109,6 @@ class Options:
     def items(self) -> list:
         """(name, value) of every option, in declaration order (what ranks compare before compiling)."""
         return [(f.name, getattr(self, f.name)) for f in fields(self)]
-
-
-def _cost_model_class() -> type:
-    from passes.estimate import CostModel  # imported late: passes.estimate imports propagate, which imports us
-
-    return CostModel
 
 
 def _number(x) -> bool:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar import checkpoint
+from autopar.checkpoint import hf as checkpoint
 from tests.checks_robust import _err
 from tests.checks_hf import build
 from tests.compare import excess

@@ -11,7 +11,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import Layout
 from passes.mesh import Grid
-from passes.ops import kernels, summa
+from passes.ops import summa
+from passes.ops import modules as kernels
 from tests.compare import RTOL, excess, scaled_atol
 
 # A redistribution only moves values (and adds zeros, or averages copies): a few ulp at most.

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.explain import rows
+from autopar.planning.explain import rows
 from tests.compare import group_excess
 
 

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 import autopar
-from autopar.explain import rows
+from autopar.planning.explain import rows
 from models import GPTConfig, TinyGPT
 from tests.compare import excess, group_excess
 

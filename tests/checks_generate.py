@@ -9,7 +9,7 @@ import torch
 import transformers as T
 
 import autopar
-from autopar.generate import kv_cache_bytes_per_rank
+from autopar.generate.loop import kv_cache_bytes_per_rank
 
 VOCAB = 96
 _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

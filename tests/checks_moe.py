@@ -109,7 +109,7 @@ def torch_tp_parity(rank) -> dict:
     """`autopar bench --moe`'s PyTorch baseline (1D TP, each expert's intermediate dim split by
     `ExpertIntermediateParallel`) on a tiny Mixtral against one process: the loss and every gradient
     (gate|up gradients compared in the style's row order: gate block r next to up block r)."""
-    from autopar import bench_moe
+    from autopar.bench import moe as bench_moe
 
     torch.manual_seed(0)
     model, make = hf_families.build("mixtral", num_key_value_heads=4)  # PyTorch's 1D TP splits whole KV heads

@@ -29,7 +29,7 @@ def _gpt2():
 
 
 def _bench_llama():
-    from autopar.bench import _batch, _model
+    from autopar.bench.compare import _batch, _model
 
     return _model(), (), _batch(0)
 

@@ -8,7 +8,7 @@ import copy
 import torch
 
 import autopar
-from autopar.explain import rows
+from autopar.planning.explain import rows
 from models import GPTConfig, TinyGPT
 from tests.checks_engine import _data
 from tests.compare import group_excess

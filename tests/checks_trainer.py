@@ -78,7 +78,7 @@ def _full(pm) -> dict:
 def train(rank, family, grid, out, save=False) -> dict:
     """ParallelTrainer on this grid: losses, grad norms, final full parameters; with `save`, also
     save_model into out/final, a resume from checkpoint-2 (saved at step 2) and its results."""
-    from autopar.trainer import ParallelTrainer
+    from autopar.hf.trainer import ParallelTrainer
 
     _as_launched(rank)
     pm = _parallel(family, grid)

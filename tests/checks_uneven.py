@@ -8,7 +8,7 @@ import os
 import torch
 
 import autopar
-from autopar import checkpoint
+from autopar.checkpoint import hf as checkpoint
 from tests.checks_hf import build
 from tests.compare import excess
 
@@ -81,8 +81,8 @@ def planned_and_counted(rank, lowering="broadcast"):
     """One training step of GPT-2 (vocabulary 97, 3 heads of 8) at 2x2 with SUMMA `lowering`: for each
     inserted module, the bytes and calls (forward, backward) that the plan prices at this rank's grid
     position and that the rank counts, keyed by the module's log tag; and the modules' kinds."""
-    from autopar.explain import graph_rows
-    from autopar.uneven import most_received
+    from autopar.planning.explain import graph_rows
+    from autopar.program.uneven import most_received
 
     _, pm = _gpt2(0, (2, 2), lowering)
     pm.grid.log.reset()

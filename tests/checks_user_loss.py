@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch.distributed._functional_collectives as funcol
 
 import autopar
-from autopar.outputs import LOSS_TAG, Output
+from autopar.program.outputs import LOSS_TAG, Output
 from tests.checks_hf import build
 from tests.compare import group_excess
 

@@ -1,6 +1,6 @@
 """`autopar bench`'s report: the compiled rows are set against their eager twins (no timing asserted)."""
 
-from autopar.bench import COMPILED, markdown
+from autopar.bench.compare import COMPILED, markdown
 
 ROW = dict(bytes=2**20, param_bytes=2**20, saved_bytes=2**20, peak_rss_mb=1.0, peak_tensor_bytes=2**20)
 
@@ -25,7 +25,7 @@ def test_no_compiled_rows_without_compile():
 def test_moe_report_sets_losses_against_one_process():
     """`autopar bench --moe`'s table. Catches a configuration whose losses drift from one process's
     reported as matching, params x 1/p computed against the wrong total, or a row left out."""
-    from autopar.bench_moe import ONE, TORCH_TP, markdown
+    from autopar.bench.moe import ONE, TORCH_TP, markdown
 
     row = dict(step_s=0.25, bytes=3 * 2**20, param_bytes=2**20, total_param_bytes=2**22)
     res = {ONE: dict(row, bytes=0, param_bytes=2**22, losses=[8.0, 7.5]),

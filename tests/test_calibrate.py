@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from autopar import calibrate as cal
+from autopar.planning import calibrate as cal
 
 SIZES = (4096, 65536)  # small: the test checks the plumbing, not this machine's bandwidth
 ROOT = __file__.rsplit("/tests/", 1)[0]

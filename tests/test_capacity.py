@@ -9,8 +9,8 @@ import pytest
 import autopar
 from autopar import cli
 from autopar.cli import build_hf
-from autopar.pipeline import capture, resolve_cost_model
-from passes import strategy as S
+from autopar.program.build import capture, resolve_cost_model
+from passes.search import strategy as S
 from passes.options import Options
 
 LIMIT = 2**30
@@ -51,8 +51,8 @@ def test_orderings_that_must_hold(capacities):
     """Recomputation never lowers the largest batch; auto's space holds fixed 2d and 1d x dp on the same
     grid, so its batch is at least theirs; 2D holds a quarter of the weights per rank on 2x2."""
     by = {(c.scheme, c.recompute): c for c in capacities}
-    assert {s for s, _ in by} == set(autopar.capacity.SCHEMES)
-    for scheme in autopar.capacity.SCHEMES:
+    assert {s for s, _ in by} == set(autopar.planning.capacity.SCHEMES)
+    for scheme in autopar.planning.capacity.SCHEMES:
         assert by[(scheme, True)].batch >= by[(scheme, False)].batch, scheme
     for rc in (False, True):
         assert by[("auto", rc)].batch >= max(by[("2d", rc)].batch, by[("1d x dp", rc)].batch)
@@ -68,7 +68,7 @@ def test_cli_max_batch_json_and_refusals(capsys):
             "--max-batch", "--json"]
     assert cli.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {(r["scheme"], r["recompute"]) for r in rows} == {(s, rc) for s in autopar.capacity.SCHEMES
+    assert {(r["scheme"], r["recompute"]) for r in rows} == {(s, rc) for s in autopar.planning.capacity.SCHEMES
                                                               for rc in (False, True)}
     with pytest.raises(SystemExit, match="needs --memory-limit GIB and --grid RxC"):
         cli.main(["inspect", "gpt2", "--max-batch"])

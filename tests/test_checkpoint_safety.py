@@ -14,8 +14,8 @@ import safetensors
 import safetensors.torch
 import torch
 
-from autopar.checkpoint import _files
-from autopar.safetensors_io import SafetensorsFile, write
+from autopar.checkpoint.hf import _files
+from autopar.checkpoint.safetensors_io import SafetensorsFile, write
 from tests.dist_pool import spawn_fresh
 from tests import checks_checkpoint as C
 from tests.compare import excess, failures
@@ -257,9 +257,9 @@ def test_target_and_block_refusals(tmp_path):
     outside a tensor, and an agreement that changes the error's type or loses its text."""
     from types import SimpleNamespace
 
-    from autopar import files
-    from autopar.agree import agree
-    from autopar.distributed_checkpoint import _prepare
+    from autopar.checkpoint import files as files
+    from autopar.program.consensus import agree
+    from autopar.checkpoint.dcp import _prepare
 
     with pytest.raises(ValueError, match="save path '' is empty"):
         files.check_target("")

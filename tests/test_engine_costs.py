@@ -10,7 +10,7 @@ ELT = 4  # fp32
 
 def summa_volume(q, tokens, h_in, h_out, x_moves=True):
     """docs/design.md section 1: bytes received per rank for one SUMMA linear in a training step;
-    without `x_moves`, the weight's share alone (a grouped sibling: `passes.group_siblings`)."""
+    without `x_moves`, the weight's share alone (a grouped sibling: `passes.transforms.group_siblings`)."""
     return 3 * (q - 1) * (tokens * h_in * x_moves + h_in * h_out) * ELT // (q * q)
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from autopar.generate import kv_cache_bytes_per_rank
+from autopar.generate.loop import kv_cache_bytes_per_rank
 from tests import checks_generate as C
 
 FAMILIES = ["llama", "llama_gqa", "mistral", "qwen2", "gemma", "phi3", "gpt2"]
@@ -64,7 +64,7 @@ def test_phase_strategy_defaults_follow_the_model():
     forward's plan), 'forward' not meaning the forward's plan, and an unknown value accepted."""
     from types import SimpleNamespace
 
-    from autopar.generate_phases import phase_strategy
+    from autopar.generate.phases import phase_strategy
 
     def pm(strategy, world=4):
         return SimpleNamespace(_options=SimpleNamespace(strategy=strategy), grid=SimpleNamespace(world=world))
@@ -182,7 +182,7 @@ def test_projection_searches_each_phase():
     Llama at 2x2 each phase's 'auto' estimate is at most the better of fixed 2d and 1d (forward only)."""
     import transformers
 
-    from autopar.generate_plan import project
+    from autopar.generate.plan import project
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=4)
     with torch.device("meta"):

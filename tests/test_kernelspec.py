@@ -6,8 +6,8 @@ import torch
 
 import autopar
 from examples.models import GPTConfig, TinyGPT
-from passes.cost import node_cost, nodes_needing_grad
-from passes.kernelspec import KernelSpec, Site, SummaSpec
+from passes.cost.planned import node_cost, nodes_needing_grad
+from passes.kernels.spec import KernelSpec, Site, SummaSpec
 from passes.meta import KERNEL
 
 

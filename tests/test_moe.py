@@ -1,4 +1,4 @@
-"""Mixture-of-experts models with their experts split over the grid (passes/rules/experts.py).
+"""Mixture-of-experts models with their experts split over the grid (passes/rules/moe/experts.py).
 
 Each case runs tests/checks_moe.py on every rank of the shared 4-rank pool: outputs, router logits,
 the loss with the load-balancing term, every gradient against one process (tests/compare.py, rtol
@@ -228,7 +228,7 @@ def test_unrecognised_routing_keeps_the_gathered_dispatch_visibly():
     import transformers.integrations.moe  # noqa: F401  (registers transformers' grouped matmul op)
 
     import autopar
-    from passes.route_experts import RoutingWarning
+    from passes.transforms.route_experts import RoutingWarning
 
     class Fixed(torch.nn.Module):
         def __init__(self):

@@ -9,12 +9,12 @@ import torch
 
 import autopar
 from models import GPTConfig, TinyGPT
-from autopar.pipeline import compile_program
+from autopar.program.build import compile_program
 from passes.mesh import Grid
 from passes.meta import RECOMPUTE
 from passes.options import Options
-from passes.recompute import KEPT
-from passes.strategy import block_of
+from passes.transforms.recompute import KEPT
+from passes.nodes import block_of
 from tests import checks_engine as E
 from tests import checks_hf as H
 from tests import checks_recompute as C

@@ -160,8 +160,8 @@ def test_missing_parameter_refused_on_every_rank(pool4, tmp_path):
 def test_failing_conversion_names_the_keys():
     """Catches transformers' own conversion error surfacing without the checkpoint keys it was
     converting: a Mixtral file whose second expert has another shape than the first."""
-    from autopar import hf_keys
-    from autopar.checkpoint import meta_init
+    from autopar.checkpoint import keys as hf_keys
+    from autopar.checkpoint.hf import meta_init
 
     fam = FAMILIES["mixtral"]
     with meta_init():
@@ -179,7 +179,7 @@ def test_failing_conversion_names_the_keys():
 def test_hf_keys_doctest():
     import doctest
 
-    from autopar import hf_keys
+    from autopar.checkpoint import keys as hf_keys
 
     assert doctest.testmod(hf_keys).failed == 0
 
@@ -187,7 +187,7 @@ def test_hf_keys_doctest():
 def test_moved_transformers_internals_named(monkeypatch):
     """Catches an AttributeError deep in a load when transformers moves one of the internals autopar
     calls: the error names the missing piece, the installed version and the tested one."""
-    from autopar import hf_keys
+    from autopar.checkpoint import keys as hf_keys
 
     monkeypatch.delattr(transformers.PreTrainedModel, "_adjust_missing_and_unexpected_keys")
     hf_keys._transformers.cache_clear()

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from passes.capture import capture
+from passes.capture.export import capture
 from passes.meta import LAYOUT
-from passes.propagate import propagate
+from passes.transforms.propagate import propagate
 from tests import checks_rules as C
 from tests.compare import assert_every_rank
 from tests.test_rules_oracle import QS, check_local_rules

@@ -3,7 +3,7 @@
 For every node whose rule runs the aten op itself on each rank's blocks (no kernel, no fallback), the
 oracle simulates the R x C grid (square q x q and rectangular): it cuts the node's full inputs into the
 blocks each rank (r, c) holds under the layouts the rule *requires*, runs the op on those blocks with
-its sizes localized (what `passes.localize` does), reassembles the full result from the rank results
+its sizes localized (what `passes.transforms.localize` does), reassembles the full result from the rank results
 under the output layout the rule *claims*, and compares that with the op on the full tensors. A rule
 that keeps a split through an op that mixes values across it, claims a wrong output layout, or forgets
 to gather an input fails here with the node, its layouts and the mismatch.
@@ -24,16 +24,16 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import Strided, chunk_range
-from passes.localize import LOCALIZED, local_args
+from passes.transforms.localize import LOCALIZED, local_args
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
-from passes.capture import capture
+from passes.capture.export import capture
 from passes.layout import REPLICATED, Layout, mesh_shape
-from passes.localize import localize
+from passes.transforms.localize import localize
 from passes.meta import LAYOUT, STRATEGY
-from passes.propagate import propagate
-from passes.rules import lookup
+from passes.transforms.propagate import propagate
+from passes.rules.registry import lookup
 
 aten = torch.ops.aten
 RTOL, ATOL = 1e-5, 1e-6
@@ -702,7 +702,7 @@ def test_handwritten_causal_attention(q):
 
 def test_oracle_catches_a_wrong_rule():
     """The oracle is not vacuous: a softmax that keeps its reduced dim split is reported."""
-    from passes.rules import Strategy
+    from passes.rules.registry import Strategy
 
     class M(nn.Module):
         def __init__(self):

@@ -10,8 +10,8 @@ import torch
 import transformers
 
 import autopar
-from autopar.pipeline import capture
-from passes import strategy as S
+from autopar.program.build import capture
+from passes.search import strategy as S
 from passes.options import Options
 
 CPU = {  # an alpha-beta model in the range `autopar calibrate` measures on gloo here (slow links)
@@ -105,7 +105,7 @@ def test_estimated_bytes_equal_the_engines_plan(grid):
 
 def _bench_llama():
     """The benchmark model of `autopar bench` (Llama, h=256, 4 layers, batch 8 x 128), on meta."""
-    from autopar.bench import BATCH, CONFIG, SEQ
+    from autopar.bench.compare import BATCH, CONFIG, SEQ
 
     with autopar.meta_init():
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, use_cache=False))
@@ -180,7 +180,7 @@ def test_alternating_search_matches_exhaustive(monkeypatch):
 
 
 TRAINING_FIGURES = {  # (time_s, bytes per axis, memory bytes) of the training-step estimate on 2x2 with CPU
-    # the grouped q|k|v and gate|up products (passes.group_siblings) move x's panel once in the all-gather
+    # the grouped q|k|v and gate|up products (passes.transforms.group_siblings) move x's panel once in the all-gather
     # lowering, which the estimate picks here: axis 1 408768 -> 261312 bytes, 0.0458053224 -> 0.0313 s;
     # each weight gradient's reduce-scatter hidden behind the input gradient's matmul in backward
     # (`estimate.hidden_dw_reduction`): 0.0313315944 -> 0.0312496744 s (gpt2 0.0467799208 -> 0.0466488488 s)

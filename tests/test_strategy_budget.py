@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from autopar.pipeline import cache_off_kwargs, capture
-from passes import strategy as S
+from autopar.program.build import cache_off_kwargs, capture
+from passes.search import strategy as S
 from passes.options import Options
 from tests import checks_hf
 from tests.checks_strategy_budget import CPU, bart, bart_auto_parity

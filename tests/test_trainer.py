@@ -1,4 +1,4 @@
-"""transformers.Trainer on a grid (autopar.trainer.ParallelTrainer) against the plain Trainer on one
+"""transformers.Trainer on a grid (autopar.hf.trainer.ParallelTrainer) against the plain Trainer on one
 process: same TrainingArguments (gradient accumulation 2, clipping at 0.5), seed and data.
 
 Checks every logged loss and gradient norm (relative 1e-3, the issue's bound; fp32 runs agree to
@@ -81,7 +81,7 @@ def test_other_grid_and_family(pool4, reference, tmp_path, family, grid):
 ])
 def test_unsupported_arguments_are_refused(tmp_path, over, expected):
     """Each refusal names the argument, why, and lists what is supported."""
-    from autopar.trainer import check_arguments
+    from autopar.hf.trainer import check_arguments
 
     with pytest.raises(ValueError, match="Supported: per_device_train_batch_size") as e:
         check_arguments(C.arguments(str(tmp_path), **over))
@@ -89,7 +89,7 @@ def test_unsupported_arguments_are_refused(tmp_path, over, expected):
 
 
 def test_plain_model_is_refused(tmp_path):
-    from autopar.trainer import ParallelTrainer
+    from autopar.hf.trainer import ParallelTrainer
 
     torch.manual_seed(0)
     model, _ = C.build("llama")

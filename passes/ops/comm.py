@@ -19,10 +19,8 @@ import torch.distributed as dist
 from passes.compat import all_gather_single, reduce_scatter_single
 from passes.layout import chunk_range
 from passes.mesh import Grid
+from passes.errors import CollectiveError
 
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out: a peer rank exited, crashed or is stuck."""
 
 
 @contextlib.contextmanager

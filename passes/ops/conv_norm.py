@@ -3,7 +3,7 @@
 `SplitConv` runs a convolution whose weight may be stored split over the rows too (gathered for the
 step by `_GatherRows`) and a grouped one on whole groups per column; `SplitBatchNorm` runs
 training-mode batch norm with statistics summed over the rows and the running statistics kept whole.
-Their specs (bytes, calls) are `passes.kernelspec_local.ConvSpec` and `BatchNormSpec`.
+Their specs (bytes, calls) are `passes.kernels.local.ConvSpec` and `BatchNormSpec`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.autograd.function import once_differentiable
 
 from passes.mesh import Grid
 from passes.ops import comm
-from passes.ops.kernels import HALF
+from passes.ops.modules import HALF
 
 
 class _GatherRows(torch.autograd.Function):

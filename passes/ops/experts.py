@@ -5,7 +5,7 @@ transformers' `*Experts` modules sort the routed (token, expert) pairs by expert
 e's matrix. With the experts split over the grid's rows (torch.chunk blocks, `passes.layout.chunk_range`),
 row r holds experts [lo, hi), whose rows of x are the contiguous run offs[lo-1]:offs[hi-1]; it
 multiplies that run alone and leaves every other row zero. Summed over the grid's rows this is the
-whole product, each row coming from exactly one member: the layout `passes.rules.experts.EXPERT_ROWS`.
+whole product, each row coming from exactly one member: the layout `passes.rules.moe.experts.EXPERT_ROWS`.
 
 The offsets are read on the host (one `int()` per block edge, as transformers' own fallback reads
 them all with `tolist()`), so the run's length is known when the matmul starts. A planning run on

@@ -37,7 +37,6 @@ import torch.fx as fx
 from passes.mesh import Grid
 from passes.ops.comm import _nbytes, guarded
 
-BUCKET_MB = 25.0  # default cap per bucket, MiB (what DistributedDataParallel uses)
 
 
 def plan_buckets(blocks: list, cap_bytes: float) -> list:

@@ -1,6 +1,6 @@
 """Expert parallelism with the tokens split over the grid's rows: the token dispatch and the combine.
 
-The routed region of a transformers 5 `*Experts` layer (`passes.route_experts` rewrites it) becomes
+The routed region of a transformers 5 `*Experts` layer (`passes.transforms.route_experts` rewrites it) becomes
 three ops of ours around the two grouped matmuls, each with its global meaning (what one process
 computes, and what the fallback runs whole) and its kernel on an R x C grid, where row r holds the
 tokens [T/R, H/C] it routed (hidden dim over the columns) and the experts chunk_range(E, R, r):
@@ -12,7 +12,7 @@ tokens [T/R, H/C] it routed (hidden dim over the columns) and the experts chunk_
   row that owns its expert (one all-to-all over the rows, within each column), regroup what arrived
   by expert, all-gather the columns' blocks ([n, H/C] -> [n, H]: the first matmul splits each
   expert's intermediate dim over the columns and reads H whole), place the run at its global rows.
-  The result is `P(rows)` (`passes.rules.expert_rows`): row r holds the global rows of its experts.
+  The result is `P(rows)` (`passes.rules.moe.expert_rows`): row r holds the global rows of its experts.
 - `moe_combine(y [Tk, H], w [Tk], ids [Tk], k, E)` -> [T, H]: y's rows back in pair order, times the
   routing weights, summed over the k slots. Kernel (`Combine`): reduce-scatter the run over the
   columns (y is a column partial sum, the down projection's I blocks), all-to-all each pair's block
@@ -21,7 +21,7 @@ tokens [T/R, H/C] it routed (hidden dim over the columns) and the experts chunk_
 Backward runs the transposed collectives (reduce-scatter for the all-gather and the reverse). The
 pairs of one expert arrive ordered by source row, then by pair: the global stable sort's order, so the
 run is exactly those global rows. Sizes depend on the routing; the planner prices them as balanced
-(`passes.rules.moe_routing`), the collectives count what they really move.
+(`passes.rules.moe.routing`), the collectives count what they really move.
 
 >>> ids = torch.tensor([1, 0, 1, 1])  # two tokens, top-2: token 0 -> experts 1, 0; token 1 -> 1, 1
 >>> torch.ops.autopar.moe_offsets(ids, 3).tolist()

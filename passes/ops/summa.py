@@ -24,10 +24,10 @@ import torch
 
 from passes.layout import chunk_range
 from passes.mesh import Grid
+from passes.options import LOWERINGS
 from passes.ops import comm
 from passes.ops.comm import Posted
 
-LOWERINGS = ("broadcast", "allgather")
 AXIS_SAME_ROW, AXIS_SAME_COL = 1, 0  # mesh axis whose group shares the row / the column index
 
 

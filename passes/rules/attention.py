@@ -31,9 +31,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.kernelspec_local import GroupedHeadsSpec
+from passes.kernels.local import GroupedHeadsSpec
 from passes.layout import Layout, uneven_ok
-from passes.rules import Strategy, Unsupported, arg, register, shape
+from passes.rules.registry import Strategy, Unsupported, register
+from passes.nodes import arg, shape
 from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten

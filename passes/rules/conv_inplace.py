@@ -11,7 +11,7 @@ whole over the rows and its gradient summed over them by the insertion pass). `k
 
 In-place ops (`add_`, `copy_`, `masked_fill_`, ...) mutate their first argument, so that argument
 must be used as it is: the other operands are brought to its layout. Capture already rewrote those on
-intermediate tensors out of place (`passes.functionalize`); the ones left update a parameter, buffer,
+intermediate tensors out of place (`passes.capture.functionalize`); the ones left update a parameter, buffer,
 input or a view whose base is read later. Such an op on a partial sum is not supported (it raises; a
 replicated fallback would mutate a copy).
 """
@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.kernelspec_local import ConvSpec
+from passes.kernels.local import ConvSpec
 from passes.layout import REPLICATED, Layout, moved, split_dim
-from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs
+from passes.rules.registry import Strategy, Unsupported, register
+from passes.nodes import arg, shape, tensor_inputs
 from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten

@@ -17,7 +17,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import REPLICATED, Layout, parts, split_dim
-from passes.rules import Strategy, Unsupported, register, shape
+from passes.rules.registry import Strategy, Unsupported, register
+from passes.nodes import shape
 
 aten = torch.ops.aten
 

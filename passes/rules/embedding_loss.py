@@ -20,10 +20,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.kernelspec_local import CrossEntropySpec, EmbeddingSpec
+from passes.kernels.local import CrossEntropySpec, EmbeddingSpec
 from passes.layout import REPLICATED, Layout, uneven_ok
 from passes.meta import CHOICE
-from passes.rules import Strategy, Unsupported, arg, register, shape, val
+from passes.rules.registry import Strategy, Unsupported, register
+from passes.nodes import arg, shape, val
 
 aten = torch.ops.aten
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from passes.layout import REPLICATED
-from passes.rules import Strategy, register, tensor_inputs, val
+from passes.rules.registry import Strategy, register
+from passes.nodes import tensor_inputs, val
 
 aten = torch.ops.aten
 

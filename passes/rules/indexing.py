@@ -20,8 +20,9 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from passes.layout import REPLICATED, Layout, moved, split_dim
-from passes.rules import Strategy, Unsupported, register, shape, val, whole_along
-from passes.rules.expert_rows import rows_index
+from passes.rules.registry import Strategy, Unsupported, register, whole_along
+from passes.nodes import shape, val
+from passes.rules.moe.expert_rows import rows_index
 
 aten = torch.ops.aten
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.kernelspec import SummaSpec
+from passes.kernels.spec import SummaSpec
 from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim, uneven_ok
-from passes.meta import CHOICE, PARAM, ROLE
-from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape, val
-from passes.rules.views import TRANSPOSES
+from passes.meta import CHOICE, PARAM
+from passes.rules.registry import Strategy, Unsupported, kept_row_split, register
+from passes.nodes import arg, shape, val
+from passes.rules.moe import batched_experts
+from passes.rules.weights import fused_parts, is_param
 
 aten = torch.ops.aten
 
@@ -87,45 +89,13 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     )
 
 
-_KEEP_LAST = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
-
-
-def fused_parts(node) -> int:
-    """k when the matmul's output (through views that keep its last dim) is split along the last dim
-    into k > 1 equal parts -- a fused q|k|v or gate|up projection -- else 1."""
-    n_out = val(node).shape[-1]
-    frontier = [node]
-    while frontier:
-        n = frontier.pop()
-        for u in n.users:
-            if u.op != "call_function":
-                continue
-            if u.target in _KEEP_LAST and val(u).shape[-1] == n_out:
-                frontier.append(u)
-            elif u.target in _SPLITS:
-                nd = len(val(n).shape)
-                dim = arg(u, 2, "dim", 0) % nd
-                pieces = val(u)
-                if dim == nd - 1 and len(pieces) > 1 and len({t.shape[dim] for t in pieces}) == 1:
-                    return len(pieces)
-    return 1
-
-
-def _is_param(w) -> bool:
-    """w is a parameter, or a transpose of one."""
-    while w.op == "call_function" and w.target in TRANSPOSES:
-        w = w.args[0]
-    return w.op == "placeholder" and w.meta.get(ROLE) == "param"
-
-
 def _is_weight(w, layouts) -> bool:
     """A 2-D operand that is an unplaced parameter (or a view of one), a parameter (or transpose of
     one) placed by an earlier use or by an earlier compile, or already split 2D."""
     if len(shape(w)) != 2:
         return False
     lay = layouts.get(w)
-    return lay is None or _is_param(w) or all(split_dim(p) is not None for p in lay.placements)
+    return lay is None or is_param(w) or all(split_dim(p) is not None for p in lay.placements)
 
 
 def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) -> Strategy:
@@ -225,8 +195,6 @@ def addmm(node, layouts, mesh):
 @register(aten.mm.default, aten.matmul.default, aten.bmm.default)
 def matmul(node, layouts, mesh):
     a, b = node.args[:2]
-    from passes.rules import batched_experts  # imports this module
-
     if batched_experts.applies(node):
         return batched_experts.batched_experts(node, layouts, mesh)
     if len(shape(a)) >= 2 and _is_weight(b, layouts):

@@ -2,7 +2,7 @@
 
 The per-token statistics are sums over the hidden dim: each rank sums its h/C slice and the sums are
 all-reduced in the same-row group. LayerNorm sends 3 numbers per token forward (the sum, then the
-shifted sum and sum of squares) and 2 backward; RMSNorm 1 each way (`passes.ops.kernels.NORM_STATS`).
+shifted sum and sum of squares) and 2 backward; RMSNorm 1 each way (`passes.ops.modules.NORM_STATS`).
 The weight and bias are split like the hidden dim and replicated over the rows.
 
 Batch norm normalizes each channel over the batch and spatial dims: the batch is split over the rows
@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from passes.kernelspec_local import BatchNormSpec, NormSpec
+from passes.kernels.local import BatchNormSpec, NormSpec
 from passes.layout import REPLICATED, Layout, uneven_ok
-from passes.rules import Strategy, Unsupported, arg, kept_row_split, register, shape
+from passes.rules.registry import Strategy, Unsupported, kept_row_split, register
+from passes.nodes import arg, shape
 
 aten = torch.ops.aten
 

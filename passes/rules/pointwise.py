@@ -14,8 +14,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import REPLICATED, Layout, moved, parts, split_dim, uneven_ok
-from passes.rules import Strategy, Unsupported, arg, register, shape, tensor_inputs, val, whole_along
-from passes.rules.expert_rows import rows_pointwise, rows_sum
+from passes.rules.registry import Strategy, Unsupported, register, whole_along
+from passes.nodes import arg, shape, tensor_inputs, val
+from passes.rules.moe.expert_rows import rows_pointwise, rows_sum
 
 aten = torch.ops.aten
 

@@ -16,9 +16,10 @@ import math
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.kernelspec import ReblockSpec
+from passes.kernels.spec import ReblockSpec
 from passes.layout import REPLICATED, Layout, moved, parts, split_dim, uneven_ok
-from passes.rules import Strategy, arg, register, shape, tensor_inputs, val, whole_along
+from passes.rules.registry import Strategy, register, whole_along
+from passes.nodes import arg, shape, tensor_inputs, val
 from passes.ops.reblock import bounds
 from passes.rules.pointwise import dim_map
 

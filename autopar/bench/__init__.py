@@ -1,0 +1,1 @@
+"""The benchmarks behind `python -m autopar bench`: one module per benchmark, shared helpers in `common`."""

@@ -1,0 +1,366 @@
+"""`python -m autopar bench`: step time, bytes, parameter and activation memory and peak RSS, measured
+in one run for the same transformers Llama-style model (built from its config class) as:
+
+- one process, no parallelism;
+- autopar 2D on a 2x2 grid, for each SUMMA lowering, and with each activation recomputation mode
+  (recompute='blocks', 'selective');
+- PyTorch's own 1D tensor parallel (`parallelize_module`, q/k/v/gate/up column-wise, o/down row-wise)
+  on 4 ranks;
+- autopar strategy='1d' on a 1x4 grid (Megatron column/row pairs in autopar's engine);
+- autopar strategy='auto' on the grid shape `choose_grid` picks for 4 ranks, with the alpha-beta
+  model measured here first (`autopar calibrate` on 2x2, unless --cost-model names a file), and
+  each autopar configuration's estimated step time next to the measured one;
+
+and, unless --no-compile, the same step under torch.compile (inductor) for autopar 2D 2x2
+(`compile=True`) and PyTorch's 1D tensor parallel (`torch.compile` of the model), with the
+configurations alternated round by round and medians reported, plus the overhead of autopar on a 1x1
+grid against the eager model (eager and compiled). Bytes are those received per rank per step: ours
+counted by autopar's collective layer, PyTorch's counted from the functional collectives its DTensors
+issue, with the same conventions (see passes.mesh.CommLog).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.launch import close, free_port, init_local
+from passes.compat import TorchDispatchMode, peak_tensor_bytes
+
+CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+BATCH, SEQ = 8, 128
+RECOMPUTE = ("blocks", "selective")  # 2D 2x2 (broadcast) with each recompute mode
+
+
+def _model():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(1, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+    return dict(input_ids=ids, labels=ids)
+
+
+class FunctionalCommBytes(TorchDispatchMode):
+    """Bytes received per rank by the functional collectives DTensor issues, CommLog conventions."""
+
+    def __init__(self, world):
+        super().__init__()
+        self.world, self.bytes = world, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if func.namespace == "_c10d_functional":
+            t = args[0]
+            n = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+            p = self.world
+            if name.startswith("all_reduce"):
+                self.bytes += 2 * (p - 1) * n // p
+            elif name.startswith("all_gather"):
+                self.bytes += (p - 1) * n
+            elif name.startswith("reduce_scatter"):
+                self.bytes += (p - 1) * n // p
+        return func(*args, **(kwargs or {}))
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _saved_bytes(model):
+    seen = {}
+
+    def pack(t):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**_batch(0))  # run for the hook: the saved tensors are what is measured
+    return sum(seen.values())
+
+
+def _step(model, opt, step):
+    model(**_batch(step)).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _tp_1d(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    return model
+
+
+def _local_bytes(model):
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
+
+
+def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
+    """The planner's estimated step time (s) of one configuration (alpha-beta model)."""
+    from passes.search import strategy as S
+    from autopar.program.build import capture, resolve_cost_model
+
+    gm = capture(model, (), _batch(0)).gm
+    cm = resolve_cost_model(cost_model)
+    if strategy == "auto":
+        return S.choose(gm, grid, cm).estimate.time_s
+    return S.estimate_fixed(gm, grid, cm, strategy).time_s
+
+
+def calibrate_worker(rank, world, port, out):
+    from autopar.planning.calibrate import measure, save, summary
+
+    init_local(rank, world, port)
+    model = measure((2, 2), (4096, 65536, 1 << 20), repeats=3)
+    if rank == 0:
+        save(model, out)
+        print(summary(model), file=sys.stderr, flush=True)  # stdout stays the report (or its JSON)
+    close()
+
+
+COMPILED = " (compiled)"  # suffix of a configuration's compiled twin
+
+
+def _compiled_configs(base) -> dict:
+    """autopar 2D 2x2 and PyTorch 1D TP under torch.compile; each compiles on its first (warm-up) step."""
+    return {"2D 2x2 broadcast" + COMPILED: autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
+                                                               example_kwargs=_batch(0), compile=True),
+            "PyTorch 1D TP (4 ranks)" + COMPILED: torch.compile(_tp_1d(copy.deepcopy(base)))}
+
+
+def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
+    init_local(rank, world, port)
+    configs, estimates = {}, {}
+    base = _model()
+    if rank == 0:
+        configs["one process"] = base
+    for lowering in ("broadcast", "allgather"):
+        configs[f"2D 2x2 {lowering}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
+                                                            example_kwargs=_batch(0), lowering=lowering)
+    for mode in RECOMPUTE:
+        configs[f"2D 2x2 recompute={mode}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
+                                                              example_kwargs=_batch(0), recompute=mode)
+    configs["PyTorch 1D TP (4 ranks)"] = _tp_1d(copy.deepcopy(base))
+    configs["autopar 1D 1x4"] = autopar.parallelize(copy.deepcopy(base), grid=(1, 4), example_kwargs=_batch(0),
+                                                    strategy="1d")
+    grid, _table = autopar.choose_grid(base, world, (), _batch(0), cost_model=cost_model)
+    auto = f"autopar auto {grid[0]}x{grid[1]}"
+    configs[auto] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=_batch(0), strategy="auto",
+                                        cost_model=cost_model)
+    estimates = {"2D 2x2 broadcast": _estimate(base, (2, 2), "2d", cost_model),
+                 "autopar 1D 1x4": _estimate(base, (1, 4), "1d", cost_model),
+                 auto: _estimate(base, grid, "auto", cost_model)}
+    if compiled:
+        configs.update(_compiled_configs(base))
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in configs.items()}
+    times = {k: [] for k in configs}
+    res = {k: {} for k in configs}
+    for k, m in configs.items():  # bytes, memory: one measured step each
+        if k.endswith(COMPILED):  # the same step as its eager twin: measured there (hooks and modes break graphs)
+            continue
+        counter = FunctionalCommBytes(world)
+        _reset_peak()
+        grid = getattr(m, "grid", None)
+        if grid is not None:
+            grid.log.reset()
+        with counter:
+            m(**_batch(0)).loss.backward()
+        opts[k].step()
+        opts[k].zero_grad()
+        res[k]["bytes"] = grid.log.total() if grid is not None else counter.bytes
+        res[k]["peak_rss_mb"] = _peak_mb()
+        res[k]["param_bytes"] = _local_bytes(m)
+        res[k]["saved_bytes"] = _saved_bytes(m)
+        res[k]["peak_tensor_bytes"] = peak_tensor_bytes(functools.partial(_step, m, opts[k], 1), torch.device("cpu"))
+    for r in range(rounds):  # alternate configurations round by round
+        order = ([] if rank == 0 else [("one process", None)]) + list(configs.items())  # same order everywhere
+        for k, m in order:
+            dist.barrier()
+            if m is None:
+                continue
+            for s in range(steps):
+                t0 = time.perf_counter()
+                m(**_batch(s + 1)).loss.backward()
+                opts[k].step()
+                opts[k].zero_grad()
+                if r > 0 or s > 0:  # the first step of the first round is warm-up
+                    times[k].append(time.perf_counter() - t0)
+        dist.barrier()
+    for k in configs:
+        if k.endswith(COMPILED):
+            res[k] = dict(res[k[:-len(COMPILED)]])
+        res[k]["step_s"] = statistics.median(times[k])
+        if k in estimates:
+            res[k]["estimated_step_s"] = estimates[k]
+    if rank == 0:
+        res[auto]["assignment"] = configs[auto].program.choice.assignment
+    everyone = [None] * world
+    dist.all_gather_object(everyone, res)
+    if rank == 0:
+        merged = {}
+        for k in res:
+            merged[k] = {m: (max(r[k][m] for r in everyone if k in r) if m != "assignment" else res[k][m])
+                         for m in res[k]}
+        with open(out, "w") as f:
+            json.dump(merged, f)
+    close()
+
+
+def overhead_worker(rank, world, port, steps, out, compiled=True):
+    """autopar on a 1x1 grid against the eager model, alternating step by step (and compiled)."""
+    init_local(rank, world, port)
+    eager = _model()
+    runs = {"eager": eager, "autopar 1x1": autopar.parallelize(copy.deepcopy(eager), grid=(1, 1),
+                                                                 example_kwargs=_batch(0))}
+    if compiled:
+        runs["autopar 1x1" + COMPILED] = autopar.parallelize(copy.deepcopy(eager), grid=(1, 1),
+                                                             example_kwargs=_batch(0), compile=True)
+    t: dict = {k: [] for k in runs}
+    for s in range(steps + 1):
+        for k, m in runs.items():
+            t0 = time.perf_counter()
+            m(**_batch(s)).loss.backward()
+            if s:
+                t[k].append(time.perf_counter() - t0)
+    with open(out, "w") as f:
+        json.dump({k: statistics.median(v) for k, v in t.items()}, f)
+    close()
+
+
+def _spawn(target, world, *args):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port) + args) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"autopar bench: a worker exited with code {p.exitcode}")
+
+
+def markdown(res: dict, overhead: dict) -> str:
+    base = res["PyTorch 1D TP (4 ranks)"]
+    lines = ["| configuration | step (median) | vs 1D | received/rank/step | params/rank | saved for bwd/rank | "
+             "saved vs 1D | peak RSS/rank | peak tensors/rank |", "|---|---|---|---|---|---|---|---|---|"]
+    for k, r in res.items():
+        lines.append(f"| {k} | {r['step_s'] * 1e3:.0f} ms | {r['step_s'] / base['step_s']:.2f} | "
+                     f"{r['bytes'] / 2**20:.1f} MiB | {r['param_bytes'] / 2**20:.1f} MiB | "
+                     f"{r['saved_bytes'] / 2**20:.1f} MiB | {r['saved_bytes'] / base['saved_bytes']:.2f} | "
+                     f"{r['peak_rss_mb']:.0f} MB | {r['peak_tensor_bytes'] / 2**20:.1f} MiB |")
+    auto = next((k for k in res if k.startswith("autopar auto")), None)
+    if auto:
+        fixed = {k: res[k]["step_s"] for k in ("2D 2x2 broadcast", "2D 2x2 allgather", "PyTorch 1D TP (4 ranks)",
+                                               "autopar 1D 1x4")}
+        best = min(fixed, key=fixed.get)
+        lines.append(f"\n{auto}: {res[auto]['step_s'] * 1e3:.0f} ms measured, {res[auto]['step_s'] / fixed[best]:.2f}x "
+                     f"the best fixed scheme ({best}, {fixed[best] * 1e3:.0f} ms); assignment "
+                     f"{res[auto].get('assignment')}")
+        lines.append("estimated (alpha-beta, calibrated here) vs measured step: " + "; ".join(
+            f"{k} {r['estimated_step_s'] * 1e3:.0f} / {r['step_s'] * 1e3:.0f} ms" for k, r in res.items()
+            if "estimated_step_s" in r))
+    lines.append(f"\nautopar on a 1x1 grid: {overhead['autopar 1x1'] * 1e3:.0f} ms per forward+backward against "
+                 f"{overhead['eager'] * 1e3:.0f} ms eager ({overhead['autopar 1x1'] / overhead['eager']:.2f}x)")
+    return "\n".join(lines + compiled_lines(res, overhead))
+
+
+def compiled_lines(res: dict, overhead: dict) -> list:
+    """Step time compiled against eager for each configuration measured both ways (none without)."""
+    pairs = [(k[:-len(COMPILED)], res[k]["step_s"], res[k[:-len(COMPILED)]]["step_s"]) for k in res
+             if k.endswith(COMPILED)]
+    if "autopar 1x1" + COMPILED in overhead:
+        pairs.append(("autopar 1x1", overhead["autopar 1x1" + COMPILED], overhead["autopar 1x1"]))
+    return ["\ntorch.compile (inductor) against eager, step time:"] + [
+        f"- {k}: {c * 1e3:.0f} ms compiled, {e * 1e3:.0f} ms eager, ratio {c / e:.2f}" for k, c, e in pairs
+    ] if pairs else []
+
+
+def main(argv=None) -> int:
+    from autopar.cli import add_bench_arguments
+
+    parser = argparse.ArgumentParser(prog="autopar bench")
+    add_bench_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(ns) -> int:
+    """The benchmark for parsed flags (see `autopar bench --help`); --generate runs
+    `autopar.bench.generate` instead, --moe `autopar.bench.moe`."""
+    import tempfile
+
+    if getattr(ns, "generate", False):
+        from autopar.bench import generate as bench_generate
+
+        return bench_generate.run(ns)
+    if getattr(ns, "moe", False):
+        from autopar.bench import moe as bench_moe
+
+        return bench_moe.run(ns)
+
+    from autopar.planning.report import require_matplotlib
+
+    plt = require_matplotlib("autopar bench --plot") if ns.plot else None  # before minutes of measuring
+    tmp = tempfile.mkdtemp()
+    cost_model = ns.cost_model
+    if cost_model is None:
+        cost_model = os.path.join(tmp, "calibration.json")
+        _spawn(calibrate_worker, 4, cost_model)
+    compiled = not getattr(ns, "no_compile", False)
+    _spawn(worker, 4, ns.rounds, ns.steps, os.path.join(tmp, "bench.json"), cost_model, compiled)
+    _spawn(overhead_worker, 1, 2 * ns.steps, os.path.join(tmp, "overhead.json"), compiled)
+    res = json.load(open(os.path.join(tmp, "bench.json")))
+    overhead = json.load(open(os.path.join(tmp, "overhead.json")))
+    if ns.json:
+        print(json.dumps({"model": CONFIG, "batch": BATCH, "seq": SEQ, "results": res, "overhead_1x1": overhead,
+                          "cost_model": json.load(open(cost_model))}, indent=2))
+    else:
+        print(f"Llama-style model {CONFIG}, batch {BATCH} x {SEQ} tokens, gloo on CPU\n")
+        print(markdown(res, overhead))
+    if plt is not None:
+        names = list(res)
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+        labels = ("step time (s)", "received per rank per step (B)", "saved for backward per rank (B)")
+        for ax, key, label in zip(axes, ("step_s", "bytes", "saved_bytes"), labels):
+            ax.barh(names, [res[n][key] for n in names])
+            ax.set_xlabel(label)
+        fig.tight_layout()
+        fig.savefig(ns.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""torch.distributed.checkpoint (DCP) of a parallel model, saved so that a failed save never costs
+the previous checkpoint.
+
+`dcp.save` into an existing checkpoint directory overwrites its files one by one: a save interrupted
+half way leaves neither the old nor the new checkpoint. Here every rank writes into a fresh sibling
+directory `path + ".tmp-autopar"`, and only when all ranks have finished does rank 0 swap it in for
+`path` (one atomic rename exchange on Linux). Each rank's step outcomes are agreed on (see
+`autopar.program.consensus`), so every rank returns, or raises the same error, together.
+
+    autopar.checkpoint.save_distributed(pm, "ckpt", optimizer=opt)   # every rank
+    autopar.checkpoint.load_distributed(pm, "ckpt", optimizer=opt)   # any grid / strategy
+
+DCP's `.metadata` file is a pickle: loading runs whatever code it names, so load only checkpoints
+you (or a process you trust) wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+
+from autopar.checkpoint import files as F
+from autopar.program.consensus import AXES, agree, grid_group, on_rank0
+from passes.ops.comm import guarded
+
+
+def _state(pmodel, optimizer) -> dict:
+    if optimizer is None:
+        return {"model": get_model_state_dict(pmodel)}
+    msd, osd = get_state_dict(pmodel, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def _dcp_group(grid):
+    """DCP deduplicates replicated tensors across the ranks it is given: with data-parallel replicas
+    that is every process (the default group), otherwise the grid's group (bounded by its timeout)."""
+    return None if getattr(grid, "dp", 1) > 1 else grid_group(grid)
+
+
+def _prepare(path: str, staging: str) -> None:
+    if not path:
+        raise ValueError("save_distributed path '' is empty: expected a directory to write the checkpoint into")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"save_distributed path {path!r} is a file, not a directory: pass a directory path "
+                         f"(a DCP checkpoint is a directory of files)")
+    if os.path.isdir(staging) and not os.path.islink(staging):  # an interrupted save left it (the name is ours)
+        shutil.rmtree(staging)
+    elif os.path.lexists(staging):
+        os.remove(staging)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    os.mkdir(staging)
+
+
+def save_distributed(pmodel, path, optimizer=None) -> None:
+    """DCP of `pmodel`'s state_dict (and `optimizer`'s, if given) at directory `path`; call on every
+    rank (with a filesystem all ranks share). The previous checkpoint at `path` stays intact until
+    every rank has written the new one; then the new one replaces it in one step."""
+    grid = pmodel.grid
+    path = os.fspath(path).rstrip("/") or "/"
+    staging = path + F.TMP
+    what = f"autopar.checkpoint.save_distributed({path!r})"
+    agree(grid, on_rank0(grid, _prepare, path, staging), f"{what}: preparing {staging}")
+    with guarded(grid, "torch.distributed.checkpoint.save", AXES, path):
+        dcp.save(_state(pmodel, optimizer), checkpoint_id=staging, process_group=_dcp_group(grid))
+    agree(grid, on_rank0(grid, F.replace_dir, staging, path), f"{what}: moving {staging} into place")
+
+
+def load_distributed(pmodel, path, optimizer=None) -> None:
+    """Fill `pmodel` (and `optimizer`) from the DCP checkpoint at `path`, whatever grid or strategy
+    saved it; call on every rank. Load only checkpoints you trust (`.metadata` is a pickle)."""
+    grid = pmodel.grid
+    path = os.fspath(path)
+    what = f"autopar.checkpoint.load_distributed({path!r})"
+    missing = None
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        missing = FileNotFoundError(f"{path}/.metadata not found: expected a directory written by "
+                                    f"save_distributed or torch.distributed.checkpoint.save")
+    agree(grid, missing, f"{what}: checking the checkpoint")
+    state = _state(pmodel, optimizer)
+    with guarded(grid, "torch.distributed.checkpoint.load", AXES, path):
+        dcp.load(state, checkpoint_id=path, process_group=_dcp_group(grid))
+    set_state_dict(pmodel, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}))
+    pmodel.materialized = True

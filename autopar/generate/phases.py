@@ -1,0 +1,161 @@
+"""A plan per generation phase: which strategy plans prefill and decode, what each is estimated to cost
+as a forward alone, and the parameter copies a phase laid out otherwise keeps across calls.
+
+Prefill multiplies [B*P, h] activations by every weight, decode [B, h]: with few tokens SUMMA moves
+weight panels for tiny activations, and a 1D or replicated weight is cheaper. So each phase is planned
+on its own when the model's strategy asks for it. `pmodel.generate(prefill_strategy=, decode_strategy=)`:
+
+    None      (default) follow the model: one parallelized with strategy='auto' plans each phase with
+              the search; one parallelized '2d' or '1d' runs the forward's plan on its stored blocks
+    'forward' the forward's plan, whatever the model's strategy
+    '2d', '1d', 'auto'  that strategy for this phase alone
+
+A phase's own plan is priced as what inference runs (`Options.forward_only`): the forward alone, no
+backward products, no gradient reductions, nothing saved, parameters without gradients or optimizer
+states. A parameter that plan lays out otherwise than stored is read from a copy (`Relaid`), made on
+first use, kept across generate calls and made again only when the parameter changed (its version
+counters moved: an optimizer step, `load_state_dict`, any in-place write) or was replaced. Every rank
+runs the same steps on its blocks, so every rank refreshes the same copies, in the programs'
+placeholder order (each copy is a collective).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+from autopar.program.build import resolve_cost_model
+from passes.search import strategy as strategies
+from passes.search.estimate import Estimate
+from passes.layout import Layout
+from passes.ops import modules as kernels
+
+__all__ = ["PHASE_STRATEGIES", "PhasePlan", "Relaid", "phase_strategy", "phase_options", "stored_bytes",
+           "estimate_phase", "phase_plan"]
+
+PHASE_STRATEGIES = (None, "forward", "2d", "1d", "auto")
+
+
+def phase_strategy(pmodel, name: str, value) -> str | None:
+    """The strategy that plans phase `name` ('prefill_strategy' / 'decode_strategy') for the value the
+    user passed: '2d', '1d' or 'auto' (its own plan) or None (the forward's plan), per the table above."""
+    if value not in PHASE_STRATEGIES:
+        raise ValueError(f"pmodel.generate: {name}={value!r}: expected None (follow the model's strategy: 'auto' "
+                         f"plans each phase on its own, '2d' and '1d' keep the forward's plan), 'forward' (the "
+                         f"forward's plan), '2d', '1d' or 'auto' (that strategy for this phase alone)")
+    if value is None:
+        return "auto" if pmodel._options.strategy == "auto" and pmodel.grid.world > 1 else None
+    return None if value == "forward" else value
+
+
+def phase_options(options, strategy: str | None, stored_bytes: int = 0):
+    """The Options a phase compiles with: its strategy (None: the forward's), priced as a forward alone.
+    A phase's own search under `memory_limit` counts the parameter blocks the rank stores beside it
+    (`stored_bytes`): its plan must fit the limit less those (an upper bound on what the phase adds, as a
+    parameter its plan keeps in the stored layout is counted twice).
+
+    >>> from passes.options import Options
+    >>> phase_options(Options(strategy="auto", memory_limit=1000), "auto", stored_bytes=300).memory_limit
+    700
+    >>> phase_options(Options(strategy="auto"), "auto", stored_bytes=300).memory_limit is None
+    True
+    """
+    over: dict = {"strategy": strategy} if strategy else {}
+    if strategy == "auto" and options.memory_limit is not None:
+        if options.memory_limit <= stored_bytes:
+            raise MemoryError(
+                f"pmodel.generate: memory_limit={options.memory_limit} bytes per rank leaves nothing for a phase's "
+                f"own plan beside the {stored_bytes} bytes of parameter blocks this rank stores. Pass "
+                f"prefill_strategy='forward' and decode_strategy='forward' (the forward's plan, no copies) or a "
+                f"larger memory_limit.")
+        over["memory_limit"] = options.memory_limit - stored_bytes
+    return dataclasses.replace(options, forward_only=True, **over)
+
+
+def stored_bytes(pmodel) -> int:
+    """Bytes of the parameter blocks this rank stores (local blocks of DTensors, else the tensors)."""
+    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in pmodel.parameters())
+
+
+def estimate_phase(pmodel, gm, strategy: str | None) -> Estimate | None:
+    """The forward-only estimate of a fixed plan for phase graph `gm` (captured, not yet propagated):
+    strategy '2d' or '1d', or None (the forward's plan: its strategy, or its search's assignment),
+    SUMMA products at the lowering they will run. None for 'auto' (its search's estimate is the plan's),
+    on one rank, and for a forward's assignment that does not name every unit of `gm`. Leaves the
+    plan's `CHOICE` marks on `gm`, as the compile that follows sets them."""
+    options, grid = pmodel._options, pmodel.grid
+    if grid.world == 1 or strategy == "auto":
+        return None
+    cm = resolve_cost_model(options.cost_model)
+    forward = phase_options(options, strategy)
+    if strategy is None and options.strategy == "auto":
+        choice = next(iter(pmodel._compiled.values())).choice
+        keys = {u.key for u in strategies.find_units(gm)}
+        if choice is None or not keys <= set(choice.assignment):
+            return None
+        return strategies.estimate_assignment(gm, grid.shape, cm, {k: choice.assignment[k] for k in keys}, forward)
+    return strategies.estimate_fixed(gm, grid.shape, cm, strategy or options.strategy, forward, options.lowering)
+
+
+@dataclasses.dataclass
+class PhasePlan:
+    """How one generation program was planned, for `explain`."""
+
+    strategy: str  # '2d', '1d' or 'auto'
+    own: bool  # planned for this phase (False: the forward's plan)
+    estimate: Estimate | None  # forward alone, on one rank (None: on one rank, or not priced)
+    lowerings: dict  # SUMMA lowering -> products of the compiled program that run it
+    assignment: dict  # strategy 'auto': unit key -> option
+
+    def describe(self) -> str:
+        """'auto (this phase's own): <assignment>; est. forward 1.234 ms; SUMMA lowering broadcast x8'."""
+        whose = "this phase's own" if self.own else "the forward's plan"
+        text = f"{self.strategy} ({whose})"
+        if self.assignment:
+            text += ": " + "; ".join(f"{k}: {v}" for k, v in self.assignment.items())
+        if self.estimate is not None:
+            text += f"; estimated forward {self.estimate.time_s * 1e3:.3f} ms"
+        lows = ", ".join(f"{lo} x{n}" for lo, n in sorted(self.lowerings.items()))
+        return text + (f"; SUMMA lowering {lows}" if lows else "; no SUMMA product")
+
+
+def phase_plan(pmodel, strategy: str | None, comp, estimate: Estimate | None) -> PhasePlan:
+    """The PhasePlan of a compiled generation program (`strategy` as `phase_strategy` resolved it)."""
+    lowerings = collections.Counter(m.lowering for m in comp.gm.modules() if isinstance(m, kernels.SummaLinear))
+    own = strategy is not None
+    searched = comp.choice is not None and own
+    return PhasePlan(strategy or pmodel._options.strategy, own,
+                     comp.choice.estimate if searched else estimate, dict(lowerings),
+                     dict(comp.choice.assignment) if searched else {})
+
+
+def _stamp(p) -> tuple:
+    """What changes when parameter `p` is written or replaced: its identity and version counters (the
+    DTensor's and its local block's: an optimizer may write either)."""
+    return id(p), p._version, p.to_local()._version
+
+
+class Relaid:
+    """Parameter blocks laid out for a phase's own plan, kept across generate calls."""
+
+    def __init__(self):
+        self.blocks: dict = {}  # (parameter name, Layout) -> (stamp of the parameter copied, this rank's block)
+        self.copies = 0  # copies made so far (a refresh counts)
+
+    def get(self, name: str, p, layout: Layout) -> torch.Tensor:
+        """This rank's block of parameter `p` (a DTensor) in `layout`, copied again if `p` changed."""
+        held = self.blocks.get((name, layout))
+        if held is None or held[0] != _stamp(p):
+            block = p.detach().redistribute(p.device_mesh, list(layout.placements)).to_local()
+            held = self.blocks[(name, layout)] = (_stamp(p), block)
+            self.copies += 1
+        return held[1]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def nbytes(self) -> int:
+        """Bytes of the copies this rank holds."""
+        return sum(t.numel() * t.element_size() for _, t in self.blocks.values())

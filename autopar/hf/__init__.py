@@ -1,0 +1,1 @@
+"""transformers integration: `ParallelTrainer` (`trainer`)."""

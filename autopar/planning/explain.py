@@ -1,0 +1,216 @@
+"""`explain`: what the compiler did to a model, as a table a person can read.
+
+One row per op of the per-rank graph: its name, the aten op or inserted module, the user's module
+path, the layout of its result, the collectives it runs and the bytes each rank receives for them
+in the forward and the backward of one training step. By default only the ops that move bytes or
+fell back to replication are listed (`verbose=True`: every op). A summary follows: bytes per step,
+parameter bytes held by this rank against the whole model, and every op that fell back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+from autopar.program import uneven as uneven
+from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
+from passes.kernels.spec import Site, flops
+from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
+from passes.nodes import module_path
+
+
+@dataclass
+class Row:
+    node: str
+    op: str
+    module: str
+    layout: str
+    collectives: str
+    fwd_bytes: int
+    bwd_bytes: int
+    note: str
+    formula: str = ""  # the bytes as sympy expressions, with the values substituted
+    flops: int = 0  # forward + backward FLOPs on this rank (matmul-like ops)
+    fallback: bool = False  # the op fell back to replication (runs whole on every rank)
+    recompute_bytes: int = 0  # recompute=...: forward bytes received again when backward recomputes the op
+    calls_fwd: int = 0  # collective calls this rank launches for the op, forward
+    calls_bwd: int = 0  # and backward
+
+
+def _op_name(gm, node) -> str:
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        extra = mod.extra_repr()
+        return f"{type(mod).__name__}({extra})" if extra else type(mod).__name__
+    return str(node.target).replace("aten.", "").replace(".default", "")
+
+
+def _why(node) -> str:
+    """strategy='auto': the option chosen for this node's unit against the alternatives, as the best
+    estimated step time with the unit forced to each."""
+    why = node.meta.get(CHOICE_WHY)
+    if not why:
+        return ""
+    chosen, alts = why
+    others = ", ".join(f"{o} {t * 1e3:.2f}" if t is not None else f"{o} n/a" for o, t in alts.items() if o != chosen)
+    return f" [auto: {chosen}, est. {alts[chosen] * 1e3:.2f} ms/step; {others}]"
+
+
+def strategy_summary(choice) -> list:
+    """Footer lines for a model compiled with strategy='auto'."""
+    est, base = choice.estimate, choice.baselines
+    return [
+        f"strategy auto: estimated step {est.time_s * 1e3:.2f} ms (fixed 2d {base['2d'].time_s * 1e3:.2f} ms, "
+        f"fixed 1d {base['1d'].time_s * 1e3:.2f} ms); memory estimate {est.memory_bytes / 2**20:.1f} MiB/rank; "
+        f"{choice.evaluated} assignments in {choice.solve_s:.2f} s"
+        + ("" if getattr(choice, "complete", True) else " (search stopped at its time budget: best found so far)"),
+        "  " + "; ".join(f"{k}: {v}" for k, v in choice.assignment.items()),
+    ] + ([f"  recomputes {len(choice.recompute_blocks)} blocks in backward to fit memory_limit: "
+          + ", ".join(choice.recompute_blocks)] if getattr(choice, "recompute_blocks", ()) else [])
+
+
+def rows(pmodel) -> list:
+    """The table's rows for the graph of the model's most recent call (or its first compile)."""
+    comp = pmodel.program
+    return graph_rows(comp.inspected, pmodel.grid.shape)
+
+
+def graph_rows(gm, mesh, at: tuple = (0, 0)) -> list:
+    """One Row per op of a compiled per-rank graph on an R x C `mesh` ((R, C), or q for q x q), priced
+    at grid position `at` (where torch.chunk blocks differ per rank; (0, 0) holds the largest)."""
+    out = []
+    grads = nodes_needing_grad(gm)
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_module"):
+            continue
+        cost = node_cost(gm, node, mesh, grads, at)
+        calls = node_calls(gm, node, mesh, grads, at)
+        strat = node.meta.get(STRATEGY)
+        own = strat is not None and not node.meta.get(INSERTED)  # the strategy is this op's
+        lay = node.meta.get(LAYOUT)
+        out.append(Row(
+            node=node.name,
+            op=_op_name(gm, node),
+            module=module_path(node),
+            layout=repr(lay) if lay is not None else "",
+            collectives=cost.collectives if cost else "",
+            fwd_bytes=cost.fwd if cost else 0,
+            bwd_bytes=cost.bwd if cost else 0,
+            note=strat.note + _why(node) if own else "",
+            formula=cost.formula if cost else "",
+            flops=flops(Site.inserted(node, mesh, grads, at), node.meta.get(KERNEL)),
+            fallback=own and strat.fallback,
+            recompute_bytes=cost.fwd if cost and node.meta.get(RECOMPUTE) else 0,
+            calls_fwd=calls[0],
+            calls_bwd=calls[1],
+        ))
+    return out
+
+
+def collectives_line(pmodel, every: list) -> str:
+    """Collective calls each rank launches per training step (what `CommLog.calls` counts), and with
+    data-parallel replicas the gradient all-reduces over them (one per bucket, `pmodel.grad_bucket_plan`)."""
+    fwd, bwd = sum(r.calls_fwd for r in every), sum(r.calls_bwd for r in every)
+    again = sum(r.calls_fwd for r in every if r.recompute_bytes)  # recompute=...: forward calls made again
+    line = f"collectives per rank per step: {fwd + bwd + again} (forward {fwd}, backward {bwd}"
+    line += f", recomputed {again})" if again else ")"
+    if pmodel.grid.dp > 1:
+        plan = pmodel.grad_bucket_plan()
+        cap = pmodel._options.grad_bucket_mb
+        line += (f"; plus {len(plan.buckets)} data-parallel gradient all-reduces over the {pmodel.grid.dp} "
+                 f"replicas ({len(plan.keys)} parameter blocks in buckets of <= {cap:g} MiB, "
+                 f"{_fmt_bytes(plan.received(pmodel.grid.dp))} received)")
+    return line
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
+    """A readable table of the compiled model (see the module docstring): the ops that move bytes or
+    fell back, or with `verbose` every op. With `formulas`, each row that moves bytes is followed by
+    its cost as a sympy expression and the values it was evaluated at."""
+    every = rows(pmodel)
+    table = every if verbose else [r for r in every if r.fwd_bytes or r.bwd_bytes or r.fallback]
+    head = ("node", "op", "module", "layout", "collectives", "fwd/rank", "bwd/rank", "note")
+    cells = [head] + [(r.node, r.op, r.module, r.layout, r.collectives, _fmt_bytes(r.fwd_bytes) if r.fwd_bytes else "",
+                       _fmt_bytes(r.bwd_bytes) if r.bwd_bytes else "", r.note) for r in table]
+    widths = [min(max(len(c[i]) for c in cells), 60) for i in range(len(head))]
+    lines = ["  ".join(c[i][:60].ljust(widths[i]) for i in range(len(head))).rstrip() for c in cells[:1]]
+    lines.append("  ".join("-" * w for w in widths))
+    for r, c in zip(table, cells[1:]):
+        # the note (last column) is never cut: it carries the auto strategy's reasons
+        lines.append("  ".join(c[i][:60].ljust(widths[i]) if i < len(head) - 1 else c[i]
+                               for i in range(len(head))).rstrip())
+        if formulas and r.formula:
+            lines.append(f"    why: {r.formula}")
+    fwd = sum(r.fwd_bytes for r in table)
+    bwd = sum(r.bwd_bytes for r in table)
+    held = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
+    full = sum(p.numel() * p.element_size() for p in pmodel.parameters())
+    (R, C), p = pmodel.grid.shape, pmodel.grid.world
+    comp = pmodel.program
+    hidden = len(every) - len(table)
+    lines += [
+        *([f"({hidden} more ops move no bytes; explain(pmodel, verbose=True) lists every op)"] if hidden else []),
+        "",
+        f"grid {R}x{C}; bytes received per rank per training step: forward {_fmt_bytes(fwd)}, "
+        f"backward {_fmt_bytes(bwd)}, total {_fmt_bytes(fwd + bwd)}",
+        collectives_line(pmodel, every),
+        f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
+        f"({held / full * p:.2f}/p of the model, p={p})" if full else "no parameters",
+    ]
+    if comp.flat is not None:
+        again = sum(r.recompute_bytes for r in every)
+        regions = len({n.meta[RECOMPUTE] for n in comp.flat.graph.nodes if RECOMPUTE in n.meta})
+        lines.append(f"recomputation: {regions} regions run again in backward, receiving {_fmt_bytes(again)} more "
+                     f"per rank per step (their forward collectives, repeated)")
+    stats = getattr(pmodel, "compile_stats", {}).get(comp.signature)
+    if stats is not None:
+        lines.append(f"torch.compile: {stats.graphs} graph(s), {stats.breaks} graph break(s)")
+    lines += uneven.summary_lines(pmodel, fwd + bwd)
+    if comp.choice is not None:
+        lines += strategy_summary(comp.choice)
+    if comp.fallbacks:
+        lines.append(f"fallbacks ({len(comp.fallbacks)}): run whole on every rank")
+        lines += [f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'}: {f.reason}"
+                  + ("" if f.costly else " [inputs already whole: nothing gathered]")
+                  for f in comp.fallbacks]
+    else:
+        lines.append("fallbacks: none")
+    return "\n".join(lines + generation_lines(pmodel))
+
+
+def generation_lines(pmodel) -> list:
+    """Footer for a model that generated (`pmodel.generate`): per compiled program (prefill, decode;
+    keyed as `autopar.generate` says) its bytes received per rank per call and per token and its plan
+    (strategy, estimated forward time, SUMMA lowerings: `generate_phases.PhasePlan`), the KV cache this
+    rank holds and its memory (parameter blocks + copies for the phases' own plans + cache). Empty
+    before the first generate."""
+    gen = pmodel.__dict__.get("_gen")
+    if gen is None or not gen.programs:
+        return []
+    lines = ["", "generation (inference: no backward, nothing saved for it):"]
+    for key, comp in gen.programs.items():
+        phase, batch, length, *prompt, _ = key
+        fwd = sum(r.fwd_bytes for r in graph_rows(comp.gm, pmodel.grid.shape))
+        tokens = batch * (prompt[0] if prompt else 1)
+        shape = f"B={batch} P={prompt[0]}" if prompt else f"B={batch}, one token each"
+        lines.append(f"  {phase:<7} ({shape}, cache L={length}): received per rank {_fmt_bytes(fwd)} per call, "
+                     f"{_fmt_bytes(fwd / tokens)} per token; strategy " + gen.plans[key].describe())
+    cache, copies = gen.kv_cache_bytes(), gen.relaid.nbytes()
+    held = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
+    if copies:
+        lines.append(f"  parameter copies for the phases' own plans: {len(gen.relaid)} block(s), {_fmt_bytes(copies)} "
+                     f"per rank (kept across calls, refreshed when a parameter changes)")
+    if gen.cache_key is not None:
+        lines.append(f"  KV cache (B={gen.cache_key[0]}, L={gen.cache_key[1]}, layout {gen.cache_layout}): "
+                     f"kv_cache_bytes_per_rank {cache} ({_fmt_bytes(cache)}); memory per rank: parameters "
+                     f"{_fmt_bytes(held)} + copies {_fmt_bytes(copies)} + cache {_fmt_bytes(cache)} = "
+                     f"{_fmt_bytes(held + copies + cache)}")
+    return lines

@@ -1,0 +1,274 @@
+"""`plan`: the compiler's plan for a grid, computed on one process without the hardware.
+
+The same capture and passes as `parallelize` run on a model built on the meta device (or a real one:
+export traces with fake tensors either way), with a planning grid that has no process groups. Costs
+per rank and per training step (forward + backward):
+
+- bytes received, per inserted module, with the conventions of `passes.mesh.CommLog` (equal to what a
+  real run counts);
+- FLOPs of the matmul-like ops (SUMMA products, local matmuls, attention): 2·m·k·n per product
+  that runs, the forward one and a backward one per operand that needs a gradient;
+- memory: parameters, gradients (same size), AdamW states (two per parameter), and -- when no
+  process group is initialized in this process -- the bytes autograd saves for backward and the
+  largest tensor saved or returned (temporaries inside kernels are not tracked), measured by running
+  rank (0, 0)'s graph under FakeTensorMode on a fake process group of the grid's size (nothing is
+  allocated). With recompute=..., that measurement runs the program with its `Recompute` regions,
+  so it counts what they keep (their inputs), and `recompute_bytes` is the forward bytes the
+  recomputed kernels receive again in backward (the `explain` rows of the recomputed nodes).
+
+`compare_1d` gives the same step's bytes and parameter memory for Megatron-style 1D tensor
+parallelism at p = q·q, from its analytic volume (docs/design.md section 1).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from autopar.program.build import cache_off_kwargs, capture, compile_program, resolve_cost_model
+from passes.search import strategy as strategies
+from passes.meta import LAYOUT
+from passes.options import DEFAULTS, Options
+from autopar.planning.explain import graph_rows
+from autopar.generate.loop import kv_cache_bytes_per_rank
+from autopar.program.uneven import most_received
+from passes.compat import fake_store, fake_tensor_mode, pytree
+from passes.layout import REPLICATED, local_shape
+from passes.mesh import Grid
+
+
+class ParamPlacement(NamedTuple):
+    """How one parameter is stored on the grid."""
+    shape: tuple  # global shape
+    layout: str  # repr of its Layout, e.g. "S(0)S(1)"
+    bytes_per_rank: int  # of the block each rank holds
+    bytes_total: int  # of the whole tensor
+
+
+@dataclass
+class Plan:
+    grid: tuple
+    rows: list
+    fallbacks: list  # [passes.transforms.propagate.Fallback]
+    params: dict  # name -> ParamPlacement
+    comm_bytes_fwd: int = 0
+    comm_bytes_bwd: int = 0
+    flops_per_rank: int = 0
+    activation_bytes: int | None = None
+    largest_tensor_bytes: int | None = None
+    gm: object = field(default=None, repr=False)
+    strategy: str = "2d"
+    choice: object = field(default=None, repr=False)  # strategy='auto': passes.search.strategy.Choice
+    kv_cache_bytes_per_rank: int | None = None  # plan(..., generation=(B, L)): the split KV cache a rank holds
+    recompute: str | bool | None = None  # the recompute option planned
+    recompute_bytes: int = 0  # bytes received again per rank and step by the forwards backward recomputes
+    collectives_fwd: int = 0  # collective calls per rank, forward
+    collectives_bwd: int = 0  # and backward
+    collectives_recompute: int = 0  # forward calls backward makes again (recompute=...)
+    # where the grid leaves torch.chunk blocks of unequal sizes ranks receive different bytes: the
+    # figures above are grid position (0, 0)'s; these the rank that receives the most
+    comm_bytes_most: int = 0
+    comm_bytes_most_at: tuple = (0, 0)
+
+    @property
+    def collectives_per_rank_per_step(self) -> int:
+        """Collective calls each rank launches in one training step (each costs a latency alpha)."""
+        return self.collectives_fwd + self.collectives_bwd + self.collectives_recompute
+
+    @property
+    def comm_bytes_per_rank_per_step(self) -> int:
+        return self.comm_bytes_fwd + self.comm_bytes_bwd
+
+    @property
+    def param_bytes_per_rank(self) -> int:
+        return sum(v.bytes_per_rank for v in self.params.values())
+
+    @property
+    def param_bytes_total(self) -> int:
+        return sum(v.bytes_total for v in self.params.values())
+
+    @property
+    def params_above_1_over_p(self) -> dict:
+        """Parameters a rank holds more than 1/p of (replicated, or split one way only): name -> bytes."""
+        p = self.grid[0] * self.grid[1]
+        return {n: v.bytes_per_rank for n, v in self.params.items() if v.bytes_per_rank * p > v.bytes_total}
+
+    def to_json(self) -> dict:
+        return {
+            "grid": list(self.grid),
+            "comm_bytes_per_rank_per_step": self.comm_bytes_per_rank_per_step,
+            "comm_bytes_forward": self.comm_bytes_fwd,
+            "comm_bytes_backward": self.comm_bytes_bwd,
+            "flops_per_rank_per_step": self.flops_per_rank,
+            "collectives_per_rank_per_step": self.collectives_per_rank_per_step,
+            "collectives_forward": self.collectives_fwd,
+            "collectives_backward": self.collectives_bwd,
+            "collectives_recompute": self.collectives_recompute,
+            "param_bytes_per_rank": self.param_bytes_per_rank,
+            "param_bytes_total": self.param_bytes_total,
+            "grad_bytes_per_rank": self.param_bytes_per_rank,
+            "adamw_state_bytes_per_rank": 2 * self.param_bytes_per_rank,
+            "activation_bytes_per_rank": self.activation_bytes,
+            "recompute": self.recompute,
+            "recompute_bytes_per_rank": self.recompute_bytes,
+            "largest_tensor_bytes": self.largest_tensor_bytes,
+            "params_above_1_over_p": self.params_above_1_over_p,
+            "fallback_nodes": [{"node": f.node.name, "op": str(f.node.target), "module": f.path,
+                                "reason": f.reason, "costly": f.costly} for f in self.fallbacks],
+            "nodes": [asdict(r) for r in self.rows],
+            "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
+            "comm_bytes_per_rank_per_step_most": self.comm_bytes_most,
+            "comm_bytes_most_at": list(self.comm_bytes_most_at),
+        }
+
+
+_UNMEASURED = ("autopar.plan: activation memory not measured: running rank (0, 0)'s graph on fake CPU tensors "
+               "failed ({}). That happens when a model built on the meta device was captured with the code its "
+               "non-CPU branches take (transformers' MoE experts count tokens with an integer histc, which has "
+               "no CPU kernel); build it on the CPU to measure activations.")
+
+
+def _measure_activations(gm, cap, mesh):
+    """Run rank (0, 0)'s graph under FakeTensorMode on a fake process group: bytes saved for backward
+    and the largest tensor. Needs no process group in this process (it makes a fake one)."""
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=mesh[0] * mesh[1])
+    try:
+        grid = Grid(*mesh)
+        for mod in gm.modules():  # point the planning modules at the fake groups
+            if hasattr(mod, "grid"):
+                mod.grid = grid
+        saved, largest = {}, [0]
+
+        def pack(t):
+            saved[id(t)] = t.numel() * t.element_size()
+            largest[0] = max(largest[0], saved[id(t)])
+            return t
+
+        with fake_tensor_mode():
+            args = []
+            for node, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), cap.sources):
+                v, lay = node.meta["val"], node.meta[LAYOUT]
+                if not isinstance(v, torch.Tensor):  # a constant input (use_cache=False, ...)
+                    args.append(v)
+                    continue
+                shape = local_shape(tuple(v.shape), lay, mesh, at=(0, 0))
+                grad = role == "param" and v.dtype.is_floating_point
+                args.append(torch.zeros(shape, dtype=v.dtype, requires_grad=grad))
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    outs = gm(*args)
+            except RuntimeError as e:  # said, not hidden: the plan's other figures stand
+                warnings.warn(_UNMEASURED.format(str(e).splitlines()[0]), stacklevel=3)
+                return None, None
+            tensors = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            for o in pytree.tree_leaves(outs):
+                if isinstance(o, torch.Tensor):
+                    largest[0] = max(largest[0], o.numel() * o.element_size())
+            if tensors:
+                sum(o.float().sum() for o in tensors).backward()
+        return sum(saved.values()), largest[0]
+    finally:
+        dist.destroy_process_group()
+
+
+def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = DEFAULTS.lowering,
+         indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
+         measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
+         cost_model=DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
+         search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
+         recompute: str | bool | None = DEFAULTS.recompute, moe_dispatch: str = DEFAULTS.moe_dispatch) -> Plan:
+    """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
+    the options are validated as `parallelize` validates them (ops without a split form are planned
+    replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
+    `Plan.choice` holds the assignment, its estimate, each unit's alternatives and the estimates of
+    fixed 2D and fixed 1D. `generation=(batch, max_cache_len)`: also the bytes of KV cache a rank holds
+    to generate with that batch and cache length (`Plan.kv_cache_bytes_per_rank`, see
+    `autopar.generate.kv_cache_bytes_per_rank`), in the parameters' dtype."""
+    options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
+                      cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
+                      recompute=recompute, moe_dispatch=moe_dispatch)
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
+        raise ValueError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
+    mesh = tuple(grid)
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
+    comp, layouts = compile_program(model, example_inputs, kwargs, Grid.for_planning(*mesh), options)
+    gm, cap = comp.gm, comp.captured
+    rows = graph_rows(comp.inspected, mesh)
+    params = {}
+    for name, p in model.named_parameters():
+        lay = layouts.get(name, REPLICATED)
+        full = p.numel() * p.element_size()
+        mine = math.prod(local_shape(tuple(p.shape), lay, mesh, at=(0, 0))) * p.element_size()
+        params[name] = ParamPlacement(tuple(p.shape), repr(lay), mine, full)
+    result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
+                  comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
+                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice,
+                  recompute=recompute, recompute_bytes=sum(r.recompute_bytes for r in rows),
+                  collectives_fwd=sum(r.calls_fwd for r in rows), collectives_bwd=sum(r.calls_bwd for r in rows),
+                  collectives_recompute=sum(r.calls_fwd for r in rows if r.recompute_bytes))
+    result.comm_bytes_most_at, result.comm_bytes_most = most_received(comp.inspected, mesh,
+                                                                      result.comm_bytes_per_rank_per_step)
+    if generation is not None:
+        dtype = next(model.parameters()).dtype
+        result.kv_cache_bytes_per_rank = kv_cache_bytes_per_rank(model.config, *generation, mesh, dtype)
+    if measure_activations is None:
+        measure_activations = not dist.is_initialized()
+    if measure_activations:
+        result.activation_bytes, result.largest_tensor_bytes = _measure_activations(gm, cap, mesh)
+    return result
+
+
+def compare_1d(pl: Plan, model, tokens: int, layers: int, hidden: int, dtype_bytes: int = 4) -> dict:
+    """Megatron-style 1D tensor parallelism at p = q·q for the same step: per transformer layer two
+    all-reduces of the [tokens, hidden] activations forward and two backward (8·(p-1)/p·B·h elements
+    received per rank with ring all-reduce), plus one forward all-reduce for a vocab-parallel
+    embedding; matmul weights and embeddings split p ways, norms and biases replicated."""
+    p = pl.grid[0] * pl.grid[1]
+    ar = 2 * (p - 1) * tokens * hidden * dtype_bytes // p  # one ring all-reduce of [B, h]
+    comm = layers * 4 * ar + ar
+    params = 0
+    for v in pl.params.values():
+        params += v.bytes_total // p if len(v.shape) >= 2 and v.shape[0] % p == 0 else v.bytes_total
+    return {"p": p, "comm_bytes_per_rank_per_step": comm, "param_bytes_per_rank": params,
+            "ratio_2d_over_1d_comm": pl.comm_bytes_per_rank_per_step / comm if comm else None,
+            "ratio_2d_over_1d_params": pl.param_bytes_per_rank / params if params else None}
+
+
+def grid_shapes(devices: int) -> list:
+    """Every (R, C) with R * C = devices."""
+    return [(r, devices // r) for r in range(1, devices + 1) if devices % r == 0]
+
+
+def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, cost_model=DEFAULTS.cost_model,
+                memory_limit: float | None = DEFAULTS.memory_limit, indivisible: str = DEFAULTS.indivisible,
+                fused: str = DEFAULTS.fused, search_budget: float | None = DEFAULTS.search_budget) -> tuple:
+    """The grid shape (R, C) with R*C = `devices` whose strategy='auto' assignment has the smallest
+    estimated step time (within `memory_limit`), and a row per shape: the estimates of auto, fixed 2d
+    and fixed 1d there. The model is captured once; each shape costs one strategy search."""
+    options = Options(strategy="auto", cost_model=cost_model, memory_limit=memory_limit, indivisible=indivisible,
+                      fused=fused, search_budget=search_budget)
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
+    cap = capture(model, example_inputs, kwargs)
+    cm = resolve_cost_model(options.cost_model)
+    table = []
+    for shape in grid_shapes(devices):
+        try:
+            c = strategies.choose(cap.gm, shape, cm, options)
+        except MemoryError as e:
+            table.append({"grid": shape, "fits": False, "why": str(e)})
+            continue
+        table.append({"grid": shape, "fits": True, "auto_s": c.estimate.time_s, "2d_s": c.baselines["2d"].time_s,
+                      "1d_s": c.baselines["1d"].time_s, "memory_bytes": c.estimate.memory_bytes,
+                      "assignment": c.assignment, "solve_s": c.solve_s})
+    ok = [row for row in table if row["fits"]]
+    if not ok:
+        raise MemoryError(f"no grid shape of {devices} devices fits memory_limit: "
+                          + "; ".join(r["why"] for r in table))
+    return min(ok, key=lambda row: row["auto_s"])["grid"], table

@@ -1,0 +1,160 @@
+"""Planned communication of the inserted modules: bytes received per rank, forward and backward, as
+sympy expressions in the grid shape R x C, the element size e and the sizes the module moves. A
+collective over mesh axis 0 has R members, one over axis 1 has C (written g below). Each module's
+bytes are its spec's (`passes.kernels.spec`); this module holds the volumes they share and `node_cost`.
+
+Uses the conventions of `passes.mesh.CommLog` (broadcast: N on each non-root; reduce: (g-1)N on the
+destination; all-gather: (g-1)N; reduce-scatter: floor((g-1)N/g); all-reduce: floor(2(g-1)N/g)), so
+for a training step the numbers equal what the collective layer counts at run time -- a test runs a
+real step and compares. Requires `KERNEL`, `LAYOUT` and `val` in the meta of the inserted nodes and
+`LAYOUT` and `val` in their inputs' (keys from `passes.meta`).
+
+>>> import sympy
+>>> M, K, N = sympy.symbols("M K N", positive=True)
+>>> summa_ab_bytes(M, K, N)[0]
+e*(K*M*(C - 1) + K*N*(R - 1))/(C*R)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import Node
+
+from passes.layout import parts, split_dim
+from passes.meta import KERNEL, ROLE
+
+R, C, E = sympy.symbols("R C e", positive=True, integer=True)  # mesh axis 0 has R members, axis 1 C
+
+
+@dataclass
+class Cost:
+    collectives: str
+    fwd_expr: sympy.Expr = sympy.Integer(0)
+    bwd_expr: sympy.Expr = sympy.Integer(0)
+    values: dict = field(default_factory=dict)  # symbol -> number
+
+    @property
+    def fwd(self) -> int:
+        return int(self.fwd_expr.subs(self.values))
+
+    @property
+    def bwd(self) -> int:
+        return int(self.bwd_expr.subs(self.values))
+
+    @property
+    def formula(self) -> str:
+        if self.fwd_expr == 0 and self.bwd_expr == 0:
+            return ""
+        vals = ", ".join(f"{k}={v}" for k, v in self.values.items())
+        return f"fwd {self.fwd_expr}; bwd {self.bwd_expr}  [{vals}]"
+
+
+def all_reduce_bytes(n, g, exact: bool = True):
+    """Bytes one member receives in an all-reduce of n bytes over g members: a sympy expression with
+    `exact`, else a number (integer division, as the collective layer counts)."""
+    return sympy.floor(2 * (g - 1) * n / g) if exact else 2 * (g - 1) * n // g
+
+
+def summa_axis_elems(M, K, N, R, C, transposed: bool) -> tuple:
+    """Elements times R*C that one SUMMA product of a linear x [M, K] . W -> [M, N] receives per rank
+    over mesh axis 0 and over axis 1 (the three products of a training step receive the same). AB
+    gathers the rest of a [M/R, K] row panel of x over the C columns and of a [K, N/C] column panel of
+    W over the R rows; ABT (W stored [N, K]) moves W's panel over the rows and reduces the [M/R, N]
+    output over the columns. Numbers or sympy symbols alike."""
+    if transposed:
+        return (R - 1) * K * N, (C - 1) * M * N
+    return (R - 1) * K * N, (C - 1) * M * K
+
+
+def summa_ab_bytes(M, K, N, grads=2):
+    """AB forward, then ABT (for dX) and ATB (for dW) backward, e ((C-1) MK + (R-1) KN) / RC each.
+    `grads` says how many of the two backward products run (an input without gradient skips ABT).
+    Square q x q: (q-1)/q^2 (MK + KN) e."""
+    one = E * sum(summa_axis_elems(M, K, N, R, C, False)) / (R * C)
+    return one, grads * one
+
+
+def summa_abt_bytes(M, K, N, grads=2):
+    """ABT forward (broadcast W over the rows, reduce Y over the columns), then AB + ATB backward:
+    e ((R-1) KN + (C-1) MN) / RC each."""
+    one = E * sum(summa_axis_elems(M, K, N, R, C, True)) / (R * C)
+    return one, grads * one
+
+
+def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False) -> tuple:
+    """What `kernels.Redistribute(src -> dst)` moves: ([(axis, phase, bytes)], [step names]), for a
+    rank holding n elements of e bytes before, on a mesh of `sizes` (R, C). Works on numbers (integer
+    division, as the collective layer counts) and, with `exact`, on sympy symbols (the formulas
+    `explain` prints)."""
+    div = (lambda a, b: a / b) if exact else (lambda a, b: a // b)
+    floor = (lambda a, b: sympy.floor(a / b)) if exact else (lambda a, b: a // b)
+    cur, size, moves, names = list(src.placements), n, [], []
+    for a in range(2):
+        if split_dim(cur[a]) is not None and cur[a] != dst[a]:
+            moves.append((a, "fwd", (sizes[a] - 1) * size * e))
+            size = size * sizes[a]
+            cur[a] = Replicate()
+            names.append(f"all-gather(axis {a})")
+    for a in range(2):
+        s, d, g = cur[a], dst[a], sizes[a]
+        if s == d:
+            continue
+        if isinstance(s, Partial) and isinstance(d, Shard) and parts(d) == 1:
+            moves.append((a, "fwd", floor((g - 1) * size * e, g)))
+            size = div(size, g)
+            if grad:
+                moves.append((a, "bwd", (g - 1) * size * e))
+            names.append(f"reduce-scatter(axis {a})")
+            continue
+        if isinstance(s, Partial):
+            moves.append((a, "fwd", floor(2 * (g - 1) * size * e, g)))
+            names.append(f"all-reduce(axis {a})")
+        if split_dim(d) is not None:
+            size = div(size, g)
+            if grad:
+                moves.append((a, "bwd", (g - 1) * size * e))
+            names.append(f"split(axis {a}; bwd all-gather)")
+        elif isinstance(d, Partial):
+            names.append(f"to-partial(axis {a})")
+    return moves, names
+
+
+def nodes_needing_grad(gm: torch.fx.GraphModule) -> set:
+    """Nodes whose value depends on a floating-point parameter: only their backward runs."""
+    out = set()
+    for node in gm.graph.nodes:
+        v = node.meta.get("val")
+        floating = isinstance(v, torch.Tensor) and v.dtype.is_floating_point or isinstance(v, (tuple, list))
+        if node.op == "placeholder":
+            if node.meta.get(ROLE) == "param" and floating:
+                out.add(node)
+        elif floating and any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def node_cost(gm: torch.fx.GraphModule, node: Node, mesh, grads: set | None = None, at: tuple = (0, 0)) -> Cost | None:
+    """The bytes an inserted module of the rewritten graph receives, from the spec the insertion pass
+    recorded on it (`node.meta[KERNEL]`); None for an op that is not a module, `Cost("")` for
+    a module without one. `grads`: nodes_needing_grad(gm), computed once per graph by the caller;
+    `mesh`: (R, C) or q; `at`: the grid position priced (see `passes.kernels.spec.Site`)."""
+    if node.op != "call_module":
+        return None
+    spec = node.meta.get(KERNEL)
+    if spec is None:
+        return Cost("")
+    return spec.inserted_cost(node, mesh, grads if grads is not None else nodes_needing_grad(gm), at)
+
+
+def node_calls(gm: torch.fx.GraphModule, node: Node, mesh, grads: set, at: tuple = (0, 0)) -> tuple:
+    """(forward, backward) collective calls per rank of an inserted module of the rewritten graph, from
+    its spec and (for a SUMMA product) the lowering its module runs; (0, 0) for any other node."""
+    spec = node.meta.get(KERNEL) if node.op == "call_module" else None
+    if spec is None:
+        return 0, 0
+    lowering = getattr(gm.get_submodule(node.target), "lowering", "broadcast")
+    return spec.inserted_calls(node, mesh, grads, lowering, at)

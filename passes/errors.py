@@ -1,0 +1,43 @@
+"""Every error and warning the compiler raises, under two bases: `AutoparError` and `AutoparWarning`.
+
+`autopar.errors` re-exports these and adds the product's own (checkpoints, compile, fallbacks), so
+`except autopar.AutoparError` catches whatever autopar raised. Each class also derives from the
+builtin that code written before the hierarchy caught (`ValueError`, `RuntimeError`), so those
+`except` clauses keep working.
+
+>>> issubclass(ShardingError, AutoparError) and issubclass(ShardingError, ValueError)
+True
+"""
+
+
+class AutoparError(Exception):
+    """The base of every error autopar raises."""
+
+
+class AutoparWarning(UserWarning):
+    """The base of every warning autopar gives."""
+
+
+class UsageError(AutoparError, ValueError):
+    """A value given to autopar (an option, an argument, an input, a file's content) is not one it
+    accepts; the message names it, the value expected and what to do."""
+
+
+class CaptureError(AutoparError, RuntimeError):
+    """torch.export could not trace the model."""
+
+
+class ShardingError(AutoparError, ValueError):
+    """A tensor cannot be laid out as asked (for example a dimension not divisible by q)."""
+
+
+class CollectiveError(AutoparError, RuntimeError):
+    """A collective failed or timed out: a peer rank exited, crashed or is stuck."""
+
+
+class SearchWarning(AutoparWarning):
+    """strategy='auto': the search is running long (said once), or it stopped at its time budget."""
+
+
+class RoutingWarning(AutoparWarning):
+    """An MoE layer keeps the gathered token dispatch."""

@@ -1,0 +1,2 @@
+"""strategy="auto": the search over 2D / 1D / replicated per weight matmul (`strategy`), priced by the
+estimate of a propagated graph (`estimate`) and what recomputing blocks saves (`recompute_cost`)."""

@@ -1,0 +1,107 @@
+"""Collective insertion: make every input arrive in the layout its rule asked for, and swap the ops
+that need communication for their sharded kernels.
+
+Requires `node.meta[LAYOUT]` and `node.meta[STRATEGY]` from `propagate` (the keys are `passes.meta`'s).
+For each consumer it inserts, as call_module nodes on the GraphModule:
+
+- `Redistribute(src -> dst)` where an input's layout differs from the one required (one per distinct
+  (input, layout) pair, shared by the consumers that need it, except across the boundary of a
+  `no_grad` region: see `passes.capture.regions`);
+- `GradSync(axes)` where an input stays replicated over a mesh axis that the consumer's output is
+  split (or partial) over: each rank's backward then holds only its block's share of that input's
+  gradient, and the all-reduce makes it whole (a LayerNorm weight, a bias, a position embedding);
+- a kernel module (SUMMA, sharded norm, vocab-split embedding, vocab-parallel cross-entropy) in place
+  of the aten call, when the rule named one (`Strategy.kernel`, a `passes.kernels.spec.KernelSpec`).
+
+Each module is built by its spec, which every new node carries in `KERNEL` (what `explain` and
+`passes.cost.planned` ask), with `LAYOUT`; Redistribute and GradSync nodes are marked `INSERTED`; kernels keep
+the replaced node's name, meta and strategy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate
+from torch.fx import GraphModule, Node
+
+from passes.kernels.spec import GradSyncSpec, RedistributeSpec
+from passes.layout import Layout
+from passes.mesh import Grid
+from passes.meta import INSERTED, KERNEL, LAYOUT, REGION, STRATEGY
+from passes.rules.moe.routing import grad_summed
+
+
+def gradsync_axes(consumer: Node, out_layout, inp: Node, need: Layout) -> tuple:
+    """The mesh axes over which `inp`, arriving as `need`, stays replicated while `consumer`'s output
+    (laid out `out_layout`) is split or partial: its gradient must be all-reduced over them."""
+    v = inp.meta.get("val")
+    if consumer.op == "output" or not (isinstance(v, torch.Tensor) and v.dtype.is_floating_point):
+        return ()
+    if grad_summed(inp):  # the expert dispatch sums its gradient over the columns itself
+        return ()
+    lays = out_layout if isinstance(out_layout, tuple) else (out_layout,)
+    split = {a for lay in lays if isinstance(lay, Layout) for a in range(2) if not isinstance(lay[a], Replicate)}
+    return tuple(a for a in sorted(split) if isinstance(need[a], Replicate))
+
+
+def _add_module(gm: GraphModule, before: Node, name: str, spec, built: tuple, layout) -> Node:
+    module, (arg,) = built
+    name = name.replace(".", "_")
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_before(before):
+        new = gm.graph.call_module(name, (arg,))
+    new.meta.update({"val": arg.meta.get("val"), LAYOUT: layout, INSERTED: True, KERNEL: spec,
+                     "nn_module_stack": before.meta.get("nn_module_stack", {})})  # explain groups it with its consumer
+    return new
+
+
+def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast") -> GraphModule:
+    cache: dict = {}
+    replaced: dict = {}  # node swapped for a kernel -> its kernel node
+    for node in list(gm.graph.nodes):
+        strat = node.meta.get(STRATEGY)
+        if strat is None or node.meta.get(INSERTED):
+            continue
+        routed = {}
+        # a collective made inside a no_grad region carries no gradient: never share it with one outside
+        region = node.meta.get(REGION)
+        for inp, need in strat.inputs.items():
+            inp = replaced.get(inp, inp)
+            have = inp.meta[LAYOUT]
+            new = inp
+            if have != need:
+                key = (inp, need, region)
+                if key not in cache:
+                    redist = RedistributeSpec(have, need, f"{inp.name}->{node.name}")
+                    cache[key] = _add_module(gm, node, f"autopar_{redist.name}_{inp.name}_{len(cache)}", redist,
+                                             redist.build(inp, grid, lowering), need)
+                new = cache[key]
+            sync = gradsync_axes(node, node.meta.get(LAYOUT), inp, need)
+            if sync:
+                sync_key = (inp, need, sync, region)
+                if sync_key not in cache:
+                    gsync = GradSyncSpec(sync, f"gradsync:{inp.name}")
+                    cache[sync_key] = _add_module(gm, node, f"autopar_{gsync.name}_{inp.name}_{len(cache)}", gsync,
+                                                  gsync.build(new, grid, lowering), need)
+                new = cache[sync_key]
+            if new is not inp:
+                node.replace_input_with(inp, new)
+                routed[inp] = new
+        spec = strat.kernel
+        if spec is not None:
+            module, args = spec.build(node, grid, lowering)
+            args = tuple(routed.get(replaced.get(a, a), replaced.get(a, a)) if isinstance(a, Node) else a
+                         for a in args)
+            name = f"autopar_{spec.name}_{node.name}"
+            gm.add_submodule(name, module)
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_module(name, args)
+            new.meta.update(node.meta)
+            new.meta[KERNEL] = spec
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            new.name = node.name
+            replaced[node] = new
+    gm.graph.lint()
+    gm.recompile()
+    return gm
