@@ -252,28 +252,6 @@ def calibrate_cmd(ns) -> int:
     return 0
 
 
-def add_bench_arguments(p) -> None:
-    """`autopar bench`'s flags (kept here, away from torch, so `--help` is quick)."""
-    p.add_argument("--rounds", type=int, default=3, metavar="N",
-                   help="rounds over all configurations, alternated to spread machine noise (default 3)")
-    p.add_argument("--steps", type=int, default=3, metavar="N",
-                   help="training steps per configuration per round; the first of round 1 is warm-up (default 3)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a Markdown table")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (autopar 2x2 and 1x1, "
-                   "PyTorch 1D TP compiled), which spend minutes compiling")
-    p.add_argument("--plot", metavar="FILE", help="also draw step time, bytes and saved activations per "
-                                                  "configuration as bars (needs matplotlib: pip install "
-                                                  "'autopar[plot]')")
-    p.add_argument("--cost-model", metavar="FILE", help="`autopar calibrate` JSON for strategy='auto' "
-                                                        "(default: measured here first, on 2x2)")
-    p.add_argument("--generate", action="store_true", help="measure generation instead: prefill and decode "
-                   "tokens/s at batch 1 and 8, bytes per decoded token, and the planner's Llama-7B projection "
-                   "(see autopar.bench.generate)")
-    p.add_argument("--moe", action="store_true", help="measure a Mixtral-style mixture of experts instead: one "
-                   "process, autopar 2x2 and 1x4, PyTorch 1D TP with the experts' intermediate dim split "
-                   "(see autopar.bench.moe)")
-
-
 def bench_cmd(ns) -> int:
     from autopar.planning.report import require_matplotlib
 
@@ -288,6 +266,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="2D tensor parallelism planner")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("bench", help="measure 2D against PyTorch 1D TP and one process (see autopar.bench)")
+    from autopar.bench.args import add_bench_arguments
+
     add_bench_arguments(p)
     p = sub.add_parser("inspect", help="plan a model on a grid and print its costs")
     p.add_argument("model", help="a transformers model type (gpt2, llama, ...) or module:callable")

@@ -2,19 +2,15 @@
 `AutoparError`, every warning from `AutoparWarning` (both exported as `autopar.AutoparError`, ...).
 
 The compiler's own (`CaptureError`, `ShardingError`, `CollectiveError`, `SearchWarning`,
-`RoutingWarning`, `UsageError`) are defined in `passes.errors`, which cannot import this package;
+`RoutingWarning`, `FallbackWarning`, `UsageError`) are defined in `passes.errors`, which cannot import this package;
 they are the same classes here.
 """
 
-from passes.errors import (AutoparError, AutoparWarning, CaptureError, CollectiveError, RoutingWarning,
-                           SearchWarning, ShardingError, UsageError)
+from passes.errors import (AutoparError, AutoparWarning, CaptureError, CollectiveError, FallbackWarning,
+                           RoutingWarning, SearchWarning, ShardingError, UsageError)
 
 __all__ = ["AutoparError", "AutoparWarning", "UsageError", "CaptureError", "ShardingError", "CollectiveError",
            "SearchWarning", "RoutingWarning", "FallbackWarning", "CompileWarning", "CheckpointWarning"]
-
-
-class FallbackWarning(AutoparWarning):
-    """Some ops run unsplit (gathered whole on every rank): correct, but slower and bigger."""
 
 
 class CompileWarning(AutoparWarning):

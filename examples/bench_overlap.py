@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.bench.compare import _batch, _model  # noqa: E402
+from autopar.bench import common  # noqa: E402
 from autopar.launch import spawn  # noqa: E402
 
 WARMUP = 2
@@ -31,7 +31,7 @@ def _step(pm, opt, step: int) -> tuple:
     """(step seconds, backward seconds) of one training step, every rank timed between barriers."""
     dist.barrier()
     t0 = time.perf_counter()
-    loss = pm(**_batch(step)).loss
+    loss = pm(**common.batch(step)).loss
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
@@ -44,16 +44,16 @@ def _step(pm, opt, step: int) -> tuple:
 def _traffic(pm, overlap: bool) -> tuple:
     pm.grid.overlap_grad_reduce = overlap
     pm.grid.log.reset()
-    pm(**_batch(0)).loss.backward()
+    pm(**common.batch(0)).loss.backward()
     pm.zero_grad()
     return dict(pm.grid.log.bytes), dict(pm.grid.log.launches)
 
 
 def main(rank, steps: int):
-    base = _model()
+    base = common.model()
     load0 = os.getloadavg()
     for lowering in ("broadcast", "allgather"):
-        pm = autopar.parallelize(copy.deepcopy(base), grid=(2, 2), example_kwargs=_batch(0), lowering=lowering)
+        pm = autopar.parallelize(copy.deepcopy(base), grid=(2, 2), example_kwargs=common.batch(0), lowering=lowering)
         traffic = _traffic(pm, True)
         same = traffic == _traffic(pm, False)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)

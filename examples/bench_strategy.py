@@ -19,7 +19,7 @@ import transformers
 
 import autopar
 from autopar.program.build import capture, resolve_cost_model
-from autopar.bench.compare import BATCH, CONFIG, SEQ
+from autopar.bench.common import BATCH, CONFIG, SEQ
 from passes.search import strategy as S
 
 

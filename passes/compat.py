@@ -176,6 +176,30 @@ def dynamo_counts() -> tuple:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+def fx_graph_cache_counts() -> dict:
+    """Inductor's FX graph cache events so far in this process ("hit", "miss", "bypass", ...), from
+    dynamo's private counters (`torch._dynamo.utils.counters["inductor"]`, keys "fxgraph_cache_*").
+    Checked on 2.13.0. If they move: `python -m autopar.bench.compile` cannot report cache hits."""
+    from torch._dynamo.utils import counters
+
+    return {k[len("fxgraph_cache_"):]: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache_")}
+
+
+def detect_fake_mode(tensors):
+    """The FakeTensorMode the tensors belong to, or None (`torch._guards.detect_fake_mode`). Checked on
+    2.13.0. If it moves: routing experts cannot run their shape probe inside export's fake mode."""
+    from torch._guards import detect_fake_mode as detect
+
+    return detect(tensors)
+
+
+def grouped_mm(x, w, offs):
+    """`torch._grouped_mm(x, w, offs=offs)`: one matmul per group of rows against its own weight, the
+    kernel transformers' grouped experts call. Checked on 2.13.0. If it moves: the expert kernel on a
+    rank's block fails on the aten path (transformers' own fallback still runs)."""
+    return torch._grouped_mm(x, w, offs=offs)
+
+
 def register_ordered(qualname: str) -> None:
     """Declare the torch.library op `qualname` ("namespace::name") side-effecting with torch's
     ORDERED effect: torch.compile then threads an effect token through every call of such ops

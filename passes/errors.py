@@ -41,3 +41,7 @@ class SearchWarning(AutoparWarning):
 
 class RoutingWarning(AutoparWarning):
     """An MoE layer keeps the gathered token dispatch."""
+
+
+class FallbackWarning(AutoparWarning):
+    """Some ops run unsplit (gathered whole on every rank): correct, but slower and bigger."""

@@ -117,7 +117,7 @@ def torch_tp_parity(rank) -> dict:
     kw = make(sweep_hf.BATCH, sweep_hf.SEQ, 1)
     want = ref(**kw)
     want.loss.backward()
-    tp = bench_moe._tp_1d(model)
+    tp = bench_moe.tp_1d(model)
     got = tp(**kw)
     got.loss.backward()
     mine, world = dict(tp.named_parameters()), torch.distributed.get_world_size()

@@ -29,9 +29,9 @@ def _gpt2():
 
 
 def _bench_llama():
-    from autopar.bench.compare import _batch, _model
+    from autopar.bench import common
 
-    return _model(), (), _batch(0)
+    return common.model(), (), common.batch(0)
 
 
 def _mixtral():

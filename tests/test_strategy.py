@@ -105,7 +105,7 @@ def test_estimated_bytes_equal_the_engines_plan(grid):
 
 def _bench_llama():
     """The benchmark model of `autopar bench` (Llama, h=256, 4 layers, batch 8 x 128), on meta."""
-    from autopar.bench.compare import BATCH, CONFIG, SEQ
+    from autopar.bench.common import BATCH, CONFIG, SEQ
 
     with autopar.meta_init():
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, use_cache=False))

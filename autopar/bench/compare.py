@@ -34,97 +34,12 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.launch import close, free_port, init_local
-from passes.compat import TorchDispatchMode, peak_tensor_bytes
+from autopar.bench import common
+from autopar.bench.common import BATCH, CONFIG, SEQ, FunctionalCommBytes
+from autopar.launch import close, init_local
+from passes.compat import peak_tensor_bytes
 
-CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-BATCH, SEQ = 8, 128
 RECOMPUTE = ("blocks", "selective")  # 2D 2x2 (broadcast) with each recompute mode
-
-
-def _model():
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
-
-
-def _batch(step):
-    g = torch.Generator().manual_seed(step)
-    ids = torch.randint(1, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
-    return dict(input_ids=ids, labels=ids)
-
-
-class FunctionalCommBytes(TorchDispatchMode):
-    """Bytes received per rank by the functional collectives DTensor issues, CommLog conventions."""
-
-    def __init__(self, world):
-        super().__init__()
-        self.world, self.bytes = world, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if func.namespace == "_c10d_functional":
-            t = args[0]
-            n = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-            p = self.world
-            if name.startswith("all_reduce"):
-                self.bytes += 2 * (p - 1) * n // p
-            elif name.startswith("all_gather"):
-                self.bytes += (p - 1) * n
-            elif name.startswith("reduce_scatter"):
-                self.bytes += (p - 1) * n // p
-        return func(*args, **(kwargs or {}))
-
-
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _peak_mb():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _saved_bytes(model):
-    seen = {}
-
-    def pack(t):
-        local = t.to_local() if hasattr(t, "to_local") else t
-        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(**_batch(0))  # run for the hook: the saved tensors are what is measured
-    return sum(seen.values())
-
-
-def _step(model, opt, step):
-    model(**_batch(step)).loss.backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _tp_1d(model):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    plan = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
-    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
-                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, plan)
-    return model
-
-
-def _local_bytes(model):
-    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
 
 
 def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
@@ -132,7 +47,7 @@ def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
     from passes.search import strategy as S
     from autopar.program.build import capture, resolve_cost_model
 
-    gm = capture(model, (), _batch(0)).gm
+    gm = capture(model, (), common.batch(0)).gm
     cm = resolve_cost_model(cost_model)
     if strategy == "auto":
         return S.choose(gm, grid, cm).estimate.time_s
@@ -156,28 +71,28 @@ COMPILED = " (compiled)"  # suffix of a configuration's compiled twin
 def _compiled_configs(base) -> dict:
     """autopar 2D 2x2 and PyTorch 1D TP under torch.compile; each compiles on its first (warm-up) step."""
     return {"2D 2x2 broadcast" + COMPILED: autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
-                                                               example_kwargs=_batch(0), compile=True),
-            "PyTorch 1D TP (4 ranks)" + COMPILED: torch.compile(_tp_1d(copy.deepcopy(base)))}
+                                                               example_kwargs=common.batch(0), compile=True),
+            "PyTorch 1D TP (4 ranks)" + COMPILED: torch.compile(common.tp_1d(copy.deepcopy(base)))}
 
 
 def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
     init_local(rank, world, port)
     configs, estimates = {}, {}
-    base = _model()
+    base = common.model()
     if rank == 0:
         configs["one process"] = base
     for lowering in ("broadcast", "allgather"):
         configs[f"2D 2x2 {lowering}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
-                                                            example_kwargs=_batch(0), lowering=lowering)
+                                                            example_kwargs=common.batch(0), lowering=lowering)
     for mode in RECOMPUTE:
         configs[f"2D 2x2 recompute={mode}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
-                                                              example_kwargs=_batch(0), recompute=mode)
-    configs["PyTorch 1D TP (4 ranks)"] = _tp_1d(copy.deepcopy(base))
-    configs["autopar 1D 1x4"] = autopar.parallelize(copy.deepcopy(base), grid=(1, 4), example_kwargs=_batch(0),
+                                                              example_kwargs=common.batch(0), recompute=mode)
+    configs["PyTorch 1D TP (4 ranks)"] = common.tp_1d(copy.deepcopy(base))
+    configs["autopar 1D 1x4"] = autopar.parallelize(copy.deepcopy(base), grid=(1, 4), example_kwargs=common.batch(0),
                                                     strategy="1d")
-    grid, _table = autopar.choose_grid(base, world, (), _batch(0), cost_model=cost_model)
+    grid, _table = autopar.choose_grid(base, world, (), common.batch(0), cost_model=cost_model)
     auto = f"autopar auto {grid[0]}x{grid[1]}"
-    configs[auto] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=_batch(0), strategy="auto",
+    configs[auto] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=common.batch(0), strategy="auto",
                                         cost_model=cost_model)
     estimates = {"2D 2x2 broadcast": _estimate(base, (2, 2), "2d", cost_model),
                  "autopar 1D 1x4": _estimate(base, (1, 4), "1d", cost_model),
@@ -191,19 +106,20 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
         if k.endswith(COMPILED):  # the same step as its eager twin: measured there (hooks and modes break graphs)
             continue
         counter = FunctionalCommBytes(world)
-        _reset_peak()
+        common.reset_peak()
         grid = getattr(m, "grid", None)
         if grid is not None:
             grid.log.reset()
         with counter:
-            m(**_batch(0)).loss.backward()
+            m(**common.batch(0)).loss.backward()
         opts[k].step()
         opts[k].zero_grad()
         res[k]["bytes"] = grid.log.total() if grid is not None else counter.bytes
-        res[k]["peak_rss_mb"] = _peak_mb()
-        res[k]["param_bytes"] = _local_bytes(m)
-        res[k]["saved_bytes"] = _saved_bytes(m)
-        res[k]["peak_tensor_bytes"] = peak_tensor_bytes(functools.partial(_step, m, opts[k], 1), torch.device("cpu"))
+        res[k]["peak_rss_mb"] = common.peak_mb()
+        res[k]["param_bytes"] = common.local_bytes(m)
+        res[k]["saved_bytes"] = common.saved_bytes(m)
+        step = functools.partial(common.train_step, m, opts[k], 1)
+        res[k]["peak_tensor_bytes"] = peak_tensor_bytes(step, torch.device("cpu"))
     for r in range(rounds):  # alternate configurations round by round
         order = ([] if rank == 0 else [("one process", None)]) + list(configs.items())  # same order everywhere
         for k, m in order:
@@ -212,7 +128,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
                 continue
             for s in range(steps):
                 t0 = time.perf_counter()
-                m(**_batch(s + 1)).loss.backward()
+                m(**common.batch(s + 1)).loss.backward()
                 opts[k].step()
                 opts[k].zero_grad()
                 if r > 0 or s > 0:  # the first step of the first round is warm-up
@@ -241,36 +157,22 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
 def overhead_worker(rank, world, port, steps, out, compiled=True):
     """autopar on a 1x1 grid against the eager model, alternating step by step (and compiled)."""
     init_local(rank, world, port)
-    eager = _model()
+    eager = common.model()
     runs = {"eager": eager, "autopar 1x1": autopar.parallelize(copy.deepcopy(eager), grid=(1, 1),
-                                                                 example_kwargs=_batch(0))}
+                                                                 example_kwargs=common.batch(0))}
     if compiled:
         runs["autopar 1x1" + COMPILED] = autopar.parallelize(copy.deepcopy(eager), grid=(1, 1),
-                                                             example_kwargs=_batch(0), compile=True)
+                                                             example_kwargs=common.batch(0), compile=True)
     t: dict = {k: [] for k in runs}
     for s in range(steps + 1):
         for k, m in runs.items():
             t0 = time.perf_counter()
-            m(**_batch(s)).loss.backward()
+            m(**common.batch(s)).loss.backward()
             if s:
                 t[k].append(time.perf_counter() - t0)
     with open(out, "w") as f:
         json.dump({k: statistics.median(v) for k, v in t.items()}, f)
     close()
-
-
-def _spawn(target, world, *args):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port) + args) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"autopar bench: a worker exited with code {p.exitcode}")
 
 
 def markdown(res: dict, overhead: dict) -> str:
@@ -310,7 +212,7 @@ def compiled_lines(res: dict, overhead: dict) -> list:
 
 
 def main(argv=None) -> int:
-    from autopar.cli import add_bench_arguments
+    from autopar.bench.args import add_bench_arguments
 
     parser = argparse.ArgumentParser(prog="autopar bench")
     add_bench_arguments(parser)
@@ -338,10 +240,10 @@ def run(ns) -> int:
     cost_model = ns.cost_model
     if cost_model is None:
         cost_model = os.path.join(tmp, "calibration.json")
-        _spawn(calibrate_worker, 4, cost_model)
+        common.spawn(calibrate_worker, 4, cost_model)
     compiled = not getattr(ns, "no_compile", False)
-    _spawn(worker, 4, ns.rounds, ns.steps, os.path.join(tmp, "bench.json"), cost_model, compiled)
-    _spawn(overhead_worker, 1, 2 * ns.steps, os.path.join(tmp, "overhead.json"), compiled)
+    common.spawn(worker, 4, ns.rounds, ns.steps, os.path.join(tmp, "bench.json"), cost_model, compiled)
+    common.spawn(overhead_worker, 1, 2 * ns.steps, os.path.join(tmp, "overhead.json"), compiled)
     res = json.load(open(os.path.join(tmp, "bench.json")))
     overhead = json.load(open(os.path.join(tmp, "overhead.json")))
     if ns.json:

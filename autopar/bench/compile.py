@@ -20,24 +20,24 @@ import time
 
 def worker(rank, world, port, cacheable, out):
     import torch.distributed as dist
-    from torch._dynamo.utils import counters
 
     import autopar
     import autopar.parallel.module
-    from autopar.bench.compare import _batch, _model
+    from autopar.bench import common
     from autopar.launch import close, init_local
+    from passes.compat import fx_graph_cache_counts
 
     init_local(rank, world, port)
     if not cacheable:  # what compile=True passed to torch.compile before: every graph bypasses the cache
         autopar.parallel.module.INDUCTOR_OPTIONS = {}  # type: ignore[attr-defined]
-    model = autopar.parallelize(_model(), grid=(2, 2), example_kwargs=_batch(0), compile=True)
+    model = autopar.parallelize(common.model(), grid=(2, 2), example_kwargs=common.batch(0), compile=True)
     dist.barrier()
     times = []
     for step in range(2):
         t0 = time.perf_counter()
-        model(**_batch(step)).loss.backward()
+        model(**common.batch(step)).loss.backward()
         times.append(time.perf_counter() - t0)
-    cache = {k[len("fxgraph_cache_"):]: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache_")}
+    cache = fx_graph_cache_counts()
     everyone = [None] * world
     dist.all_gather_object(everyone, {"first_s": times[0], "next_s": times[1], "cache": cache})
     if rank == 0:
@@ -48,7 +48,7 @@ def worker(rank, world, port, cacheable, out):
 
 def measure(cacheable: bool) -> list:
     """[cold ranks, warm ranks]: each rank's figures from two runs of fresh processes on one new cache."""
-    from autopar.bench.compare import _spawn
+    from autopar.bench import common
 
     runs = []
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -57,7 +57,7 @@ def measure(cacheable: bool) -> list:
         try:
             for _ in range(2):
                 out = os.path.join(tmp, "ranks.json")
-                _spawn(worker, 4, cacheable, out)
+                common.spawn(worker, 4, cacheable, out)
                 with open(out) as f:
                     runs.append(json.load(f))
         finally:

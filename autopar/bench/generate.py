@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.bench.compare import CONFIG, FunctionalCommBytes, _model, _spawn, _tp_1d
+from autopar.bench import common
+from autopar.bench.common import CONFIG, FunctionalCommBytes
 from autopar.launch import close, init_local
 from passes.search.strategy import SearchWarning
 
@@ -46,7 +47,7 @@ def _generate(m, ids, new):
 
 
 def _configs(rank, cost_model) -> dict:
-    base = _model().eval()
+    base = common.model().eval()
     ids = torch.randint(1, CONFIG["vocab_size"], (8, PROMPT))
     kw = {"attention_mask": torch.ones_like(ids)}
     out = {"one process": (base, {})} if rank == 0 else {}
@@ -60,7 +61,7 @@ def _configs(rank, cost_model) -> dict:
     out["autopar 2x2, phases auto"] = (out["autopar 2x2"][0], {"prefill_strategy": "auto", "decode_strategy": "auto"})
     out["autopar auto 2x2, forward's plan"] = (out["autopar auto 2x2"][0],
                                                {"prefill_strategy": "forward", "decode_strategy": "forward"})
-    out["PyTorch 1D TP (4 ranks)"] = (_tp_1d(copy.deepcopy(base)).eval(), {})
+    out["PyTorch 1D TP (4 ranks)"] = (common.tp_1d(copy.deepcopy(base)).eval(), {})
     return out
 
 
@@ -182,7 +183,7 @@ def run(ns) -> int:
     import tempfile
 
     out = os.path.join(tempfile.mkdtemp(), "generate.json")
-    _spawn(worker, 4, ns.rounds, out, ns.cost_model)
+    common.spawn(worker, 4, ns.rounds, out, ns.cost_model)
     res = json.load(open(out))
     proj = projection(ns.cost_model)
     if ns.json:

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import autopar
-from autopar.bench.compare import FunctionalCommBytes, _local_bytes, _spawn
+from autopar.bench import common
+from autopar.bench.common import FunctionalCommBytes
 from autopar.launch import close, init_local
 
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -94,7 +95,7 @@ def _experts_on_blocks(twin, module, mesh, x, index, weights):
     return DTensor.from_local(y, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
 
 
-def _tp_1d(model):
+def tp_1d(model):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -117,7 +118,7 @@ def worker(rank, world, port, rounds, steps, out):
     configs = {ONE: base} if rank == 0 else {}
     for name, grid in GRIDS.items():
         configs[name] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=_batch(0))
-    configs[TORCH_TP] = _tp_1d(copy.deepcopy(base))
+    configs[TORCH_TP] = tp_1d(copy.deepcopy(base))
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in configs.items()}
     res: dict = {k: {"losses": [], "times": []} for k in configs}
     order = list(configs.items()) if rank == 0 else [(ONE, None)] + list(configs.items())  # same everywhere
@@ -150,7 +151,7 @@ def worker(rank, world, port, rounds, steps, out):
     dist.barrier()
     for k, m in configs.items():
         res[k]["step_s"] = statistics.median(res[k].pop("times"))
-        res[k]["param_bytes"] = _local_bytes(m)
+        res[k]["param_bytes"] = common.local_bytes(m)
         res[k]["total_param_bytes"] = sum(p.numel() * p.element_size() for p in m.parameters())
     everyone = [None] * world
     dist.all_gather_object(everyone, res)
@@ -192,7 +193,7 @@ def run(ns) -> int:
     import tempfile
 
     out = os.path.join(tempfile.mkdtemp(), "bench_moe.json")
-    _spawn(worker, 4, ns.rounds, ns.steps, out)
+    common.spawn(worker, 4, ns.rounds, ns.steps, out)
     with open(out) as f:
         res = json.load(f)
     if ns.json:

@@ -105,14 +105,14 @@ def html(pl) -> str:
 
 def sweep_table(model, args, kwargs, limit: int, tokens: int, layers: int, hidden: int) -> list:
     """2D on every square grid with q*q <= limit, and 1D at the same p: bytes and parameters per rank."""
-    import autopar
+    from autopar.planning.plan import compare_1d, plan
 
     out = []
     q = 1
     while (q + 1) ** 2 <= limit:
         q += 1
-        pl = autopar.plan(model, grid=(q, q), example_inputs=args, example_kwargs=kwargs, measure_activations=False)
-        one = autopar.compare_1d(pl, model, tokens, layers, hidden)
+        pl = plan(model, grid=(q, q), example_inputs=args, example_kwargs=kwargs, measure_activations=False)
+        one = compare_1d(pl, model, tokens, layers, hidden)
         unsplit = sum(1 for f in pl.fallbacks if f.costly)
         cheaper = "2d" if pl.comm_bytes_per_rank_per_step < one["comm_bytes_per_rank_per_step"] else "1d"
         out.append({"p": q * q, "2d_comm_bytes": pl.comm_bytes_per_rank_per_step, "1d_comm_bytes":

@@ -21,65 +21,22 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from passes import Grid, capture as capture_graph, insert_collectives, localize, propagate
-from passes.search import strategy as strategies
-from passes.capture.export import Captured, retarget_meta
-from passes.transforms.group_siblings import group_siblings
-from passes.compat import pytree
-from passes.meta import LAYOUT
-from passes.mesh import warn
-from passes.options import Options
-from passes.transforms.recompute import recompute
-from passes.transforms.route_experts import route_experts
-from passes.nodes import arg
-from autopar.planning import calibrate as calibrate
 from autopar.program.guards import check_mixed_dtypes, handshake
-from autopar.errors import FallbackWarning
+from passes import Grid, capture as capture_graph
+from passes.capture.export import Captured, retarget_meta
+from passes.compat import pytree
+from passes.compile import Compiled, compile_captured as compile_graph
+from passes.cost.model import CostModel
+from passes.errors import FallbackWarning
+from passes.options import Options
+from passes.search import strategy as strategies
 
 __all__ = ["Compiled", "FallbackWarning", "capture", "compile_program", "compile_captured", "resolve_cost_model",
            "signature", "cache_off_kwargs", "refuse_kv_cache", "input_device"]
-
-
-
-@dataclass
-class Compiled:
-    """The per-rank program for one input signature, and what running it needs."""
-
-    gm: torch.fx.GraphModule
-    captured: Captured
-    out_layouts: list  # per flat output: (Layout, global shape) or None for non-tensors
-    fallbacks: list  # [passes.transforms.propagate.Fallback]
-    random: bool = False  # the graph draws random numbers (dropout)
-    choice: object = None  # strategy="auto": the passes.search.strategy.Choice made
-    signature: tuple = ()  # the (training, input shapes and dtypes) it was compiled for; see `signature`
-    flat: torch.fx.GraphModule | None = None  # recompute=...: `gm` before its regions were grouped
-
-    @property
-    def inspected(self) -> torch.fx.GraphModule:
-        """The graph `explain` and `plan` read: every op as a node of its own (with recompute=..., the
-        nodes the `Recompute` modules of `gm` run, marked with `passes.meta.RECOMPUTE`)."""
-        return self.flat if self.flat is not None else self.gm
-
-
-_RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
-           "feature_dropout", "alpha_dropout", "randint", "randint_like", "randperm", "uniform", "uniform_",
-           "normal", "normal_", "exponential", "exponential_", "multinomial", "poisson", "rrelu",
-           "rrelu_with_noise", "cauchy_", "geometric_", "log_normal_", "random_"}
-
-
-def _draws_random(gm) -> bool:
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
-            continue
-        name = n.target.overloadpacket.__name__
-        if name in _RANDOM or (name == "scaled_dot_product_attention" and arg(n, 4, "dropout_p", 0.0)):
-            return True
-    return False
 
 
 def signature(args, kwargs, training: bool) -> tuple:
@@ -160,19 +117,12 @@ def capture(model, args, kwargs) -> Captured:
     return cap
 
 
-def resolve_cost_model(spec) -> strategies.CostModel:
-    """None (published GPU-cluster figures), a CostModel, a dict or a path of `autopar calibrate` JSON."""
-    if spec is None or isinstance(spec, strategies.CostModel):
-        return spec or strategies.CostModel.from_dict(calibrate.DEFAULT)
-    return strategies.CostModel.from_dict(calibrate.validate(spec) if isinstance(spec, dict) else calibrate.load(spec))
-
-
 def _choose(cap: Captured, grid: Grid, options: Options):
     """strategy='auto': one search, on global rank 0 when ranks run (a search stopped by its time
     budget could end elsewhere on another rank, and one search spares the others' CPU), its Choice (or
     its error) sent to every rank."""
     def search():
-        return strategies.choose(cap.gm, grid.shape, resolve_cost_model(options.cost_model), options)
+        return strategies.choose(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options)
 
     if grid.mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return search()
@@ -203,45 +153,13 @@ def compile_program(model, args, kwargs, grid: Grid, options: Options, choice=No
                             options, choice, pinned)
 
 
+def resolve_cost_model(spec) -> CostModel:
+    """None (published GPU-cluster figures), a CostModel, a dict or a path of `autopar calibrate` JSON."""
+    return CostModel.resolve(spec)
+
+
 def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, choice=None, pinned=None) -> tuple:
     """`compile_program` from a graph already captured (and, for generation, marked: `autopar.generate`
-    renames its parameters and places its cache before this runs); `key` becomes its signature."""
-    chosen = None
-    if grid.world > 1:
-        route_experts(cap.gm, grid.shape, options.moe_dispatch)
-    if grid.world > 1 and options.strategy == "1d":
-        strategies.fixed(cap.gm, "1d")
-    elif grid.world > 1 and choice is not None:
-        chosen = choice
-        strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,
-                         choice.alternatives)
-    elif grid.world > 1 and options.strategy == "auto":
-        chosen = _choose(cap, grid, options)
-    prop = propagate(cap.gm, grid.shape, options, pinned)
-    if grid.world > 1:
-        gm = insert_collectives(cap.gm, grid, options.lowering)
-        localize(gm, grid.shape, (grid.r, grid.c))
-        group_siblings(gm, grid)
-    else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
-        gm = cap.gm
-    out_node = gm.graph.output_node()
-    outs = []
-    for a in pytree.tree_leaves(out_node.args[0]):
-        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-        outs.append((a.meta[LAYOUT], tuple(v.shape)) if isinstance(v, torch.Tensor) else None)
-    if prop.gathering_fallbacks:
-        lines = "\n".join(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'}: {f.reason}"
-                          for f in prop.gathering_fallbacks)
-        warn(
-            f"autopar: {len(prop.gathering_fallbacks)} op(s) run unsplit (gathered whole, computed on every "
-            f"rank, split again):\n{lines}",
-            FallbackWarning,
-            stacklevel=4,
-        )
-    random = _draws_random(gm)
-    flat, mode, only = None, options.recompute, None
-    if mode is None and chosen is not None and chosen.recompute_blocks:  # the search's way to fit memory_limit
-        mode, only = "blocks", set(chosen.recompute_blocks)
-    if mode:  # None / False: nothing recomputed
-        flat, gm = gm, recompute(gm, grid, mode, only)
-    return Compiled(gm, cap, outs, prop.fallbacks, random, chosen, key, flat), prop.param_layouts
+    renames its parameters and places its cache before this runs); `key` becomes its signature. The
+    passes run in `passes.compile`; strategy='auto' searches on rank 0 and sends its choice to all."""
+    return compile_graph(cap, key, grid, options, choice, pinned, search=lambda: _choose(cap, grid, options))

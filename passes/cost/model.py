@@ -4,7 +4,34 @@ published GPU-cluster defaults) becomes a `CostModel` here."""
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from dataclasses import dataclass
+
+VERSION = 1
+KEYS = ("version", "source", "grid", "backend", "device", "axes", "flops_per_s", "when")
+AXIS_KEYS = ("alpha_s", "beta_bytes_per_s", "points")
+RERUN = "re-run `autopar calibrate --grid RxC` to write a fresh one"
+
+DEFAULT = {
+    "version": VERSION,
+    "source": "default: published NVLink/InfiniBand figures",
+    "grid": [8, 8],  # 64 GPUs in 8 nodes of 8: axis 1 (consecutive ranks) inside a node, axis 0 across nodes
+    "backend": "nccl",
+    "device": "cuda",
+    "axes": [
+        # axis 0 crosses nodes: one 200 Gb/s InfiniBand HDR HCA per GPU = 25 GB/s; ~20 us per collective
+        {"alpha_s": 2e-5, "beta_bytes_per_s": 25e9, "points": []},
+        # axis 1 inside a node: NVLink 4 is 900 GB/s bidirectional per H100 (NVIDIA); ~150 GB/s is a
+        # conservative achieved per-rank bus bandwidth for ring collectives; ~10 us per collective
+        {"alpha_s": 1e-5, "beta_bytes_per_s": 150e9, "points": []},
+    ],
+    "flops_per_s": 400e12,  # a realistic bf16 fraction of the H100 SXM's 989 TFLOP/s dense (NVIDIA datasheet)
+    "when": "2026-11-30T00:00:00+00:00",  # when these figures were written down, not measured
+}
+
+
 
 
 @dataclass
@@ -26,3 +53,91 @@ class CostModel:
 
     def collective(self, axis: int, nbytes: float, calls: int = 1) -> float:
         return calls * self.alpha[axis] + nbytes / self.beta[axis]
+
+    @classmethod
+    def resolve(cls, spec) -> "CostModel":
+        """None (published GPU-cluster figures, `DEFAULT`), a CostModel, a dict or a path of the JSON
+        `autopar calibrate` writes."""
+        if spec is None or isinstance(spec, cls):
+            return spec or cls.from_dict(DEFAULT)
+        return cls.from_dict(validate(spec) if isinstance(spec, dict) else load(spec))
+
+
+def unit_axis() -> dict:
+    """The model of an axis of size 1: it never communicates."""
+    return {"alpha_s": 0.0, "beta_bytes_per_s": math.inf, "points": []}
+
+
+def summary(model: dict) -> str:
+    """A few human lines: per axis alpha in microseconds and beta in GB/s, and the matmul rate."""
+    head = (f"autopar calibration ({model['source']}): grid {model['grid'][0]}x{model['grid'][1]}, "
+            f"backend {model['backend']}, device {model['device']}, {model['when']}")
+    lines = [head]
+    for axis, ax in enumerate(model["axes"]):
+        beta = ax["beta_bytes_per_s"]
+        if beta is None or math.isinf(beta):
+            lines.append(f"  mesh axis {axis}: size 1, no communication")
+        else:
+            lines.append(f"  mesh axis {axis}: alpha {ax['alpha_s'] * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s "
+                         f"({len(ax['points'])} points)")
+    lines.append(f"  matmul: {model['flops_per_s'] / 1e9:.1f} GFLOP/s")
+    return "\n".join(lines)
+
+
+def save(model: dict, path) -> None:
+    """Write `model` as JSON to `path` (beta inf -> null); written to a temporary file first, so a
+    reader never sees half a file."""
+    out = dict(model)
+    out["axes"] = [dict(ax, beta_bytes_per_s=_json_beta(ax["beta_bytes_per_s"])) for ax in model["axes"]]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _json_beta(beta):
+    """inf (an axis that never communicates) as null: JSON has no infinity."""
+    return None if beta is None or math.isinf(beta) else float(beta)
+
+
+def load(path) -> dict:
+    """Read a calibration written by `save`, check its version and keys, and return it with beta
+    null read back as inf. Raises ValueError naming what is wrong."""
+    try:
+        with open(path) as f:
+            model = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a JSON calibration file ({e}); {RERUN}") from None
+    return validate(model, where=str(path))
+
+
+def validate(model, where: str = "calibration") -> dict:
+    """`model` checked against the schema (version 1), with beta null as inf; ValueError otherwise."""
+    if not isinstance(model, dict):
+        # ValueError, not TypeError: a damaged file is one kind of error for the caller to catch
+        raise ValueError(f"{where}: expected a JSON object, got {type(model).__name__}; {RERUN}")  # noqa: TRY004
+    if model.get("version") != VERSION:
+        raise ValueError(f"{where}: calibration version {model.get('version')!r}, this autopar reads version "
+                         f"{VERSION}; {RERUN}")
+    missing = [k for k in KEYS if k not in model]
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing} (expected {list(KEYS)}); {RERUN}")
+    grid, axes = model["grid"], model["axes"]
+    if not (isinstance(grid, list) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
+        raise ValueError(f"{where}: 'grid' must be [R, C] with positive ints, got {grid!r}; {RERUN}")
+    if not (isinstance(axes, list) and len(axes) == 2):
+        raise ValueError(f"{where}: 'axes' must list one entry per mesh axis (2), got {axes!r}; {RERUN}")
+    out_axes = []
+    for axis, ax in enumerate(axes):
+        bad = [k for k in AXIS_KEYS if not isinstance(ax, dict) or k not in ax]
+        if bad:
+            raise ValueError(f"{where}: axes[{axis}] lacks {bad} (expected {list(AXIS_KEYS)}); {RERUN}")
+        beta = math.inf if ax["beta_bytes_per_s"] is None else float(ax["beta_bytes_per_s"])
+        if float(ax["alpha_s"]) < 0 or beta <= 0:
+            raise ValueError(f"{where}: axes[{axis}] needs alpha_s >= 0 and beta_bytes_per_s > 0 (or null), got "
+                             f"{ax['alpha_s']!r}, {ax['beta_bytes_per_s']!r}; {RERUN}")
+        out_axes.append(dict(ax, alpha_s=float(ax["alpha_s"]), beta_bytes_per_s=beta))
+    if not float(model["flops_per_s"]) > 0:
+        raise ValueError(f"{where}: 'flops_per_s' must be > 0, got {model['flops_per_s']!r}; {RERUN}")
+    return dict(model, axes=out_axes, flops_per_s=float(model["flops_per_s"]))

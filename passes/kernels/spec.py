@@ -159,7 +159,7 @@ class KernelSpec:
         return 0
 
 
-def _products(*needs_grad: bool) -> int:
+def products_per_step(*needs_grad: bool) -> int:
     """Products one matmul runs in a training step: the forward one, and one backward per operand
     that needs a gradient (dX = dY W^T, dW = X^T dY)."""
     return 1 + sum(needs_grad)
@@ -199,7 +199,7 @@ class SummaSpec(KernelSpec):
                 "K": x.shape[-1], "N": y.shape[-1]}
 
     def products(self, site: Site) -> int:
-        return _products(site.grads[0], site.grads[1])
+        return products_per_step(site.grads[0], site.grads[1])
 
     def describe(self, site):
         return ("SUMMA ABT: bcast W (col), reduce Y (row); bwd AB + ATB" if self.transposed
@@ -372,7 +372,7 @@ class ReblockSpec(KernelSpec):
 
 def flops(site: Site, spec: KernelSpec | None = None) -> int:
     """Forward + backward FLOPs of one node on one rank, 2 m k n per product that runs (see
-    `_products`): a kernel counts its own, a local matmul-like op or attention is counted here from
+    `products_per_step`): a kernel counts its own, a local matmul-like op or attention is counted here from
     its blocks, every other op is 0. The one count `explain`, `plan` and the estimate use."""
     if spec is not None:
         return spec.flops(site)
@@ -385,7 +385,7 @@ def flops(site: Site, spec: KernelSpec | None = None) -> int:
         return 0
     k = site.local(0)[-1]
     out = local_shape(tuple(y.shape), cast(Layout, site.out), site.mesh, at=(0, 0))
-    return 2 * math.prod(out) * k * _products(*site.grads[:2])
+    return 2 * math.prod(out) * k * products_per_step(*site.grads[:2])
 
 
 def _attention_flops(site: Site) -> int:
@@ -394,4 +394,4 @@ def _attention_flops(site: Site) -> int:
     b, h, s, d = local_shape(tuple(site.val(0).shape), cast(Layout, site.out), site.mesh, at=(0, 0))
     sk = site.val(1).shape[-2]
     gq, gk, gv = site.grads[:3]
-    return 2 * b * h * s * sk * d * (_products(gq, gk) + _products(gq or gk, gv))
+    return 2 * b * h * s * sk * d * (products_per_step(gq, gk) + products_per_step(gq or gk, gv))

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from passes import compat
 from passes.compat import is_fake
 from passes.layout import chunk_range
 from passes.mesh import Grid
@@ -30,7 +31,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aten: bool)
     if x.shape[0] == 0:
         return torch.einsum("sk,ekn->sn", x, w)  # [0, N']
     if aten:
-        return torch._grouped_mm(x, w, offs=offs)
+        return compat.grouped_mm(x, w, offs)
     return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from passes.mesh import Grid
-from passes.ops.comm import _nbytes, guarded
+from passes.ops.comm import tensor_bytes, guarded
 
 
 
@@ -135,7 +135,7 @@ class StepBuckets:
 
     def _launch(self, b: int, async_op: bool) -> None:
         grid, tag, flat = self.grid, f"dp:bucket{b}", self._buffer(b)
-        grid.log.add(tag, "bwd", 2 * (grid.dp - 1) * _nbytes(flat) // grid.dp)
+        grid.log.add(tag, "bwd", 2 * (grid.dp - 1) * tensor_bytes(flat) // grid.dp)
         grid.log.launch(tag, "bwd")
         with guarded(grid, "all-reduce", "dp", tag):
             self.work[b] = dist.all_reduce(flat, group=grid.dp_group, async_op=async_op)

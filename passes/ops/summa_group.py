@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from passes.compat import register_ordered
 from passes.mesh import Grid, grid_of
-from passes.ops.comm import Posted, _nbytes, post_reduce_scatter, run_all_gather, run_reduce_scatter
+from passes.ops.comm import Posted, tensor_bytes, post_reduce_scatter, run_all_gather, run_reduce_scatter
 from passes.ops.summa import AXIS_SAME_COL, AXIS_SAME_ROW, backward_pair
 
 SEP = "|"  # joins the members' tags into one op argument (a torch.library op takes no list of str)
@@ -53,13 +53,13 @@ def _reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, received: 
 def _weights(grid: Grid, ws: list, tags: list, phase: str) -> torch.Tensor:
     """The k weight blocks side by side, gathered over the rows: [K, sum N_i/C]."""
     R = grid.size(AXIS_SAME_COL)
-    return _gather(grid, AXIS_SAME_COL, torch.cat(ws, 1), 0, [(t, (R - 1) * _nbytes(w)) for t, w in zip(tags, ws)],
+    return _gather(grid, AXIS_SAME_COL, torch.cat(ws, 1), 0, [(t, (R - 1) * tensor_bytes(w)) for t, w in zip(tags, ws)],
                    phase)
 
 
 def _x_panel(grid: Grid, x: torch.Tensor, tags: list, phase: str) -> torch.Tensor:
     """x's row panel [m, K], gathered once for the group (counted by the lead)."""
-    return _gather(grid, AXIS_SAME_ROW, x, 1, [(tags[0], (grid.size(AXIS_SAME_ROW) - 1) * _nbytes(x))], phase)
+    return _gather(grid, AXIS_SAME_ROW, x, 1, [(tags[0], (grid.size(AXIS_SAME_ROW) - 1) * tensor_bytes(x))], phase)
 
 
 def _split(t: torch.Tensor, like: list) -> list:
@@ -76,7 +76,7 @@ def abt(grid: Grid, gs: list, ws: list, tags: list) -> torch.Tensor:
     """dX = sum_i dY_i W_i^T for dY_i [m, N_i/C]: [m, K/C] (one reduce-scatter, counted by the lead)."""
     part = torch.cat(gs, 1) @ _weights(grid, ws, tags, "bwd").t()  # [m, K], partial over the columns
     C = grid.size(AXIS_SAME_ROW)
-    dx = _reduce_scatter(grid, AXIS_SAME_ROW, part, 1, [(tags[0], (C - 1) * _nbytes(part) // C)], "bwd")
+    dx = _reduce_scatter(grid, AXIS_SAME_ROW, part, 1, [(tags[0], (C - 1) * tensor_bytes(part) // C)], "bwd")
     return dx.contiguous()  # the layout the fake kernel promises
 
 

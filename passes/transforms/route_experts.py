@@ -24,12 +24,12 @@ import operator
 from typing import cast
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
+from passes.compat import detect_fake_mode, fake_tensor_mode
 from passes.mesh import warn
 from passes.nodes import arg
-from passes.rules.moe.experts import _is_grouped_mm, _second
+from passes.rules.moe.experts import is_grouped_mm, reads_first_matmul
 from passes.errors import RoutingWarning
 
 aten = torch.ops.aten
@@ -91,7 +91,7 @@ class _Region:
             return
         self.perm, self.k, self.ids = fd.args[0], fd.args[1], sort.args[0]
         self.offs = arg(g1, 2, "offs")
-        seconds = [u for u in self.offs.users if _is_grouped_mm(u) and u is not g1 and _second(u, u.args[0])]
+        seconds = [u for u in self.offs.users if is_grouped_mm(u) and u is not g1 and reads_first_matmul(u, u.args[0])]
         if len(seconds) != 1 or not isinstance(self.k, int):
             self.missing = "no single second grouped matmul on the same offsets"
             return
@@ -123,7 +123,7 @@ class _Region:
             comb = g.call_function(torch.ops.autopar.moe_combine.default, (self.g2, self.w, self.ids, self.k, experts))
         for new, old in ((disp, self.index), (offs, self.offs), (comb, self.sum)):
             new.meta.update({k: v for k, v in old.meta.items() if k in ("nn_module_stack", "stack_trace")})
-        with fake or torch._subclasses.FakeTensorMode():
+        with fake or fake_tensor_mode():
             disp.meta["val"] = torch.ops.autopar.moe_dispatch(self.h.meta["val"], self.ids.meta["val"], self.k,
                                                               experts)
             offs.meta["val"] = torch.ops.autopar.moe_offsets(self.ids.meta["val"], experts)
@@ -159,7 +159,7 @@ def route_experts(gm: GraphModule, mesh: tuple, mode: str) -> list:
         return []
     kept = []
     for node in list(gm.graph.nodes):
-        if node._erased or not _is_grouped_mm(node) or _second(node, node.args[0]):
+        if node._erased or not is_grouped_mm(node) or reads_first_matmul(node, node.args[0]):
             continue
         region = _Region(node)
         if region.missing:

@@ -34,7 +34,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
-from passes.kernels.spec import KernelSpec, Site, _products
+from passes.kernels.spec import KernelSpec, Site, products_per_step
 from passes.layout import REPLICATED, Layout, Strided, split_dim, uneven_ok
 from passes.ops.experts import ExpertBlockMM
 from passes.rules.registry import Strategy, Unsupported, register, register_named
@@ -72,17 +72,17 @@ class ExpertsSpec(KernelSpec):
         s, k = site.local(0)
         n = site.local(1)[-1]
         rows = math.ceil(s / site.mesh[0]) if self.split else s
-        return 2 * rows * k * n * _products(*site.grads[:2])
+        return 2 * rows * k * n * products_per_step(*site.grads[:2])
 
 
-def _is_grouped_mm(node: Node) -> bool:
+def is_grouped_mm(node: Node) -> bool:
     return node.target == aten._grouped_mm.default or str(node.target) == GROUPED_MM
 
 
 def _source_mm(x: Node) -> Node | None:
     """The grouped matmul whose output x is, through casts, activations, products and the split into
     gate and up (what lies between two expert matmuls); None when x is not such a value."""
-    while x.op == "call_function" and not _is_grouped_mm(x):
+    while x.op == "call_function" and not is_grouped_mm(x):
         packet = getattr(x.target, "overloadpacket", None)
         if x.target is not operator.getitem and packet not in _BETWEEN:
             return None
@@ -93,7 +93,7 @@ def _source_mm(x: Node) -> Node | None:
     return x if x.op == "call_function" else None
 
 
-def _second(node: Node, x: Node) -> bool:
+def reads_first_matmul(node: Node, x: Node) -> bool:
     """x is the result of a grouped matmul over the same experts and offsets as `node` (the down
     projection reading the gate/up projection's output)."""
     src = _source_mm(x)
@@ -140,7 +140,7 @@ def grouped_mm(node, layouts, mesh):
     split = R > 1 and (E % R == 0 or uneven_ok(mesh))
     if placed is not None:  # pinned by an earlier compile (another input shape): keep its expert blocks
         split = placed[0] == Shard(0)
-    second = _second(node, x)
+    second = reads_first_matmul(node, x)
     x1, w1, o1 = _columns(node, have, second, ws, mesh)
     # the first matmul reads x P(rows) too when the dispatch sent each row its experts' tokens
     x0 = EXPERT_ROWS if split and have[0] == EXPERT_ROWS else Replicate()

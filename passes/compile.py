@@ -1,0 +1,129 @@
+"""The pass order: a captured graph to the per-rank program every rank runs (`compile_captured`).
+
+    route_experts -> choose (strategy='auto') -> propagate -> insert_collectives -> localize
+    -> group_siblings -> recompute
+
+The result is a `Compiled`: the rewritten GraphModule, the capture it came from, the layouts of its
+outputs and the fallbacks it runs. `autopar.program.build` captures a model's call and calls this.
+
+>>> import torch
+>>> from passes.capture.export import capture
+>>> from passes.mesh import Grid
+>>> from passes.options import Options
+>>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(2, 4),), {})
+>>> comp, layouts = compile_captured(cap, (), Grid.for_planning(2, 2), Options())
+>>> layouts["weight"], comp.out_layouts[0][0]
+(S(1)S(0), S(0)S(1))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from passes.capture.export import Captured
+from passes.compat import pytree
+from passes.cost.model import CostModel
+from passes.errors import FallbackWarning
+from passes.mesh import Grid, warn
+from passes.meta import LAYOUT
+from passes.nodes import arg
+from passes.options import Options
+from passes.search import strategy as strategies
+from passes.transforms.group_siblings import group_siblings
+from passes.transforms.insert_collectives import insert_collectives
+from passes.transforms.localize import localize
+from passes.transforms.propagate import propagate
+from passes.transforms.recompute import recompute
+from passes.transforms.route_experts import route_experts
+
+__all__ = ["Compiled", "compile_captured"]
+
+
+@dataclass
+class Compiled:
+    """The per-rank program for one input signature, and what running it needs."""
+
+    gm: torch.fx.GraphModule
+    captured: Captured
+    out_layouts: list  # per flat output: (Layout, global shape) or None for non-tensors
+    fallbacks: list  # [passes.transforms.propagate.Fallback]
+    random: bool = False  # the graph draws random numbers (dropout)
+    choice: object = None  # strategy="auto": the passes.search.strategy.Choice made
+    signature: tuple = ()  # the (training, input shapes and dtypes) it was compiled for; see `signature`
+    flat: torch.fx.GraphModule | None = None  # recompute=...: `gm` before its regions were grouped
+
+    @property
+    def inspected(self) -> torch.fx.GraphModule:
+        """The graph `explain` and `plan` read: every op as a node of its own (with recompute=..., the
+        nodes the `Recompute` modules of `gm` run, marked with `passes.meta.RECOMPUTE`)."""
+        return self.flat if self.flat is not None else self.gm
+
+
+_RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+           "feature_dropout", "alpha_dropout", "randint", "randint_like", "randperm", "uniform", "uniform_",
+           "normal", "normal_", "exponential", "exponential_", "multinomial", "poisson", "rrelu",
+           "rrelu_with_noise", "cauchy_", "geometric_", "log_normal_", "random_"}
+
+
+def _draws_random(gm) -> bool:
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
+            continue
+        name = n.target.overloadpacket.__name__
+        if name in _RANDOM or (name == "scaled_dot_product_attention" and arg(n, 4, "dropout_p", 0.0)):
+            return True
+    return False
+
+
+def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, choice=None, pinned=None,
+                     search=None) -> tuple:
+    """(Compiled, parameter name -> Layout) of a captured graph on `grid`, the passes in their order:
+    route experts, the strategy of each matmul unit (options.strategy; with `choice`, a Choice made
+    before, which a recompile for new shapes repeats instead of searching again; strategy='auto' calls
+    `search()`, by default `passes.search.strategy.choose` here), propagate, insert collectives,
+    localize, group sibling products, recompute. `pinned`: the parameter layouts of an earlier compile,
+    kept as they are (see `passes.transforms.propagate`). Ops that run gathered whole are named in one
+    FallbackWarning. A 1x1 grid runs the captured graph as it is. `key` becomes the signature."""
+    chosen = None
+    if grid.world > 1:
+        route_experts(cap.gm, grid.shape, options.moe_dispatch)
+    if grid.world > 1 and options.strategy == "1d":
+        strategies.fixed(cap.gm, "1d")
+    elif grid.world > 1 and choice is not None:
+        chosen = choice
+        strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,
+                         choice.alternatives)
+    elif grid.world > 1 and options.strategy == "auto":
+        chosen = search() if search is not None else strategies.choose(
+            cap.gm, grid.shape, CostModel.resolve(options.cost_model), options)
+    prop = propagate(cap.gm, grid.shape, options, pinned)
+    if grid.world > 1:
+        gm = insert_collectives(cap.gm, grid, options.lowering)
+        localize(gm, grid.shape, (grid.r, grid.c))
+        group_siblings(gm, grid)
+    else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
+        gm = cap.gm
+    out_node = gm.graph.output_node()
+    outs = []
+    for a in pytree.tree_leaves(out_node.args[0]):
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        outs.append((a.meta[LAYOUT], tuple(v.shape)) if isinstance(v, torch.Tensor) else None)
+    if prop.gathering_fallbacks:
+        lines = "\n".join(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'}: {f.reason}"
+                          for f in prop.gathering_fallbacks)
+        warn(
+            f"autopar: {len(prop.gathering_fallbacks)} op(s) run unsplit (gathered whole, computed on every "
+            f"rank, split again):\n{lines}",
+            FallbackWarning,
+            stacklevel=4,
+        )
+    random = _draws_random(gm)
+    flat, only = None, None
+    mode = options.recompute if isinstance(options.recompute, str) else None  # None / False: none
+    if mode is None and chosen is not None and chosen.recompute_blocks:  # the search's way to fit memory_limit
+        mode, only = "blocks", set(chosen.recompute_blocks)
+    if mode:
+        flat, gm = gm, recompute(gm, grid, mode, only)
+    return Compiled(gm, cap, outs, prop.fallbacks, random, chosen, key, flat), prop.param_layouts
