@@ -179,5 +179,5 @@ def test_layer_order_is_documented():
     """Catches docs/design.md's layer list drifting from the order this test enforces."""
     text = open(os.path.join(ROOT, "docs", "design.md")).read()
     section = text.split("### Layers", 1)[1].split("\n#", 1)[0]
-    listed = [tuple(re.findall(r"`([\w.]+)`", line)) for line in section.splitlines() if re.match(r"\s*\d+\.", line)]
+    listed = [tuple(re.findall(r"`([\w.]+)`", line)) for line in section.splitlines() if line.startswith("- `")]
     assert listed == list(reversed(LAYERS)), listed
