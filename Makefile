@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 PLOT_STAMP := $(VENV)/.installed-0.1.0-plot  # matplotlib, for the targets that draw
 
-.PHONY: demo test lint bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
+.PHONY: demo test test-all lint bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 # lint first: it takes seconds, the suite minutes. pytest's paths and --doctest-modules are in pyproject.toml.
 test: lint
 	$(BIN)/python -m pytest -q
+
+# the slow tier too: exhaustive sweeps, every grid, long compiled runs (see README, Contributing)
+test-all: lint
+	RUN_SLOW=1 $(BIN)/python -m pytest -q
 
 # ruff and mypy, configured (and the choice of rules explained) in pyproject.toml
 lint: $(STAMP)

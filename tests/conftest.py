@@ -52,6 +52,22 @@ def pool9():
     return get_pool(9)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tier (`@pytest.mark.slow`) runs only with RUN_SLOW=1 (`make test-all`), as
+    transformers' slow tests do; `make test` deselects it, and says how many it left out."""
+    if os.environ.get("RUN_SLOW", "0") not in ("", "0"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        config.hook.pytest_deselected(items=slow)
+
+
+def pytest_report_header(config):
+    return ("slow tier: run (RUN_SLOW=1)" if os.environ.get("RUN_SLOW", "0") not in ("", "0")
+            else "slow tier: deselected (make test-all or RUN_SLOW=1 runs it)")
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()

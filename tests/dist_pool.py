@@ -3,13 +3,19 @@
 Start-up of 4 ranks costs ~3.5 s on a 2-core machine, so tests share one pool per world size. A
 check is an importable function `fn(rank, *args)` run on every rank; its return values come back as
 a list by rank. A rank that raises, or a pool that stops answering (a hang), fails the test with the
-rank's traceback, and the pool is torn down so the next test gets a fresh one.
+rank's traceback, and the pool is torn down so the next test gets a fresh one. A hang's failure
+shows where every live rank was: each rank's Python stack, dumped by faulthandler on SIGUSR1 just
+before the pool is torn down.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
+import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -17,7 +23,10 @@ import torch.multiprocessing as mp
 from autopar.launch import free_port, init_local
 
 
-def _worker(rank, world, port, inbox, outbox, parent):
+def _worker(rank, world, port, inbox, outbox, parent, stacks):
+    # kept open for the process's life: faulthandler writes to its descriptor from a signal handler
+    dump = open(stacks, "w")
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     init_local(rank, world, port)
     while True:
         try:
@@ -72,8 +81,9 @@ class Pool:
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox, os.getpid()),
-                                  daemon=True)
+        self.stacks = [tempfile.mkstemp(prefix=f"autopar-pool-rank{r}-", suffix=".txt")[1] for r in range(world)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox, os.getpid(),
+                                                        self.stacks[r]), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -113,9 +123,26 @@ class Pool:
                 waited += 1.0
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
             if dead or waited >= timeout:
+                where = self.where()
                 self.close(force=True)
                 why = f"rank(s) {dead} died" if dead else f"no answer within {timeout:.0f} s (hang?)"
-                raise AssertionError(f"{fn.__name__}: {why}")
+                raise AssertionError(f"{fn.__name__}: {why}\n{where}")
+
+    def where(self, tail: int = 12) -> str:
+        """The innermost `tail` frames of every live rank's main thread, from a faulthandler dump."""
+        live = [(r, p) for r, p in enumerate(self.procs) if p.is_alive()]
+        for r, p in live:
+            open(self.stacks[r], "w").close()
+            os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)  # the handlers write asynchronously
+        out = []
+        for r, _ in live:
+            text = open(self.stacks[r]).read().strip()
+            blocks = text.split("\n\n")
+            main = next((b for b in blocks if "most recent call first" in b and "Current thread" in b), blocks[0])
+            lines = main.splitlines()
+            out.append(f"rank {r} was at (innermost first):\n" + "\n".join(lines[1:tail + 1]))
+        return "\n".join(out) or "(no rank alive to ask)"
 
     def close(self, force: bool = False):
         self.broken = True
@@ -126,3 +153,6 @@ class Pool:
             p.join(timeout=0 if force else 10)
             if p.is_alive():
                 p.kill()
+        for path in self.stacks:
+            if os.path.exists(path):
+                os.remove(path)

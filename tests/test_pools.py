@@ -1,7 +1,11 @@
 """The session's pools of ranks (tests/conftest.py): which pools stay up when a test asks for another
 world size. Fake pools only: nothing is spawned."""
 
-from tests import conftest
+import time
+
+import pytest
+
+from tests import conftest, dist_pool
 
 
 class _FakePool:
@@ -32,3 +36,26 @@ def test_pools_kept_within_the_rank_budget(monkeypatch):
     assert started == [4, 9, 6, 9, 6, 9, 2, 6, 1, 8], started
     conftest._pools[4].close()  # a check failed on a rank: the next test gets a fresh pool
     assert conftest.get_pool(4) is not pool and started[-1] == 4
+
+
+def hang_on_rank_1(rank):
+    """A check that never returns on rank 1 (waits as a rank stuck in a collective would)."""
+    if rank == 1:
+        time.sleep(120)
+    return rank
+
+
+def test_a_hang_says_where_every_rank_was():
+    """Catches a hung multi-rank test that fails with 'no answer' and nothing more: the failure must
+    show each live rank's stack (faulthandler), so the rank stuck in a collective is found at once."""
+    pool = dist_pool.start(2)
+    try:
+        with pytest.raises(AssertionError) as e:
+            pool.run(hang_on_rank_1, timeout=4)
+    finally:
+        pool.close(force=True)
+    msg = str(e.value)
+    assert "no answer within 4 s" in msg, msg
+    assert "rank 0 was at" in msg and "rank 1 was at" in msg, msg
+    rank1 = msg.split("rank 1 was at", 1)[1]
+    assert "hang_on_rank_1" in rank1.split("rank 0 was at")[0], msg
