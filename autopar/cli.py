@@ -262,6 +262,18 @@ def bench_cmd(ns) -> int:
     return run(ns)
 
 
+def _option_flag(parser, name: str, note: str, **differs) -> None:
+    """`--name` for the parallelize option `name`, from its declaration (`passes.options.OPTIONS`): its
+    string choices (None and False stay out, being the flag's absence) and its meaning; `note` and
+    `differs` say what the command line does otherwise (a unit, a default that follows another flag)."""
+    from passes.options import OPTION
+
+    declared = OPTION[name]
+    choices = [c for c in declared.choices if isinstance(c, str)] or None
+    flag = dict(choices=choices, default=declared.default, help=f"{declared.help} ({note})")
+    parser.add_argument("--" + name.replace("_", "-"), **{**flag, **differs})
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="2D tensor parallelism planner")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -274,12 +286,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", default=(2, 2), type=_inspect_grid, metavar="RxC",
                    help="the grid, e.g. 8x8 or 2x4 (default 2x2); 'auto' picks the shape for --devices")
     p.add_argument("--devices", type=int, help="with --grid auto: the number of ranks to arrange")
-    p.add_argument("--strategy", choices=["2d", "1d", "auto"],
-                   help="how weight matmuls are split (default 2d; auto with --grid auto)")
-    p.add_argument("--cost-model", metavar="FILE", help="JSON from `autopar calibrate` (default: published "
-                                                        "NVLink/InfiniBand figures)")
-    p.add_argument("--memory-limit", type=float, metavar="GIB", help="per-rank memory limit for --strategy auto "
-                                                                      "and --max-batch")
+    _option_flag(p, "strategy", "default 2d; auto with --grid auto", default=None)
+    _option_flag(p, "cost_model", "JSON from `autopar calibrate`; default: published NVLink/InfiniBand figures",
+                 metavar="FILE")
+    _option_flag(p, "memory_limit", "in GiB here; also --max-batch's limit", type=float, metavar="GIB")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -287,8 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", choices=["1d"], help="also report Megatron-style 1D at the same p")
     p.add_argument("--sweep", type=int, metavar="N", help="compare all square grids and 1D with p <= N")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--recompute", choices=["blocks", "selective"],
-                   help="plan with activation recomputation (see parallelize's recompute)")
+    _option_flag(p, "recompute", "default: as parallelize's")
     p.add_argument("--max-batch", action="store_true",
                    help="the largest batch per scheme (2D, 1D, 1D x data parallel, auto) that fits --memory-limit "
                         "on --grid, without and with recomputation")

@@ -6,8 +6,9 @@ goes through this module, so that an upgrade of torch has one file to check. Eac
 lives, the torch versions it was checked on, and what stops working if it moves.
 
 pyproject.toml requires torch>=2.13; every entry was checked on 2.13.0 (CPU build). A moved name fails
-here, at `import passes`, with an ImportError or AttributeError naming it, except the two imported on
-first use (`fake_store`, `fake_tensor_mode`), which fail when `autopar.plan` measures activations.
+here, when the first compiler module that uses this one is imported, with an ImportError or
+AttributeError naming it, except the two imported on first use (`fake_store`, `fake_tensor_mode`),
+which fail when `autopar.plan` measures activations.
 
 Aliases are the very objects torch defines (`set_grad_enabled is torch._C._set_grad_enabled`), so graphs
 that call them print and compare as before.

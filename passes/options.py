@@ -1,4 +1,11 @@
-"""The options of a compile, validated once.
+"""The options of a compile, each declared once and validated once.
+
+Every option is one field of `Options`, declared with `option(...)`: its default, its type (the field's
+annotation), the values it takes (a few `choices`, or a `check` with the words `expected` for it), its
+unit and one line saying what it decides. The rest is read from that declaration: `Options` validates
+by it, `OPTIONS` / `OPTION` list it for readers outside (the `autopar inspect` flags take their choices
+and help from it), `markdown_table` renders the README's option table, and tests compare the keywords
+of `parallelize`, `plan` and `choose_grid` with it.
 
 `parallelize` and `plan` build one `Options` from their keyword arguments and pass it down to the
 passes (`strategy.choose`, `propagate`), so every stage reads the same values with the same defaults
@@ -11,16 +18,21 @@ the values expected and what to pass instead, before anything is captured.
 Traceback (most recent call last):
 ...
 ValueError: lowering='ring': expected one of ('broadcast', 'allgather'); pass one of these, or leave lowering ...
+>>> OPTION["search_budget"].unit, OPTION["search_budget"].default
+('s', 30.0)
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 from passes.cost.model import CostModel
 
-__all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES", "INDIVISIBLE"]
+__all__ = ["Options", "Option", "OPTIONS", "OPTION", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES",
+           "INDIVISIBLE", "markdown_table"]
 
 LOWERINGS = ("broadcast", "allgather")  # how a SUMMA product moves its panels (passes.ops.summa)
 BUCKET_MB = 25.0  # default cap per replica gradient bucket, MiB (what DistributedDataParallel uses)
@@ -31,94 +43,151 @@ RECOMPUTE_MODES = ("blocks", "selective")  # passes.transforms.recompute.MODES
 # only choice for "replicate"), or raise
 INDIVISIBLE = ("uneven", "replicate", "error")
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
-class Options:
-    """How a model is compiled and run; the defaults are `parallelize`'s. See `parallelize` for what
-    each option means. `optimizer_states` (per-parameter tensors of the optimizer; AdamW: 2) only
-    enters strategy='auto''s memory estimate; `check_inputs`, `timeout` and `compile` only the run time.
-    `forward_only` (set by `pmodel.generate` for a phase's own plan, not a `parallelize` keyword): the
-    search prices a forward with no backward, no gradient reductions, nothing saved for backward and no
-    gradient or optimizer state, which is what inference runs."""
+class Option:
+    """One option as declared: what `Options` checks, the command line offers and the docs list."""
 
-    lowering: str = "broadcast"
-    indivisible: str = "uneven"  # split in torch.chunk blocks; "replicate", "error": see `parallelize`
-    fused: str = "regroup"
-    on_unsupported: str = "replicate"
-    strategy: str = "2d"
-    cost_model: object = None  # None, a CostModel, a dict or a path of `autopar calibrate` JSON
-    memory_limit: float | None = None  # bytes per rank, for strategy='auto'
-    search_budget: float | None = BUDGET_S  # seconds, for strategy='auto'
-    check_inputs: bool = False
-    timeout: float | None = None  # seconds
-    optimizer_states: int = 2
-    compile: bool = False  # run each rank's program under torch.compile
-    recompute: str | bool | None = None  # None, False, "blocks" or "selective": see passes.transforms.recompute
-    forward_only: bool = False  # strategy='auto' prices a forward alone (a generation phase): see below
-    grad_bucket_mb: float = BUCKET_MB  # grid=(d, R, C): MiB of gradients per replica all-reduce
-    moe_dispatch: str = "auto"  # how routed tokens reach their experts: see passes.transforms.route_experts
+    name: str
+    type: str  # the annotation, as parallelize's signature writes it
+    default: object
+    help: str  # what the option decides, in one line
+    choices: tuple = ()  # every valid value, when they are a few
+    check: Callable[[Any], bool] | None = None  # whether a value is valid, when they are many
+    expected: str = ""  # the valid values in words, for the error; default: the choices
+    unit: str = ""
+    keyword: bool = True  # a keyword of parallelize; False: max_batch's (optimizer_states) or autopar's own
 
-    def __post_init__(self) -> None:
-        _one_of("lowering", self.lowering, LOWERINGS)
-        _one_of("indivisible", self.indivisible, INDIVISIBLE)
-        _one_of("fused", self.fused, ("regroup", "interleave"))
-        _one_of("on_unsupported", self.on_unsupported, ("replicate", "error"))
-        _one_of("moe_dispatch", self.moe_dispatch, ("auto", "all_to_all", "gather"))
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits "
-                             f"over the grid's columns) or 'auto' (chosen per matmul from estimated step time)")
-        if self.cost_model is not None and not isinstance(self.cost_model, (CostModel, dict, str,
-                                                                              os.PathLike)):
-            raise ValueError(f"cost_model={self.cost_model!r}: expected None (published GPU-cluster figures), the "
-                             f"path or dict of JSON that `autopar calibrate` wrote, or a passes.cost.model.CostModel")
-        if self.memory_limit is not None and not (_number(self.memory_limit) and self.memory_limit > 0):
-            raise ValueError(f"memory_limit={self.memory_limit!r}: expected a positive number of bytes per rank "
-                             f"(e.g. 40 * 2**30), or None for no limit")
-        if self.search_budget is not None and not (_number(self.search_budget) and self.search_budget >= 0):
-            raise ValueError(f"search_budget={self.search_budget!r}: expected seconds >= 0 (e.g. {BUDGET_S:g}) or "
-                             f"None for no time limit")
-        if not isinstance(self.check_inputs, bool):
-            raise ValueError(f"check_inputs={self.check_inputs!r}: expected True (compare every call's inputs "
-                             f"across the ranks of a grid) or False")
-        if self.timeout is not None and not (_number(self.timeout) and self.timeout > 0):
-            raise ValueError(f"timeout={self.timeout!r}: expected a positive number of seconds, or None for the "
-                             f"process group's own timeout")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile={self.compile!r}: expected True (run each rank's program under "
-                             f"torch.compile) or False (eager)")
-        if not (self.recompute is None or self.recompute is False or self.recompute in RECOMPUTE_MODES):
-            raise ValueError(f"recompute={self.recompute!r}: expected None (keep every activation for backward; "
-                             f"strategy='auto' may recompute blocks to fit memory_limit), False (never recompute), "
-                             f"'blocks' (keep each repeated block's inputs, run the block again in backward) or "
-                             f"'selective' (keep matmul and communication outputs, recompute the local ops "
-                             f"between them)")
-        if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) \
-                or self.optimizer_states < 0:
-            raise ValueError(f"optimizer_states={self.optimizer_states!r}: expected the number of tensors the "
-                             f"optimizer keeps per parameter (AdamW: 2, SGD with momentum: 1, plain SGD: 0)")
+    def valid(self, value) -> bool:
+        if self.check is not None:
+            return self.check(value)
+        # by type as well as value: 1 == True and 0 == False, but check_inputs=1 or recompute=0 is a mistake
+        return any(isinstance(value, type(c)) and value == c for c in self.choices)
 
-        if not isinstance(self.forward_only, bool):
-            raise ValueError(f"forward_only={self.forward_only!r}: expected True (price a forward alone, as "
-                             f"inference runs) or False (a training step)")
+    def error(self, value) -> ValueError:
+        expected = self.expected or f"one of {self.choices}"
+        fix = "pass one of these, or leave" if self.choices else "leave"
+        return ValueError(f"{self.name}={value!r}: expected {expected}; {fix} {self.name} out for the default "
+                          f"{self.default!r}")
 
-        if not (_number(self.grad_bucket_mb) and self.grad_bucket_mb >= 0):
-            raise ValueError(f"grad_bucket_mb={self.grad_bucket_mb!r}: expected MiB >= 0 of parameter gradients "
-                             f"per data-parallel all-reduce (default {BUCKET_MB:g}; 0: one all-reduce per "
-                             f"parameter block)")
 
-    def items(self) -> list:
-        """(name, value) of every option, in declaration order (what ranks compare before compiling)."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+def option(default: T, help: str, *, choices: tuple = (), check: Callable[[Any], bool] | None = None,
+           expected: str = "", unit: str = "", keyword: bool = True) -> T:
+    """A field of `Options` with its declaration; the name and type are the field's own."""
+    spec = dict(default=default, help=help, choices=choices, check=check, expected=expected, unit=unit,
+                keyword=keyword)
+    return field(default=default, metadata={"option": spec})
 
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _one_of(name: str, value, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: expected one of {allowed}; pass one of these, or leave {name} out "
-                         f"for the default {allowed[0]!r}")
+@dataclass(frozen=True)
+class Options:
+    """How a model is compiled and run; the defaults are `parallelize`'s. Each field's declaration says
+    in a line what it decides, `parallelize`'s docstring at length. `optimizer_states` (per-parameter
+    tensors of the optimizer; AdamW: 2) only enters strategy='auto''s memory estimate; `check_inputs`,
+    `timeout` and `compile` only the run time. `forward_only` (set by `pmodel.generate` for a phase's
+    own plan, not a `parallelize` keyword): the search prices a forward with no backward, no gradient
+    reductions, nothing saved for backward and no gradient or optimizer state, which is what inference
+    runs."""
+
+    lowering: str = option(
+        "broadcast", "how a SUMMA product moves its panels: stepwise broadcasts (the paper's), or all-gathered "
+        "panels and one matmul", choices=LOWERINGS)
+    indivisible: str = option(
+        "uneven", "a dim the grid does not divide: split in torch.chunk blocks where a rule can, run its matmuls "
+        "unsplit, or raise a ShardingError", choices=INDIVISIBLE)
+    fused: str = option(
+        "regroup", "how a fused projection's weight (q, k, v or gate, up in one matmul) is stored: plain blocks "
+        "regrouped each step, or interleaved", choices=("regroup", "interleave"))
+    on_unsupported: str = option(
+        "replicate", "an op with no split form: run it whole on every rank with a FallbackWarning, or raise",
+        choices=("replicate", "error"))
+    strategy: str = option(
+        "2d", "how each weight matmul is split: SUMMA on the grid, Megatron 1D over its columns, or the "
+        "fastest estimate per matmul group", choices=STRATEGIES,
+        expected="'2d' (SUMMA), '1d' (Megatron column/row splits over the grid's columns) or 'auto' (chosen per "
+                 "matmul from estimated step time)")
+    cost_model: object = option(
+        None, "for strategy='auto': what collectives and matmuls cost on this machine",
+        check=lambda v: v is None or isinstance(v, (CostModel, dict, str, os.PathLike)),
+        expected="None (published GPU-cluster figures), the path or dict of JSON that `autopar calibrate` wrote, "
+                 "or a passes.cost.model.CostModel")
+    memory_limit: float | None = option(
+        None, "for strategy='auto': the estimated memory a rank may hold: parameters, gradients, optimizer "
+        "states and activations", check=lambda v: v is None or (_number(v) and v > 0),
+        expected="a positive number of bytes per rank (e.g. 40 * 2**30), or None for no limit",
+        unit="bytes per rank")
+    search_budget: float | None = option(
+        BUDGET_S, "for strategy='auto': how long the search may take before it keeps the best plan found so far",
+        check=lambda v: v is None or (_number(v) and v >= 0),
+        expected=f"seconds >= 0 (e.g. {BUDGET_S:g}) or None for no time limit", unit="s")
+    check_inputs: bool = option(
+        False, "compare every call's inputs across the ranks of a grid (one small all-gather per call)",
+        choices=(True, False),
+        expected="True (compare every call's inputs across the ranks of a grid) or False")
+    timeout: float | None = option(
+        None, "how long every collective of a step waits for its peers before raising a CollectiveError",
+        check=lambda v: v is None or (_number(v) and v > 0),
+        expected="a positive number of seconds, or None for the process group's own timeout", unit="s")
+    optimizer_states: int = option(
+        2, "tensors the optimizer keeps per parameter, in strategy='auto''s memory estimate",
+        check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        expected="the number of tensors the optimizer keeps per parameter (AdamW: 2, SGD with momentum: 1, "
+                 "plain SGD: 0)", keyword=False)
+    compile: bool = option(
+        False, "run each rank's program under torch.compile (inductor)", choices=(True, False),
+        expected="True (run each rank's program under torch.compile) or False (eager)")
+    recompute: str | bool | None = option(
+        None, "activation recomputation: none unless a memory_limit asks, never, repeated blocks, or the local "
+        "ops between matmuls", choices=(None, False, *RECOMPUTE_MODES),
+        expected="None (keep every activation for backward; strategy='auto' may recompute blocks to fit "
+                 "memory_limit), False (never recompute), 'blocks' (keep each repeated block's inputs, run the "
+                 "block again in backward) or 'selective' (keep matmul and communication outputs, recompute "
+                 "the local ops between them)")
+    forward_only: bool = option(
+        False, "price a forward alone, with no backward (a generation phase's plan)", choices=(True, False),
+        expected="True (price a forward alone, as inference runs) or False (a training step)", keyword=False)
+    grad_bucket_mb: float = option(
+        BUCKET_MB, "with grid=(dp, R, C): the most parameter gradients one all-reduce over the replicas carries",
+        check=lambda v: _number(v) and v >= 0,
+        expected="MiB >= 0 of parameter gradients per data-parallel all-reduce (0: one all-reduce per "
+                 "parameter block)", unit="MiB")
+    moe_dispatch: str = option(
+        "auto", "how a mixture of experts' routed tokens reach the rows holding their experts ('auto': "
+        "all-to-all on a grid of more than one row, else gather)", choices=("auto", "all_to_all", "gather"))
+
+    def __post_init__(self) -> None:
+        for o in OPTIONS:
+            value = getattr(self, o.name)
+            if not o.valid(value):
+                raise o.error(value)
+
+    def items(self) -> list:
+        """(name, value) of every option, in declaration order (what ranks compare before compiling)."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
 
+OPTIONS = tuple(Option(name=f.name, type=str(f.type), **f.metadata["option"]) for f in fields(Options))
+OPTION = {o.name: o for o in OPTIONS}
 DEFAULTS = Options()  # the keyword defaults of parallelize, plan and choose_grid
+
+
+def markdown_table() -> str:
+    """The keyword options of `parallelize` as a Markdown table: option, default, allowed values,
+    unit and meaning (the README's table; `python -m tests.test_options_table` writes it there)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = ["| option | default | allowed | unit | meaning |", "|---|---|---|---|---|"]
+    for o in OPTIONS:
+        if not o.keyword:
+            continue
+        allowed = ", ".join(f"`{c!r}`" for c in o.choices) if o.choices else o.expected
+        rows.append(f"| `{o.name}` | `{o.default!r}` | {cell(allowed)} | {o.unit} | {cell(o.help)} |")
+    return "\n".join(rows) + "\n"

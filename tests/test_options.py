@@ -1,5 +1,6 @@
 """One set of options: validated once, with one set of defaults, read the same by every stage."""
 
+import importlib
 import inspect
 
 import pytest
@@ -8,7 +9,7 @@ import torch.nn as nn
 
 import autopar
 from passes import ShardingError, capture, propagate
-from passes.options import Options
+from passes.options import OPTION, OPTIONS, Options
 from tests import checks_options as C
 
 
@@ -44,6 +45,56 @@ def test_keyword_defaults_are_the_options_defaults(fn):
     assert len(shared) >= 5, shared
     for name in shared:
         assert params[name].default == getattr(defaults, name), name
+
+
+def test_parallelize_keywords_are_the_declared_options():
+    """Catches an option declared in passes/options.py that parallelize does not take (or a keyword it
+    takes that is declared nowhere), and a keyword whose default or type drifted from its declaration."""
+    params = [p for p in inspect.signature(autopar.parallelize).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert [(p.name, p.default, p.annotation) for p in params] \
+        == [(o.name, o.default, o.type) for o in OPTIONS if o.keyword]
+
+
+@pytest.mark.parametrize("fn", [autopar.plan, autopar.choose_grid])
+def test_planning_keywords_are_declared_alike(fn):
+    """Catches plan or choose_grid giving an option a default or type of its own (plan's cost_model
+    was unannotated while Options typed it), so that a planned and a parallelized model differ."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY and p.name in OPTION]
+    assert len(params) >= 5, [p.name for p in params]
+    for p in params:
+        assert (p.default, p.annotation) == (OPTION[p.name].default, OPTION[p.name].type), p.name
+
+
+class _Built(Exception):
+    """Raised in place of building `Options`, carrying the keywords it was given."""
+
+
+# a valid value other than the default, for the options whose values are not a few choices
+OTHER = {"cost_model": "calibration.json", "memory_limit": 2.0**30, "search_budget": 5.0, "timeout": 60.0,
+         "optimizer_states": 1, "grad_bucket_mb": 1.0}
+
+
+def _other(name):
+    o = OPTION[name]
+    return next(c for c in o.choices if c != o.default) if o.choices else OTHER[name]
+
+
+@pytest.mark.parametrize("fn, home", [(autopar.parallelize, "autopar.parallel.module"),
+                                      (autopar.plan, "autopar.planning.plan"),
+                                      (autopar.choose_grid, "autopar.planning.plan")])
+def test_every_option_keyword_reaches_options(fn, home, monkeypatch):
+    """Catches a keyword that the entry point takes but drops when it builds `Options` (the option
+    then silently keeps its default): each is called with a value other than its default."""
+    def built(**kw):
+        raise _Built(kw)
+
+    monkeypatch.setattr(importlib.import_module(home), "Options", built)
+    names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY and p.name in OPTION]
+    given = {name: _other(name) for name in names}
+    grid = (4,) if fn is autopar.choose_grid else ((2, 2),)  # choose_grid takes a device count
+    with pytest.raises(_Built) as e:
+        fn(nn.Linear(8, 8), *grid, (torch.randn(4, 8),), **given)
+    assert {k: v for k, v in e.value.args[0].items() if k in given} == given
 
 
 def test_plan_validates_like_parallelize():

@@ -411,12 +411,11 @@ class ParallelModule(nn.Module):
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
                 lowering: str = DEFAULTS.lowering, indivisible: str = DEFAULTS.indivisible,
                 fused: str = DEFAULTS.fused, on_unsupported: str = DEFAULTS.on_unsupported,
-                timeout: float | None = DEFAULTS.timeout, check_inputs: bool = DEFAULTS.check_inputs,
-                strategy: str = DEFAULTS.strategy, cost_model=DEFAULTS.cost_model,
+                strategy: str = DEFAULTS.strategy, cost_model: object = DEFAULTS.cost_model,
                 memory_limit: float | None = DEFAULTS.memory_limit,
-                search_budget: float | None = DEFAULTS.search_budget,
-                compile: bool = DEFAULTS.compile, recompute: str | bool | None = DEFAULTS.recompute,
-                grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
+                search_budget: float | None = DEFAULTS.search_budget, check_inputs: bool = DEFAULTS.check_inputs,
+                timeout: float | None = DEFAULTS.timeout, compile: bool = DEFAULTS.compile,
+                recompute: str | bool | None = DEFAULTS.recompute, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
                 moe_dispatch: str = DEFAULTS.moe_dispatch) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 

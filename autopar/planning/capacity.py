@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from passes.search import strategy as strategies
-from passes.options import Options
+from passes.options import DEFAULTS, Options
 
 __all__ = ["Capacity", "max_batch", "SCHEMES"]
 
@@ -54,8 +54,9 @@ def _estimate(cap, grid: tuple, strategy: str, options: Options, cm):
     return strategies.estimate_fixed(cap.gm, grid, cm, strategy, options)
 
 
-def max_batch(make, grid, memory_limit: float, *, schemes=SCHEMES, recompute=(False, True), cost_model=None,
-              optimizer_states: int = 2, search_budget: float | None = 10.0) -> list:
+def max_batch(make, grid, memory_limit: float, *, schemes=SCHEMES, recompute=(False, True),
+              cost_model: object = DEFAULTS.cost_model, optimizer_states: int = DEFAULTS.optimizer_states,
+              search_budget: float | None = 10.0) -> list:
     """[Capacity] per scheme (see the module docstring) and recomputation setting, on an R x C `grid`,
     for `memory_limit` bytes per rank. `make(batch)` returns (model, args, kwargs) for one step of
     `batch` sequences (a model on the meta device is enough: nothing is allocated)."""

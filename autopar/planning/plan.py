@@ -179,7 +179,7 @@ def _measure_activations(gm, cap, mesh):
 def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = DEFAULTS.lowering,
          indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
          measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
-         cost_model=DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
+         cost_model: object = DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
          search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
          recompute: str | bool | None = DEFAULTS.recompute, moe_dispatch: str = DEFAULTS.moe_dispatch) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
@@ -245,7 +245,8 @@ def grid_shapes(devices: int) -> list:
     return [(r, devices // r) for r in range(1, devices + 1) if devices % r == 0]
 
 
-def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *, cost_model=DEFAULTS.cost_model,
+def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *,
+                cost_model: object = DEFAULTS.cost_model,
                 memory_limit: float | None = DEFAULTS.memory_limit, indivisible: str = DEFAULTS.indivisible,
                 fused: str = DEFAULTS.fused, search_budget: float | None = DEFAULTS.search_budget) -> tuple:
     """The grid shape (R, C) with R*C = `devices` whose strategy='auto' assignment has the smallest
