@@ -11,6 +11,7 @@ for p in (ROOT, os.path.join(ROOT, "examples")):
         sys.path.insert(0, p)
 
 from tests.dist_pool import start  # noqa: E402
+from tests.slow_tier import SLOW  # noqa: E402
 
 # Inductor's on-disk caches (compiled C++ kernels) in a directory of this session's own, set before any
 # pool rank is spawned so that every rank inherits it: the ranks and the tests share the kernels one of
@@ -54,7 +55,16 @@ def pool9():
 
 def pytest_collection_modifyitems(config, items):
     """The slow tier (`@pytest.mark.slow`) runs only with RUN_SLOW=1 (`make test-all`), as
-    transformers' slow tests do; `make test` deselects it, and says how many it left out."""
+    transformers' slow tests do; `make test` deselects it, and says how many it left out. The cases
+    tests/slow_tier.py lists are marked here; one it names that a collected file lacks stops the run."""
+    ids = {item.nodeid for item in items}
+    files = {i.split("::")[0] for i in ids}
+    stale = [k for k in SLOW if k.split("::")[0] in files and k not in ids]
+    if stale:
+        raise pytest.UsageError(f"tests/slow_tier.py names tests that do not exist (renamed?): {stale}")
+    for item in items:
+        if item.nodeid in SLOW:
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("RUN_SLOW", "0") not in ("", "0"):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]

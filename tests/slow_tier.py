@@ -1,0 +1,115 @@
+"""The slow tier: tests `make test` leaves out and `make test-all` (RUN_SLOW=1) runs, each with the test
+of the fast tier that covers its path. tests/conftest.py marks them `slow`; an entry that names no
+collected test stops the run, so the table cannot drift from the tests.
+
+A case lands here when another case of the fast tier runs the same code path on a smaller grid or
+model, or when it is an exhaustive sweep over families, grids or schedules. Seconds are one run's,
+measured with the machine loaded.
+"""
+
+# test id -> the fast-tier test that covers its path
+SLOW = {
+    # uneven sizes: the 2x2 cases keep every path (torch.chunk blocks over rows and columns, SUMMA over
+    # unequal pieces, reblocking); 6- and 9-rank grids repeat it on more ranks (94, 65, 15 s)
+    "tests/test_uneven.py::test_prime_vocabulary_tied_parity[grid2-broadcast]":
+        "test_uneven.py::test_prime_vocabulary_tied_parity[grid0-broadcast]",
+    "tests/test_uneven.py::test_prime_vocabulary_tied_parity[grid3-broadcast]":
+        "test_uneven.py::test_prime_vocabulary_tied_parity[grid0-broadcast]",
+    "tests/test_uneven.py::test_prime_vocabulary_tied_parity[grid4-allgather]":
+        "test_uneven.py::test_prime_vocabulary_tied_parity[grid1-allgather]",
+    "tests/test_uneven.py::test_three_heads_parity[grid1]": "test_uneven.py::test_three_heads_parity[grid0]",
+    "tests/test_uneven.py::test_batch_the_rows_do_not_divide[grid1-4-5]":
+        "test_uneven.py::test_batch_the_rows_do_not_divide[grid0-3-7]",
+    "tests/test_uneven.py::test_hidden_size_the_grid_does_not_divide[grid0-layernorm-gelu]":
+        "test_uneven.py::test_hidden_size_the_grid_does_not_divide[grid1-layernorm-gelu]",
+    "tests/test_uneven.py::test_hidden_size_the_grid_does_not_divide[grid2-rmsnorm-swiglu]":
+        "test_uneven.py::test_hidden_size_the_grid_does_not_divide[grid1-layernorm-gelu] and "
+        "test_1d_strategy_with_sizes_the_columns_do_not_divide[rmsnorm-swiglu]",
+    "tests/test_uneven.py::test_transformers_models_with_odd_sizes[gpt2-over2-grid2]":
+        "test_uneven.py::test_transformers_models_with_odd_sizes[gpt2-over0-grid0]",
+    "tests/test_uneven.py::test_kv_heads_the_columns_do_not_divide[over1-grid1]":
+        "test_rules_gqa_index.py::test_fewer_kv_heads_parity[llama-True-grid1]",
+    # compiled training: one case per way of asking for compile stays (torch.compile(pmodel) on
+    # TinyGPT 2x2, compile=True on Llama with grouped all-gather products), and the uneven GPT-2's
+    # graph check, which holds the order hazard (94, 37, 48, 38, 98 s)
+    "tests/test_compile.py::test_compiled_training_parity[gpt2-grid3-torch.compile-adamw-broadcast]":
+        "test_compile.py::test_compiled_training_parity[tinygpt-grid0-torch.compile-adamw-broadcast]",
+    "tests/test_compile.py::test_compiled_training_parity[tinygpt-grid1-option-sgd-broadcast]":
+        "test_compile.py::test_compiled_training_parity[llama-grid2-option-adamw-allgather]",
+    "tests/test_compile.py::test_compiled_program_has_no_graph_breaks[gpt2-grid1]":
+        "test_compile.py::test_compiled_program_has_no_graph_breaks[gpt2 uneven-grid2]",
+    "tests/test_compile.py::test_compiled_program_has_no_graph_breaks[tinygpt-grid0]":
+        "test_compile.py::test_a_new_shape_compiles_once",
+    "tests/test_training.py::test_replica_gradients_in_buckets[True]":
+        "test_training.py::test_replica_gradients_in_buckets[False] and test_compile.py",
+    # generation: every family at one grid; the 1x4 and the other families repeat the cache paths
+    "tests/test_generate.py::test_greedy_token_identical[gemma-1x4]":
+        "test_generate.py::test_greedy_token_identical[llama_gqa-1x4]",
+    "tests/test_generate.py::test_greedy_token_identical[gemma-2x2]":
+        "test_generate.py::test_greedy_token_identical[llama-2x2]",
+    "tests/test_generate.py::test_greedy_token_identical[mistral-1x4]":
+        "test_generate.py::test_greedy_token_identical[llama_gqa-1x4]",
+    "tests/test_generate.py::test_greedy_token_identical[phi3-1x4]":
+        "test_generate.py::test_greedy_token_identical[llama_gqa-1x4]",
+    "tests/test_generate.py::test_greedy_token_identical[qwen2-1x4]":
+        "test_generate.py::test_greedy_token_identical[llama_gqa-1x4]",
+    "tests/test_generate.py::test_greedy_token_identical[qwen2-2x2]":
+        "test_generate.py::test_greedy_token_identical[llama_gqa-2x2]",
+    "tests/test_generate.py::test_greedy_token_identical[llama-1x4]":
+        "test_generate.py::test_greedy_token_identical[llama_gqa-1x4]",
+    # ragged batches: one HF family and the repo model at 2x2 and with replicas
+    "tests/test_ragged.py::test_hf_ragged_batches[llama-grid0]": "test_ragged.py::test_hf_ragged_batches[gpt2-grid1]",
+    "tests/test_ragged.py::test_hf_ragged_batches[llama-grid2]": "test_ragged.py::test_hf_ragged_batches[gpt2-grid1]",
+    "tests/test_ragged.py::test_repo_model_ragged_batches[1x4]": "test_ragged.py::test_repo_model_ragged_batches[2x2]",
+    "tests/test_ragged.py::test_repo_model_ragged_batches_options[1d]":
+        "test_ragged.py::test_repo_model_ragged_batches[2x2]",
+    # guards and checkpoints: the same timeout path and a second way to interrupt a save
+    "tests/test_api_guards.py::test_timeout_bounds_every_collective[torch clip]":
+        "test_api_guards.py::test_timeout_bounds_every_collective[clip]",
+    "tests/test_checkpoint_safety.py::test_interrupted_save_distributed_keeps_previous[kill]":
+        "test_checkpoint_safety.py::test_interrupted_save_distributed_keeps_previous[raise] and "
+        "test_robustness.py::test_dying_rank_raises_on_the_others",
+    # grids: 3x3 parity runs in test_engine_parity and test_comm; the sweep's 3x3 repeats it (28 s)
+    "tests/test_sweep.py::test_sweep_3x3": "test_engine_parity.py::test_gpt_parity_3x3[layernorm-gelu]",
+    "tests/test_engine_parity.py::test_gpt_parity_3x3[rmsnorm-swiglu]":
+        "test_engine_parity.py::test_gpt_parity_3x3[layernorm-gelu] and test_gpt_parity_rectangular",
+    # the Trainer at another grid and family; losses on the second grid
+    "tests/test_trainer.py::test_other_grid_and_family[llama-grid0]": "test_trainer.py::test_llama_2x2_train_save_resume",
+    "tests/test_trainer.py::test_other_grid_and_family[gpt2-grid1]": "test_trainer.py::test_llama_2x2_train_save_resume",
+    "tests/test_user_loss.py::test_cross_entropy_on_hf_logits[grid1]":
+        "test_user_loss.py::test_cross_entropy_on_hf_logits[grid0]",
+    "tests/test_user_loss.py::test_autocast_dtypes_match_one_process[grid1]":
+        "test_user_loss.py::test_autocast_dtypes_match_one_process[grid0]",
+    "tests/test_user_loss.py::test_elementwise_losses_on_repo_model[grid1]":
+        "test_user_loss.py::test_elementwise_losses_on_repo_model[grid0]",
+    # MoE: each family at 2x2 stays; at 1x4 mixtral and llama4_text keep the one-row paths
+    **{f"tests/test_moe.py::test_experts_split_parity_and_memory[{f}-grid{i}]":
+       "test_moe.py::test_experts_split_parity_and_memory[mixtral-grid1]"
+       for f, i in (("qwen2_moe", 8), ("qwen3_moe", 9), ("olmoe", 10), ("granitemoe", 11), ("phimoe", 12),
+                    ("deepseek_v3", 13))},
+    # more of the same path at another size, family or strategy
+    "tests/test_compile.py::test_compiled_program_has_no_graph_breaks[gpt2 uneven-grid2]":
+        "test_compile.py::test_a_new_shape_compiles_once and test_compiled_collectives_keep_the_program_order",
+    "tests/test_strategy.py::test_auto_never_slower_than_fixed_2d_or_1d":
+        "test_strategy.py::test_choose_grid_covers_every_shape_and_picks_the_fastest",
+    "tests/test_api_guards.py::test_timeout_bounds_every_collective[check_inputs]":
+        "test_api_guards.py::test_timeout_bounds_every_collective[clip]",
+    "tests/test_ragged.py::test_repo_model_ragged_batches_options[allgather]":
+        "test_ragged.py::test_repo_model_ragged_batches[2x2]",
+    "tests/test_hf.py::test_strategies_parity[gpt2-auto-slow-links]": "test_hf.py::test_strategies_parity[gpt2-auto]",
+    "tests/test_hf.py::test_strategies_parity[llama-auto]": "test_hf.py::test_strategies_parity[gpt2-auto]",
+    "tests/test_rules_gqa_index.py::test_fewer_kv_heads_parity[mistral-True-grid0]":
+        "test_rules_gqa_index.py::test_fewer_kv_heads_parity[llama-True-grid0]",
+    "tests/test_rules_gqa_index.py::test_fewer_kv_heads_parity[mistral-True-grid1]":
+        "test_rules_gqa_index.py::test_fewer_kv_heads_parity[llama-True-grid1]",
+    "tests/test_generate.py::test_cache_bytes_per_rank[gpt2-grid3-block3]":
+        "test_generate.py::test_cache_bytes_per_rank[llama-grid1-block1]",
+    "tests/test_generate.py::test_cache_bytes_per_rank[llama_gqa-grid2-block2]":
+        "test_generate.py::test_cache_bytes_per_rank[llama_gqa-grid0-block0]",
+    "tests/test_recompute.py::test_dropout_masks_redrawn_identically[grid2-blocks]":
+        "test_recompute.py::test_dropout_masks_redrawn_identically[grid0-blocks]",
+    "tests/test_reload.py::test_transformers_checkpoint_roundtrip_2x2[qwen2_moe]":
+        "test_reload.py::test_transformers_checkpoint_roundtrip_2x2[mixtral]",
+    "tests/test_reload.py::test_transformers_checkpoint_roundtrip_1x4[mixtral]":
+        "test_reload.py::test_transformers_checkpoint_roundtrip_2x2[mixtral]",
+}
