@@ -74,8 +74,10 @@ SLOW = {
     "tests/test_engine_parity.py::test_gpt_parity_3x3[rmsnorm-swiglu]":
         "test_engine_parity.py::test_gpt_parity_3x3[layernorm-gelu] and test_gpt_parity_rectangular",
     # the Trainer at another grid and family; losses on the second grid
-    "tests/test_trainer.py::test_other_grid_and_family[llama-grid0]": "test_trainer.py::test_llama_2x2_train_save_resume",
-    "tests/test_trainer.py::test_other_grid_and_family[gpt2-grid1]": "test_trainer.py::test_llama_2x2_train_save_resume",
+    "tests/test_trainer.py::test_other_grid_and_family[llama-grid0]":
+        "test_trainer.py::test_llama_2x2_train_save_resume",
+    "tests/test_trainer.py::test_other_grid_and_family[gpt2-grid1]":
+        "test_trainer.py::test_llama_2x2_train_save_resume",
     "tests/test_user_loss.py::test_cross_entropy_on_hf_logits[grid1]":
         "test_user_loss.py::test_cross_entropy_on_hf_logits[grid0]",
     "tests/test_user_loss.py::test_autocast_dtypes_match_one_process[grid1]":
