@@ -1,12 +1,12 @@
 """Planned communication of the inserted modules: bytes received per rank, forward and backward, as
 sympy expressions in the grid shape R x C, the element size e and the sizes the module moves. A
 collective over mesh axis 0 has R members, one over axis 1 has C (written g below). Each module's
-bytes are its spec's (`passes.kernels.spec`); this module holds the volumes they share and `node_cost`.
+bytes are its spec's (`passes.kernels.spec`); this module holds the SUMMA volumes, the layout-to-layout
+walk and `node_cost`.
 
-Uses the conventions of `passes.mesh.CommLog` (broadcast: N on each non-root; reduce: (g-1)N on the
-destination; all-gather: (g-1)N; reduce-scatter: floor((g-1)N/g); all-reduce: floor(2(g-1)N/g)), so
-for a training step the numbers equal what the collective layer counts at run time -- a test runs a
-real step and compares. Requires `KERNEL`, `LAYOUT` and `val` in the meta of the inserted nodes and
+Each collective's bytes are `passes.cost.volumes`', the same functions the collective layer counts
+with, so for a training step the numbers equal what it counts at run time -- a test runs a real step
+and compares. Requires `KERNEL`, `LAYOUT` and `val` in the meta of the inserted nodes and
 `LAYOUT` and `val` in their inputs' (keys from `passes.meta`).
 
 >>> import sympy
@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
+from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from passes.layout import parts, split_dim
 from passes.meta import KERNEL, ROLE
 
@@ -51,12 +52,6 @@ class Cost:
             return ""
         vals = ", ".join(f"{k}={v}" for k, v in self.values.items())
         return f"fwd {self.fwd_expr}; bwd {self.bwd_expr}  [{vals}]"
-
-
-def all_reduce_bytes(n, g, exact: bool = True):
-    """Bytes one member receives in an all-reduce of n bytes over g members: a sympy expression with
-    `exact`, else a number (integer division, as the collective layer counts)."""
-    return sympy.floor(2 * (g - 1) * n / g) if exact else 2 * (g - 1) * n // g
 
 
 def summa_axis_elems(M, K, N, R, C, transposed: bool) -> tuple:
@@ -91,11 +86,10 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False) -
     division, as the collective layer counts) and, with `exact`, on sympy symbols (the formulas
     `explain` prints)."""
     div = (lambda a, b: a / b) if exact else (lambda a, b: a // b)
-    floor = (lambda a, b: sympy.floor(a / b)) if exact else (lambda a, b: a // b)
     cur, size, moves, names = list(src.placements), n, [], []
     for a in range(2):
         if split_dim(cur[a]) is not None and cur[a] != dst[a]:
-            moves.append((a, "fwd", (sizes[a] - 1) * size * e))
+            moves.append((a, "fwd", all_gather_bytes(size * e, sizes[a])))
             size = size * sizes[a]
             cur[a] = Replicate()
             names.append(f"all-gather(axis {a})")
@@ -104,19 +98,19 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False) -
         if s == d:
             continue
         if isinstance(s, Partial) and isinstance(d, Shard) and parts(d) == 1:
-            moves.append((a, "fwd", floor((g - 1) * size * e, g)))
+            moves.append((a, "fwd", reduce_scatter_bytes(size * e, g, exact)))
             size = div(size, g)
             if grad:
-                moves.append((a, "bwd", (g - 1) * size * e))
+                moves.append((a, "bwd", all_gather_bytes(size * e, g)))
             names.append(f"reduce-scatter(axis {a})")
             continue
         if isinstance(s, Partial):
-            moves.append((a, "fwd", floor(2 * (g - 1) * size * e, g)))
+            moves.append((a, "fwd", all_reduce_bytes(size * e, g, exact)))
             names.append(f"all-reduce(axis {a})")
         if split_dim(d) is not None:
             size = div(size, g)
             if grad:
-                moves.append((a, "bwd", (g - 1) * size * e))
+                moves.append((a, "bwd", all_gather_bytes(size * e, g)))
             names.append(f"split(axis {a}; bwd all-gather)")
         elif isinstance(d, Partial):
             names.append(f"to-partial(axis {a})")
