@@ -51,7 +51,8 @@ class CommLog:
 
     Conventions (per rank): broadcast of N bytes -> N on every non-root; reduce of N bytes -> (q-1)*N
     on the destination; all-gather of N bytes per rank -> (q-1)*N; reduce-scatter of an N-byte input
-    -> (q-1)*N/q; all-reduce of N bytes -> 2*(q-1)*N/q (ring). Launches: one per collective call this
+    -> (q-1)*N/q; all-reduce of N bytes -> 2*(q-1)*N/q (ring), floored (`passes.cost.volumes` writes
+    them once, for the counters and the planner alike). Launches: one per collective call this
     rank makes, sender or receiver alike (a broadcast's root launches it too); a group of one member
     launches nothing. `order`: None, or a list to which each launch appends its (tag, phase), in the
     order this rank launched them (set it to [] to check that a compiled step keeps the eager order).

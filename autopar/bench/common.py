@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from autopar.launch import free_port
 from passes.compat import TorchDispatchMode
+from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
@@ -43,11 +44,11 @@ class FunctionalCommBytes(TorchDispatchMode):
             n = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
             p = self.world
             if name.startswith("all_reduce"):
-                self.bytes += 2 * (p - 1) * n // p
+                self.bytes += all_reduce_bytes(n, p)
             elif name.startswith("all_gather"):
-                self.bytes += (p - 1) * n
+                self.bytes += all_gather_bytes(n, p)
             elif name.startswith("reduce_scatter"):
-                self.bytes += (p - 1) * n // p
+                self.bytes += reduce_scatter_bytes(n, p)
         return func(*args, **(kwargs or {}))
 
 

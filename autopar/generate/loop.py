@@ -39,7 +39,6 @@ import math
 import re
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -48,6 +47,7 @@ from passes.meta import PARAM, PLACED
 from passes.ops import comm
 from autopar.generate.phases import (PhasePlan, Relaid, estimate_phase, phase_options, phase_plan, phase_strategy,
                                      stored_bytes)
+from autopar.program.consensus import all_gather_objects
 from autopar.program.guards import fingerprint
 from autopar.program.build import Compiled, capture, compile_captured
 
@@ -483,9 +483,7 @@ def _agree(grid, mine: tuple) -> None:
     """Every rank of a grid asks for the same generation (batch, prompt length, cache length, sampling,
     and a hash of input_ids and attention_mask): the programs run collectives and would hang or mix
     blocks otherwise."""
-    everyone = [None] * grid.world
-    with comm.guarded(grid, "generate all-gather", "grid", "generate"):
-        dist.all_gather_object(everyone, mine, group=grid.world_group)
+    everyone = all_gather_objects(mine, grid.world_group, comm.guarded(grid, "generate all-gather", "grid", "generate"))
     base = grid.dp_index * grid.world
     differ = [base + r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:

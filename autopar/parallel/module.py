@@ -27,6 +27,7 @@ from passes.options import DEFAULTS, Options
 from autopar.parallel import hf_compat as hf_compat
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
+from autopar.program.consensus import all_gather_objects
 from autopar.program.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
 from autopar.program.build import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
                               refuse_kv_cache, signature)
@@ -255,9 +256,8 @@ class ParallelModule(nn.Module):
         if not self._options.check_inputs:
             return
         mine = [fingerprint(t) for t in flat]
-        everyone = [None] * self.grid.world
-        with comm.guarded(self.grid, "check_inputs all-gather", "grid", "check_inputs"):
-            dist.all_gather_object(everyone, mine, group=self.grid.world_group)
+        everyone = all_gather_objects(mine, self.grid.world_group,
+                                      comm.guarded(self.grid, "check_inputs all-gather", "grid", "check_inputs"))
         base = self.grid.dp_index * self.grid.world
         for i in range(len(flat)):
             differ = [base + r for r, s in enumerate(everyone) if s[i] != everyone[0][i]]

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from passes.cost.model import (AXIS_KEYS, DEFAULT, KEYS, RERUN, VERSION, load, save, summary,  # noqa: F401
                                unit_axis, validate)
+from passes.cost.volumes import all_reduce_mean_bytes, broadcast_bytes
 
 SIZES = (4096, 65536, 1 << 20, 4 << 20)  # bytes per collective: latency-bound up to bandwidth-bound
 MATMUL_N = 1024  # fp32 [n, n] @ [n, n] for the matmul rate
@@ -35,9 +36,9 @@ def received_bytes(op: str, nbytes: int, group_size: int) -> float:
     """Bytes one rank receives for `op` on an `nbytes` tensor in a group of `group_size` (CommLog
     conventions: broadcast -> N on a non-root, all-reduce -> 2(g-1)N/g, a ring)."""
     if op == "broadcast":
-        return float(nbytes)
-    if op == "all_reduce":
-        return 2.0 * (group_size - 1) * nbytes / group_size
+        return float(broadcast_bytes(nbytes))
+    if op == "all_reduce":  # unfloored: a fit of time against bytes reads a rate, not a count
+        return all_reduce_mean_bytes(nbytes, group_size)
     raise ValueError(f"received_bytes: op {op!r} is not one of 'broadcast', 'all_reduce'")
 
 

@@ -38,6 +38,7 @@ from autopar.planning.explain import graph_rows
 from autopar.generate.loop import kv_cache_bytes_per_rank
 from autopar.program.uneven import most_received
 from passes.compat import fake_store, fake_tensor_mode, pytree
+from passes.cost.volumes import all_reduce_bytes
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
 
@@ -230,7 +231,7 @@ def compare_1d(pl: Plan, model, tokens: int, layers: int, hidden: int, dtype_byt
     received per rank with ring all-reduce), plus one forward all-reduce for a vocab-parallel
     embedding; matmul weights and embeddings split p ways, norms and biases replicated."""
     p = pl.grid[0] * pl.grid[1]
-    ar = 2 * (p - 1) * tokens * hidden * dtype_bytes // p  # one ring all-reduce of [B, h]
+    ar = all_reduce_bytes(tokens * hidden * dtype_bytes, p)  # one ring all-reduce of [B, h]
     comm = layers * 4 * ar + ar
     params = 0
     for v in pl.params.values():

@@ -42,9 +42,9 @@ def agree(grid, failure: BaseException | None, what: str) -> None:
     mine = None if failure is None else (grid.rank, type(failure).__name__, str(failure))
     first = mine
     if dist.is_initialized():
-        first = _lowest(_all_gather(grid, mine, grid_group(grid), what))
+        first = _lowest(_outcomes(grid, mine, grid_group(grid), what))
         if getattr(grid, "dp", 1) > 1:  # the replicas learn each other's outcome
-            first = _lowest(_all_gather(grid, first, grid.dp_group, what))
+            first = _lowest(_outcomes(grid, first, grid.dp_group, what))
     if first is None:
         return
     rank, kind, text = first
@@ -68,11 +68,18 @@ def on_rank0(grid, fn, *args) -> BaseException | None:
     return None
 
 
-def _all_gather(grid, obj, group, what: str) -> list:
+def all_gather_objects(obj, group, guard) -> list:
+    """Every rank's `obj` (any picklable value), in the rank order of `group` (None: the default
+    group). `guard`: the context manager that turns a failed or timed-out exchange into the caller's
+    error (`passes.ops.comm.guarded` once a grid exists, `guards.handshake` before)."""
     out = [None] * dist.get_world_size(group)
-    with guarded(grid, "all-gather of the outcome", AXES, what):
+    with guard:
         dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def _outcomes(grid, obj, group, what: str) -> list:
+    return all_gather_objects(obj, group, guarded(grid, "all-gather of the outcome", AXES, what))
 
 
 def _lowest(outcomes: list):

@@ -12,6 +12,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from autopar.program.consensus import all_gather_objects
 from passes.meta import PLAN_ARGS
 from passes.ops import comm
 
@@ -51,10 +52,7 @@ def handshake(what: str):
 
 
 def _gather(obj, what: str) -> list:
-    out = [None] * dist.get_world_size()
-    with handshake(what):
-        dist.all_gather_object(out, obj)
-    return out
+    return all_gather_objects(obj, None, handshake(what))
 
 
 def agree_on_options(grid: tuple, options, device_type: str) -> None:

@@ -1,12 +1,12 @@
 """Planned communication of the inserted modules: bytes received per rank, forward and backward, as
 sympy expressions in the grid shape R x C, the element size e and the sizes the module moves. A
 collective over mesh axis 0 has R members, one over axis 1 has C (written g below). Each module's
-bytes are its spec's (`passes.kernels.spec`); this module holds the volumes they share and `node_cost`.
+bytes are its spec's (`passes.kernels.spec`); this module holds the SUMMA volumes, the layout-to-layout
+walk (which the runtime `Redistribute` runs) and `node_cost`.
 
-Uses the conventions of `passes.mesh.CommLog` (broadcast: N on each non-root; reduce: (g-1)N on the
-destination; all-gather: (g-1)N; reduce-scatter: floor((g-1)N/g); all-reduce: floor(2(g-1)N/g)), so
-for a training step the numbers equal what the collective layer counts at run time -- a test runs a
-real step and compares. Requires `KERNEL`, `LAYOUT` and `val` in the meta of the inserted nodes and
+Each collective's bytes are `passes.cost.volumes`', the same functions the collective layer counts
+with, so for a training step the numbers equal what it counts at run time -- a test runs a real step
+and compares. Requires `KERNEL`, `LAYOUT` and `val` in the meta of the inserted nodes and
 `LAYOUT` and `val` in their inputs' (keys from `passes.meta`).
 
 >>> import sympy
@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
+from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from passes.layout import parts, split_dim
 from passes.meta import KERNEL, ROLE
 
@@ -53,12 +54,6 @@ class Cost:
         return f"fwd {self.fwd_expr}; bwd {self.bwd_expr}  [{vals}]"
 
 
-def all_reduce_bytes(n, g, exact: bool = True):
-    """Bytes one member receives in an all-reduce of n bytes over g members: a sympy expression with
-    `exact`, else a number (integer division, as the collective layer counts)."""
-    return sympy.floor(2 * (g - 1) * n / g) if exact else 2 * (g - 1) * n // g
-
-
 def summa_axis_elems(M, K, N, R, C, transposed: bool) -> tuple:
     """Elements times R*C that one SUMMA product of a linear x [M, K] . W -> [M, N] receives per rank
     over mesh axis 0 and over axis 1 (the three products of a training step receive the same). AB
@@ -85,40 +80,69 @@ def summa_abt_bytes(M, K, N, grads=2):
     return one, grads * one
 
 
+def redistribution(src, dst) -> tuple:
+    """The collectives `kernels.Redistribute(src -> dst)` runs, in order, as (kind, axis, dim, parts,
+    avg) tuples of plain values (torch.compile cannot trace into placement objects): first gather the
+    axes whose split changes, then split, reduce or reduce-scatter axis by axis, so two axes never
+    split one dim in between. `kind`: "gather", "reduce-scatter", "all-reduce", "split" or
+    "to-partial"; `dim`: the tensor dim gathered or split (-1: none); `parts`: a Strided split's
+    interleaved parts; `avg`: the partial sum (reduced or made) is an average. The runtime runs this
+    list and `redistribute_steps` prices it, so what runs is what was priced.
+
+    >>> from passes.layout import Layout
+    >>> redistribution(Layout((Partial(), Shard(0))), Layout((Shard(1), Replicate())))
+    (('gather', 1, 0, 1, False), ('reduce-scatter', 0, 1, 1, False))
+    """
+    steps, cur = [], list(src.placements)
+    for a in range(2):
+        if split_dim(cur[a]) is not None and cur[a] != dst[a]:
+            steps.append(("gather", a, cur[a].dim, parts(cur[a]), False))
+            cur[a] = Replicate()
+    for a in range(2):
+        s, d = cur[a], dst[a]
+        if s == d:
+            continue
+        if isinstance(s, Partial):
+            avg = s.reduce_op == "avg"
+            if isinstance(d, Shard) and parts(d) == 1:
+                steps.append(("reduce-scatter", a, d.dim, 1, avg))
+                continue
+            steps.append(("all-reduce", a, -1, 1, avg))
+        if split_dim(d) is not None:
+            steps.append(("split", a, d.dim, parts(d), False))
+        elif isinstance(d, Partial):
+            steps.append(("to-partial", a, -1, 1, d.reduce_op == "avg"))
+    return tuple(steps)
+
+
 def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False) -> tuple:
-    """What `kernels.Redistribute(src -> dst)` moves: ([(axis, phase, bytes)], [step names]), for a
-    rank holding n elements of e bytes before, on a mesh of `sizes` (R, C). Works on numbers (integer
+    """What `redistribution(src, dst)` moves: ([(axis, phase, bytes)], [step names]), for a rank
+    holding n elements of e bytes before, on a mesh of `sizes` (R, C). Works on numbers (integer
     division, as the collective layer counts) and, with `exact`, on sympy symbols (the formulas
     `explain` prints)."""
     div = (lambda a, b: a / b) if exact else (lambda a, b: a // b)
-    floor = (lambda a, b: sympy.floor(a / b)) if exact else (lambda a, b: a // b)
-    cur, size, moves, names = list(src.placements), n, [], []
-    for a in range(2):
-        if split_dim(cur[a]) is not None and cur[a] != dst[a]:
-            moves.append((a, "fwd", (sizes[a] - 1) * size * e))
-            size = size * sizes[a]
-            cur[a] = Replicate()
+    size, moves, names = n, [], []  # size: elements this rank holds between steps
+    for kind, a, _, _, _ in redistribution(src, dst):
+        g = sizes[a]
+        if kind == "gather":
+            moves.append((a, "fwd", all_gather_bytes(size * e, g)))
+            size = size * g
             names.append(f"all-gather(axis {a})")
-    for a in range(2):
-        s, d, g = cur[a], dst[a], sizes[a]
-        if s == d:
-            continue
-        if isinstance(s, Partial) and isinstance(d, Shard) and parts(d) == 1:
-            moves.append((a, "fwd", floor((g - 1) * size * e, g)))
+        elif kind == "reduce-scatter":
+            moves.append((a, "fwd", reduce_scatter_bytes(size * e, g, exact)))
             size = div(size, g)
-            if grad:
-                moves.append((a, "bwd", (g - 1) * size * e))
+            if grad:  # the gradient's block all-gathered back
+                moves.append((a, "bwd", all_gather_bytes(size * e, g)))
             names.append(f"reduce-scatter(axis {a})")
-            continue
-        if isinstance(s, Partial):
-            moves.append((a, "fwd", floor(2 * (g - 1) * size * e, g)))
+        elif kind == "all-reduce":
+            moves.append((a, "fwd", all_reduce_bytes(size * e, g, exact)))
             names.append(f"all-reduce(axis {a})")
-        if split_dim(d) is not None:
+        elif kind == "split":
             size = div(size, g)
             if grad:
-                moves.append((a, "bwd", (g - 1) * size * e))
+                moves.append((a, "bwd", all_gather_bytes(size * e, g)))
             names.append(f"split(axis {a}; bwd all-gather)")
-        elif isinstance(d, Partial):
+        else:
             names.append(f"to-partial(axis {a})")
     return moves, names
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from passes.cost.planned import all_reduce_bytes
+from passes.cost.volumes import all_gather_bytes, all_reduce_bytes
 from passes.nodes import arg
 from passes.kernels.spec import KernelSpec, symbol  # noqa: F401  (symbol: the doctest)
 from passes.ops import conv_norm
@@ -109,7 +109,9 @@ class ConvSpec(KernelSpec):
     def steps(self, site, v, exact):
         if not self.gathered:
             return []
-        return [(0, "fwd", (v["R"] - 1) * v["w"])] + ([(0, "bwd", (v["R"] - 1) * v["w"])] if site.grads[1] else [])
+        # backward's reduce-scatter of the gathered weight's gradient receives what the gather did
+        moved = all_gather_bytes(v["w"], v["R"])
+        return [(0, "fwd", moved)] + ([(0, "bwd", moved)] if site.grads[1] else [])
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ class BatchNormSpec(KernelSpec):
             calls = [("fwd", k) for k in fwd] + ([("bwd", k) for k in bwd] if site.grads[0] else [])
             out += [(0, phase, all_reduce_bytes(k * size * v["c"], v["R"], exact)) for phase, k in calls]
         if self.cols and self.running:
-            out.append((1, "fwd", (v["C"] - 1) * 2 * size * v["c"]))
+            out.append((1, "fwd", all_gather_bytes(2 * size, v["C"]) * v["c"]))  # (mean, var) per channel
         return out
 
 

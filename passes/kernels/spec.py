@@ -28,8 +28,8 @@ import sympy
 import torch
 from torch.fx import Node
 
-from passes.cost.planned import (C, E, R, Cost, all_reduce_bytes, redistribute_steps, summa_ab_bytes,
-                         summa_abt_bytes, summa_axis_elems)
+from passes.cost.planned import C, E, R, Cost, redistribute_steps, summa_ab_bytes, summa_abt_bytes, summa_axis_elems
+from passes.cost.volumes import all_reduce_bytes
 from passes.layout import Layout, local_shape, mesh_shape
 from passes.mesh import Grid
 from passes.meta import LAYOUT, LOWERING

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from passes.compat import all_gather_single, reduce_scatter_single
+from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_bytes, reduce_scatter_bytes
 from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.errors import CollectiveError
@@ -82,7 +83,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 def broadcast(grid: Grid, axis: int, t: torch.Tensor, src: int, tag: str, phase: str, async_op=False):
     """Broadcast `t` (in place) from group member `src`; returns the work handle if async."""
     if grid.index(axis) != src:
-        grid.log.add(tag, phase, tensor_bytes(t))
+        grid.log.add(tag, phase, broadcast_bytes(tensor_bytes(t)))
     grid.log.launch(tag, phase)
     with guarded(grid, "broadcast", axis, tag):
         return dist.broadcast(t, src=grid.global_rank(axis, src), group=grid.group(axis), async_op=async_op)
@@ -91,7 +92,7 @@ def broadcast(grid: Grid, axis: int, t: torch.Tensor, src: int, tag: str, phase:
 def reduce(grid: Grid, axis: int, t: torch.Tensor, dst: int, tag: str, phase: str, async_op=False):
     """Sum `t` (in place) onto group member `dst`; the other members' `t` is left unspecified."""
     if grid.index(axis) == dst:
-        grid.log.add(tag, phase, (grid.size(axis) - 1) * tensor_bytes(t))
+        grid.log.add(tag, phase, reduce_bytes(tensor_bytes(t), grid.size(axis)))
     grid.log.launch(tag, phase)
     with guarded(grid, "reduce", axis, tag):
         return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
@@ -125,7 +126,7 @@ def run_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     """`all_gather` now, on a group of more than one member: the body of its torch.library op."""
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((grid.size(axis) * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    _count(grid, tag, phase, (grid.size(axis) - 1) * tensor_bytes(t), received)
+    _count(grid, tag, phase, all_gather_bytes(tensor_bytes(t), grid.size(axis)), received)
     with guarded(grid, "all-gather", axis, tag):
         all_gather_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
@@ -181,7 +182,7 @@ def _launch_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag
                            received: list | None, async_op: bool) -> Posted:
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // grid.size(axis),) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    _count(grid, tag, phase, (grid.size(axis) - 1) * tensor_bytes(t) // grid.size(axis), received)
+    _count(grid, tag, phase, reduce_scatter_bytes(tensor_bytes(t), grid.size(axis)), received)
     with guarded(grid, "reduce-scatter", axis, tag):
         work = reduce_scatter_single(out, moved, group=grid.group(axis), async_op=async_op)
     works = [(work, "reduce-scatter", axis)] if async_op else []
@@ -215,7 +216,7 @@ def run_all_reduce_stack(grid: Grid, axis: int, parts: list, tag: str, phase: st
 def run_all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str, op: str = "sum"):
     """`all_reduce` now, on a group of more than one member: the body of its torch.library op."""
     t = t.clone(memory_format=torch.contiguous_format)
-    grid.log.add(tag, phase, 2 * (grid.size(axis) - 1) * tensor_bytes(t) // grid.size(axis))
+    grid.log.add(tag, phase, all_reduce_bytes(tensor_bytes(t), grid.size(axis)))
     grid.log.launch(tag, phase)
     with guarded(grid, "all-reduce", axis, tag):
         dist.all_reduce(t, op=REDUCE_OPS[op], group=grid.group(axis))

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from passes.cost.volumes import all_reduce_bytes
 from passes.mesh import Grid
 from passes.ops.comm import tensor_bytes, guarded
 
@@ -94,7 +95,7 @@ class BucketPlan:
 
     def received(self, dp: int) -> int:
         """Bytes a rank receives per step in the buckets' all-reduces over `dp` replicas (ring)."""
-        return sum(2 * (dp - 1) * self.bucket_bytes(b) // dp for b in range(len(self.buckets)))
+        return sum(all_reduce_bytes(self.bucket_bytes(b), dp) for b in range(len(self.buckets)))
 
 
 class StepBuckets:
@@ -135,7 +136,7 @@ class StepBuckets:
 
     def _launch(self, b: int, async_op: bool) -> None:
         grid, tag, flat = self.grid, f"dp:bucket{b}", self._buffer(b)
-        grid.log.add(tag, "bwd", 2 * (grid.dp - 1) * tensor_bytes(flat) // grid.dp)
+        grid.log.add(tag, "bwd", all_reduce_bytes(tensor_bytes(flat), grid.dp))
         grid.log.launch(tag, "bwd")
         with guarded(grid, "all-reduce", "dp", tag):
             self.work[b] = dist.all_reduce(flat, group=grid.dp_group, async_op=async_op)

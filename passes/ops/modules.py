@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.layout import Layout, chunk_range, parts, split_dim
+from passes.cost.planned import redistribution
+from passes.layout import Layout, chunk_range
 from passes.mesh import Grid
 from passes.ops import comm
 from passes.ops.summa import summa_matmul
@@ -28,17 +28,18 @@ def norm_stat_size(dtype: torch.dtype) -> int:
 
 
 class Redistribute(nn.Module):
-    """Move a tensor from layout `src` to `dst`: first gather the axes whose split changes, then
-    split, reduce or reduce-scatter axis by axis (never two axes on one dim in between)."""
+    """Move a tensor from layout `src` to `dst` by the steps of `passes.cost.planned.redistribution`,
+    the list the planner prices: first gather the axes whose split changes, then split, reduce or
+    reduce-scatter axis by axis (never two axes on one dim in between)."""
 
     def __init__(self, grid: Grid, src: Layout, dst: Layout, tag: str, shape: tuple | None = None):
         """`shape`: the tensor's global shape, which a gather of a dim the grid does not divide needs."""
         super().__init__()
         self.grid, self.src, self.dst, self.tag = grid, src, dst, tag
         self.shape = shape
-        # the collectives as plain numbers, worked out once: forward reads no placement objects, which
-        # torch.compile cannot trace into
-        self.steps = redistribute_steps(src, dst)
+        # worked out once, as plain values: forward reads no placement objects, which torch.compile
+        # cannot trace into
+        self.steps = redistribution(src, dst)
 
     def forward(self, x):
         g = self.grid
@@ -57,30 +58,6 @@ class Redistribute(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.src} -> {self.dst}"
-
-
-def redistribute_steps(src: Layout, dst: Layout) -> tuple:
-    """The collectives moving `src` to `dst`, in order, as (kind, axis, dim, parts, avg) tuples."""
-    steps, cur = [], list(src.placements)
-    for a in range(2):
-        if split_dim(cur[a]) is not None and cur[a] != dst[a]:
-            steps.append(("gather", a, cur[a].dim, parts(cur[a]), False))
-            cur[a] = Replicate()
-    for a in range(2):
-        s, d = cur[a], dst[a]
-        if s == d:
-            continue
-        if isinstance(s, Partial):
-            avg = s.reduce_op == "avg"
-            if isinstance(d, Shard) and parts(d) == 1:
-                steps.append(("reduce-scatter", a, d.dim, 1, avg))
-                continue
-            steps.append(("all-reduce", a, -1, 1, avg))
-        if split_dim(d) is not None:
-            steps.append(("split", a, d.dim, parts(d), False))
-        elif isinstance(d, Partial):
-            steps.append(("to-partial", a, -1, 1, d.reduce_op == "avg"))
-    return tuple(steps)
 
 
 class GradSync(nn.Module):

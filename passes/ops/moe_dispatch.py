@@ -43,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.compat import is_fake
+from passes.cost.volumes import all_to_all_bytes
 from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.ops import comm
@@ -132,7 +133,7 @@ def all_to_all(grid: Grid, axis: int, t: torch.Tensor, send: list, recv: list, t
     if is_fake(t):  # a planning run: shapes only
         return out
     row = math.prod(t.shape[1:]) * t.element_size()
-    grid.log.add(tag, phase, row * (sum(recv) - recv[grid.index(axis)]))
+    grid.log.add(tag, phase, all_to_all_bytes(recv, grid.index(axis), row))
     grid.log.launch(tag, phase)
     with comm.guarded(grid, "all-to-all", axis, tag):
         dist.all_to_all_single(out, t.contiguous(), output_split_sizes=recv, input_split_sizes=send,

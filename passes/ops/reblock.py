@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from passes.cost.volumes import all_to_all_bytes
 from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.ops import comm
@@ -72,7 +73,7 @@ def run_reblock(grid: Grid, axis: int, t: torch.Tensor, dim: int, src: list, dst
     moved = t.movedim(dim, 0).contiguous()
     out = moved.new_empty((sum(recv),) + tuple(moved.shape[1:]))
     row = math.prod(moved.shape[1:]) * moved.element_size()  # bytes per index of `dim` (its block may be empty)
-    grid.log.add(tag, phase, (sum(recv) - recv[i]) * row)
+    grid.log.add(tag, phase, all_to_all_bytes(recv, i, row))
     grid.log.launch(tag, phase)
     with comm.guarded(grid, "all-to-all", axis, tag):
         dist.all_to_all_single(out, moved, recv, send, group=grid.group(axis))

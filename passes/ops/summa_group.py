@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from passes.compat import register_ordered
+from passes.cost.volumes import all_gather_bytes, reduce_scatter_bytes
 from passes.mesh import Grid, grid_of
 from passes.ops.comm import Posted, tensor_bytes, post_reduce_scatter, run_all_gather, run_reduce_scatter
 from passes.ops.summa import AXIS_SAME_COL, AXIS_SAME_ROW, backward_pair
@@ -52,14 +53,14 @@ def _reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, received: 
 
 def _weights(grid: Grid, ws: list, tags: list, phase: str) -> torch.Tensor:
     """The k weight blocks side by side, gathered over the rows: [K, sum N_i/C]."""
-    R = grid.size(AXIS_SAME_COL)
-    return _gather(grid, AXIS_SAME_COL, torch.cat(ws, 1), 0, [(t, (R - 1) * tensor_bytes(w)) for t, w in zip(tags, ws)],
-                   phase)
+    received = [(t, all_gather_bytes(tensor_bytes(w), grid.size(AXIS_SAME_COL))) for t, w in zip(tags, ws)]
+    return _gather(grid, AXIS_SAME_COL, torch.cat(ws, 1), 0, received, phase)
 
 
 def _x_panel(grid: Grid, x: torch.Tensor, tags: list, phase: str) -> torch.Tensor:
     """x's row panel [m, K], gathered once for the group (counted by the lead)."""
-    return _gather(grid, AXIS_SAME_ROW, x, 1, [(tags[0], (grid.size(AXIS_SAME_ROW) - 1) * tensor_bytes(x))], phase)
+    received = [(tags[0], all_gather_bytes(tensor_bytes(x), grid.size(AXIS_SAME_ROW)))]
+    return _gather(grid, AXIS_SAME_ROW, x, 1, received, phase)
 
 
 def _split(t: torch.Tensor, like: list) -> list:
@@ -76,7 +77,7 @@ def abt(grid: Grid, gs: list, ws: list, tags: list) -> torch.Tensor:
     """dX = sum_i dY_i W_i^T for dY_i [m, N_i/C]: [m, K/C] (one reduce-scatter, counted by the lead)."""
     part = torch.cat(gs, 1) @ _weights(grid, ws, tags, "bwd").t()  # [m, K], partial over the columns
     C = grid.size(AXIS_SAME_ROW)
-    dx = _reduce_scatter(grid, AXIS_SAME_ROW, part, 1, [(tags[0], (C - 1) * tensor_bytes(part) // C)], "bwd")
+    dx = _reduce_scatter(grid, AXIS_SAME_ROW, part, 1, [(tags[0], reduce_scatter_bytes(tensor_bytes(part), C))], "bwd")
     return dx.contiguous()  # the layout the fake kernel promises
 
 
@@ -85,7 +86,7 @@ def post_atb(grid: Grid, x, gs: list, tags: list) -> Posted:
     rows is waited for (launched, not waited: `passes.ops.overlap`'s atb_group ops)."""
     prod = _x_panel(grid, x, tags, "bwd").t() @ torch.cat(gs, 1)  # [K, sum N_i/C], partial over the rows
     R, K = grid.size(AXIS_SAME_COL), prod.shape[0]
-    received = [(t, (R - 1) * K * g.shape[1] * prod.element_size() // R) for t, g in zip(tags, gs)]
+    received = [(t, reduce_scatter_bytes(K * g.shape[1] * prod.element_size(), R)) for t, g in zip(tags, gs)]
     posted = post_reduce_scatter(grid, AXIS_SAME_COL, prod, 0, tags[0], "bwd", received)
     return dataclasses.replace(posted, finish=lambda: _split(posted.finish(), gs))
 

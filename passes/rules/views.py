@@ -24,6 +24,8 @@ from passes.ops.reblock import bounds
 from passes.rules.pointwise import dim_map
 
 aten = torch.ops.aten
+# the ops that only reshape (the same elements in the same order, sizes baked into the graph)
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 # every op that only reorders dims: a weight used through one of them (`x @ w.T`) is placed by its consumer
 TRANSPOSES = (aten.transpose.int, aten.t.default, aten.permute.default, aten.numpy_T.default, aten.mT.default,
               aten.mH.default, aten.adjoint.default, aten.swapaxes.default, aten.swapdims.default,
@@ -141,9 +143,8 @@ def reshape_mapping(src, dst) -> dict:
     return mapping
 
 
-@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-          aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-          aten.squeeze.default)
+@register(*VIEWS, aten.flatten.using_ints, aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.squeeze.dims, aten.squeeze.default)
 def reshape(node, layouts, mesh):
     return _mapped(node, layouts, mesh, reshape_mapping)
 

@@ -7,11 +7,10 @@ import torch
 
 from passes.meta import ROLE
 from passes.nodes import arg, val
-from passes.rules.views import TRANSPOSES
+from passes.rules.views import TRANSPOSES, VIEWS
 
 aten = torch.ops.aten
 
-_KEEP_LAST = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 
 
@@ -25,7 +24,7 @@ def fused_parts(node) -> int:
         for u in n.users:
             if u.op != "call_function":
                 continue
-            if u.target in _KEEP_LAST and val(u).shape[-1] == n_out:
+            if u.target in VIEWS and val(u).shape[-1] == n_out:
                 frontier.append(u)
             elif u.target in _SPLITS:
                 nd = len(val(n).shape)

@@ -53,7 +53,7 @@ from passes.mesh import warn
 from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.transforms.propagate import Propagation, propagate_node
 from passes.search.recompute_cost import BlockTrade, block_trade
-from passes.rules.views import TRANSPOSES
+from passes.rules.views import TRANSPOSES, VIEWS
 from passes.errors import SearchWarning
 
 __all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
@@ -67,8 +67,8 @@ EXHAUSTIVE = 1024  # assignments enumerated outright; more: the coordinate searc
 GROUP = 81  # assignments one step of the coordinate search enumerates at most (4 three-way variables)
 ROUNDS = 4  # coordinate-search rounds at most (it stops earlier once a round changes nothing)
 PROGRESS_S = 5.0  # a search still running after this many seconds warns once that it is
-_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, *TRANSPOSES,
-            aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default}
+_THROUGH = {*VIEWS, *TRANSPOSES, aten._to_copy.default, aten.clone.default, aten.alias.default,
+            aten.detach.default}
 
 
 @dataclass

@@ -16,9 +16,10 @@ from torch.fx import GraphModule
 from passes.layout import local_shape
 from passes.meta import LAYOUT, PLAN_ARGS
 from passes.nodes import arg
+from passes.rules.views import VIEWS
 
 aten = torch.ops.aten
-_SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_SIZED = {*VIEWS, aten.expand.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 LOCALIZED = _SIZED | _SPLITS | {aten.unflatten.int}
 

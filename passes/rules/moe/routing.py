@@ -26,7 +26,7 @@ from typing import ClassVar
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from passes.cost.planned import all_reduce_bytes
+from passes.cost.volumes import all_gather_bytes, all_reduce_bytes
 from passes.kernels.spec import KernelSpec, Site
 from passes.layout import REPLICATED, Layout
 from passes.meta import KERNEL
@@ -52,7 +52,8 @@ def _moved(v: dict, exact: bool) -> tuple:
     run = _div(v["s"], v["R"], exact)  # pairs in this row's run
     block = _div(v["h"] * v["e"], v["C"], exact)  # bytes of one pair's [H/C] block
     a2a = _div(run * (v["R"] - 1), v["R"], exact) * block
-    return a2a, run * block * (v["C"] - 1), (v["R"] - 1) * v["x"] * 8
+    # a combine's reduce-scatter of the [run, H] sums receives what a dispatch's all-gather does
+    return a2a, all_gather_bytes(run * block, v["C"]), all_gather_bytes(8 * v["x"], v["R"])
 
 
 @dataclass(frozen=True)
