@@ -20,6 +20,11 @@ _HOME = {
     "choose_grid": "autopar.planning.plan", "CompileWarning": "autopar.errors",
     "max_batch": "autopar.planning.capacity", "AutoparError": "autopar.errors", "AutoparWarning": "autopar.errors",
     "UsageError": "autopar.errors", "CollectiveError": "autopar.errors", "RoutingWarning": "autopar.errors",
+    **{name: "autopar.errors" for name in (
+        "MemoryLimitError", "UnsupportedError", "SignatureError", "DuplicateRuleError",
+        "NotMaterializedError", "NoProcessGroupError", "CheckpointFileError", "CheckpointNotFoundError",
+        "CheckpointPermissionError", "MissingWeightsError", "TransformersVersionError", "RankFailedError",
+        "MovedWarning", "PlanWarning")},
 }
 __all__ = list(_HOME)
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 `parallelize` and `plan` build one `Options` from their keyword arguments and pass it down to the
 passes (`strategy.choose`, `propagate`), so every stage reads the same values with the same defaults
-and no stage re-checks them. A bad value raises a `ValueError` naming the option, the value given,
+and no stage re-checks them. A bad value raises a `UsageError` (a ValueError) naming the option, the value given,
 the values expected and what to pass instead, before anything is captured.
 
 >>> Options().indivisible
@@ -10,7 +10,7 @@ the values expected and what to pass instead, before anything is captured.
 >>> Options(lowering="ring")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-ValueError: lowering='ring': expected one of ('broadcast', 'allgather'); pass one of these, or leave lowering ...
+passes.errors.UsageError: lowering='ring': expected one of ('broadcast', 'allgather'); pass one of these, ...
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, fields
 
 from passes.cost.model import CostModel
+from passes.errors import UsageError
 
 __all__ = ["Options", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES", "INDIVISIBLE"]
 
@@ -65,44 +66,44 @@ class Options:
         _one_of("on_unsupported", self.on_unsupported, ("replicate", "error"))
         _one_of("moe_dispatch", self.moe_dispatch, ("auto", "all_to_all", "gather"))
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits "
+            raise UsageError(f"strategy={self.strategy!r}: expected '2d' (SUMMA), '1d' (Megatron column/row splits "
                              f"over the grid's columns) or 'auto' (chosen per matmul from estimated step time)")
         if self.cost_model is not None and not isinstance(self.cost_model, (CostModel, dict, str,
                                                                               os.PathLike)):
-            raise ValueError(f"cost_model={self.cost_model!r}: expected None (published GPU-cluster figures), the "
+            raise UsageError(f"cost_model={self.cost_model!r}: expected None (published GPU-cluster figures), the "
                              f"path or dict of JSON that `autopar calibrate` wrote, or a passes.cost.model.CostModel")
         if self.memory_limit is not None and not (_number(self.memory_limit) and self.memory_limit > 0):
-            raise ValueError(f"memory_limit={self.memory_limit!r}: expected a positive number of bytes per rank "
+            raise UsageError(f"memory_limit={self.memory_limit!r}: expected a positive number of bytes per rank "
                              f"(e.g. 40 * 2**30), or None for no limit")
         if self.search_budget is not None and not (_number(self.search_budget) and self.search_budget >= 0):
-            raise ValueError(f"search_budget={self.search_budget!r}: expected seconds >= 0 (e.g. {BUDGET_S:g}) or "
+            raise UsageError(f"search_budget={self.search_budget!r}: expected seconds >= 0 (e.g. {BUDGET_S:g}) or "
                              f"None for no time limit")
         if not isinstance(self.check_inputs, bool):
-            raise ValueError(f"check_inputs={self.check_inputs!r}: expected True (compare every call's inputs "
+            raise UsageError(f"check_inputs={self.check_inputs!r}: expected True (compare every call's inputs "
                              f"across the ranks of a grid) or False")
         if self.timeout is not None and not (_number(self.timeout) and self.timeout > 0):
-            raise ValueError(f"timeout={self.timeout!r}: expected a positive number of seconds, or None for the "
+            raise UsageError(f"timeout={self.timeout!r}: expected a positive number of seconds, or None for the "
                              f"process group's own timeout")
         if not isinstance(self.compile, bool):
-            raise ValueError(f"compile={self.compile!r}: expected True (run each rank's program under "
+            raise UsageError(f"compile={self.compile!r}: expected True (run each rank's program under "
                              f"torch.compile) or False (eager)")
         if not (self.recompute is None or self.recompute is False or self.recompute in RECOMPUTE_MODES):
-            raise ValueError(f"recompute={self.recompute!r}: expected None (keep every activation for backward; "
+            raise UsageError(f"recompute={self.recompute!r}: expected None (keep every activation for backward; "
                              f"strategy='auto' may recompute blocks to fit memory_limit), False (never recompute), "
                              f"'blocks' (keep each repeated block's inputs, run the block again in backward) or "
                              f"'selective' (keep matmul and communication outputs, recompute the local ops "
                              f"between them)")
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) \
                 or self.optimizer_states < 0:
-            raise ValueError(f"optimizer_states={self.optimizer_states!r}: expected the number of tensors the "
+            raise UsageError(f"optimizer_states={self.optimizer_states!r}: expected the number of tensors the "
                              f"optimizer keeps per parameter (AdamW: 2, SGD with momentum: 1, plain SGD: 0)")
 
         if not isinstance(self.forward_only, bool):
-            raise ValueError(f"forward_only={self.forward_only!r}: expected True (price a forward alone, as "
+            raise UsageError(f"forward_only={self.forward_only!r}: expected True (price a forward alone, as "
                              f"inference runs) or False (a training step)")
 
         if not (_number(self.grad_bucket_mb) and self.grad_bucket_mb >= 0):
-            raise ValueError(f"grad_bucket_mb={self.grad_bucket_mb!r}: expected MiB >= 0 of parameter gradients "
+            raise UsageError(f"grad_bucket_mb={self.grad_bucket_mb!r}: expected MiB >= 0 of parameter gradients "
                              f"per data-parallel all-reduce (default {BUCKET_MB:g}; 0: one all-reduce per "
                              f"parameter block)")
 
@@ -117,7 +118,7 @@ def _number(x) -> bool:
 
 def _one_of(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r}: expected one of {allowed}; pass one of these, or leave {name} out "
+        raise UsageError(f"{name}={value!r}: expected one of {allowed}; pass one of these, or leave {name} out "
                          f"for the default {allowed[0]!r}")
 
 

@@ -181,11 +181,12 @@ def test_rank0_failures_raise_on_every_rank(pool4, tmp_path):
     dangling symlink, no write permission, a full disk, a failed rename), a failed save that
     changes the previous checkpoint or leaves temporary files; a symlink to a directory and '.' work."""
     r = pool4.run(C.rank0_failures, str(tmp_path), timeout=600)
-    expect = {"file target": ("ValueError", "is a file, not a directory"),
-              "dangling symlink": ("ValueError", "which does not exist: create that directory"),
-              "not writable": ("PermissionError", "is not writable by this process"),
-              "disk full": ("OSError", "writing model-00002-of-0"),
-              "permission at finish": ("PermissionError", "finishing failed on rank 0: [Errno 13] Permission denied")}
+    expect = {"file target": ("UsageError", "is a file, not a directory"),
+              "dangling symlink": ("UsageError", "which does not exist: create that directory"),
+              "not writable": ("CheckpointPermissionError", "is not writable by this process"),
+              "disk full": ("CheckpointFileError", "writing model-00002-of-0"),
+              "permission at finish": ("CheckpointPermissionError",
+                                       "finishing failed on rank 0: [Errno 13] Permission denied")}
     for case, (kind, words) in expect.items():
         assert len({res[case] for res in r}) == 1, (case, [res[case] for res in r])  # the same error everywhere
         got_kind, msg = r[0][case]
@@ -221,7 +222,7 @@ def test_save_distributed_roundtrip(pool4, tmp_path):
     assert r[0]["files"] == ["dcp"], r[0]["files"]
     for res in r:
         kind, msg = res["missing"]
-        assert kind == "FileNotFoundError" and "nothing_here/.metadata not found" in msg, res["missing"]
+        assert kind == "CheckpointNotFoundError" and "nothing_here/.metadata not found" in msg, res["missing"]
 
 
 @pytest.mark.parametrize("mode", ["kill", "raise"])
@@ -254,17 +255,19 @@ def test_interrupted_save_distributed_keeps_previous(tmp_path, mode):
 
 def test_target_and_block_refusals(tmp_path):
     """Catches a save target or staging path that fails later with an unclear OS error, a read
-    outside a tensor, and an agreement that changes the error's type or loses its text."""
+    outside a tensor, and an agreement that loses the error's kind (a PermissionError stays one, as
+    autopar's CheckpointPermissionError) or its text."""
     from types import SimpleNamespace
 
     from autopar.checkpoint import files as files
+    from autopar.errors import CheckpointFileError, CheckpointPermissionError
     from autopar.program.consensus import agree
     from autopar.checkpoint.dcp import _prepare
 
     with pytest.raises(ValueError, match="save path '' is empty"):
         files.check_target("")
     (tmp_path / "f").write_text("x")
-    with pytest.raises(NotADirectoryError, match="cannot create the save directory .* check that its parent"):
+    with pytest.raises(CheckpointFileError, match="cannot create the save directory .* check that its parent"):
         files.check_target(str(tmp_path / "f" / "sub"))
     with pytest.raises(ValueError, match="save_distributed path .* is a file, not a directory"):
         _prepare(str(tmp_path / "f"), str(tmp_path / "f.tmp-autopar"))
@@ -273,6 +276,6 @@ def test_target_and_block_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"block \[\(0, 3\), \(0, 3\)\] is not inside tensor 'a' of shape \[2, 3\]"):
         f.read("a", [(0, 3), (0, 3)])
     f.close()
-    with pytest.raises(PermissionError, match=r"^moving x failed on rank 0: denied$"):
+    with pytest.raises(CheckpointPermissionError, match=r"^moving x failed on rank 0: denied$"):
         agree(SimpleNamespace(rank=0), PermissionError("denied"), "moving x")
     agree(SimpleNamespace(rank=0), None, "nothing failed")

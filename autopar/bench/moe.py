@@ -32,6 +32,7 @@ import autopar
 from autopar.bench import common
 from autopar.bench.common import FunctionalCommBytes
 from autopar.launch import close, init_local
+from autopar.errors import UsageError
 
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
@@ -71,7 +72,7 @@ class ExpertIntermediateParallel(ParallelStyle):
         p = device_mesh.size()
         e, two_i, h = module.gate_up_proj.shape
         if (two_i // 2) % p:
-            raise ValueError(f"ExpertIntermediateParallel: intermediate size {two_i // 2} is not divisible by "
+            raise UsageError(f"ExpertIntermediateParallel: intermediate size {two_i // 2} is not divisible by "
                              f"the mesh size {p}; use a mesh size that divides it")
         # [E, 2, p, I/p, H] -> [E, p, 2, I/p, H]: rank r's rows are its gate block, then its up block
         blocks = module.gate_up_proj.detach().view(e, 2, p, two_i // 2 // p, h).transpose(1, 2).reshape(e, two_i, h)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from autopar.checkpoint import files as F
 from autopar.program.consensus import AXES, agree, grid_group, on_rank0
 from passes.ops.comm import guarded
+from autopar.errors import CheckpointNotFoundError, UsageError
 
 
 def _state(pmodel, optimizer) -> dict:
@@ -42,9 +43,9 @@ def _dcp_group(grid):
 
 def _prepare(path: str, staging: str) -> None:
     if not path:
-        raise ValueError("save_distributed path '' is empty: expected a directory to write the checkpoint into")
+        raise UsageError("save_distributed path '' is empty: expected a directory to write the checkpoint into")
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"save_distributed path {path!r} is a file, not a directory: pass a directory path "
+        raise UsageError(f"save_distributed path {path!r} is a file, not a directory: pass a directory path "
                          f"(a DCP checkpoint is a directory of files)")
     if os.path.isdir(staging) and not os.path.islink(staging):  # an interrupted save left it (the name is ours)
         shutil.rmtree(staging)
@@ -76,8 +77,8 @@ def load_distributed(pmodel, path, optimizer=None) -> None:
     what = f"autopar.checkpoint.load_distributed({path!r})"
     missing = None
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        missing = FileNotFoundError(f"{path}/.metadata not found: expected a directory written by "
-                                    f"save_distributed or torch.distributed.checkpoint.save")
+        missing = CheckpointNotFoundError(f"{path}/.metadata not found: expected a directory written by "
+                                          f"save_distributed or torch.distributed.checkpoint.save")
     agree(grid, missing, f"{what}: checking the checkpoint")
     state = _state(pmodel, optimizer)
     with guarded(grid, "torch.distributed.checkpoint.load", AXES, path):

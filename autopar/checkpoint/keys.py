@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from autopar.errors import TransformersVersionError, UsageError
+
 TESTED = "5.24"  # the transformers version these imports were checked against
 
 
@@ -58,7 +60,7 @@ def _transformers() -> types.SimpleNamespace:
                                                      dot_natural_key, rename_source_key, revert_weight_conversion)
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
     except ImportError as e:
-        raise ImportError(
+        raise TransformersVersionError(
             f"autopar reads and writes checkpoint key names with transformers' own rules (transformers "
             f"{TESTED}), but transformers {transformers.__version__} lacks one of them ({e}); install "
             f"transformers>=5 (tested: {TESTED})"
@@ -134,7 +136,7 @@ def load_plan(model: nn.Module, shapes: dict) -> LoadPlan:
         try:
             outs = conv.run(model, lambda k: torch.empty(shapes[k], device="meta"))  # names and shapes only
         except Exception as e:  # transformers' own message says which op, not which keys
-            raise ValueError(
+            raise UsageError(
                 f"transformers converts the checkpoint keys {[k for k, _ in conv.keys][:8]} into {conv.first!r} "
                 f"with {conv.ops()}, which fails on their shapes "
                 f"{[shapes[k] for k, _ in conv.keys][:8]}: {e}. Check that the checkpoint was written for "

@@ -50,6 +50,7 @@ from autopar.generate.phases import (PhasePlan, Relaid, estimate_phase, phase_op
                                      stored_bytes)
 from autopar.program.guards import fingerprint
 from autopar.program.build import Compiled, capture, compile_captured
+from autopar.errors import MemoryLimitError, SignatureError, UnsupportedError, UsageError
 
 __all__ = ["BUCKET", "CachedLM", "Generator", "cache_layout", "kv_cache_bytes_per_rank", "kv_repeat",
            "capture_cached"]
@@ -225,7 +226,7 @@ def _refuse(model) -> None:
     """Models generate cannot serve, refused before anything is compiled."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
-        raise NotImplementedError(
+        raise UnsupportedError(
             f"pmodel.generate: {type(model).__name__} is an encoder-decoder model; autopar generates with "
             f"decoder-only causal LMs. What is missing for it: an encoder program run once per prompt and "
             f"a cross-attention cache of the encoder's keys and values beside the self-attention cache. "
@@ -233,7 +234,7 @@ def _refuse(model) -> None:
         )
     can = getattr(model, "can_generate", None)
     if not (callable(can) and can()):
-        raise ValueError(
+        raise UsageError(
             f"pmodel.generate needs a causal language model (a transformers model with a language-modeling "
             f"head, e.g. LlamaForCausalLM); {type(model).__name__} cannot generate. Parallelize its "
             f"*ForCausalLM class instead"
@@ -242,7 +243,7 @@ def _refuse(model) -> None:
 
 def _refuse_beams(gc) -> None:
     if (gc.num_beams or 1) != 1:
-        raise NotImplementedError(
+        raise UnsupportedError(
             f"pmodel.generate: num_beams={gc.num_beams}: beam search is not supported; use greedy search "
             f"(the default) or sampling (do_sample=True)"
         )
@@ -315,9 +316,9 @@ class Generator:
             try:
                 comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, options)
             except MemoryError as e:  # raised on every rank (the search's verdict is rank 0's)
-                raise MemoryError(f"pmodel.generate, {key[0]}: {e} The phase's own plan must fit memory_limit less "
-                                  f"the parameter blocks this rank stores; pass {key[0]}_strategy='forward' to run "
-                                  f"the forward's plan.") from e
+                raise MemoryLimitError(f"pmodel.generate, {key[0]}: {e} The phase's own plan must fit memory_limit "
+                                       f"less the parameter blocks this rank stores; pass {key[0]}_strategy='forward' "
+                                       f"to run the forward's plan.") from e
         pm._check_parameters(comp, inputs, {})
         return comp, layouts, phase_plan(pm, strategy, comp, estimate)
 
@@ -460,19 +461,19 @@ def _config(model, generation_config, kwargs: dict, prompt: int, max_cache_len: 
     gc = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     unknown = gc.update(**kwargs)
     if unknown:
-        raise TypeError(f"pmodel.generate got keywords it does not take: {sorted(unknown)}; it takes "
-                        f"input_ids, attention_mask, max_cache_len, prefill_strategy, decode_strategy and "
-                        f"GenerationConfig fields")
+        raise SignatureError(f"pmodel.generate got keywords it does not take: {sorted(unknown)}; it takes "
+                             f"input_ids, attention_mask, max_cache_len, prefill_strategy, decode_strategy and "
+                             f"GenerationConfig fields")
     _refuse_beams(gc)
     if gc.max_new_tokens is not None:
         gc.max_length = prompt + gc.max_new_tokens
     new = gc.max_length - prompt
     if new < 1:
-        raise ValueError(f"pmodel.generate: max_length={gc.max_length} leaves no new token after a prompt of "
+        raise UsageError(f"pmodel.generate: max_length={gc.max_length} leaves no new token after a prompt of "
                          f"{prompt}; pass max_new_tokens >= 1")
     max_len = max_cache_len or -(-gc.max_length // BUCKET) * BUCKET
     if gc.max_length > max_len:
-        raise ValueError(
+        raise UsageError(
             f"pmodel.generate: a prompt of {prompt} tokens plus max_new_tokens={new} needs {gc.max_length} "
             f"cache slots, but max_cache_len={max_len}; pass a larger max_cache_len (or none: the cache is "
             f"then sized to the request) or fewer new tokens")
@@ -490,7 +491,7 @@ def _agree(grid, mine: tuple) -> None:
     differ = [base + r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
         names = "(batch size, prompt length, cache length, do_sample, input_ids hash, attention_mask hash)"
-        raise ValueError(
+        raise UsageError(
             f"pmodel.generate: ranks of one grid asked for different generations {names}: rank {base} "
             f"{everyone[0]}, ranks {differ} {[everyone[r - base] for r in differ]}; every rank of a grid "
             f"must pass the same input_ids and the same generation arguments"

@@ -31,6 +31,7 @@ from passes.search import strategy as strategies
 from passes.search.estimate import Estimate
 from passes.layout import Layout
 from passes.ops import modules as kernels
+from autopar.errors import MemoryLimitError, UsageError
 
 __all__ = ["PHASE_STRATEGIES", "PhasePlan", "Relaid", "phase_strategy", "phase_options", "stored_bytes",
            "estimate_phase", "phase_plan"]
@@ -42,7 +43,7 @@ def phase_strategy(pmodel, name: str, value) -> str | None:
     """The strategy that plans phase `name` ('prefill_strategy' / 'decode_strategy') for the value the
     user passed: '2d', '1d' or 'auto' (its own plan) or None (the forward's plan), per the table above."""
     if value not in PHASE_STRATEGIES:
-        raise ValueError(f"pmodel.generate: {name}={value!r}: expected None (follow the model's strategy: 'auto' "
+        raise UsageError(f"pmodel.generate: {name}={value!r}: expected None (follow the model's strategy: 'auto' "
                          f"plans each phase on its own, '2d' and '1d' keep the forward's plan), 'forward' (the "
                          f"forward's plan), '2d', '1d' or 'auto' (that strategy for this phase alone)")
     if value is None:
@@ -65,7 +66,7 @@ def phase_options(options, strategy: str | None, stored_bytes: int = 0):
     over: dict = {"strategy": strategy} if strategy else {}
     if strategy == "auto" and options.memory_limit is not None:
         if options.memory_limit <= stored_bytes:
-            raise MemoryError(
+            raise MemoryLimitError(
                 f"pmodel.generate: memory_limit={options.memory_limit} bytes per rank leaves nothing for a phase's "
                 f"own plan beside the {stored_bytes} bytes of parameter blocks this rank stores. Pass "
                 f"prefill_strategy='forward' and decode_strategy='forward' (the forward's plan, no copies) or a "

@@ -30,7 +30,7 @@ from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.program.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
 from autopar.program.build import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
                               refuse_kv_cache, signature)
-from autopar.errors import CompileWarning
+from autopar.errors import CompileWarning, NoProcessGroupError, NotMaterializedError, UnsupportedError, UsageError
 
 __all__ = ["parallelize", "ParallelModule", "FallbackWarning", "CompileWarning"]
 
@@ -92,7 +92,7 @@ class ParallelModule(nn.Module):
             _set_path(self, name, _shard(p, param_layouts.get(name, REPLICATED), grid, device), "param")
         for name, b in first.captured.buffers.items():
             if b.is_meta:
-                raise ValueError(
+                raise UsageError(
                     f"buffer {name!r} is on the meta device, so its values are unknown; build the model "
                     f"inside autopar.meta_init(), which puts only parameters on meta"
                 )
@@ -183,7 +183,7 @@ class ParallelModule(nn.Module):
             was = tuple(self.get_parameter(name).shape) if name in self._param_layouts else None
             if now != was:
                 shapes = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-                raise NotImplementedError(
+                raise UnsupportedError(
                     f"parameter {name!r} has shape {now} in a call with input shapes {shapes}, but "
                     + (f"shape {was} when the model was parallelized" if was else "did not exist when the model "
                        "was parallelized (a parameter created during a call)")
@@ -193,7 +193,7 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         if not self._materialized:
-            raise RuntimeError(
+            raise NotMaterializedError(
                 "this model was parallelized from the meta device and its parameter blocks hold no values "
                 "yet: load them with autopar.load_safetensors(pmodel, path) or torch.distributed.checkpoint, "
                 "or build it with autopar.from_pretrained(path, ...)"
@@ -248,7 +248,7 @@ class ParallelModule(nn.Module):
         device = comp.captured.device
         for i, t in enumerate(flat):
             if isinstance(t, torch.Tensor) and t.device != device:
-                raise ValueError(
+                raise UsageError(
                     f"input {i} (shape {tuple(t.shape)}) is on {t.device}, but this rank's parameter blocks are "
                     f"on {device}; pass every input on {device} (the model was parallelized with inputs there)"
                 )
@@ -262,7 +262,7 @@ class ParallelModule(nn.Module):
         for i in range(len(flat)):
             differ = [base + r for r, s in enumerate(everyone) if s[i] != everyone[0][i]]
             if differ:
-                raise ValueError(
+                raise UsageError(
                     f"check_inputs: input {i} differs between ranks of this grid (rank {base} vs ranks {differ}); "
                     f"every rank of a grid must pass the same full inputs (shard the data per data-parallel "
                     f"replica, not per rank)"
@@ -280,7 +280,7 @@ class ParallelModule(nn.Module):
             mine = own.get(name)
             if isinstance(mine, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 if tuple(value.shape) != tuple(mine.shape):
-                    raise ValueError(
+                    raise UsageError(
                         f"load_state_dict: {name!r} has shape {tuple(value.shape)}, the model's parameter is "
                         f"{tuple(mine.shape)}; load a state_dict of the same architecture and sizes"
                     )
@@ -496,10 +496,10 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                       moe_dispatch=moe_dispatch)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
-        raise ValueError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "
+        raise UsageError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "
                          f"(dp, R, C) for dp data-parallel replicas of an R x C grid")
     if not torch.distributed.is_initialized():
-        raise RuntimeError(
+        raise NoProcessGroupError(
             "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
             "(backend 'gloo' on CPU, 'nccl' on GPUs) on every rank first, or use autopar.launch.spawn"
         )

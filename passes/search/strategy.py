@@ -54,7 +54,7 @@ from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.transforms.propagate import Propagation, propagate_node
 from passes.search.recompute_cost import BlockTrade, block_trade
 from passes.rules.views import TRANSPOSES
-from passes.errors import SearchWarning
+from passes.errors import MemoryLimitError, SearchWarning
 
 __all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
            "estimate_assignment",
@@ -368,7 +368,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
         assert memory_limit is not None, "without a memory limit every assignment fits"
         least = min(tried.values(), key=lambda e: e.memory_bytes)
         how = f", recomputing all {len(least.recomputed)} repeated blocks" if least.recomputed else ""
-        raise MemoryError(
+        raise MemoryLimitError(
             f"no strategy fits memory_limit={memory_limit / 2**30:.2f} GiB per rank on a {mesh_shape(mesh)} grid: "
             f"the smallest estimate among {len(tried)} assignments is {least.memory_bytes / 2**30:.2f} GiB{how}"
             f"{stopped}. Use more devices, a smaller batch, or a larger limit."

@@ -40,6 +40,7 @@ from passes.rules.registry import Strategy, Unsupported, lookup
 from passes.nodes import tensor_inputs, val
 from passes.rules.fallback import creation, fallback
 from passes.rules.views import TRANSPOSES, permutation
+from passes.errors import UnsupportedError
 
 
 
@@ -199,7 +200,7 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
                 summed[out] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
         node.meta[STRATEGY] = Strategy(summed, None)
     else:
-        raise NotImplementedError(f"node {node.name}: op kind {node.op} is not handled")
+        raise UnsupportedError(f"node {node.name}: op kind {node.op} is not handled")
 
 
 def propagate(gm: GraphModule, mesh, options: Options | None = None, pinned: dict | None = None) -> Propagation:
