@@ -10,7 +10,7 @@ import types
 from autopar import moved
 
 _HOME = {
-    "parallelize": "autopar.parallel.module", "ParallelModule": "autopar.parallel.module",
+    "parallelize": "autopar.parallel.api", "ParallelModule": "autopar.parallel.module",
     "FallbackWarning": "autopar.errors", "explain": "autopar.planning.explain", "CaptureError": "autopar.errors",
     "ShardingError": "autopar.errors", "SearchWarning": "autopar.errors", "from_pretrained": "autopar.checkpoint",
     "save_pretrained": "autopar.checkpoint", "CheckpointWarning": "autopar.errors",

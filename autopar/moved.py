@@ -16,7 +16,7 @@ import warnings
 
 # old path -> new path; removed in the release after 0.1
 MOVED = {
-    "autopar.api": "autopar.parallel.module",
+    "autopar.api": "autopar.parallel.api",
     "autopar.pipeline": "autopar.program.build",
     "autopar.outputs": "autopar.program.outputs",
     "autopar.guards": "autopar.program.guards",

@@ -14,7 +14,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from autopar.checkpoint.hf import _files
+from autopar.checkpoint.hf import checkpoint_files
 from autopar.checkpoint.safetensors_io import SafetensorsFile, write
 from tests.dist_pool import spawn_fresh
 from tests import checks_checkpoint as C
@@ -135,7 +135,7 @@ def test_index_paths_stay_inside(tmp_path, name):
     os.symlink(tmp_path / "elsewhere", ckpt / "linked")
     path = _index(ckpt, {"a": name})
     with pytest.raises(ValueError, match="points outside the checkpoint directory") as e:
-        _files(path)
+        checkpoint_files(path)
     assert repr(name) in str(e.value) and "weight_map['a']" in str(e.value)
 
 
@@ -149,12 +149,12 @@ def test_index_file_symlink_followed_and_bad_index_refused(tmp_path):
     os.symlink(blob, ckpt / "model-00001-of-00001.safetensors")
     with open(ckpt / "model.safetensors.index.json", "w") as f:
         json.dump({"weight_map": {"a": "model-00001-of-00001.safetensors"}}, f)
-    assert _files(str(ckpt)) == {"a": str(ckpt / "model-00001-of-00001.safetensors")}
+    assert checkpoint_files(str(ckpt)) == {"a": str(ckpt / "model-00001-of-00001.safetensors")}
     for content, words in (("[1]", "not a JSON object with a 'weight_map'"),
                            ('{"weight_map": ["a"]}', "'weight_map' must map tensor names to file names")):
         (ckpt / "model.safetensors.index.json").write_text(content)
         with pytest.raises(ValueError, match=words):
-            _files(str(ckpt))
+            checkpoint_files(str(ckpt))
 
 
 def test_save_keeps_other_files_and_removes_only_stale_weights(pool4, tmp_path):
@@ -262,7 +262,7 @@ def test_target_and_block_refusals(tmp_path):
     from autopar.checkpoint import files as files
     from autopar.errors import CheckpointFileError, CheckpointPermissionError
     from autopar.program.consensus import agree
-    from autopar.checkpoint.dcp import _prepare
+    from autopar.checkpoint.dcp import prepare_staging
 
     with pytest.raises(ValueError, match="save path '' is empty"):
         files.check_target("")
@@ -270,7 +270,7 @@ def test_target_and_block_refusals(tmp_path):
     with pytest.raises(CheckpointFileError, match="cannot create the save directory .* check that its parent"):
         files.check_target(str(tmp_path / "f" / "sub"))
     with pytest.raises(ValueError, match="save_distributed path .* is a file, not a directory"):
-        _prepare(str(tmp_path / "f"), str(tmp_path / "f.tmp-autopar"))
+        prepare_staging(str(tmp_path / "f"), str(tmp_path / "f.tmp-autopar"))
     write(str(tmp_path / "t.safetensors"), {"a": torch.ones(2, 3)})
     f = SafetensorsFile(str(tmp_path / "t.safetensors"))
     with pytest.raises(ValueError, match=r"block \[\(0, 3\), \(0, 3\)\] is not inside tensor 'a' of shape \[2, 3\]"):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from autopar.generate.loop import kv_cache_bytes_per_rank
+from autopar.generate.cache import kv_cache_bytes_per_rank
 from tests import checks_generate as C
 
 FAMILIES = ["llama", "llama_gqa", "mistral", "qwen2", "gemma", "phi3", "gpt2"]

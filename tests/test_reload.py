@@ -190,11 +190,11 @@ def test_moved_transformers_internals_named(monkeypatch):
     from autopar.checkpoint import keys as hf_keys
 
     monkeypatch.delattr(transformers.PreTrainedModel, "_adjust_missing_and_unexpected_keys")
-    hf_keys._transformers.cache_clear()
+    hf_keys.transformers_internals.cache_clear()
     try:
         with pytest.raises(ImportError, match=rf"transformers {transformers.__version__} lacks one of them "
                                               r"\(PreTrainedModel._adjust_missing_and_unexpected_keys is gone\); "
                                               rf"install transformers>=5 \(tested: {hf_keys.TESTED}\)"):
-            hf_keys._transformers()
+            hf_keys.transformers_internals()
     finally:
-        hf_keys._transformers.cache_clear()
+        hf_keys.transformers_internals.cache_clear()

@@ -43,14 +43,14 @@ ONE, TORCH_TP = "one process", "PyTorch 1D TP + expert TP (4 ranks)"
 GRIDS = {"autopar 2x2": (2, 2), "autopar 1x4": (1, 4)}
 
 
-def _model():
+def model():
     import transformers
 
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(**CONFIG))
 
 
-def _batch(step):
+def batch(step):
     ids = torch.randint(1, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
     return dict(input_ids=ids, labels=ids)
 
@@ -115,10 +115,10 @@ def _loss(out) -> float:
 
 def worker(rank, world, port, rounds, steps, out):
     init_local(rank, world, port)
-    base = _model()
+    base = model()
     configs = {ONE: base} if rank == 0 else {}
     for name, grid in GRIDS.items():
-        configs[name] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=_batch(0))
+        configs[name] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=batch(0))
     configs[TORCH_TP] = tp_1d(copy.deepcopy(base))
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in configs.items()}
     res: dict = {k: {"losses": [], "times": []} for k in configs}
@@ -137,10 +137,10 @@ def worker(rank, world, port, rounds, steps, out):
                 t0 = time.perf_counter()
                 if counter is not None:
                     with counter:
-                        o = m(**_batch(r * steps + s))
+                        o = m(**batch(r * steps + s))
                         o.loss.backward()
                 else:
-                    o = m(**_batch(r * steps + s))
+                    o = m(**batch(r * steps + s))
                     o.loss.backward()
                 opts[k].step()
                 opts[k].zero_grad()

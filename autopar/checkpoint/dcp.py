@@ -41,7 +41,7 @@ def _dcp_group(grid):
     return None if getattr(grid, "dp", 1) > 1 else grid_group(grid)
 
 
-def _prepare(path: str, staging: str) -> None:
+def prepare_staging(path: str, staging: str) -> None:
     if not path:
         raise UsageError("save_distributed path '' is empty: expected a directory to write the checkpoint into")
     if os.path.exists(path) and not os.path.isdir(path):
@@ -63,7 +63,7 @@ def save_distributed(pmodel, path, optimizer=None) -> None:
     path = os.fspath(path).rstrip("/") or "/"
     staging = path + F.TMP
     what = f"autopar.checkpoint.save_distributed({path!r})"
-    agree(grid, on_rank0(grid, _prepare, path, staging), f"{what}: preparing {staging}")
+    agree(grid, on_rank0(grid, prepare_staging, path, staging), f"{what}: preparing {staging}")
     with guarded(grid, "torch.distributed.checkpoint.save", AXES, path):
         dcp.save(_state(pmodel, optimizer), checkpoint_id=staging, process_group=_dcp_group(grid))
     agree(grid, on_rank0(grid, F.replace_dir, staging, path), f"{what}: moving {staging} into place")

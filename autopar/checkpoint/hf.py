@@ -101,15 +101,15 @@ def _read_block(read, ranges: list) -> torch.Tensor:
     return rec(0, [])
 
 
-def _files(path: str) -> dict:
+def checkpoint_files(path: str) -> dict:
     """Checkpoint key -> safetensors file path."""
     index = os.path.join(path, INDEX)
     if os.path.exists(index):
         return {k: _inside(path, index, k, v) for k, v in _weight_map(index).items()}
     single = os.path.join(path, SINGLE)
     if not os.path.exists(single):
-        raise CheckpointNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} found; expected a directory written by "
-                                f"save_pretrained (config.json and safetensors weights)")
+        raise CheckpointNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} found; expected a directory "
+                                      f"written by save_pretrained (config.json and safetensors weights)")
     f = SafetensorsFile(single)
     keys = list(f.keys())
     f.close()
@@ -161,7 +161,7 @@ def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
     keys, a base model's checkpoint for a model with a head (or the reverse), tied names. A tensor that
     transformers computes from several keys (stacked experts, a split fused projection) is computed
     whole on every rank, then cut to the rank's block."""
-    files = _files(path)
+    files = checkpoint_files(path)
     handles: dict = {}
 
     def handle(key):
@@ -261,7 +261,7 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
     each rank's blocks from the safetensors weights in `path`. No rank materializes the whole model."""
     import transformers
 
-    from autopar.parallel.module import parallelize
+    from autopar.parallel.api import parallelize
 
     config = transformers.AutoConfig.from_pretrained(path)
     if model_class is None:

@@ -47,7 +47,7 @@ def phase_strategy(pmodel, name: str, value) -> str | None:
                          f"plans each phase on its own, '2d' and '1d' keep the forward's plan), 'forward' (the "
                          f"forward's plan), '2d', '1d' or 'auto' (that strategy for this phase alone)")
     if value is None:
-        return "auto" if pmodel._options.strategy == "auto" and pmodel.grid.world > 1 else None
+        return "auto" if pmodel.options.strategy == "auto" and pmodel.grid.world > 1 else None
     return None if value == "forward" else value
 
 
@@ -86,13 +86,13 @@ def estimate_phase(pmodel, gm, strategy: str | None) -> Estimate | None:
     SUMMA products at the lowering they will run. None for 'auto' (its search's estimate is the plan's),
     on one rank, and for a forward's assignment that does not name every unit of `gm`. Leaves the
     plan's `CHOICE` marks on `gm`, as the compile that follows sets them."""
-    options, grid = pmodel._options, pmodel.grid
+    options, grid = pmodel.options, pmodel.grid
     if grid.world == 1 or strategy == "auto":
         return None
     cm = resolve_cost_model(options.cost_model)
     forward = phase_options(options, strategy)
     if strategy is None and options.strategy == "auto":
-        choice = next(iter(pmodel._compiled.values())).choice
+        choice = pmodel.choice
         keys = {u.key for u in strategies.find_units(gm)}
         if choice is None or not keys <= set(choice.assignment):
             return None
@@ -127,7 +127,7 @@ def phase_plan(pmodel, strategy: str | None, comp, estimate: Estimate | None) ->
     lowerings = collections.Counter(m.lowering for m in comp.gm.modules() if isinstance(m, kernels.SummaLinear))
     own = strategy is not None
     searched = comp.choice is not None and own
-    return PhasePlan(strategy or pmodel._options.strategy, own,
+    return PhasePlan(strategy or pmodel.options.strategy, own,
                      comp.choice.estimate if searched else estimate, dict(lowerings),
                      dict(comp.choice.assignment) if searched else {})
 

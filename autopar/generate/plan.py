@@ -26,7 +26,7 @@ from passes.search.estimate import price
 from passes.meta import LAYOUT
 from passes.mesh import Grid
 from passes.options import Options
-from autopar.generate.loop import capture_cached, kv_cache_bytes_per_rank
+from autopar.generate.cache import capture_cached, kv_cache_bytes_per_rank
 from autopar.program.build import resolve_cost_model
 from autopar.errors import UsageError
 

@@ -35,7 +35,7 @@ from passes.search import strategy as strategies
 from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options
 from autopar.planning.explain import graph_rows
-from autopar.generate.loop import kv_cache_bytes_per_rank
+from autopar.generate.cache import kv_cache_bytes_per_rank
 from autopar.program.uneven import most_received
 from passes.compat import fake_store, fake_tensor_mode, pytree
 from passes.layout import REPLICATED, local_shape
