@@ -67,7 +67,7 @@ def test_phase_strategy_defaults_follow_the_model():
     from autopar.generate.phases import phase_strategy
 
     def pm(strategy, world=4):
-        return SimpleNamespace(_options=SimpleNamespace(strategy=strategy), grid=SimpleNamespace(world=world))
+        return SimpleNamespace(options=SimpleNamespace(strategy=strategy), grid=SimpleNamespace(world=world))
     assert phase_strategy(pm("auto"), "decode_strategy", None) == "auto"
     assert phase_strategy(pm("auto", world=1), "decode_strategy", None) is None
     assert phase_strategy(pm("2d"), "decode_strategy", None) is None
