@@ -10,7 +10,7 @@ import types
 from autopar import moved
 
 _HOME = {
-    "parallelize": "autopar.parallel.module", "ParallelModule": "autopar.parallel.module",
+    "parallelize": "autopar.parallel.api", "ParallelModule": "autopar.parallel.module",
     "FallbackWarning": "autopar.errors", "explain": "autopar.planning.explain", "CaptureError": "autopar.errors",
     "ShardingError": "autopar.errors", "SearchWarning": "autopar.errors", "from_pretrained": "autopar.checkpoint",
     "save_pretrained": "autopar.checkpoint", "CheckpointWarning": "autopar.errors",
@@ -20,6 +20,11 @@ _HOME = {
     "choose_grid": "autopar.planning.plan", "CompileWarning": "autopar.errors",
     "max_batch": "autopar.planning.capacity", "AutoparError": "autopar.errors", "AutoparWarning": "autopar.errors",
     "UsageError": "autopar.errors", "CollectiveError": "autopar.errors", "RoutingWarning": "autopar.errors",
+    **{name: "autopar.errors" for name in (
+        "MemoryLimitError", "UnsupportedError", "SignatureError", "DuplicateRuleError",
+        "NotMaterializedError", "NoProcessGroupError", "CheckpointFileError", "CheckpointNotFoundError",
+        "CheckpointPermissionError", "MissingWeightsError", "TransformersVersionError", "RankFailedError",
+        "MovedWarning", "PlanWarning")},
 }
 __all__ = list(_HOME)
 __version__ = "0.1.0"

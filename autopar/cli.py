@@ -103,7 +103,7 @@ def _inspect_grid(text: str):
     return text if text == "auto" else parse_grid(text)
 
 
-def _calibrate_grid(parser, words: list) -> tuple:
+def calibrate_grid(parser, words: list) -> tuple:
     """calibrate's --grid: RxC like inspect's, or the two numbers `R C` it took before."""
     if len(words) == 2 and all(w.isdigit() for w in words):
         words = ["x".join(words)]
@@ -274,7 +274,7 @@ def _option_flag(parser, name: str, note: str, **differs) -> None:
     parser.add_argument("--" + name.replace("_", "-"), **{**flag, **differs})
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="2D tensor parallelism planner")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("bench", help="measure 2D against PyTorch 1D TP and one process (see autopar.bench)")
@@ -315,12 +315,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = _parser()
+    parser = build_parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if ns.cmd == "bench":
         return bench_cmd(ns)
     if ns.cmd == "calibrate":
-        ns.grid = _calibrate_grid(parser, ns.grid)
+        ns.grid = calibrate_grid(parser, ns.grid)
         return calibrate_cmd(ns)
     for kv in ns.set:
         if "=" not in kv:

@@ -1,4 +1,5 @@
-"""Module paths of earlier releases, kept importing for one release with a DeprecationWarning.
+"""Module paths of earlier releases, kept importing for one release with a MovedWarning (a
+DeprecationWarning).
 
 `import autopar.api` (or `python -m autopar.bench_compile`) finds the module at its new path, warns
 once naming that path, and binds the old name to the same module object: classes and functions are
@@ -15,7 +16,7 @@ import warnings
 
 # old path -> new path; removed in the release after 0.1
 MOVED = {
-    "autopar.api": "autopar.parallel.module",
+    "autopar.api": "autopar.parallel.api",
     "autopar.pipeline": "autopar.program.build",
     "autopar.outputs": "autopar.program.outputs",
     "autopar.guards": "autopar.program.guards",
@@ -41,8 +42,12 @@ MOVED = {
 
 
 def _warn(old: str, new: str) -> None:
+    # imported here, not above: `autopar --help` loads this module and must not load torch, which
+    # passes.errors' package does; an old path's module loads it anyway
+    from passes.errors import MovedWarning
+
     warnings.warn(f"{old} moved to {new}; the old path stops importing in the next release",
-                  DeprecationWarning, stacklevel=3)
+                  MovedWarning, stacklevel=3)
 
 
 class _Alias(importlib.abc.Loader):
@@ -60,8 +65,9 @@ class _Alias(importlib.abc.Loader):
 
     def get_code(self, fullname):
         """`python -m old.path`: run the new module as __main__."""
-        return compile(f"import runpy, warnings\nwarnings.warn({self.old!r} + ' moved to ' + {self.new!r}, "
-                       f"DeprecationWarning)\nrunpy.run_module({self.new!r}, run_name='__main__', alter_sys=True)",
+        return compile(f"import runpy, warnings\nfrom passes.errors import MovedWarning\n"
+                       f"warnings.warn({self.old!r} + ' moved to ' + {self.new!r}, MovedWarning)\n"
+                       f"runpy.run_module({self.new!r}, run_name='__main__', alter_sys=True)",
                        f"<{self.old} -> {self.new}>", "exec")
 
 

@@ -28,7 +28,7 @@ from autopar.launch import free_port, init_local  # noqa: E402
 
 GRIDS = ((2, 2), (1, 4))
 # the model and batches of `python -m autopar bench --moe`, so the two measure the same thing
-from autopar.bench.moe import _batch, _model  # noqa: E402,F401
+from autopar.bench.moe import batch, model  # noqa: E402,F401
 
 
 def _train(model, steps, log=None) -> dict:
@@ -38,7 +38,7 @@ def _train(model, steps, log=None) -> dict:
         if log is not None:
             log.reset()
         t0 = time.perf_counter()
-        loss = model(**_batch(step)).loss
+        loss = model(**batch(step)).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -52,7 +52,7 @@ def worker(rank, world, port, steps, out, dispatch="auto"):
     init_local(rank, world, port)
     res = {}
     for grid in GRIDS:
-        pm = autopar.parallelize(_model(), grid=grid, example_kwargs=_batch(0), moe_dispatch=dispatch)
+        pm = autopar.parallelize(model(), grid=grid, example_kwargs=batch(0), moe_dispatch=dispatch)
         r = _train(pm, steps, pm.grid.log)
         held = sum(p.to_local().numel() for p in pm.parameters())
         total = sum(p.numel() for p in pm.parameters())
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
-    one = _train(_model(), args.steps)
+    one = _train(model(), args.steps)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "res.json")
         ctx = mp.get_context("spawn")

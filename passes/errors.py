@@ -2,8 +2,8 @@
 
 `autopar.errors` re-exports these and adds the product's own (checkpoints, compile, fallbacks), so
 `except autopar.AutoparError` catches whatever autopar raised. Each class also derives from the
-builtin that code written before the hierarchy caught (`ValueError`, `RuntimeError`), so those
-`except` clauses keep working.
+builtin that code written before the hierarchy caught (`ValueError`, `RuntimeError`, `MemoryError`,
+...), so those `except` clauses keep working.
 
 >>> issubclass(ShardingError, AutoparError) and issubclass(ShardingError, ValueError)
 True
@@ -35,6 +35,25 @@ class CollectiveError(AutoparError, RuntimeError):
     """A collective failed or timed out: a peer rank exited, crashed or is stuck."""
 
 
+class MemoryLimitError(AutoparError, MemoryError):
+    """No plan fits `memory_limit`: no strategy on the grid, no grid shape of the devices, or no plan
+    of a generation phase beside the parameter blocks stored."""
+
+
+class UnsupportedError(AutoparError, NotImplementedError):
+    """A call autopar does not serve: beam search, generating with an encoder-decoder model, a
+    parameter created or resized after parallelize; the message says what to do instead."""
+
+
+class SignatureError(AutoparError, TypeError):
+    """A call whose arguments are not the ones the program takes: positions or keywords other than
+    parallelize's example inputs, keywords pmodel.generate does not know."""
+
+
+class DuplicateRuleError(AutoparError, RuntimeError):
+    """A second sharding rule registered for an op that has one."""
+
+
 class SearchWarning(AutoparWarning):
     """strategy='auto': the search is running long (said once), or it stopped at its time budget."""
 
@@ -45,3 +64,8 @@ class RoutingWarning(AutoparWarning):
 
 class FallbackWarning(AutoparWarning):
     """Some ops run unsplit (gathered whole on every rank): correct, but slower and bigger."""
+
+
+class MovedWarning(AutoparWarning, DeprecationWarning):
+    """A module imported by the path of an earlier release (`autopar.moved`). A DeprecationWarning
+    too, so Python's default filters show it only in `__main__`, as before."""

@@ -26,12 +26,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from passes.compat import register_flattened_mesh
+from passes.errors import AutoparWarning, UsageError
 
 AXIS_NAMES = ("r", "c")  # mesh axis 0 is indexed by r, axis 1 by c
 FLAT_NAME = "rc"  # both axes flattened: the grid's R*C ranks in row-major order
 
 
-def warn(message: str, category: type[Warning], stacklevel: int = 1) -> None:
+def warn(message: str, category: type[AutoparWarning], stacklevel: int = 1) -> None:
     """`warnings.warn`, shown by global rank 0 only: every rank compiles the same program and would
     print the same text once per rank. The other ranks still pass it through the warning filters
     (recorded, not shown), so a filter that turns it into an error raises on every rank alike and
@@ -152,10 +153,10 @@ class Grid:
     def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"
         if min(rows, cols, dp) < 1:
-            raise ValueError(f"grid={shape}: every entry must be a positive int")
+            raise UsageError(f"grid={shape}: every entry must be a positive int")
         world = dist.get_world_size() if dist.is_initialized() else 1
         if dp * rows * cols != world:
-            raise ValueError(
+            raise UsageError(
                 f"grid={shape} needs {dp * rows * cols} processes but the default process group "
                 f"has world size {world}. Start {dp * rows * cols} processes (torchrun --nproc-per-node "
                 f"{dp * rows * cols}) or pick a grid whose size equals the world size."

@@ -9,7 +9,7 @@ of `parallelize`, `plan` and `choose_grid` with it.
 
 `parallelize` and `plan` build one `Options` from their keyword arguments and pass it down to the
 passes (`strategy.choose`, `propagate`), so every stage reads the same values with the same defaults
-and no stage re-checks them. A bad value raises a `ValueError` naming the option, the value given,
+and no stage re-checks them. A bad value raises a `UsageError` (a ValueError) naming the option, the value given,
 the values expected and what to pass instead, before anything is captured.
 
 >>> Options().indivisible
@@ -17,7 +17,7 @@ the values expected and what to pass instead, before anything is captured.
 >>> Options(lowering="ring")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-ValueError: lowering='ring': expected one of ('broadcast', 'allgather'); pass one of these, or leave lowering ...
+passes.errors.UsageError: lowering='ring': expected one of ('broadcast', 'allgather'); pass one of these, ...
 >>> OPTION["search_budget"].unit, OPTION["search_budget"].default
 ('s', 30.0)
 """
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from passes.cost.model import CostModel
+from passes.errors import UsageError
 
 __all__ = ["Options", "Option", "OPTIONS", "OPTION", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES",
            "INDIVISIBLE", "markdown_table"]
@@ -66,10 +67,10 @@ class Option:
         # by type as well as value: 1 == True and 0 == False, but check_inputs=1 or recompute=0 is a mistake
         return any(isinstance(value, type(c)) and value == c for c in self.choices)
 
-    def error(self, value) -> ValueError:
+    def error(self, value) -> UsageError:
         expected = self.expected or f"one of {self.choices}"
         fix = "pass one of these, or leave" if self.choices else "leave"
-        return ValueError(f"{self.name}={value!r}: expected {expected}; {fix} {self.name} out for the default "
+        return UsageError(f"{self.name}={value!r}: expected {expected}; {fix} {self.name} out for the default "
                           f"{self.default!r}")
 
 

@@ -36,7 +36,7 @@ class TwoBranches(nn.Module):
 
 
 def options_differ(rank):
-    """One rank passes another lowering / check_inputs / grid: every rank raises the same ValueError."""
+    """One rank passes another lowering / check_inputs / grid: every rank raises the same UsageError."""
     torch.manual_seed(0)
     cfg = GPTConfig()
     ids, tgt = _data(cfg, 4, 8)

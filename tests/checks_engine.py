@@ -206,7 +206,7 @@ def everyday_use(rank):
     pm.train()
     model.train()
     _, train_loss = pm(ids, tgt)  # dropout on: a different (random) loss, but finite and compiled anew
-    return {"excess": errs, "graphs": len(pm._compiled), "train loss finite": bool(torch.isfinite(train_loss).item())}
+    return {"excess": errs, "graphs": len(pm.programs), "train loss finite": bool(torch.isfinite(train_loss).item())}
 
 
 def replicated_drift(rank, drift_rank):

@@ -9,7 +9,7 @@ import torch
 import transformers as T
 
 import autopar
-from autopar.generate.loop import kv_cache_bytes_per_rank
+from autopar.generate.cache import kv_cache_bytes_per_rank
 
 VOCAB = 96
 _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -179,7 +179,7 @@ def cache_bytes(rank, family, grid, batch=4, max_cache_len=32):
     ids, mask = prompts(batch)
     pm = parallel(model, grid, ids, mask)
     pm.generate(ids, attention_mask=mask, max_new_tokens=2, max_cache_len=max_cache_len, pad_token_id=0)
-    held = [t for name, t in pm._generator.cache.items() if name[0] in "kv"]
+    held = [t for name, t in pm.generator.cache.items() if name[0] in "kv"]
     return (sum(t.numel() * t.element_size() for t in held),
             kv_cache_bytes_per_rank(model.config, batch, max_cache_len, grid), list(held[0].shape),
             autopar.explain(pm))
@@ -222,7 +222,7 @@ def phase_strategies(rank, prefill, decode, strategy="2d"):
     want = model.generate(ids, **kw)
     pm = parallel(model, (2, 2), ids, mask, strategy=strategy)
     got = pm.generate(ids, prefill_strategy=prefill, decode_strategy=decode, **kw)
-    relaid = pm._generator.relaid
+    relaid = pm.generator.relaid
     first = (len(relaid), relaid.copies)
     again = pm.generate(ids, prefill_strategy=prefill, decode_strategy=decode, **kw)
     second = (len(relaid), relaid.copies)
@@ -274,7 +274,7 @@ def uneven_cache(rank, cases):
         want = model.generate(ids, **kw).tolist()
         pm = parallel(model, grid, ids, mask)
         got = pm.generate(ids, max_cache_len=32, **kw).tolist()
-        blocks = [t for name, t in pm._generator.cache.items() if name[0] in "kv"]
+        blocks = [t for name, t in pm.generator.cache.items() if name[0] in "kv"]
         out.append((got == want, list(blocks[0].shape), sum(t.nbytes for t in blocks),
                     kv_cache_bytes_per_rank(cfg, batch, 32, grid)))
     return out

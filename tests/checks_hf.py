@@ -127,7 +127,7 @@ def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extr
     held = sum(p.to_local().numel() for p in pm.parameters())
     held_bytes = sum(p.to_local().numel() * p.element_size() for p in pm.parameters())
     full = sum(p.numel() for p in pm.parameters())
-    choice = next(iter(pm._compiled.values())).choice
+    choice = pm.choice
     return {"excess": errs, "warned": warned, "unsplit_2d": unsplit, "fraction": held * 4 / full,
             "held_bytes": held_bytes,
             "explain": autopar.explain(pm, verbose=True) if rank == 0 else "",

@@ -10,20 +10,20 @@ from tests import checks_api_guards as C
 
 def test_options_that_differ_between_ranks_raise_everywhere(pool4):
     """A different lowering, check_inputs or grid on one rank used to pass parallelize (or fail after
-    30 s in the store) and die at the first call; now every rank raises the same ValueError up front."""
+    30 s in the store) and die at the first call; now every rank raises the same UsageError up front."""
     res = pool4.run(C.options_differ)
     for rank, r in enumerate(res):
         for key, value in (("lowering", "'allgather'"), ("check_inputs", "True"), ("grid", "(1, 4)")):
             kind, msg = r[key]
-            assert kind == "ValueError", (rank, key, kind, msg)
+            assert kind == "UsageError", (rank, key, kind, msg)
             assert f"ranks called parallelize with different {key}" in msg and value in msg, (rank, msg)
         kind, msg = r["bool grid"]
-        assert kind == "ValueError" and "grid=(True, 4): expected (R, C) of positive ints" in msg, (rank, msg)
+        assert kind == "UsageError" and "grid=(True, 4): expected (R, C) of positive ints" in msg, (rank, msg)
         kind, msg = r["reordered"]  # same ops, other order: the hint names hash randomization
-        assert kind == "ValueError" and "ranks built different plans" in msg, (rank, msg)
+        assert kind == "UsageError" and "ranks built different plans" in msg, (rank, msg)
         assert "same ops in a different order" in msg and "PYTHONHASHSEED" in msg, (rank, msg)
         kind, msg = r["timeout"]
-        assert kind == "ValueError" and "timeout=-1: expected a positive number of seconds" in msg, (rank, msg)
+        assert kind == "UsageError" and "timeout=-1: expected a positive number of seconds" in msg, (rank, msg)
 
 
 def test_check_inputs_compares_bytes(pool4):
@@ -32,14 +32,14 @@ def test_check_inputs_compares_bytes(pool4):
     res = pool4.run(C.check_inputs_cases)
     for rank, r in enumerate(res):
         kind, msg = r["swapped"]
-        assert kind == "ValueError", (rank, kind)
+        assert kind == "UsageError", (rank, kind)
         assert "input 0 differs between ranks of this grid" in msg and "[2]" in msg, (rank, msg)
         assert r["nan identical"] == (None, ""), (rank, r["nan identical"])
         kind, msg = r["int to float model"]
-        assert kind == "ValueError" and "aten.linear in module lin" in msg and "torch.int64" in msg, (rank, msg)
+        assert kind == "UsageError" and "aten.linear in module lin" in msg and "torch.int64" in msg, (rank, msg)
         assert "checks_api_guards.py" in msg, msg  # the user's source line
         kind, msg = r["int call"]
-        assert kind == "ValueError" and "input 0 is torch.int64" in msg and "torch.float32" in msg, (rank, msg)
+        assert kind == "UsageError" and "input 0 is torch.int64" in msg and "torch.float32" in msg, (rank, msg)
 
 
 def test_full_state_dict_and_clipping(pool4):
@@ -51,7 +51,7 @@ def test_full_state_dict_and_clipping(pool4):
         bad = {k: v for k, v in r["errs"].items() if not v <= 1}
         assert not bad, (rank, bad)
         kind, msg = r["wrong shape"]
-        assert kind == "ValueError" and "'tok.weight' has shape (3, 3)" in msg, (rank, msg)
+        assert kind == "UsageError" and "'tok.weight' has shape (3, 3)" in msg, (rank, msg)
 
 
 def test_clipping_is_quiet_and_agrees(pool4):

@@ -14,7 +14,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from autopar.checkpoint.hf import _files
+from autopar.checkpoint.hf import checkpoint_files
 from autopar.checkpoint.safetensors_io import SafetensorsFile, write
 from tests.dist_pool import spawn_fresh
 from tests import checks_checkpoint as C
@@ -135,7 +135,7 @@ def test_index_paths_stay_inside(tmp_path, name):
     os.symlink(tmp_path / "elsewhere", ckpt / "linked")
     path = _index(ckpt, {"a": name})
     with pytest.raises(ValueError, match="points outside the checkpoint directory") as e:
-        _files(path)
+        checkpoint_files(path)
     assert repr(name) in str(e.value) and "weight_map['a']" in str(e.value)
 
 
@@ -149,12 +149,12 @@ def test_index_file_symlink_followed_and_bad_index_refused(tmp_path):
     os.symlink(blob, ckpt / "model-00001-of-00001.safetensors")
     with open(ckpt / "model.safetensors.index.json", "w") as f:
         json.dump({"weight_map": {"a": "model-00001-of-00001.safetensors"}}, f)
-    assert _files(str(ckpt)) == {"a": str(ckpt / "model-00001-of-00001.safetensors")}
+    assert checkpoint_files(str(ckpt)) == {"a": str(ckpt / "model-00001-of-00001.safetensors")}
     for content, words in (("[1]", "not a JSON object with a 'weight_map'"),
                            ('{"weight_map": ["a"]}', "'weight_map' must map tensor names to file names")):
         (ckpt / "model.safetensors.index.json").write_text(content)
         with pytest.raises(ValueError, match=words):
-            _files(str(ckpt))
+            checkpoint_files(str(ckpt))
 
 
 def test_save_keeps_other_files_and_removes_only_stale_weights(pool4, tmp_path):
@@ -181,11 +181,12 @@ def test_rank0_failures_raise_on_every_rank(pool4, tmp_path):
     dangling symlink, no write permission, a full disk, a failed rename), a failed save that
     changes the previous checkpoint or leaves temporary files; a symlink to a directory and '.' work."""
     r = pool4.run(C.rank0_failures, str(tmp_path), timeout=600)
-    expect = {"file target": ("ValueError", "is a file, not a directory"),
-              "dangling symlink": ("ValueError", "which does not exist: create that directory"),
-              "not writable": ("PermissionError", "is not writable by this process"),
-              "disk full": ("OSError", "writing model-00002-of-0"),
-              "permission at finish": ("PermissionError", "finishing failed on rank 0: [Errno 13] Permission denied")}
+    expect = {"file target": ("UsageError", "is a file, not a directory"),
+              "dangling symlink": ("UsageError", "which does not exist: create that directory"),
+              "not writable": ("CheckpointPermissionError", "is not writable by this process"),
+              "disk full": ("CheckpointFileError", "writing model-00002-of-0"),
+              "permission at finish": ("CheckpointPermissionError",
+                                       "finishing failed on rank 0: [Errno 13] Permission denied")}
     for case, (kind, words) in expect.items():
         assert len({res[case] for res in r}) == 1, (case, [res[case] for res in r])  # the same error everywhere
         got_kind, msg = r[0][case]
@@ -221,7 +222,7 @@ def test_save_distributed_roundtrip(pool4, tmp_path):
     assert r[0]["files"] == ["dcp"], r[0]["files"]
     for res in r:
         kind, msg = res["missing"]
-        assert kind == "FileNotFoundError" and "nothing_here/.metadata not found" in msg, res["missing"]
+        assert kind == "CheckpointNotFoundError" and "nothing_here/.metadata not found" in msg, res["missing"]
 
 
 @pytest.mark.parametrize("mode", ["kill", "raise"])
@@ -254,25 +255,27 @@ def test_interrupted_save_distributed_keeps_previous(tmp_path, mode):
 
 def test_target_and_block_refusals(tmp_path):
     """Catches a save target or staging path that fails later with an unclear OS error, a read
-    outside a tensor, and an agreement that changes the error's type or loses its text."""
+    outside a tensor, and an agreement that loses the error's kind (a PermissionError stays one, as
+    autopar's CheckpointPermissionError) or its text."""
     from types import SimpleNamespace
 
     from autopar.checkpoint import files as files
+    from autopar.errors import CheckpointFileError, CheckpointPermissionError
     from autopar.program.consensus import agree
-    from autopar.checkpoint.dcp import _prepare
+    from autopar.checkpoint.dcp import prepare_staging
 
     with pytest.raises(ValueError, match="save path '' is empty"):
         files.check_target("")
     (tmp_path / "f").write_text("x")
-    with pytest.raises(NotADirectoryError, match="cannot create the save directory .* check that its parent"):
+    with pytest.raises(CheckpointFileError, match="cannot create the save directory .* check that its parent"):
         files.check_target(str(tmp_path / "f" / "sub"))
     with pytest.raises(ValueError, match="save_distributed path .* is a file, not a directory"):
-        _prepare(str(tmp_path / "f"), str(tmp_path / "f.tmp-autopar"))
+        prepare_staging(str(tmp_path / "f"), str(tmp_path / "f.tmp-autopar"))
     write(str(tmp_path / "t.safetensors"), {"a": torch.ones(2, 3)})
     f = SafetensorsFile(str(tmp_path / "t.safetensors"))
     with pytest.raises(ValueError, match=r"block \[\(0, 3\), \(0, 3\)\] is not inside tensor 'a' of shape \[2, 3\]"):
         f.read("a", [(0, 3), (0, 3)])
     f.close()
-    with pytest.raises(PermissionError, match=r"^moving x failed on rank 0: denied$"):
+    with pytest.raises(CheckpointPermissionError, match=r"^moving x failed on rank 0: denied$"):
         agree(SimpleNamespace(rank=0), PermissionError("denied"), "moving x")
     agree(SimpleNamespace(rank=0), None, "nothing failed")

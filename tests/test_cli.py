@@ -29,7 +29,7 @@ def test_help_does_not_import_torch(argv):
 
 def test_every_flag_has_help():
     """`bench --rounds/--steps/--json` showed no help text."""
-    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, parser in sub.choices.items():
         for action in parser._actions:
             assert action.help, f"autopar {name} {'/'.join(action.option_strings) or action.dest}: no help text"
@@ -38,12 +38,12 @@ def test_every_flag_has_help():
 def test_grid_syntax_is_rxc_everywhere(capsys):
     """`calibrate --grid R C` and `inspect --grid RxC` differed; both read RxC, calibrate still reads
     its older `R C`, and anything else is a usage error naming the flag and the form expected."""
-    parser = cli._parser()
+    parser = cli.build_parser()
     assert parser.parse_args(["inspect", "gpt2", "--grid", "2x4"]).grid == (2, 4)
     assert parser.parse_args(["inspect", "gpt2", "--grid", "auto"]).grid == "auto"
     assert parser.parse_args(["inspect", "gpt2"]).grid == (2, 2)
     for words in (["2x4"], ["2X4"], ["2", "4"]):
-        assert cli._calibrate_grid(parser, words) == (2, 4), words
+        assert cli.calibrate_grid(parser, words) == (2, 4), words
     for argv, why in ((["inspect", "gpt2", "--grid", "2by2"], "'2by2': expected RxC, e.g. 2x2 or 1x4"),
                       (["inspect", "gpt2", "--grid", "0x2"], "'0x2': both R and C must be positive"),
                       (["calibrate", "--grid", "2", "2", "2"], "'2 2 2': expected RxC"),

@@ -15,14 +15,14 @@ def _first(pool, kind):
 def test_world_size_mismatch(pool4):
     """A grid that does not match the number of processes must not start collectives that hang."""
     kind, msg = _first(pool4, "world")
-    assert kind == "ValueError"
+    assert kind == "UsageError"
     assert "grid=(3, 3) needs 9 processes" in msg and "world size 4" in msg
 
 
 def test_rectangular_grid_of_the_wrong_size(pool4):
     """A rectangular grid is fine, but its R*C must match the world size: say both numbers."""
     kind, msg = _first(pool4, "rect_wrong_size")
-    assert kind == "ValueError"
+    assert kind == "UsageError"
     assert "grid=(1, 2) needs 2 processes" in msg and "world size 4" in msg
 
 
@@ -61,7 +61,7 @@ def test_capture_failure_points_at_user_line(pool4):
 
 def test_unknown_lowering(pool4):
     kind, msg = _first(pool4, "lowering")
-    assert kind == "ValueError" and "lowering='ring'" in msg and "'broadcast'" in msg
+    assert kind == "UsageError" and "lowering='ring'" in msg and "'broadcast'" in msg
 
 
 def test_needs_process_group():

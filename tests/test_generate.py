@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from autopar.generate.loop import kv_cache_bytes_per_rank
+from autopar.generate.cache import kv_cache_bytes_per_rank
 from tests import checks_generate as C
 
 FAMILIES = ["llama", "llama_gqa", "mistral", "qwen2", "gemma", "phi3", "gpt2"]
@@ -67,7 +67,7 @@ def test_phase_strategy_defaults_follow_the_model():
     from autopar.generate.phases import phase_strategy
 
     def pm(strategy, world=4):
-        return SimpleNamespace(_options=SimpleNamespace(strategy=strategy), grid=SimpleNamespace(world=world))
+        return SimpleNamespace(options=SimpleNamespace(strategy=strategy), grid=SimpleNamespace(world=world))
     assert phase_strategy(pm("auto"), "decode_strategy", None) == "auto"
     assert phase_strategy(pm("auto", world=1), "decode_strategy", None) is None
     assert phase_strategy(pm("2d"), "decode_strategy", None) is None
@@ -168,10 +168,10 @@ def test_cache_bytes_formula_without_ranks():
 def test_refusals(pool4):
     """Every refusal names what was wrong and what to do."""
     for r in pool4.run(C.errors):
-        assert r["beyond cache"].startswith("ValueError") and "max_cache_len=16" in r["beyond cache"], r
+        assert r["beyond cache"].startswith("UsageError") and "max_cache_len=16" in r["beyond cache"], r
         assert "beam search is not supported" in r["beams"], r
         assert "keywords it does not take: ['beam_width']" in r["unknown"], r
-        assert r["batch differs"].startswith("ValueError") and "different generations" in r["batch differs"], r
+        assert r["batch differs"].startswith("UsageError") and "different generations" in r["batch differs"], r
         assert "ranks [1]" in r["ids differ"] and "input_ids hash" in r["ids differ"], r
         assert "needs a causal language model" in r["not causal"] and "LlamaModel" in r["not causal"], r
         assert "encoder-decoder" in r["t5"] and "cross-attention cache" in r["t5"], r

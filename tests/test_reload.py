@@ -152,7 +152,7 @@ def test_missing_parameter_refused_on_every_rank(pool4, tmp_path):
     model.save_pretrained(str(tmp_path))
     r = pool4.run(C.missing_refused, str(tmp_path), make(4, 8, 1))
     for kind, msg in r:
-        assert kind == "KeyError", (kind, msg)
+        assert kind == "MissingWeightsError", (kind, msg)
         assert "holds no tensor for 1 parameter(s) of LlamaForCausalLM: ['lm_head.weight']" in msg, msg
         assert "does not initialize missing parameters at random" in msg, msg
 
@@ -190,11 +190,11 @@ def test_moved_transformers_internals_named(monkeypatch):
     from autopar.checkpoint import keys as hf_keys
 
     monkeypatch.delattr(transformers.PreTrainedModel, "_adjust_missing_and_unexpected_keys")
-    hf_keys._transformers.cache_clear()
+    hf_keys.transformers_internals.cache_clear()
     try:
         with pytest.raises(ImportError, match=rf"transformers {transformers.__version__} lacks one of them "
                                               r"\(PreTrainedModel._adjust_missing_and_unexpected_keys is gone\); "
                                               rf"install transformers>=5 \(tested: {hf_keys.TESTED}\)"):
-            hf_keys._transformers()
+            hf_keys.transformers_internals()
     finally:
-        hf_keys._transformers.cache_clear()
+        hf_keys.transformers_internals.cache_clear()

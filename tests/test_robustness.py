@@ -11,21 +11,21 @@ def test_bad_input_messages(pool4):
     res = pool4.run(C.bad_inputs)
     r0 = res[0]
     kind, msg = r0["zero grid"]
-    assert kind == "ValueError" and "every entry must be a positive int" in msg
+    assert kind == "UsageError" and "every entry must be a positive int" in msg
     kind, msg = r0["structure"]
-    assert kind == "TypeError" and "captured with 2 positional input(s)" in msg and "called with 1" in msg
+    assert kind == "SignatureError" and "captured with 2 positional input(s)" in msg and "called with 1" in msg
     kind, msg = r0["device"]
-    assert kind == "ValueError" and "is on meta" in msg and "blocks are on cpu" in msg
+    assert kind == "UsageError" and "is on meta" in msg and "blocks are on cpu" in msg
     kind, msg = r0["dtype"]
-    assert kind == "ValueError" and "input 0 is torch.float64" in msg and "parallelized with torch.float32" in msg
+    assert kind == "UsageError" and "input 0 is torch.float64" in msg and "parallelized with torch.float32" in msg
     kind, msg = r0["strict unsupported"]
     assert kind == "ShardingError" and "on_unsupported='error'" in msg
     assert "aten.cumprod" in msg and "test_robustness" not in msg and "checks_robust.py" in msg
     for rank, r in enumerate(res):  # every rank raises, none hangs
         kind, msg = r["plans differ"]
-        assert kind == "ValueError" and "ranks built different plans: rank 1 differs from rank 0" in msg, (rank, r)
+        assert kind == "UsageError" and "ranks built different plans: rank 1 differs from rank 0" in msg, (rank, r)
         kind, msg = r["inputs differ"]
-        assert kind == "ValueError" and "input 0 differs between ranks of this grid" in msg, (rank, r)
+        assert kind == "UsageError" and "input 0 differs between ranks of this grid" in msg, (rank, r)
 
 
 def _spawn(fn, world, tmp_path):

@@ -96,16 +96,16 @@ def test_sdpa_fewer_kv_heads(q, kv, gqa, mask):
 def test_sdpa_kv_layouts():
     """The layouts themselves (the oracle accepts a replicated answer): batch over the rows, query heads
     over the columns; KV heads split with them when the columns divide them, else whole."""
-    from passes.rules.attention import _kv_layout
+    from passes.rules.attention import kv_layout
 
     def lay(s):
         return str(s[0]) + "|" + str(s[1])
 
-    assert lay(_kv_layout((4, 4, 8, 8), (4, 1, 8, 8), False, (2, 2))) == "S(0)S(1)|S(0)R"
-    assert lay(_kv_layout((4, 4, 8, 8), (4, 2, 8, 8), True, (2, 2))) == "S(0)S(1)|S(0)S(1)"
+    assert lay(kv_layout((4, 4, 8, 8), (4, 1, 8, 8), False, (2, 2))) == "S(0)S(1)|S(0)R"
+    assert lay(kv_layout((4, 4, 8, 8), (4, 2, 8, 8), True, (2, 2))) == "S(0)S(1)|S(0)S(1)"
     # a 1-row axis: every rank holds all
-    assert lay(_kv_layout((4, 6, 8, 8), (4, 2, 8, 8), True, (1, 3))) == "S(0)R|S(0)R"
-    assert lay(_kv_layout((4, 6, 8, 8), (4, 3, 8, 8), True, (1, 3))) == "S(0)S(1)|S(0)S(1)"
+    assert lay(kv_layout((4, 6, 8, 8), (4, 2, 8, 8), True, (1, 3))) == "S(0)R|S(0)R"
+    assert lay(kv_layout((4, 6, 8, 8), (4, 3, 8, 8), True, (1, 3))) == "S(0)S(1)|S(0)S(1)"
 
 
 class Indexing(nn.Module):

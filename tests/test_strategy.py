@@ -73,7 +73,7 @@ def test_block_shortcut_equals_the_whole_graph(build):
     gm = _captured(*build())
     units = S.find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
-    ev = S._Evaluator(gm, (2, 2), S.CostModel.from_dict(CPU), units, Options())
+    ev = S.Evaluator(gm, (2, 2), S.CostModel.from_dict(CPU), units, Options())
     assert ev.blocks is not None
     for i, option in enumerate(["2d", "1d", "rep", "mixed"]):
         assignment = {k: (S.OPTIONS[(i + j) % 3] if option == "mixed" else option) for j, k in enumerate(keys)}

@@ -59,7 +59,7 @@ def test_encoder_decoder_search_is_bounded(family):
     c = S.choose(gm, (2, 2), CM, Options(search_budget=None))
     assert c.complete and c.evaluated <= bound, (c.evaluated, bound)
     assert c.estimate.time_s <= min(b.time_s for b in c.baselines.values()) * (1 + 1e-12)
-    ev = S._Evaluator(gm, (2, 2), CM, units, Options())
+    ev = S.Evaluator(gm, (2, 2), CM, units, Options())
     for k in keys:
         for o in opts[k]:
             moved = ev.estimate({**c.assignment, k: o}).time_s

@@ -1,6 +1,7 @@
 """The house rules of the code, read from the source with `ast`: no import cycles, imports only go down
-the layer order of docs/design.md, no module imports another's private names, and private torch APIs
-only in passes/compat.py. Every import counts: module level, inside functions, under TYPE_CHECKING.
+the layer order of docs/design.md, no module imports another's private names (nor do tests and
+examples read them), and private torch APIs only in passes/compat.py. Every import counts: module
+level, inside functions, under TYPE_CHECKING.
 """
 
 from __future__ import annotations
@@ -147,6 +148,60 @@ def test_no_private_names_across_modules():
     mods, imps = graph()
     bad = [f"{mods[m]}:{line}: {m} imports {n} from {t}" for m, found in imps.items() for line, t, names in found
            for n in names if n.startswith("_") and not n.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def parallel_module_privates() -> set:
+    """ParallelModule's private attributes and methods (`self._x = ...`, `def _x`), read off its source."""
+    tree = ast.parse(open(os.path.join(ROOT, "autopar", "parallel", "module.py")).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ParallelModule")
+    out = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and _private(n.name)}
+    out |= {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    out |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    out |= {n.args[1].value for n in ast.walk(cls) if isinstance(n, ast.Call)  # object.__setattr__(self, "_x", v)
+            and ast.unparse(n.func) == "object.__setattr__" and isinstance(n.args[1], ast.Constant)}
+    return {n for n in out if _private(n)}
+
+
+def test_no_private_names_in_tests_and_examples():
+    """Catches a test or example that reaches into autopar's private names (`from autopar.checkpoint.hf
+    import _files`, `cli._parser()`, `pmodel._compiled`): what they need is public, so a rename inside
+    a module cannot break them unseen."""
+    mods = modules()
+    pm_privates = parallel_module_privates()
+    bad = []
+    for folder in ("tests", "examples"):
+        for d, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in sorted(files):
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(d, f)
+                bad += [f"{path}:{line}: imports {n} from {t}" for line, t, names in imports(path, mods)
+                        for n in names if _private(n)]
+                tree = ast.parse(open(path).read(), path)
+                bound = {}  # local name -> the module of ours it names
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Import):
+                        bound.update((a.asname, a.name) if a.asname else (a.name.split(".")[0],) * 2
+                                     for a in node.names if a.name.split(".")[0] in PACKAGES)
+                    elif isinstance(node, ast.ImportFrom) and node.module:
+                        bound.update((a.asname or a.name, f"{node.module}.{a.name}") for a in node.names
+                                     if f"{node.module}.{a.name}" in mods)
+                for node in ast.walk(tree):
+                    if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                        continue
+                    owner = ast.unparse(node.value)
+                    head, _, rest = owner.partition(".")
+                    module = bound.get(head, "") + ("." + rest if rest else "")
+                    if module in mods and f"{module}.{node.attr}" not in mods:
+                        bad.append(f"{path}:{node.lineno}: reads {node.attr} of {module}")
+                    elif node.attr in pm_privates and owner not in ("self", "cls"):
+                        bad.append(f"{path}:{node.lineno}: reads {owner}.{node.attr} (private to ParallelModule)")
     assert not bad, "\n".join(bad)
 
 

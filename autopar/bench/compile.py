@@ -22,14 +22,14 @@ def worker(rank, world, port, cacheable, out):
     import torch.distributed as dist
 
     import autopar
-    import autopar.parallel.module
+    import autopar.parallel.run
     from autopar.bench import common
     from autopar.launch import close, init_local
     from passes.compat import fx_graph_cache_counts
 
     init_local(rank, world, port)
     if not cacheable:  # what compile=True passed to torch.compile before: every graph bypasses the cache
-        autopar.parallel.module.INDUCTOR_OPTIONS = {}  # type: ignore[attr-defined]
+        autopar.parallel.run.INDUCTOR_OPTIONS = {}  # type: ignore[attr-defined]
     model = autopar.parallelize(common.model(), grid=(2, 2), example_kwargs=common.batch(0), compile=True)
     dist.barrier()
     times = []

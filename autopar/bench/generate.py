@@ -35,6 +35,7 @@ from autopar.bench import common
 from autopar.bench.common import CONFIG, FunctionalCommBytes
 from autopar.launch import close, init_local
 from passes.cost.volumes import all_reduce_mean_bytes
+from autopar.parallel.module import ParallelModule
 from passes.search.strategy import SearchWarning
 
 PROMPT, NEW, BATCHES = 32, 8, (1, 8)
@@ -104,7 +105,7 @@ def worker(rank, world, port, rounds, out, cost_model):
             decode = statistics.median((s[1] - s[0]) / NEW for s in runs)
             moved = (runs[-1][3] - runs[-1][2]) / (NEW * batch)
             model = configs[k][0]
-            cache = model._generator.kv_cache_bytes() if hasattr(model, "_generator") else None
+            cache = model.generator.kv_cache_bytes() if isinstance(model, ParallelModule) else None
             results[f"{k}|{batch}"] = {"prefill_tok_s": batch * PROMPT / prefill, "decode_tok_s": batch / decode,
                                        "bytes_per_decoded_token": moved, "kv_cache_bytes_per_rank": cache}
     everyone = [None] * world

@@ -32,6 +32,7 @@ import autopar
 from autopar.bench import common
 from autopar.bench.common import FunctionalCommBytes
 from autopar.launch import close, init_local
+from autopar.errors import UsageError
 
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
@@ -42,14 +43,14 @@ ONE, TORCH_TP = "one process", "PyTorch 1D TP + expert TP (4 ranks)"
 GRIDS = {"autopar 2x2": (2, 2), "autopar 1x4": (1, 4)}
 
 
-def _model():
+def model():
     import transformers
 
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(**CONFIG))
 
 
-def _batch(step):
+def batch(step):
     ids = torch.randint(1, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
     return dict(input_ids=ids, labels=ids)
 
@@ -71,7 +72,7 @@ class ExpertIntermediateParallel(ParallelStyle):
         p = device_mesh.size()
         e, two_i, h = module.gate_up_proj.shape
         if (two_i // 2) % p:
-            raise ValueError(f"ExpertIntermediateParallel: intermediate size {two_i // 2} is not divisible by "
+            raise UsageError(f"ExpertIntermediateParallel: intermediate size {two_i // 2} is not divisible by "
                              f"the mesh size {p}; use a mesh size that divides it")
         # [E, 2, p, I/p, H] -> [E, p, 2, I/p, H]: rank r's rows are its gate block, then its up block
         blocks = module.gate_up_proj.detach().view(e, 2, p, two_i // 2 // p, h).transpose(1, 2).reshape(e, two_i, h)
@@ -114,10 +115,10 @@ def _loss(out) -> float:
 
 def worker(rank, world, port, rounds, steps, out):
     init_local(rank, world, port)
-    base = _model()
+    base = model()
     configs = {ONE: base} if rank == 0 else {}
     for name, grid in GRIDS.items():
-        configs[name] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=_batch(0))
+        configs[name] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=batch(0))
     configs[TORCH_TP] = tp_1d(copy.deepcopy(base))
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in configs.items()}
     res: dict = {k: {"losses": [], "times": []} for k in configs}
@@ -136,10 +137,10 @@ def worker(rank, world, port, rounds, steps, out):
                 t0 = time.perf_counter()
                 if counter is not None:
                     with counter:
-                        o = m(**_batch(r * steps + s))
+                        o = m(**batch(r * steps + s))
                         o.loss.backward()
                 else:
-                    o = m(**_batch(r * steps + s))
+                    o = m(**batch(r * steps + s))
                     o.loss.backward()
                 opts[k].step()
                 opts[k].zero_grad()

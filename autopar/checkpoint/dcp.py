@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from autopar.checkpoint import files as F
 from autopar.program.consensus import AXES, agree, grid_group, on_rank0
 from passes.ops.comm import guarded
+from autopar.errors import CheckpointNotFoundError, UsageError
 
 
 def _state(pmodel, optimizer) -> dict:
@@ -40,11 +41,11 @@ def _dcp_group(grid):
     return None if getattr(grid, "dp", 1) > 1 else grid_group(grid)
 
 
-def _prepare(path: str, staging: str) -> None:
+def prepare_staging(path: str, staging: str) -> None:
     if not path:
-        raise ValueError("save_distributed path '' is empty: expected a directory to write the checkpoint into")
+        raise UsageError("save_distributed path '' is empty: expected a directory to write the checkpoint into")
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"save_distributed path {path!r} is a file, not a directory: pass a directory path "
+        raise UsageError(f"save_distributed path {path!r} is a file, not a directory: pass a directory path "
                          f"(a DCP checkpoint is a directory of files)")
     if os.path.isdir(staging) and not os.path.islink(staging):  # an interrupted save left it (the name is ours)
         shutil.rmtree(staging)
@@ -62,7 +63,7 @@ def save_distributed(pmodel, path, optimizer=None) -> None:
     path = os.fspath(path).rstrip("/") or "/"
     staging = path + F.TMP
     what = f"autopar.checkpoint.save_distributed({path!r})"
-    agree(grid, on_rank0(grid, _prepare, path, staging), f"{what}: preparing {staging}")
+    agree(grid, on_rank0(grid, prepare_staging, path, staging), f"{what}: preparing {staging}")
     with guarded(grid, "torch.distributed.checkpoint.save", AXES, path):
         dcp.save(_state(pmodel, optimizer), checkpoint_id=staging, process_group=_dcp_group(grid))
     agree(grid, on_rank0(grid, F.replace_dir, staging, path), f"{what}: moving {staging} into place")
@@ -76,8 +77,8 @@ def load_distributed(pmodel, path, optimizer=None) -> None:
     what = f"autopar.checkpoint.load_distributed({path!r})"
     missing = None
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        missing = FileNotFoundError(f"{path}/.metadata not found: expected a directory written by "
-                                    f"save_distributed or torch.distributed.checkpoint.save")
+        missing = CheckpointNotFoundError(f"{path}/.metadata not found: expected a directory written by "
+                                          f"save_distributed or torch.distributed.checkpoint.save")
     agree(grid, missing, f"{what}: checking the checkpoint")
     state = _state(pmodel, optimizer)
     with guarded(grid, "torch.distributed.checkpoint.load", AXES, path):

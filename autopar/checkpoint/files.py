@@ -15,6 +15,8 @@ import re
 import shutil
 import time
 
+from autopar.errors import CheckpointFileError, CheckpointPermissionError, UsageError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TMP = ".tmp-autopar"  # suffix of everything a save writes before it is complete
@@ -31,21 +33,21 @@ def check_target(path) -> str:
     files an interrupted save left in it; returns it. A symlink to a directory is written through."""
     path = os.fspath(path)
     if not path:
-        raise ValueError("save path '' is empty: expected a directory to write the checkpoint into")
+        raise UsageError("save path '' is empty: expected a directory to write the checkpoint into")
     if os.path.islink(path) and not os.path.exists(path):
-        raise ValueError(f"save path {path!r} is a symlink to {os.readlink(path)!r}, which does not exist: "
+        raise UsageError(f"save path {path!r} is a symlink to {os.readlink(path)!r}, which does not exist: "
                          f"create that directory or pass another path")
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"save path {path!r} is a file, not a directory: a checkpoint is a directory of "
+        raise UsageError(f"save path {path!r} is a file, not a directory: a checkpoint is a directory of "
                          f"files; pass a directory path (it is created if missing)")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise type(e)(f"cannot create the save directory {path!r}: {e.strerror or e}; check that its parent "
-                      f"exists, is a directory and is writable") from e
+        raise CheckpointFileError(f"cannot create the save directory {path!r}: {e.strerror or e}; check that "
+                                  f"its parent exists, is a directory and is writable") from e
     if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"save directory {path!r} is not writable by this process: change its "
-                              f"permissions or pass another path")
+        raise CheckpointPermissionError(f"save directory {path!r} is not writable by this process: change "
+                                        f"its permissions or pass another path")
     for name in os.listdir(path):
         if OURS.fullmatch(name) and os.path.isfile(os.path.join(path, name)):
             os.remove(os.path.join(path, name))  # a save killed before it finished left it

@@ -33,7 +33,7 @@ from autopar.checkpoint.dcp import load_distributed, save_distributed  # noqa: F
 from autopar.checkpoint.safetensors_io import SafetensorsFile, write
 from passes.layout import chunk_range, parts, split_dim
 from passes.ops.comm import guarded
-from autopar.errors import CheckpointWarning
+from autopar.errors import CheckpointNotFoundError, CheckpointWarning, MissingWeightsError, UsageError
 
 INDEX, SINGLE = F.INDEX, F.SINGLE
 
@@ -58,7 +58,7 @@ def restore_buffers(model: nn.Module) -> None:
         if not metas:
             continue
         if init is None:
-            raise ValueError(f"buffers {metas} of {type(module).__name__} are on the meta device and "
+            raise UsageError(f"buffers {metas} of {type(module).__name__} are on the meta device and "
                              f"{type(model).__name__} has no _init_weights to recompute them")
         for n in metas:
             module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
@@ -101,15 +101,15 @@ def _read_block(read, ranges: list) -> torch.Tensor:
     return rec(0, [])
 
 
-def _files(path: str) -> dict:
+def checkpoint_files(path: str) -> dict:
     """Checkpoint key -> safetensors file path."""
     index = os.path.join(path, INDEX)
     if os.path.exists(index):
         return {k: _inside(path, index, k, v) for k, v in _weight_map(index).items()}
     single = os.path.join(path, SINGLE)
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} found; expected a directory written by "
-                                f"save_pretrained (config.json and safetensors weights)")
+        raise CheckpointNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} found; expected a directory "
+                                      f"written by save_pretrained (config.json and safetensors weights)")
     f = SafetensorsFile(single)
     keys = list(f.keys())
     f.close()
@@ -121,9 +121,9 @@ def _weight_map(index: str) -> dict:
         with open(index) as fh:
             weight_map = json.load(fh).get("weight_map")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise ValueError(f"{index}: not a JSON object with a 'weight_map' ({e}); re-save the checkpoint") from None
+        raise UsageError(f"{index}: not a JSON object with a 'weight_map' ({e}); re-save the checkpoint") from None
     if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-        raise ValueError(f"{index}: 'weight_map' must map tensor names to file names, got "
+        raise UsageError(f"{index}: 'weight_map' must map tensor names to file names, got "
                          f"{type(weight_map).__name__}; re-save the checkpoint")
     return weight_map
 
@@ -137,7 +137,7 @@ def _inside(path: str, index: str, key: str, name: str) -> str:
     root = os.path.realpath(path)
     if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/") or \
             os.path.commonpath([root, parent]) != root:
-        raise ValueError(f"{index}: weight_map[{key!r}] = {name!r} points outside the checkpoint directory "
+        raise UsageError(f"{index}: weight_map[{key!r}] = {name!r} points outside the checkpoint directory "
                          f"{path}; an index may only name files inside it (re-save the checkpoint, or fix "
                          f"the index if you trust its source)")
     return full
@@ -161,7 +161,7 @@ def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
     keys, a base model's checkpoint for a model with a head (or the reverse), tied names. A tensor that
     transformers computes from several keys (stacked experts, a split fused projection) is computed
     whole on every rank, then cut to the rank's block."""
-    files = _files(path)
+    files = checkpoint_files(path)
     handles: dict = {}
 
     def handle(key):
@@ -218,7 +218,7 @@ def _sources(pmodel, path: str, shapes: dict) -> list:
             elif name in plan.missing:  # not covered by the model's _keys_to_ignore_on_load_missing
                 kept.append(name)
     if missing:
-        raise KeyError(
+        raise MissingWeightsError(
             f"{path}: the checkpoint holds no tensor for {len(missing)} parameter(s) of "
             f"{type(pmodel.source_model).__name__}: {missing[:8]}{' ...' if len(missing) > 8 else ''}; checkpoint keys "
             f"that fill nothing: {plan.unexpected[:8]}{' ...' if len(plan.unexpected) > 8 else ''}. "
@@ -235,7 +235,7 @@ def _sources(pmodel, path: str, shapes: dict) -> list:
 
 def _check_shape(path: str, what: str, shape, tensor) -> None:
     if tuple(shape) != tuple(tensor.shape):
-        raise ValueError(f"{path}: {what} has shape {tuple(shape)}, the model expects {tuple(tensor.shape)}; "
+        raise UsageError(f"{path}: {what} has shape {tuple(shape)}, the model expects {tuple(tensor.shape)}; "
                          f"check that config.json matches the weights")
 
 
@@ -261,13 +261,13 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
     each rank's blocks from the safetensors weights in `path`. No rank materializes the whole model."""
     import transformers
 
-    from autopar.parallel.module import parallelize
+    from autopar.parallel.api import parallelize
 
     config = transformers.AutoConfig.from_pretrained(path)
     if model_class is None:
         archs = getattr(config, "architectures", None) or []
         if not archs or not hasattr(transformers, archs[0]):
-            raise ValueError(f"{path}/config.json names no transformers architecture ({archs}); "
+            raise UsageError(f"{path}/config.json names no transformers architecture ({archs}); "
                              f"pass model_class=, e.g. transformers.LlamaForCausalLM")
         model_class = getattr(transformers, archs[0])
     with meta_init():

@@ -14,9 +14,9 @@ into the model with a head (and the reverse). transformers keeps these rules per
   transformers' `save_pretrained` writes (one per tied group), grouped so that each group can be
   converted back on its own, and that conversion (`revert_weight_conversion`).
 
-Every transformers-internal name is imported in `_transformers()` below, the one place to update when
-transformers moves them. A model that is not a transformers `PreTrainedModel` is saved and loaded
-under its own parameter names.
+Every transformers-internal name is imported in `transformers_internals()` below, the one place to
+update when transformers moves them. A model that is not a transformers `PreTrainedModel` is saved
+and loaded under its own parameter names.
 
     >>> import transformers
     >>> from autopar.checkpoint import meta_init
@@ -39,11 +39,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from autopar.errors import TransformersVersionError, UsageError
+
 TESTED = "5.24"  # the transformers version these imports were checked against
 
 
 @functools.lru_cache(maxsize=None)
-def _transformers() -> types.SimpleNamespace:
+def transformers_internals() -> types.SimpleNamespace:
     """transformers' own key-mapping machinery. `get_model_conversion_mapping` is public (PEFT uses it);
     the rest lives in `core_model_loading` / `modeling_utils` without a stability promise, as do the
     two model members used below (`_adjust_missing_and_unexpected_keys`, `_weight_conversions`), so a
@@ -58,7 +60,7 @@ def _transformers() -> types.SimpleNamespace:
                                                      dot_natural_key, rename_source_key, revert_weight_conversion)
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
     except ImportError as e:
-        raise ImportError(
+        raise TransformersVersionError(
             f"autopar reads and writes checkpoint key names with transformers' own rules (transformers "
             f"{TESTED}), but transformers {transformers.__version__} lacks one of them ({e}); install "
             f"transformers>=5 (tested: {TESTED})"
@@ -111,7 +113,7 @@ def load_plan(model: nn.Module, shapes: dict) -> LoadPlan:
     if not is_transformers_model(model):
         names = set(model.state_dict())
         return LoadPlan({k: k for k in shapes if k in names}, sorted(set(shapes) - names), names - set(shapes), [])
-    T = _transformers()
+    T = transformers_internals()
     transforms = T.get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, T.WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, T.WeightConverter)]
@@ -134,14 +136,14 @@ def load_plan(model: nn.Module, shapes: dict) -> LoadPlan:
         try:
             outs = conv.run(model, lambda k: torch.empty(shapes[k], device="meta"))  # names and shapes only
         except Exception as e:  # transformers' own message says which op, not which keys
-            raise ValueError(
+            raise UsageError(
                 f"transformers converts the checkpoint keys {[k for k, _ in conv.keys][:8]} into {conv.first!r} "
                 f"with {conv.ops()}, which fails on their shapes "
                 f"{[shapes[k] for k, _ in conv.keys][:8]}: {e}. Check that the checkpoint was written for "
                 f"this config (transformers' from_pretrained refuses it too)") from e
         sources.update((n, conv) for n in outs if n in state)
     info = types.SimpleNamespace(missing_keys=set(state) - set(sources), unexpected_keys=set(unexpected))
-    model._adjust_missing_and_unexpected_keys(info)  # transformers' ignore patterns (checked in _transformers)
+    model._adjust_missing_and_unexpected_keys(info)  # transformers' ignore patterns (checked in transformers_internals)
     used = [t for t in transforms if t.was_used()]
     return LoadPlan(sources, sorted(info.unexpected_keys, key=T.dot_natural_key), info.missing_keys, used)
 
@@ -160,7 +162,7 @@ def save_names(model: nn.Module) -> list:
     state = model.state_dict()
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
-    return list(_transformers().remove_tied_weights_from_state_dict(state, model))
+    return list(transformers_internals().remove_tied_weights_from_state_dict(state, model))
 
 
 def save_groups(model: nn.Module, names: list) -> list:
@@ -169,7 +171,7 @@ def save_groups(model: nn.Module, names: list) -> list:
     fused key) is grouped with them; every other tensor is a group of its own."""
     if not is_transformers_model(model):
         return [[n] for n in names]
-    T = _transformers()
+    T = transformers_internals()
     transforms = getattr(model, "_weight_conversions", None)
     if transforms is None:  # as revert_weight_conversion: the defaults, without legacy or prefix changes
         transforms = [t for t in T.get_model_conversion_mapping(model, add_legacy=False)
@@ -187,4 +189,4 @@ def revert(model: nn.Module, tensors: dict) -> dict:
     `revert_weight_conversion`, the step its `save_pretrained` ends with."""
     if not is_transformers_model(model):
         return tensors
-    return _transformers().revert_weight_conversion(model, tensors)
+    return transformers_internals().revert_weight_conversion(model, tensors)

@@ -9,7 +9,7 @@ header {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": 
 
 The file is not trusted: before any tensor is read, the header is checked the way the safetensors
 library checks it (a header length bomb, overlapping or relabelled tensors and offsets past the end
-are refused with a ValueError naming the file and the field), so a read can only return bytes that
+are refused with a UsageError naming the file and the field), so a read can only return bytes that
 belong to the tensor it names.
 """
 
@@ -21,6 +21,8 @@ import os
 import struct
 
 import torch
+
+from autopar.errors import CheckpointFileError, UsageError
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -56,7 +58,7 @@ class SafetensorsFile:
         dtype = DTYPES[e["dtype"]]
         shape = e["shape"]
         if len(ranges) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(ranges, shape)):
-            raise ValueError(f"{self.path}: block {ranges} is not inside tensor {name!r} of shape {shape}")
+            raise UsageError(f"{self.path}: block {ranges} is not inside tensor {name!r} of shape {shape}")
         elt = dtype.itemsize
         out = torch.empty([b - a for a, b in ranges], dtype=dtype)
         if out.numel() == 0:
@@ -84,12 +86,12 @@ class SafetensorsFile:
     def _pread_into(self, flat: torch.Tensor, pos: int, offset: int, nbytes: int):
         data = os.pread(self.fd, nbytes, offset)
         if len(data) != nbytes:
-            raise OSError(f"{self.path}: short read at byte {offset} ({len(data)} of {nbytes})")
+            raise CheckpointFileError(f"{self.path}: short read at byte {offset} ({len(data)} of {nbytes})")
         flat[pos:pos + nbytes] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _refuse(path: str, what: str) -> ValueError:
-    return ValueError(f"{path}: not a valid safetensors file: {what}; the file is damaged or was not "
+def _refuse(path: str, what: str) -> UsageError:
+    return UsageError(f"{path}: not a valid safetensors file: {what}; the file is damaged or was not "
                       f"written by a safetensors writer: re-download or re-save it")
 
 

@@ -31,6 +31,7 @@ from passes.search import strategy as strategies
 from passes.search.estimate import Estimate
 from passes.layout import Layout
 from passes.ops import modules as kernels
+from autopar.errors import MemoryLimitError, UsageError
 
 __all__ = ["PHASE_STRATEGIES", "PhasePlan", "Relaid", "phase_strategy", "phase_options", "stored_bytes",
            "estimate_phase", "phase_plan"]
@@ -42,11 +43,11 @@ def phase_strategy(pmodel, name: str, value) -> str | None:
     """The strategy that plans phase `name` ('prefill_strategy' / 'decode_strategy') for the value the
     user passed: '2d', '1d' or 'auto' (its own plan) or None (the forward's plan), per the table above."""
     if value not in PHASE_STRATEGIES:
-        raise ValueError(f"pmodel.generate: {name}={value!r}: expected None (follow the model's strategy: 'auto' "
+        raise UsageError(f"pmodel.generate: {name}={value!r}: expected None (follow the model's strategy: 'auto' "
                          f"plans each phase on its own, '2d' and '1d' keep the forward's plan), 'forward' (the "
                          f"forward's plan), '2d', '1d' or 'auto' (that strategy for this phase alone)")
     if value is None:
-        return "auto" if pmodel._options.strategy == "auto" and pmodel.grid.world > 1 else None
+        return "auto" if pmodel.options.strategy == "auto" and pmodel.grid.world > 1 else None
     return None if value == "forward" else value
 
 
@@ -65,7 +66,7 @@ def phase_options(options, strategy: str | None, stored_bytes: int = 0):
     over: dict = {"strategy": strategy} if strategy else {}
     if strategy == "auto" and options.memory_limit is not None:
         if options.memory_limit <= stored_bytes:
-            raise MemoryError(
+            raise MemoryLimitError(
                 f"pmodel.generate: memory_limit={options.memory_limit} bytes per rank leaves nothing for a phase's "
                 f"own plan beside the {stored_bytes} bytes of parameter blocks this rank stores. Pass "
                 f"prefill_strategy='forward' and decode_strategy='forward' (the forward's plan, no copies) or a "
@@ -85,13 +86,13 @@ def estimate_phase(pmodel, gm, strategy: str | None) -> Estimate | None:
     SUMMA products at the lowering they will run. None for 'auto' (its search's estimate is the plan's),
     on one rank, and for a forward's assignment that does not name every unit of `gm`. Leaves the
     plan's `CHOICE` marks on `gm`, as the compile that follows sets them."""
-    options, grid = pmodel._options, pmodel.grid
+    options, grid = pmodel.options, pmodel.grid
     if grid.world == 1 or strategy == "auto":
         return None
     cm = resolve_cost_model(options.cost_model)
     forward = phase_options(options, strategy)
     if strategy is None and options.strategy == "auto":
-        choice = next(iter(pmodel._compiled.values())).choice
+        choice = pmodel.choice
         keys = {u.key for u in strategies.find_units(gm)}
         if choice is None or not keys <= set(choice.assignment):
             return None
@@ -126,7 +127,7 @@ def phase_plan(pmodel, strategy: str | None, comp, estimate: Estimate | None) ->
     lowerings = collections.Counter(m.lowering for m in comp.gm.modules() if isinstance(m, kernels.SummaLinear))
     own = strategy is not None
     searched = comp.choice is not None and own
-    return PhasePlan(strategy or pmodel._options.strategy, own,
+    return PhasePlan(strategy or pmodel.options.strategy, own,
                      comp.choice.estimate if searched else estimate, dict(lowerings),
                      dict(comp.choice.assignment) if searched else {})
 

@@ -26,8 +26,9 @@ from passes.search.estimate import price
 from passes.meta import LAYOUT
 from passes.mesh import Grid
 from passes.options import Options
-from autopar.generate.loop import capture_cached, kv_cache_bytes_per_rank
+from autopar.generate.cache import capture_cached, kv_cache_bytes_per_rank
 from autopar.program.build import resolve_cost_model
+from autopar.errors import UsageError
 
 __all__ = ["project"]
 
@@ -48,7 +49,7 @@ def project(model, grid: tuple, *, batch: int, prompt: int, max_len: int, strate
     cache bytes a rank holds and, for 'auto', the assignment. `model` may live on the meta device
     (nothing is allocated then)."""
     if strategy not in ("2d", "1d", "auto"):
-        raise ValueError(f"strategy={strategy!r}: project prices '2d', '1d' (each unit fixed so) or 'auto' (the "
+        raise UsageError(f"strategy={strategy!r}: project prices '2d', '1d' (each unit fixed so) or 'auto' (the "
                          f"search per phase)")
     mesh = tuple(grid)
     cm = resolve_cost_model(cost_model)

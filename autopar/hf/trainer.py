@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.parallel.module import ParallelModule
 from autopar.checkpoint.hf import load_distributed, load_safetensors, save_distributed, save_pretrained
+from autopar.errors import CheckpointNotFoundError, UsageError
 
 OPTIMIZER_DIR = "optimizer_dcp"
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")  # torch optimizers, which step DTensor parameters
@@ -66,16 +67,16 @@ SUPPORTED = ("per_device_train_batch_size, gradient_accumulation_steps, max_step
 
 
 def check_arguments(args: transformers.TrainingArguments) -> None:
-    """Raise ValueError naming the first TrainingArguments field set to something unsupported."""
+    """Raise UsageError naming the first TrainingArguments field set to something unsupported."""
     for name, (refused, why, fix) in _REFUSED.items():
         value = getattr(args, name, None)
         if value is not None and refused(value):
-            raise ValueError(f"TrainingArguments.{name}={value!r}: {why} by autopar's ParallelTrainer; {fix}. "
+            raise UsageError(f"TrainingArguments.{name}={value!r}: {why} by autopar's ParallelTrainer; {fix}. "
                              f"Supported: {SUPPORTED}")
     config = getattr(args, "accelerator_config", None)
     for name in ("dispatch_batches", "split_batches"):
         if getattr(config, name, None):
-            raise ValueError(f"TrainingArguments.accelerator_config.{name}=True: every rank of a grid loads the "
+            raise UsageError(f"TrainingArguments.accelerator_config.{name}=True: every rank of a grid loads the "
                              f"same batch itself; leave it unset. Supported: {SUPPORTED}")
 
 
@@ -90,11 +91,11 @@ class ParallelTrainer(transformers.Trainer):
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
         if not isinstance(model, ParallelModule):
-            raise ValueError(f"ParallelTrainer(model=...) got {type(model).__name__}: expected the ParallelModule "
+            raise UsageError(f"ParallelTrainer(model=...) got {type(model).__name__}: expected the ParallelModule "
                              f"autopar.parallelize returned (use transformers.Trainer for other models)")
         for name in ("model_init", "compute_loss_func"):
             if kwargs.get(name) is not None:
-                raise ValueError(f"ParallelTrainer({name}=...): not supported; the loss is the model's own "
+                raise UsageError(f"ParallelTrainer({name}=...): not supported; the loss is the model's own "
                                  f"(outputs.loss, computed inside the parallel graph)")
         if args is not None:
             check_arguments(args)
@@ -145,9 +146,9 @@ class ParallelTrainer(transformers.Trainer):
             return
         state = os.path.join(checkpoint, OPTIMIZER_DIR)
         if not os.path.isdir(state):
-            raise FileNotFoundError(f"{checkpoint}: no {OPTIMIZER_DIR}/ (the optimizer state ParallelTrainer "
-                                    f"saves); resume from a checkpoint ParallelTrainer wrote with "
-                                    f"save_only_model=False")
+            raise CheckpointNotFoundError(f"{checkpoint}: no {OPTIMIZER_DIR}/ (the optimizer state "
+                                          f"ParallelTrainer saves); resume from a checkpoint ParallelTrainer wrote "
+                                          f"with save_only_model=False")
         load_distributed(self.model, state, optimizer=_unwrapped(self.optimizer))
         scheduler = torch.load(os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME), weights_only=True)
         self.lr_scheduler.load_state_dict(scheduler)

@@ -1,17 +1,17 @@
-"""`parallelize`: run the passes and wrap the per-rank graph in a module that behaves like the
-original: same call signature, original parameter names (as DTensors), split outputs as
-`autopar.program.outputs.Output` DTensors (a loss written for one process runs on them), replicated ones as
-plain tensors. The passes themselves run in `autopar.program.build`, once per input signature."""
+"""`ParallelModule`, what `parallelize` returns: the per-rank graph wrapped in a module that behaves
+like the original: same call signature, original parameter names (as DTensors), split outputs as
+`autopar.program.outputs.Output` DTensors (a loss written for one process runs on them), replicated
+ones as plain tensors. The passes themselves run in `autopar.program.build`, once per input
+signature; `autopar.parallel.run` runs the programs."""
 
 from __future__ import annotations
 
-import datetime
-from typing import NamedTuple
+import types
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from passes.compat import dynamo_counts, pytree
+from passes.compat import pytree
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from passes import Grid
@@ -19,29 +19,19 @@ from passes.capture.export import flatten_inputs
 from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
 from passes.ops import comm
-from passes.ops.grad_buckets import BucketPlan, BucketReduce, StepBuckets, with_arrivals
-from passes.mesh import warn
+from passes.ops.grad_buckets import BucketPlan, BucketReduce, StepBuckets
 from passes.meta import PARAM
-from passes.ops.library import INDUCTOR_OPTIONS
-from passes.options import DEFAULTS, Options
+from passes.options import Options
 from autopar.parallel import hf_compat as hf_compat
+from autopar.parallel.run import Runner
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.program.consensus import all_gather_objects
-from autopar.program.guards import agree_on_options, agree_on_plan, check_dtypes, fingerprint
-from autopar.program.build import (Compiled, FallbackWarning, cache_off_kwargs, compile_program, input_device,
-                              refuse_kv_cache, signature)
-from autopar.errors import CompileWarning
+from autopar.program.guards import check_dtypes, fingerprint
+from autopar.program.build import Compiled, cache_off_kwargs, compile_program, refuse_kv_cache, signature
+from autopar.errors import NotMaterializedError, UnsupportedError, UsageError
 
-__all__ = ["parallelize", "ParallelModule", "FallbackWarning", "CompileWarning"]
-
-
-class CompileStats(NamedTuple):
-    """What dynamo made of one program under parallelize(..., compile=True): the graphs it compiled
-    and the graph breaks between them (0 when every kernel and collective traced)."""
-    graphs: int
-    breaks: int
-
+__all__ = ["ParallelModule"]
 
 
 def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
@@ -83,17 +73,15 @@ class ParallelModule(nn.Module):
         self._options = options
         self._param_layouts = param_layouts
         self._compiled = {first.signature: first}
-        self._runners: dict = {}  # signature -> the callable running that program (torch.compile'd if asked)
-        self.compile_stats: dict = {}  # signature -> CompileStats of its first compiled call (compile=True)
+        self._runner = Runner(options.compile)
         self._bucket_plans: dict = {}  # signature -> BucketPlan of the replicas' gradients (dp > 1)
-        self._arrival_programs: dict = {}  # signature -> the eager program with its buckets' Arrive calls
         self._last = first
         device = first.captured.device
         for name, p in model.named_parameters():
             _set_path(self, name, _shard(p, param_layouts.get(name, REPLICATED), grid, device), "param")
         for name, b in first.captured.buffers.items():
             if b.is_meta:
-                raise ValueError(
+                raise UsageError(
                     f"buffer {name!r} is on the meta device, so its values are unknown; build the model "
                     f"inside autopar.meta_init(), which puts only parameters on meta"
                 )
@@ -153,6 +141,45 @@ class ParallelModule(nn.Module):
     def materialized(self, value: bool) -> None:
         self._materialized = bool(value)
 
+    @property
+    def options(self) -> Options:
+        """The options parallelize was given (`passes.options.Options`, frozen)."""
+        return self._options
+
+    @property
+    def param_layouts(self) -> types.MappingProxyType:
+        """Parameter name -> the Layout its blocks are stored in (read-only): every later compile keeps it."""
+        return types.MappingProxyType(self._param_layouts)
+
+    @property
+    def programs(self) -> types.MappingProxyType:
+        """Input signature -> Compiled, every program compiled so far (read-only), parallelize's first."""
+        return types.MappingProxyType(self._compiled)
+
+    @property
+    def choice(self):
+        """strategy='auto': the search's Choice (`passes.search.strategy.Choice`), which every later
+        compile (new shapes, a generation phase following the forward's plan) repeats; else None."""
+        return next(iter(self._compiled.values())).choice
+
+    @property
+    def compile_stats(self) -> dict:
+        """compile=True: input signature -> CompileStats of the program's first compiled call."""
+        return self._runner.stats
+
+    @property
+    def generator(self) -> Generator:
+        """The generation programs and KV cache of `generate` (`autopar.generate.loop.Generator`), built
+        on first use."""
+        if "_gen" not in self.__dict__:
+            self.__dict__["_gen"] = Generator(self)
+        return self.__dict__["_gen"]
+
+    def run_program(self, comp: Compiled, locals_: list):
+        """comp's graph on `locals_` (this rank's blocks and inputs, in `comp.captured.sources` order),
+        with compile=True under torch.compile (compiled on first use): how `generate` runs its programs."""
+        return self._runner(comp, locals_)
+
     def _get(self, args, kwargs):
         key = signature(args, kwargs, self.training)
         first = next(iter(self._compiled.values()))
@@ -168,12 +195,12 @@ class ParallelModule(nn.Module):
                                           pinned=self._param_layouts)
             finally:
                 model.train(was)
-            self._check_parameters(comp, args, kwargs)
+            self.check_parameters(comp, args, kwargs)
             self._compiled[key] = comp
         comp = self._compiled[key]
         return comp, flatten_inputs(comp.captured, args, kwargs)
 
-    def _check_parameters(self, comp: Compiled, args, kwargs) -> None:
+    def check_parameters(self, comp: Compiled, args, kwargs) -> None:
         """A recompile keeps every parameter's stored layout (pinned); what it cannot keep is a parameter
         that is new or has another shape than when the model was parallelized."""
         for node in comp.captured.gm.graph.nodes:
@@ -184,7 +211,7 @@ class ParallelModule(nn.Module):
             was = tuple(self.get_parameter(name).shape) if name in self._param_layouts else None
             if now != was:
                 shapes = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-                raise NotImplementedError(
+                raise UnsupportedError(
                     f"parameter {name!r} has shape {now} in a call with input shapes {shapes}, but "
                     + (f"shape {was} when the model was parallelized" if was else "did not exist when the model "
                        "was parallelized (a parameter created during a call)")
@@ -194,7 +221,7 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         if not self._materialized:
-            raise RuntimeError(
+            raise NotMaterializedError(
                 "this model was parallelized from the meta device and its parameter blocks hold no values "
                 "yet: load them with autopar.load_safetensors(pmodel, path) or torch.distributed.checkpoint, "
                 "or build it with autopar.from_pretrained(path, ...)"
@@ -219,9 +246,9 @@ class ParallelModule(nn.Module):
             else:
                 locals_.append(flat[key])
         if comp.random and self.training:
-            outs = self._run_with_rank_rng(comp, locals_, step)
+            outs = self._runner.with_rank_rng(comp, locals_, self.grid.rank, step)
         else:
-            outs = self._run(comp, locals_, step)
+            outs = self._runner(comp, locals_, step)
         wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
 
@@ -239,17 +266,11 @@ class ParallelModule(nn.Module):
         `autopar.generate.phases`). Runs under torch.no_grad()."""
         return generate_tokens(self, input_ids, attention_mask, **kwargs)
 
-    @property
-    def _generator(self) -> Generator:
-        if "_gen" not in self.__dict__:
-            self.__dict__["_gen"] = Generator(self)
-        return self.__dict__["_gen"]
-
     def _validate_inputs(self, flat, comp) -> None:
         device = comp.captured.device
         for i, t in enumerate(flat):
             if isinstance(t, torch.Tensor) and t.device != device:
-                raise ValueError(
+                raise UsageError(
                     f"input {i} (shape {tuple(t.shape)}) is on {t.device}, but this rank's parameter blocks are "
                     f"on {device}; pass every input on {device} (the model was parallelized with inputs there)"
                 )
@@ -262,7 +283,7 @@ class ParallelModule(nn.Module):
         for i in range(len(flat)):
             differ = [base + r for r, s in enumerate(everyone) if s[i] != everyone[0][i]]
             if differ:
-                raise ValueError(
+                raise UsageError(
                     f"check_inputs: input {i} differs between ranks of this grid (rank {base} vs ranks {differ}); "
                     f"every rank of a grid must pass the same full inputs (shard the data per data-parallel "
                     f"replica, not per rank)"
@@ -280,7 +301,7 @@ class ParallelModule(nn.Module):
             mine = own.get(name)
             if isinstance(mine, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 if tuple(value.shape) != tuple(mine.shape):
-                    raise ValueError(
+                    raise UsageError(
                         f"load_state_dict: {name!r} has shape {tuple(value.shape)}, the model's parameter is "
                         f"{tuple(mine.shape)}; load a state_dict of the same architecture and sizes"
                     )
@@ -353,52 +374,6 @@ class ParallelModule(nn.Module):
             blocks.update((plan.keys[s], o) for s, o in zip(slots, outs))
         return step
 
-    def _run_with_rank_rng(self, comp, locals_, step=None):
-        """Dropout masks independent per block: one number drawn from the default generator (equal on
-        ranks seeded alike, so the user's RNG advances the same everywhere) seeds this rank's stream."""
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        devices = [comp.captured.device] if comp.captured.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed((seed + 1_000_003 * (self.grid.rank + 1)) % 2**63)
-            return self._run(comp, locals_, step)
-
-    def _run(self, comp, locals_, step=None):
-        """comp's graph on this rank's blocks; with compile=True under torch.compile (compiled on first
-        use, per signature). A program torch.compile cannot compile runs eagerly from then on, with one
-        CompileWarning shown by rank 0 (`passes.mesh.warn`): every rank compiles the same program, so all
-        of them fail and fall back alike. `step`: the replicas' gradient buckets; an eager program then
-        runs with their `Arrive` calls, which launch each bucket's all-reduce during backward."""
-        runner = self._runners.get(comp.signature)
-        if step is not None and runner is comp.gm:
-            return self._with_arrivals(comp)(*locals_, step)
-        if runner is not None:
-            return runner(*locals_)
-        if not self._options.compile:
-            self._runners[comp.signature] = comp.gm
-            return self._run(comp, locals_, step)
-        compiled = torch.compile(comp.gm, options=INDUCTOR_OPTIONS)  # order kept: compat.keep_effect_order_in_inductor
-        before = dynamo_counts()
-        try:
-            outs = compiled(*locals_)
-        except comm.CollectiveError:
-            raise
-        except Exception as e:  # a dynamo / inductor failure: this program runs eagerly
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-            warn(f"autopar: torch.compile could not compile this program ({type(e).__name__}: {first}); it runs "
-                 f"eagerly", CompileWarning, stacklevel=4)
-            self._runners[comp.signature] = comp.gm
-            return comp.gm(*locals_)
-        self._runners[comp.signature] = compiled
-        after = dynamo_counts()
-        self.compile_stats[comp.signature] = CompileStats(after[0] - before[0], after[1] - before[1])
-        return outs
-
-    def _with_arrivals(self, comp):
-        gm = self._arrival_programs.get(comp.signature)
-        if gm is None:
-            gm = self._arrival_programs[comp.signature] = with_arrivals(comp.gm, self.grad_bucket_plan(comp))
-        return gm
-
     def _wrap(self, out, lay_shape):
         if lay_shape is None or not isinstance(out, torch.Tensor):
             return out
@@ -406,111 +381,3 @@ class ParallelModule(nn.Module):
         if lay.is_replicated:
             return out
         return outputs.wrap(out, self.grid, lay.placements, shape)
-
-
-def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
-                lowering: str = DEFAULTS.lowering, indivisible: str = DEFAULTS.indivisible,
-                fused: str = DEFAULTS.fused, on_unsupported: str = DEFAULTS.on_unsupported,
-                strategy: str = DEFAULTS.strategy, cost_model: object = DEFAULTS.cost_model,
-                memory_limit: float | None = DEFAULTS.memory_limit,
-                search_budget: float | None = DEFAULTS.search_budget, check_inputs: bool = DEFAULTS.check_inputs,
-                timeout: float | None = DEFAULTS.timeout, compile: bool = DEFAULTS.compile,
-                recompute: str | bool | None = DEFAULTS.recompute, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
-                moe_dispatch: str = DEFAULTS.moe_dispatch) -> ParallelModule:
-    """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
-
-    Args:
-        model: an unmodified nn.Module (it is not changed; its weights are copied into shards).
-        grid: (R, C), e.g. (2, 2) or (2, 4); R*C must equal the world size of the default process
-            group. Activations split batch over the R rows and hidden over the C columns. (dp, R, C)
-            runs dp data-parallel replicas of the grid.
-        strategy: how each weight matmul is split. '2d' (default): SUMMA on the grid. '1d':
-            Megatron-style column/row splits over the C columns (batch over the R rows; on a (1, p)
-            grid this is plain 1D tensor parallelism). 'auto': per matmul group (q|k|v, gate|up, one
-            projection, an embedding) the option among 2d / 1d / replicated with the smallest
-            estimated step time whose per-rank memory fits `memory_limit` (see passes/search/strategy.py and
-            `explain`, which shows each choice against its alternatives).
-        cost_model: for strategy='auto': the JSON path (or dict) `autopar calibrate` wrote, or None
-            for published GPU-cluster figures (NVLink inside a node, InfiniBand across nodes).
-        memory_limit: for strategy='auto': bytes per rank (parameters, gradients, Adam states and
-            activations, estimated); None: no limit.
-        search_budget: for strategy='auto': seconds the search may take (default 30) before it stops
-            with the best plan found so far and a SearchWarning; None: no limit. Rank 0 searches and
-            sends its choice to the other ranks.
-        example_inputs / example_kwargs: one call's inputs, used to capture the graph.
-        lowering: 'broadcast' (the paper's stepwise SUMMA) or 'allgather' (gather panels, one matmul;
-            linears that read the same activation, q|k|v and gate|up, then share one set of calls and
-            x's panel: `passes.transforms.group_siblings`).
-        indivisible: a dim the grid does not divide (a vocabulary of 50257, 25 heads on 8 columns).
-            'uneven' (default) splits it in torch.chunk blocks, as DTensor's Shard does (ceil(n/q)
-            per member, the last shorter; nothing padded, state_dict and checkpoints keep the true
-            shapes) where the rule can: vocabularies (embedding, LM head, cross-entropy), matmul
-            out-features, attention heads, elementwise ops and views that keep the dim; a matmul whose
-            in-features the grid does not divide still runs unsplit. 'replicate' runs every such matmul
-            unsplit on every rank, with a FallbackWarning; 'error' raises a ShardingError instead.
-        fused: how a fused projection's weight (output split into q|k|v or gate|up) is stored.
-            'regroup' (default): as ordinary blocks, regrouped in the graph each step so each column
-            block holds matching parts (one all-gather of the weight block per use, forward and
-            backward); every parameter stays a plain sharded DTensor. 'interleave': stored interleaved
-            (DTensor _StridedShard), no regrouping; torch.distributed.checkpoint cannot save such
-            parameters in torch 2.13 (save_pretrained can).
-        on_unsupported: 'replicate' (default) runs an op that has no split form whole on every rank
-            (gathering its inputs) with a FallbackWarning; 'error' raises instead, naming the op, the
-            node, the module path and the source line. Fallbacks whose inputs are already whole (mask
-            and position-id construction) cost nothing and are allowed either way.
-        timeout: seconds after which every collective of a step gives up with a CollectiveError (a peer
-            rank died or is stuck): autopar's own, check_inputs, pm.clip_grad_norm_, checkpoint gathers,
-            and DTensor's (the mesh is built on process groups with this timeout, so torch's
-            clip_grad_norm_ and full_tensor() are bounded too, raising torch's error). Default: the
-            process group's timeout. parallelize's two start-up handshakes (options, plan) always wait up
-            to the process group's timeout, since ranks compile at different speeds.
-        check_inputs: verify on every call that all ranks of a grid passed the same inputs (one small
-            all-gather per call); off by default.
-        compile: run each rank's program under torch.compile (inductor), compiled on the first call of
-            each input signature; the collectives run between the compiled regions. The same as calling
-            torch.compile(pmodel). A program torch.compile cannot compile runs eagerly, with one
-            CompileWarning.
-        recompute: activation recomputation (`passes.transforms.recompute`). None (default): autograd keeps every
-            activation backward needs. 'blocks': each repeated block (`model.layers.3`, `transformer.h.3`)
-            keeps only its inputs and runs again in backward, its SUMMA broadcasts included (counted in
-            `plan(...).recompute_bytes`). 'selective': matmul, attention and communication outputs are
-            kept and the local ops between them (pointwise, norm statistics, softmax) recomputed; no byte
-            is communicated twice. Dropout draws the same masks when recomputed. With strategy='auto' and
-            a memory_limit, None lets the search recompute the fewest blocks that make the plan fit;
-            False never recomputes.
-        grad_bucket_mb: with grid=(dp, R, C), dp > 1: the parameter gradients are averaged over the
-            replicas in buckets of at most this many MiB, one all-reduce each (default 25; 0: one per
-            parameter block). Eagerly, each bucket's all-reduce starts during backward as soon as its
-            gradients are complete and is waited for at the end of backward; see
-            `passes.ops.grad_buckets` and `pmodel.grad_bucket_plan()`.
-        moe_dispatch: how a mixture of experts' routed tokens reach their experts (split over the
-            grid rows). 'all_to_all': each row keeps its tokens and sends each routed token's hidden
-            block to its expert's row and back (expert parallelism); 'gather': every row gathers
-            all the routed tokens; 'auto' (default): all-to-all when the grid has more than one row.
-    """
-    options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
-                      strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
-                      search_budget=search_budget, check_inputs=check_inputs, timeout=timeout,
-                      compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
-                      moe_dispatch=moe_dispatch)
-    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
-            and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
-        raise ValueError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "
-                         f"(dp, R, C) for dp data-parallel replicas of an R x C grid")
-    if not torch.distributed.is_initialized():
-        raise RuntimeError(
-            "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
-            "(backend 'gloo' on CPU, 'nccl' on GPUs) on every rank first, or use autopar.launch.spawn"
-        )
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
-    device = input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
-    # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
-    # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
-    agree_on_options(tuple(grid), options, device.type)
-    delta = datetime.timedelta(seconds=timeout) if timeout is not None else None
-    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
-    example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
-    comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)
-    agree_on_plan(comp, layouts)
-    return ParallelModule(model, g, comp, layouts, options)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from passes.cost.model import (AXIS_KEYS, DEFAULT, KEYS, RERUN, VERSION, load, save, summary,  # noqa: F401
                                unit_axis, validate)
 from passes.cost.volumes import all_reduce_mean_bytes, broadcast_bytes
+from autopar.errors import UsageError
 
 SIZES = (4096, 65536, 1 << 20, 4 << 20)  # bytes per collective: latency-bound up to bandwidth-bound
 MATMUL_N = 1024  # fp32 [n, n] @ [n, n] for the matmul rate
@@ -39,7 +40,7 @@ def received_bytes(op: str, nbytes: int, group_size: int) -> float:
         return float(broadcast_bytes(nbytes))
     if op == "all_reduce":  # unfloored: a fit of time against bytes reads a rate, not a count
         return all_reduce_mean_bytes(nbytes, group_size)
-    raise ValueError(f"received_bytes: op {op!r} is not one of 'broadcast', 'all_reduce'")
+    raise UsageError(f"received_bytes: op {op!r} is not one of 'broadcast', 'all_reduce'")
 
 
 def fit_alpha_beta(points) -> tuple[float, float]:
@@ -53,11 +54,11 @@ def fit_alpha_beta(points) -> tuple[float, float]:
     the pessimistic side.
     """
     if len(points) < 1:
-        raise ValueError("fit_alpha_beta: no points to fit; measure at least one size")
+        raise UsageError("fit_alpha_beta: no points to fit; measure at least one size")
     xs = [float(x) for x, _ in points]
     ts = [float(t) for _, t in points]
     if min(xs) <= 0 or min(ts) <= 0:
-        raise ValueError(f"fit_alpha_beta: every point needs bytes > 0 and seconds > 0, got {points}")
+        raise UsageError(f"fit_alpha_beta: every point needs bytes > 0 and seconds > 0, got {points}")
     n, mx, mt = len(xs), sum(xs) / len(xs), sum(ts) / len(ts)
     sxx = sum((x - mx) ** 2 for x in xs)
     if sxx > 0:
@@ -131,13 +132,13 @@ def matmul_seconds(repeats: int, device, timed, n: int = MATMUL_N) -> float:
 
 
 def check_args(sizes, repeats: int) -> None:
-    """ValueError unless every size is a positive multiple of 4 bytes (fp32) and repeats >= 1."""
+    """UsageError unless every size is a positive multiple of 4 bytes (fp32) and repeats >= 1."""
     bad = [s for s in sizes if not (isinstance(s, int) and s >= 4 and s % 4 == 0)]
     if not sizes or bad:
-        raise ValueError(f"calibrate: sizes {list(sizes)}: each must be a positive multiple of 4 bytes "
+        raise UsageError(f"calibrate: sizes {list(sizes)}: each must be a positive multiple of 4 bytes "
                          f"(fp32 tensors), e.g. {list(SIZES)}")
     if repeats < 1:
-        raise ValueError(f"calibrate: repeats={repeats}: must be >= 1 (5 is the default)")
+        raise UsageError(f"calibrate: repeats={repeats}: must be >= 1 (5 is the default)")
 
 
 def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:

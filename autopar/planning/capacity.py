@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from passes.search import strategy as strategies
 from passes.options import DEFAULTS, Options
+from autopar.errors import UsageError
 
 __all__ = ["Capacity", "max_batch", "SCHEMES"]
 
@@ -63,11 +64,11 @@ def max_batch(make, grid, memory_limit: float, *, schemes=SCHEMES, recompute=(Fa
     from autopar.program.build import capture, resolve_cost_model
 
     if not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
-        raise ValueError(f"memory_limit={memory_limit!r}: expected a positive number of bytes per rank "
+        raise UsageError(f"memory_limit={memory_limit!r}: expected a positive number of bytes per rank "
                          f"(e.g. 40 * 2**30)")
     bad = [s for s in schemes if s not in SCHEMES]
     if bad:
-        raise ValueError(f"schemes={bad!r}: expected some of {SCHEMES}")
+        raise UsageError(f"schemes={bad!r}: expected some of {SCHEMES}")
     cm = resolve_cost_model(cost_model)
     captured: dict = {}
 

@@ -116,7 +116,7 @@ def collectives_line(pmodel, every: list) -> str:
     line += f", recomputed {again})" if again else ")"
     if pmodel.grid.dp > 1:
         plan = pmodel.grad_bucket_plan()
-        cap = pmodel._options.grad_bucket_mb
+        cap = pmodel.options.grad_bucket_mb
         line += (f"; plus {len(plan.buckets)} data-parallel gradient all-reduces over the {pmodel.grid.dp} "
                  f"replicas ({len(plan.keys)} parameter blocks in buckets of <= {cap:g} MiB, "
                  f"{_fmt_bytes(plan.received(pmodel.grid.dp))} received)")
@@ -192,8 +192,8 @@ def generation_lines(pmodel) -> list:
     (strategy, estimated forward time, SUMMA lowerings: `generate_phases.PhasePlan`), the KV cache this
     rank holds and its memory (parameter blocks + copies for the phases' own plans + cache). Empty
     before the first generate."""
-    gen = pmodel.__dict__.get("_gen")
-    if gen is None or not gen.programs:
+    gen = pmodel.generator
+    if not gen.programs:
         return []
     lines = ["", "generation (inference: no backward, nothing saved for it):"]
     for key, comp in gen.programs.items():

@@ -35,12 +35,13 @@ from passes.search import strategy as strategies
 from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options
 from autopar.planning.explain import graph_rows
-from autopar.generate.loop import kv_cache_bytes_per_rank
+from autopar.generate.cache import kv_cache_bytes_per_rank
 from autopar.program.uneven import most_received
 from passes.compat import fake_store, fake_tensor_mode, pytree
 from passes.cost.volumes import all_reduce_bytes
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
+from autopar.errors import MemoryLimitError, PlanWarning, UsageError
 
 
 class ParamPlacement(NamedTuple):
@@ -164,7 +165,7 @@ def _measure_activations(gm, cap, mesh):
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     outs = gm(*args)
             except RuntimeError as e:  # said, not hidden: the plan's other figures stand
-                warnings.warn(_UNMEASURED.format(str(e).splitlines()[0]), stacklevel=3)
+                warnings.warn(_UNMEASURED.format(str(e).splitlines()[0]), PlanWarning, stacklevel=3)
                 return None, None
             tensors = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
             for o in pytree.tree_leaves(outs):
@@ -194,7 +195,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
                       cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
                       recompute=recompute, moe_dispatch=moe_dispatch)
     if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
-        raise ValueError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
+        raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
     mesh = tuple(grid)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
@@ -271,6 +272,6 @@ def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *,
                       "assignment": c.assignment, "solve_s": c.solve_s})
     ok = [row for row in table if row["fits"]]
     if not ok:
-        raise MemoryError(f"no grid shape of {devices} devices fits memory_limit: "
-                          + "; ".join(r["why"] for r in table))
+        raise MemoryLimitError(f"no grid shape of {devices} devices fits memory_limit: "
+                                + "; ".join(r["why"] for r in table))
     return min(ok, key=lambda row: row["auto_s"])["grid"], table

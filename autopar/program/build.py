@@ -25,6 +25,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from autopar.program.consensus import rebuilt
 from autopar.program.guards import check_mixed_dtypes, handshake
 from passes import Grid, capture as capture_graph
 from passes.capture.export import Captured, retarget_meta
@@ -34,6 +35,7 @@ from passes.cost.model import CostModel
 from passes.errors import FallbackWarning
 from passes.options import Options
 from passes.search import strategy as strategies
+from autopar.errors import UsageError
 
 __all__ = ["Compiled", "FallbackWarning", "capture", "compile_program", "compile_captured", "resolve_cost_model",
            "signature", "cache_off_kwargs", "refuse_kv_cache", "input_device"]
@@ -74,7 +76,7 @@ def _no_kv_cache(model):
 def refuse_kv_cache(kwargs) -> None:
     """A call that asks for a generation KV cache is refused before anything is traced or run."""
     if kwargs and kwargs.get("use_cache"):
-        raise ValueError(
+        raise UsageError(
             "use_cache=True asks for a generation KV cache, which a forward call of the parallel model does "
             "not keep: call it without use_cache (autopar turns it off) or with use_cache=False; to "
             "generate, call pmodel.generate(input_ids, ...), which keeps a KV cache split over the grid."
@@ -135,7 +137,7 @@ def _choose(cap: Captured, grid: Grid, options: Options):
     with handshake("sending rank 0's strategy choice"):
         dist.broadcast_object_list(box, src=0)
     if box[0][0] == "error":
-        raise {"MemoryError": MemoryError, "ValueError": ValueError}[box[0][1]](box[0][2])
+        raise rebuilt(box[0][1], box[0][2])
     choice = box[0][1]
     if dist.get_rank() != 0:  # rank 0's search marked its graph; mark this rank's the same way
         strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,

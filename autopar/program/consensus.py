@@ -25,6 +25,9 @@ import builtins
 
 import torch.distributed as dist
 
+from autopar import errors
+from autopar.errors import (AutoparError, CheckpointFileError, CheckpointNotFoundError, CheckpointPermissionError,
+                            MemoryLimitError, RankFailedError, UnsupportedError, UsageError)
 from passes.ops.comm import guarded
 
 AXES = "(r, c)"  # the exchange spans both mesh axes (all ranks of the grid)
@@ -37,8 +40,8 @@ def grid_group(grid):
 
 
 def agree(grid, failure: BaseException | None, what: str) -> None:
-    """Raise on every rank if `failure` is set on any rank: the lowest failing rank's exception type
-    (a builtin one; RuntimeError otherwise) and text, prefixed with `what` and that rank."""
+    """Raise on every rank if `failure` is set on any rank: the lowest failing rank's error (`rebuilt`
+    from its class name) and text, prefixed with `what` and that rank."""
     mine = None if failure is None else (grid.rank, type(failure).__name__, str(failure))
     first = mine
     if dist.is_initialized():
@@ -48,13 +51,34 @@ def agree(grid, failure: BaseException | None, what: str) -> None:
     if first is None:
         return
     rank, kind, text = first
-    message = f"{what} failed on rank {rank}: {text}"
-    cls = getattr(builtins, kind, None)
-    try:  # the same type on every rank, where it can be built from a message alone
-        err = cls(message) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(message)
-    except TypeError:
-        err = RuntimeError(message)
-    raise err from failure
+    raise rebuilt(kind, f"{what} failed on rank {rank}: {text}") from failure
+
+
+# a builtin error another rank raised -> the class of ours every rank raises for it (the first of its
+# MRO listed): each derives from that builtin, so an `except OSError` written for it still catches it
+FOR_BUILTIN = {"PermissionError": CheckpointPermissionError, "FileNotFoundError": CheckpointNotFoundError,
+               "OSError": CheckpointFileError, "MemoryError": MemoryLimitError, "ValueError": UsageError,
+               "NotImplementedError": UnsupportedError}
+
+
+def rebuilt(kind: str, message: str) -> AutoparError:
+    """The error a rank raised, for every rank to raise, from its class name `kind` and `message`:
+    that class when it is one of autopar's (all are built from a message alone), the one of ours
+    `FOR_BUILTIN` names for a builtin, else RankFailedError.
+
+    >>> type(rebuilt("ShardingError", "x")).__name__, type(rebuilt("IsADirectoryError", "x")).__name__
+    ('ShardingError', 'CheckpointFileError')
+    >>> type(rebuilt("CheckpointException", "x")).__name__
+    'RankFailedError'
+    """
+    cls = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, AutoparError):
+        return cls(message)
+    builtin = getattr(builtins, kind, None)
+    for base in builtin.__mro__ if isinstance(builtin, type) else ():
+        if base.__name__ in FOR_BUILTIN:
+            return FOR_BUILTIN[base.__name__](message)
+    return RankFailedError(message)
 
 
 def on_rank0(grid, fn, *args) -> BaseException | None:

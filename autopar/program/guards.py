@@ -15,6 +15,7 @@ import torch.distributed as dist
 from autopar.program.consensus import all_gather_objects
 from passes.meta import PLAN_ARGS
 from passes.ops import comm
+from autopar.errors import UsageError
 
 
 def _plan_text(comp, layouts: dict) -> str:
@@ -59,14 +60,14 @@ def agree_on_options(grid: tuple, options, device_type: str) -> None:
     """Every rank must pass the same grid, `passes.options.Options` and device type; otherwise their
     collectives would not match (a different grid would not even build the same process groups).
     Compared before anything else, over all ranks, by the repr of each value; raises the same
-    ValueError on every rank, naming the first option that differs."""
+    UsageError on every rank, naming the first option that differs."""
     mine = {k: repr(v) for k, v in [("grid", grid), *options.items(), ("device type", device_type)]}
     everyone = _gather(mine, "comparing parallelize options between ranks")
     for key in mine:
         values = [e.get(key) for e in everyone]
         if len(set(values)) > 1:
             where = ", ".join(f"rank {r}: {key}={v}" for r, v in enumerate(values) if v != values[0])
-            raise ValueError(
+            raise UsageError(
                 f"ranks called parallelize with different {key}: rank 0: {key}={values[0]}, {where}. Every rank "
                 f"must pass the same grid and options (they decide which collectives run, and ranks that "
                 f"disagree would hang or fail later)"
@@ -85,7 +86,7 @@ def agree_on_plan(comp, layouts: dict) -> None:
     other = next(r for r, d in enumerate(digests) if d != digests[0])
     a, b = texts[0].splitlines(), texts[other].splitlines()
     i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-    raise ValueError(
+    raise UsageError(
         f"ranks built different plans: rank {other} differs from rank 0 at plan line {i + 1}:\n"
         f"  rank 0:       {a[i].strip() if i < len(a) else '<end>'}\n"
         f"  rank {other}: {b[i].strip() if i < len(b) else '<end>'}\n"
@@ -115,7 +116,7 @@ def check_dtypes(first, flat: list) -> None:
         if not isinstance(t, torch.Tensor) or want is None or t.dtype == want:
             continue
         if t.is_floating_point() or want.is_floating_point:
-            raise ValueError(
+            raise UsageError(
                 f"input {i} is {t.dtype}, but the model was parallelized with {want} for it; cast the input "
                 f"(torch.autocast handles mixed precision), or parallelize with an example of that dtype"
             )
@@ -140,7 +141,7 @@ def check_mixed_dtypes(gm: torch.fx.GraphModule) -> None:
         if ints and any(d.is_floating_point for d in dtypes):
             where = " ".join(x for x in (f"in module {module_path(n)}" if module_path(n) else "",
                                          f"at {source_line(n)}" if source_line(n) else "") if x)
-            raise ValueError(
+            raise UsageError(
                 f"aten.{name} {where} mixes dtypes {[str(d) for d in dtypes]}: an integer tensor meets floating "
                 f"weights. Pass floating inputs where the model expects features (x.float()), or ids where "
                 f"it expects ids; the example inputs decide the dtypes the model is compiled for"

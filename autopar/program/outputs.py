@@ -36,6 +36,7 @@ from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.ops import comm
 from passes.ops.modules import VocabParallelCrossEntropy
+from autopar.errors import UsageError
 
 __all__ = ["Output", "wrap"]
 
@@ -223,7 +224,7 @@ def _vocab_parallel(logits: Output, target, ignore_index: int, reduction: str) -
     target = _full(target)
     bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
     if bool(bad.any()):
-        raise ValueError(
+        raise UsageError(
             f"cross_entropy: target {int(target[bad][0])} is outside the {num_classes} classes of the logits "
             f"(and is not ignore_index={ignore_index}); targets must be class indices in [0, {num_classes})"
         )

@@ -29,7 +29,7 @@ from passes.compat import call_spec, parse_to, pytree
 from passes.capture.functionalize import functionalize, keep_parameter_views
 from passes.meta import PARAM, ROLE
 from passes.capture.regions import inline_regions
-from passes.errors import CaptureError
+from passes.errors import CaptureError, SignatureError
 
 
 
@@ -163,14 +163,14 @@ def flatten_inputs(captured: Captured, args: tuple, kwargs: dict | None) -> list
     unknown = set(kwargs) - set(spec_kwargs)
     missing = set(spec_kwargs) - set(kwargs)
     if unknown or missing:
-        raise TypeError(
+        raise SignatureError(
             f"the parallel model was captured with keyword arguments {sorted(spec_kwargs)} but was called "
             f"with {sorted(kwargs)}; pass the same keywords as example_kwargs had"
         )
     flat, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in spec_kwargs}))
     if spec != captured.in_spec:
         want = captured.in_spec.child(0).num_children if captured.in_spec.num_children == 2 else "?"
-        raise TypeError(
+        raise SignatureError(
             f"the parallel model was captured with {want} positional input(s) (and keywords {sorted(spec_kwargs)}) "
             f"but was called with {len(args)} positional input(s) of another structure; call it the way "
             f"example_inputs / example_kwargs were given (same positions, same nesting)"

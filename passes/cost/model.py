@@ -9,6 +9,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from passes.errors import UsageError
+
 VERSION = 1
 KEYS = ("version", "source", "grid", "backend", "device", "axes", "flops_per_s", "when")
 AXIS_KEYS = ("alpha_s", "beta_bytes_per_s", "points")
@@ -103,41 +105,41 @@ def _json_beta(beta):
 
 def load(path) -> dict:
     """Read a calibration written by `save`, check its version and keys, and return it with beta
-    null read back as inf. Raises ValueError naming what is wrong."""
+    null read back as inf. Raises UsageError naming what is wrong."""
     try:
         with open(path) as f:
             model = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a JSON calibration file ({e}); {RERUN}") from None
+        raise UsageError(f"{path}: not a JSON calibration file ({e}); {RERUN}") from None
     return validate(model, where=str(path))
 
 
 def validate(model, where: str = "calibration") -> dict:
-    """`model` checked against the schema (version 1), with beta null as inf; ValueError otherwise."""
+    """`model` checked against the schema (version 1), with beta null as inf; UsageError otherwise."""
     if not isinstance(model, dict):
-        # ValueError, not TypeError: a damaged file is one kind of error for the caller to catch
-        raise ValueError(f"{where}: expected a JSON object, got {type(model).__name__}; {RERUN}")  # noqa: TRY004
+        # UsageError (a ValueError), not TypeError: a damaged file is one kind of error for the caller to catch
+        raise UsageError(f"{where}: expected a JSON object, got {type(model).__name__}; {RERUN}")  # noqa: TRY004
     if model.get("version") != VERSION:
-        raise ValueError(f"{where}: calibration version {model.get('version')!r}, this autopar reads version "
+        raise UsageError(f"{where}: calibration version {model.get('version')!r}, this autopar reads version "
                          f"{VERSION}; {RERUN}")
     missing = [k for k in KEYS if k not in model]
     if missing:
-        raise ValueError(f"{where}: missing key(s) {missing} (expected {list(KEYS)}); {RERUN}")
+        raise UsageError(f"{where}: missing key(s) {missing} (expected {list(KEYS)}); {RERUN}")
     grid, axes = model["grid"], model["axes"]
     if not (isinstance(grid, list) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
-        raise ValueError(f"{where}: 'grid' must be [R, C] with positive ints, got {grid!r}; {RERUN}")
+        raise UsageError(f"{where}: 'grid' must be [R, C] with positive ints, got {grid!r}; {RERUN}")
     if not (isinstance(axes, list) and len(axes) == 2):
-        raise ValueError(f"{where}: 'axes' must list one entry per mesh axis (2), got {axes!r}; {RERUN}")
+        raise UsageError(f"{where}: 'axes' must list one entry per mesh axis (2), got {axes!r}; {RERUN}")
     out_axes = []
     for axis, ax in enumerate(axes):
         bad = [k for k in AXIS_KEYS if not isinstance(ax, dict) or k not in ax]
         if bad:
-            raise ValueError(f"{where}: axes[{axis}] lacks {bad} (expected {list(AXIS_KEYS)}); {RERUN}")
+            raise UsageError(f"{where}: axes[{axis}] lacks {bad} (expected {list(AXIS_KEYS)}); {RERUN}")
         beta = math.inf if ax["beta_bytes_per_s"] is None else float(ax["beta_bytes_per_s"])
         if float(ax["alpha_s"]) < 0 or beta <= 0:
-            raise ValueError(f"{where}: axes[{axis}] needs alpha_s >= 0 and beta_bytes_per_s > 0 (or null), got "
+            raise UsageError(f"{where}: axes[{axis}] needs alpha_s >= 0 and beta_bytes_per_s > 0 (or null), got "
                              f"{ax['alpha_s']!r}, {ax['beta_bytes_per_s']!r}; {RERUN}")
         out_axes.append(dict(ax, alpha_s=float(ax["alpha_s"]), beta_bytes_per_s=beta))
     if not float(model["flops_per_s"]) > 0:
-        raise ValueError(f"{where}: 'flops_per_s' must be > 0, got {model['flops_per_s']!r}; {RERUN}")
+        raise UsageError(f"{where}: 'flops_per_s' must be > 0, got {model['flops_per_s']!r}; {RERUN}")
     return dict(model, axes=out_axes, flops_per_s=float(model["flops_per_s"]))

@@ -27,6 +27,7 @@ from passes.mesh import Grid
 from passes.options import LOWERINGS
 from passes.ops import comm
 from passes.ops.comm import Posted
+from passes.errors import UsageError
 
 AXIS_SAME_ROW, AXIS_SAME_COL = 1, 0  # mesh axis whose group shares the row / the column index
 
@@ -257,7 +258,7 @@ def summa_matmul(grid: Grid, x, w, *, transposed: bool, tag: str, lowering: str,
     same, and the weight's gradient is not summed over the rows (see `atb`).
     """
     if lowering not in LOWERINGS:
-        raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
+        raise UsageError(f"lowering={lowering!r} is not one of {LOWERINGS}")
     dev = x.device.type
     if torch.is_autocast_enabled(dev):  # what aten.linear does under autocast: both operands cast
         dtype = torch.get_autocast_dtype(dev)

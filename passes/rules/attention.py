@@ -44,7 +44,7 @@ def _split(size: int, q: int, dim: int, uneven: bool):
     return Shard(dim) if size % q == 0 or uneven else Replicate()
 
 
-def _kv_layout(qs: tuple, ks: tuple, gqa: bool, mesh: tuple) -> tuple:
+def kv_layout(qs: tuple, ks: tuple, gqa: bool, mesh: tuple) -> tuple:
     """(q's layout, k's and v's layout, whether the columns pick their KV heads) for q of shape `qs` and
     k of shape `ks`."""
     uneven = uneven_ok(mesh)
@@ -77,7 +77,7 @@ def sdpa(node, layouts, mesh):
     if ks[:2] != vs[:2] or ks[0] not in (qs[0], 1) or not grouped:
         raise Unsupported(f"attention with k/v batch or heads that neither match nor group q's: q {qs}, k {ks}, "
                           f"v {vs}, enable_gqa={gqa}")
-    lay, kv, pick = _kv_layout(qs, ks, gqa, mesh)
+    lay, kv, pick = kv_layout(qs, ks, gqa, mesh)
     need = {query: lay, key: kv, value: kv}
     if mask is not None:
         full = (qs[0], qs[1], qs[2], ks[2])

@@ -20,6 +20,7 @@ from passes.compat import OpOverloadPacket
 from passes.kernels.spec import KernelSpec
 from passes.layout import REPLICATED, Layout, Partial, Replicate, Shard, split_dim
 from passes.nodes import shape
+from passes.errors import DuplicateRuleError
 
 RULES: dict = {}
 NAMED_RULES: dict = {}  # "namespace.op.overload" -> rule, for ops of libraries loaded later (transformers)
@@ -48,7 +49,7 @@ def register(*ops):
             targets = [getattr(op, o) for o in op.overloads()] if isinstance(op, OpOverloadPacket) else [op]
             for t in targets:
                 if t in RULES:
-                    raise RuntimeError(f"two sharding rules for {t}: {RULES[t].__name__} and {fn.__name__}")
+                    raise DuplicateRuleError(f"two sharding rules for {t}: {RULES[t].__name__} and {fn.__name__}")
                 RULES[t] = fn
         return fn
 
@@ -62,7 +63,8 @@ def register_named(*names: str):
     def deco(fn):
         for name in names:
             if name in NAMED_RULES:
-                raise RuntimeError(f"two sharding rules for {name}: {NAMED_RULES[name].__name__} and {fn.__name__}")
+                raise DuplicateRuleError(f"two sharding rules for {name}: {NAMED_RULES[name].__name__} and "
+                                         f"{fn.__name__}")
             NAMED_RULES[name] = fn
         return fn
 

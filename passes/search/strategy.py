@@ -54,7 +54,7 @@ from passes.options import BUDGET_S, DEFAULTS, Options
 from passes.transforms.propagate import Propagation, propagate_node
 from passes.search.recompute_cost import BlockTrade, block_trade
 from passes.rules.views import TRANSPOSES, VIEWS
-from passes.errors import SearchWarning
+from passes.errors import MemoryLimitError, SearchWarning
 
 __all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
            "estimate_assignment",
@@ -164,7 +164,7 @@ class Choice:
     recompute_blocks: tuple = ()  # the repeated blocks recomputed in backward to fit memory_limit
 
 
-class _Evaluator:
+class Evaluator:
     """Estimates of assignments of one graph. A training step (the default) prices forward, backward and
     gradient reductions and holds parameters, gradients, optimizer states and what backward saves;
     `options.forward_only` prices the forward alone and holds the parameters only. `lowering` None: each
@@ -344,7 +344,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
     units = find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
     opts = {u.key: u.options for u in units}
-    ev = _Evaluator(gm, mesh, cm, units, options)
+    ev = Evaluator(gm, mesh, cm, units, options)
     fits = (lambda e: True) if memory_limit is None else (lambda e: e.memory_bytes <= memory_limit)
     space = math.prod(len(opts[k]) for k in keys)
     search = _Search(ev, keys, fits, search_budget, space, t0)
@@ -368,7 +368,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
         assert memory_limit is not None, "without a memory limit every assignment fits"
         least = min(tried.values(), key=lambda e: e.memory_bytes)
         how = f", recomputing all {len(least.recomputed)} repeated blocks" if least.recomputed else ""
-        raise MemoryError(
+        raise MemoryLimitError(
             f"no strategy fits memory_limit={memory_limit / 2**30:.2f} GiB per rank on a {mesh_shape(mesh)} grid: "
             f"the smallest estimate among {len(tried)} assignments is {least.memory_bytes / 2**30:.2f} GiB{how}"
             f"{stopped}. Use more devices, a smaller batch, or a larger limit."
@@ -389,7 +389,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
                   lowerings, time.perf_counter() - t0, complete, est.recomputed)
 
 
-def _lowerings(ev: _Evaluator, est: Estimate) -> dict:
+def _lowerings(ev: Evaluator, est: Estimate) -> dict:
     """SUMMA node name -> lowering for every block: the estimate priced blocks 0-2 (when it took the
     block shortcut) and the others take the lowering of their stand-in."""
     lowerings = dict(est.lowerings)
@@ -438,5 +438,5 @@ def estimate_assignment(gm: GraphModule, mesh, cm: CostModel, assignment: dict, 
     units = find_units(gm)
     missing = sorted({u.key for u in units} - set(assignment))
     assert not missing, f"the assignment names no option for units {missing[:3]}"
-    ev = _Evaluator(gm, mesh, cm, units, DEFAULTS if options is None else options, lowering)
+    ev = Evaluator(gm, mesh, cm, units, DEFAULTS if options is None else options, lowering)
     return ev.estimate(assignment)

@@ -24,6 +24,7 @@ so the stored blocks serve every shape.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -40,6 +41,7 @@ from passes.rules.registry import Strategy, Unsupported, lookup
 from passes.nodes import tensor_inputs, val
 from passes.rules.fallback import creation, fallback
 from passes.rules.views import TRANSPOSES, permutation
+from passes.errors import UnsupportedError
 
 
 
@@ -199,10 +201,10 @@ def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, opt
                 summed[out] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in lay.placements))
         node.meta[STRATEGY] = Strategy(summed, None)
     else:
-        raise NotImplementedError(f"node {node.name}: op kind {node.op} is not handled")
+        raise UnsupportedError(f"node {node.name}: op kind {node.op} is not handled")
 
 
-def propagate(gm: GraphModule, mesh, options: Options | None = None, pinned: dict | None = None) -> Propagation:
+def propagate(gm: GraphModule, mesh, options: Options | None = None, pinned: Mapping | None = None) -> Propagation:
     """`mesh`: the grid shape (R, C), or q for q x q. `options`: how indivisible weights, fused
     projections and ops without a split form are handled (default: `DEFAULTS`, parallelize's).
     `pinned`: parameter name -> Layout already decided (by the first compile of a model called with

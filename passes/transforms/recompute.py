@@ -57,6 +57,7 @@ from passes.mesh import Grid
 from passes.meta import LAYOUT, RECOMPUTE, ROLE
 from passes.options import RECOMPUTE_MODES
 from passes.nodes import block_of
+from passes.errors import UsageError
 
 __all__ = ["MODES", "Recompute", "recompute", "regions"]
 
@@ -185,7 +186,7 @@ def regions(gm: GraphModule, mode: str, mesh=(1, 1), only=None, at: tuple = (0, 
     `at`: the grid position whose blocks the selective check runs on (the rank's own: its graph is
     localized to them)."""
     if mode not in MODES:
-        raise ValueError(f"recompute={mode!r}: expected one of {MODES} or None")
+        raise UsageError(f"recompute={mode!r}: expected one of {MODES} or None")
     out = []
     for run in _block_runs(gm) if mode == "blocks" else _selective_runs(gm):
         if only is not None and run and block_of(run[0]) not in only:

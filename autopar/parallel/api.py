@@ -1,0 +1,127 @@
+"""`parallelize`: check the grid and options, agree on them between ranks, compile the program of
+the example inputs and wrap it in a `ParallelModule` (`autopar.parallel.module`)."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.nn as nn
+
+from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, UsageError
+from autopar.parallel.module import ParallelModule
+from autopar.program.build import cache_off_kwargs, compile_program, input_device
+from autopar.program.guards import agree_on_options, agree_on_plan
+from passes import Grid
+from passes.options import DEFAULTS, Options
+
+# ParallelModule, FallbackWarning and CompileWarning: what `autopar.api`, this module's old path, exported
+__all__ = ["parallelize", "ParallelModule", "FallbackWarning", "CompileWarning"]
+
+
+def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
+                lowering: str = DEFAULTS.lowering, indivisible: str = DEFAULTS.indivisible,
+                fused: str = DEFAULTS.fused, on_unsupported: str = DEFAULTS.on_unsupported,
+                strategy: str = DEFAULTS.strategy, cost_model: object = DEFAULTS.cost_model,
+                memory_limit: float | None = DEFAULTS.memory_limit,
+                search_budget: float | None = DEFAULTS.search_budget, check_inputs: bool = DEFAULTS.check_inputs,
+                timeout: float | None = DEFAULTS.timeout, compile: bool = DEFAULTS.compile,
+                recompute: str | bool | None = DEFAULTS.recompute, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
+                moe_dispatch: str = DEFAULTS.moe_dispatch) -> ParallelModule:
+    """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
+
+    Args:
+        model: an unmodified nn.Module (it is not changed; its weights are copied into shards).
+        grid: (R, C), e.g. (2, 2) or (2, 4); R*C must equal the world size of the default process
+            group. Activations split batch over the R rows and hidden over the C columns. (dp, R, C)
+            runs dp data-parallel replicas of the grid.
+        strategy: how each weight matmul is split. '2d' (default): SUMMA on the grid. '1d':
+            Megatron-style column/row splits over the C columns (batch over the R rows; on a (1, p)
+            grid this is plain 1D tensor parallelism). 'auto': per matmul group (q|k|v, gate|up, one
+            projection, an embedding) the option among 2d / 1d / replicated with the smallest
+            estimated step time whose per-rank memory fits `memory_limit` (see passes/search/strategy.py and
+            `explain`, which shows each choice against its alternatives).
+        cost_model: for strategy='auto': the JSON path (or dict) `autopar calibrate` wrote, or None
+            for published GPU-cluster figures (NVLink inside a node, InfiniBand across nodes).
+        memory_limit: for strategy='auto': bytes per rank (parameters, gradients, Adam states and
+            activations, estimated); None: no limit.
+        search_budget: for strategy='auto': seconds the search may take (default 30) before it stops
+            with the best plan found so far and a SearchWarning; None: no limit. Rank 0 searches and
+            sends its choice to the other ranks.
+        example_inputs / example_kwargs: one call's inputs, used to capture the graph.
+        lowering: 'broadcast' (the paper's stepwise SUMMA) or 'allgather' (gather panels, one matmul;
+            linears that read the same activation, q|k|v and gate|up, then share one set of calls and
+            x's panel: `passes.transforms.group_siblings`).
+        indivisible: a dim the grid does not divide (a vocabulary of 50257, 25 heads on 8 columns).
+            'uneven' (default) splits it in torch.chunk blocks, as DTensor's Shard does (ceil(n/q)
+            per member, the last shorter; nothing padded, state_dict and checkpoints keep the true
+            shapes) where the rule can: vocabularies (embedding, LM head, cross-entropy), matmul
+            out-features, attention heads, elementwise ops and views that keep the dim; a matmul whose
+            in-features the grid does not divide still runs unsplit. 'replicate' runs every such matmul
+            unsplit on every rank, with a FallbackWarning; 'error' raises a ShardingError instead.
+        fused: how a fused projection's weight (output split into q|k|v or gate|up) is stored.
+            'regroup' (default): as ordinary blocks, regrouped in the graph each step so each column
+            block holds matching parts (one all-gather of the weight block per use, forward and
+            backward); every parameter stays a plain sharded DTensor. 'interleave': stored interleaved
+            (DTensor _StridedShard), no regrouping; torch.distributed.checkpoint cannot save such
+            parameters in torch 2.13 (save_pretrained can).
+        on_unsupported: 'replicate' (default) runs an op that has no split form whole on every rank
+            (gathering its inputs) with a FallbackWarning; 'error' raises instead, naming the op, the
+            node, the module path and the source line. Fallbacks whose inputs are already whole (mask
+            and position-id construction) cost nothing and are allowed either way.
+        timeout: seconds after which every collective of a step gives up with a CollectiveError (a peer
+            rank died or is stuck): autopar's own, check_inputs, pm.clip_grad_norm_, checkpoint gathers,
+            and DTensor's (the mesh is built on process groups with this timeout, so torch's
+            clip_grad_norm_ and full_tensor() are bounded too, raising torch's error). Default: the
+            process group's timeout. parallelize's two start-up handshakes (options, plan) always wait up
+            to the process group's timeout, since ranks compile at different speeds.
+        check_inputs: verify on every call that all ranks of a grid passed the same inputs (one small
+            all-gather per call); off by default.
+        compile: run each rank's program under torch.compile (inductor), compiled on the first call of
+            each input signature; the collectives run between the compiled regions. The same as calling
+            torch.compile(pmodel). A program torch.compile cannot compile runs eagerly, with one
+            CompileWarning.
+        recompute: activation recomputation (`passes.transforms.recompute`). None (default): autograd keeps every
+            activation backward needs. 'blocks': each repeated block (`model.layers.3`, `transformer.h.3`)
+            keeps only its inputs and runs again in backward, its SUMMA broadcasts included (counted in
+            `plan(...).recompute_bytes`). 'selective': matmul, attention and communication outputs are
+            kept and the local ops between them (pointwise, norm statistics, softmax) recomputed; no byte
+            is communicated twice. Dropout draws the same masks when recomputed. With strategy='auto' and
+            a memory_limit, None lets the search recompute the fewest blocks that make the plan fit;
+            False never recomputes.
+        grad_bucket_mb: with grid=(dp, R, C), dp > 1: the parameter gradients are averaged over the
+            replicas in buckets of at most this many MiB, one all-reduce each (default 25; 0: one per
+            parameter block). Eagerly, each bucket's all-reduce starts during backward as soon as its
+            gradients are complete and is waited for at the end of backward; see
+            `passes.ops.grad_buckets` and `pmodel.grad_bucket_plan()`.
+        moe_dispatch: how a mixture of experts' routed tokens reach their experts (split over the
+            grid rows). 'all_to_all': each row keeps its tokens and sends each routed token's hidden
+            block to its expert's row and back (expert parallelism); 'gather': every row gathers
+            all the routed tokens; 'auto' (default): all-to-all when the grid has more than one row.
+    """
+    options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
+                      strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
+                      search_budget=search_budget, check_inputs=check_inputs, timeout=timeout,
+                      compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
+                      moe_dispatch=moe_dispatch)
+    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
+            and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
+        raise UsageError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "
+                         f"(dp, R, C) for dp data-parallel replicas of an R x C grid")
+    if not torch.distributed.is_initialized():
+        raise NoProcessGroupError(
+            "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
+            "(backend 'gloo' on CPU, 'nccl' on GPUs) on every rank first, or use autopar.launch.spawn"
+        )
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    device = input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
+    # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
+    # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
+    agree_on_options(tuple(grid), options, device.type)
+    delta = datetime.timedelta(seconds=timeout) if timeout is not None else None
+    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
+    example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
+    comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)
+    agree_on_plan(comp, layouts)
+    return ParallelModule(model, g, comp, layouts, options)
