@@ -21,7 +21,7 @@ _HOME = {
     "max_batch": "autopar.planning.capacity", "AutoparError": "autopar.errors", "AutoparWarning": "autopar.errors",
     "UsageError": "autopar.errors", "CollectiveError": "autopar.errors", "RoutingWarning": "autopar.errors",
     **{name: "autopar.errors" for name in (
-        "MemoryLimitError", "UnsupportedError", "SignatureError", "DuplicateRuleError",
+        "MemoryLimitError", "UnsupportedError", "SignatureError", "DuplicateRuleError", "TorchVersionError",
         "NotMaterializedError", "NoProcessGroupError", "CheckpointFileError", "CheckpointNotFoundError",
         "CheckpointPermissionError", "MissingWeightsError", "TransformersVersionError", "RankFailedError",
         "MovedWarning", "PlanWarning")},

@@ -19,7 +19,12 @@ __all__ = list(_HOME)
 
 class _Package(types.ModuleType):
     def __getattr__(self, name):
-        if name not in _HOME:
+        if name not in _HOME:  # a submodule (passes.options, ...), as when the names above loaded them all
+            try:
+                return importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{__name__}.{name}":
+                    raise
             raise AttributeError(f"module 'passes' has no attribute {name!r}")
         value = getattr(importlib.import_module(_HOME[name]), name)
         setattr(self, name, value)

@@ -42,6 +42,8 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 # checks' op counts). Checked on 2.13.0. If it moves: `autopar.bench` and tests/checks_train.py.
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from passes.errors import TorchVersionError
+
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
            "exit_autocast", "fake_store", "fake_tensor_mode", "implicit_replication", "legacy_reduction", "parse_to",
@@ -248,7 +250,7 @@ def _wrap_with_effects_lowering(lowering) -> None:
     op = torch.ops.higher_order.with_effects
     original = getattr(lowering, "lowerings", {}).get(op)
     if original is None:
-        raise RuntimeError(
+        raise TorchVersionError(
             f"autopar: torch {torch.__version__} has no inductor lowering `lowerings[with_effects]` in "
             f"torch._inductor.lowering (checked on 2.13.0), so autopar cannot make compiled programs keep "
             f"their collectives in order. Use parallelize(..., compile=False), or a torch version autopar "

@@ -45,6 +45,11 @@ class UnsupportedError(AutoparError, NotImplementedError):
     parameter created or resized after parallelize; the message says what to do instead."""
 
 
+class TorchVersionError(AutoparError, RuntimeError):
+    """The installed torch lacks a private API autopar relies on (`passes.compat` lists each with the
+    version it was checked on)."""
+
+
 class SignatureError(AutoparError, TypeError):
     """A call whose arguments are not the ones the program takes: positions or keywords other than
     parallelize's example inputs, keywords pmodel.generate does not know."""

@@ -26,10 +26,9 @@ BUILTIN_EXCEPTIONS = {n for n, v in vars(builtins).items() if isinstance(v, type
 RAISED_BUILTINS = {
     ("*", "SystemExit"): "a command's exit status and message (autopar's CLI, python -m autopar.bench.*)",
     ("autopar/__init__.py", "AttributeError"): "a module __getattr__ must raise it for hasattr and imports",
+    ("passes/__init__.py", "AttributeError"): "a module __getattr__ must raise it for hasattr and imports",
     ("autopar/checkpoint/keys.py", "ImportError"): "caught by the `except ImportError` around it, which "
                                                    "raises TransformersVersionError",
-    ("passes/compat.py", "RuntimeError"): "passes.compat imports nothing of passes (it sits beside passes.errors "
-                                          "at the bottom of the layers); raised where torch lacks an internal",
     ("passes/capture/regions.py", "AssertionError"): "an invariant of ours: a region body ends in an output",
     ("passes/kernels/spec.py", "NotImplementedError"): "the abstract KernelSpec.build every kernel overrides",
 }

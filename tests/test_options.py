@@ -79,7 +79,7 @@ def _other(name):
     return next(c for c in o.choices if c != o.default) if o.choices else OTHER[name]
 
 
-@pytest.mark.parametrize("fn, home", [(autopar.parallelize, "autopar.parallel.module"),
+@pytest.mark.parametrize("fn, home", [(autopar.parallelize, "autopar.parallel.api"),
                                       (autopar.plan, "autopar.planning.plan"),
                                       (autopar.choose_grid, "autopar.planning.plan")])
 def test_every_option_keyword_reaches_options(fn, home, monkeypatch):
