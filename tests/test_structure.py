@@ -237,3 +237,13 @@ def test_layer_order_is_documented():
     section = text.split("### Layers", 1)[1].split("\n#", 1)[0]
     listed = [tuple(re.findall(r"`([\w.]+)`", line)) for line in section.splitlines() if line.startswith("- `")]
     assert listed == list(reversed(LAYERS)), listed
+
+
+MAX_LINES = 450  # a module longer than this holds more than one concept: split it by concept
+
+
+def test_no_module_over_the_size_limit():
+    """Catches a module growing past what a reader takes in at once (the house rule in docs/design.md)."""
+    mods, _ = graph()
+    big = {m: n for m, p in mods.items() if (n := len(open(p).read().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
