@@ -21,7 +21,7 @@ _HOME = {
         "MemoryLimitError", "UnsupportedError", "SignatureError", "DuplicateRuleError", "TorchVersionError",
         "NotMaterializedError", "NoProcessGroupError", "CheckpointFileError", "CheckpointNotFoundError",
         "CheckpointPermissionError", "MissingWeightsError", "TransformersVersionError", "RankFailedError",
-        "MovedWarning", "PlanWarning")},
+        "MovedWarning", "PlanWarning", "IndexRangeError")},
 }
 __all__ = list(_HOME)
 __version__ = "0.1.0"

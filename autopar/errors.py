@@ -4,17 +4,19 @@ Each error also derives from the builtin it replaced (`UsageError` is a ValueErr
 `CheckpointNotFoundError` a FileNotFoundError, ...), so `except ValueError` keeps catching it.
 
 The compiler's own (`UsageError`, `CaptureError`, `ShardingError`, `CollectiveError`,
-`MemoryLimitError`, `UnsupportedError`, `SignatureError`, `DuplicateRuleError`, `TorchVersionError`,
-`SearchWarning`, `RoutingWarning`, `FallbackWarning`, `MovedWarning`) are defined in `passes.errors`,
-which cannot import this package; they are the same classes here.
+`MemoryLimitError`, `IndexRangeError`, `UnsupportedError`, `SignatureError`, `DuplicateRuleError`,
+`TorchVersionError`, `SearchWarning`, `RoutingWarning`, `FallbackWarning`, `MovedWarning`) are
+defined in `passes.errors`, which cannot import this package; they are the same classes here.
 """
 
 from passes.errors import (AutoparError, AutoparWarning, CaptureError, CollectiveError, DuplicateRuleError,
-                           FallbackWarning, MemoryLimitError, MovedWarning, RoutingWarning, SearchWarning,
-                           ShardingError, SignatureError, TorchVersionError, UnsupportedError, UsageError)
+                           FallbackWarning, IndexRangeError, MemoryLimitError, MovedWarning, RoutingWarning,
+                           SearchWarning, ShardingError, SignatureError, TorchVersionError, UnsupportedError,
+                           UsageError)
 
-__all__ = ["AutoparError", "AutoparWarning", "UsageError", "CaptureError", "ShardingError", "CollectiveError",
-           "MemoryLimitError", "UnsupportedError", "SignatureError", "DuplicateRuleError", "TorchVersionError",
+__all__ = ["AutoparError", "AutoparWarning", "UsageError", "IndexRangeError", "CaptureError", "ShardingError",
+           "CollectiveError", "MemoryLimitError", "UnsupportedError", "SignatureError", "DuplicateRuleError",
+           "TorchVersionError",
            "NotMaterializedError", "NoProcessGroupError", "CheckpointFileError", "CheckpointNotFoundError",
            "CheckpointPermissionError", "MissingWeightsError", "TransformersVersionError", "RankFailedError",
            "SearchWarning", "RoutingWarning", "FallbackWarning", "MovedWarning", "CompileWarning",

@@ -46,7 +46,8 @@ from passes.errors import TorchVersionError
 
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
-           "exit_autocast", "fake_store", "fake_tensor_mode", "implicit_replication", "legacy_reduction", "parse_to",
+           "exit_autocast", "fake_store", "fake_tensor_mode", "group_timeout", "implicit_replication",
+           "legacy_reduction", "parse_to",
            "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
            "set_version_counter", "keep_effect_order_in_inductor", "CACHEABLE_EFFECTS"]
 
@@ -117,6 +118,17 @@ def is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import is_fake as fake
 
     return fake(t)
+
+
+def group_timeout(group, device_type: str):
+    """The timeout `group` (a ProcessGroup) was created with, e.g. init_process_group(timeout=...), as a
+    timedelta; None where torch does not say. Its backend keeps it in the private `options._timeout`.
+    Checked on 2.13.0 (gloo). If it moves: None, and the grid's groups get torch's default timeout
+    instead of the process group's."""
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError, TypeError):
+        return None
 
 
 def register_flattened_mesh(mesh, name: str, flat) -> None:

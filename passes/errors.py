@@ -27,6 +27,11 @@ class CaptureError(AutoparError, RuntimeError):
     """torch.export could not trace the model."""
 
 
+class IndexRangeError(AutoparError, IndexError):
+    """An id reaching an embedding table, or a target reaching a cross-entropy, lies outside the
+    table's rows (one process raises IndexError there); the message names the value and the range."""
+
+
 class ShardingError(AutoparError, ValueError):
     """A tensor cannot be laid out as asked (for example a dimension not divisible by q)."""
 

@@ -69,6 +69,7 @@ def keeps_other_files(rank, tmp):
         listings.append(sorted(os.listdir(path)))
         index = os.path.join(path, "model.safetensors.index.json")
         indexed.append(sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else [])
+        dist.barrier()  # rank 0's next save takes its lock (a file in `path`) at once: list before it
     config = open(os.path.join(path, "config.json")).read()
     back = autopar.from_pretrained(path, grid=(2, 2), example_kwargs=build("gpt2")[1](4, 8, 0), progress=False)
     return {"listings": listings, "indexed": indexed, "others": {n: open(os.path.join(path, n)).read() for n in others},
@@ -92,12 +93,15 @@ def rank0_failures(rank, tmp):
     good = os.path.join(tmp, "good")
     autopar.save_pretrained(pm, good, max_shard_bytes=GOOD_SHARD)
     before = _digests(good)
+    dist.barrier()  # each rank reads the directory before rank 0's next save takes its lock there
     out["disk full"] = _patched(rank, checkpoint, "write", _full_on_second_call(checkpoint.write),
                                 lambda: autopar.save_pretrained(pm, good, max_shard_bytes=GOOD_SHARD))
     out["disk full: files"] = _digests(good) == before
+    dist.barrier()
     out["permission at finish"] = _patched(rank, os, "replace", _denied,
                                            lambda: autopar.save_pretrained(pm, good, max_shard_bytes=GOOD_SHARD))
     out["permission: files"] = _digests(good) == before
+    dist.barrier()
 
     real = os.path.join(tmp, "real_dir")
     link = os.path.join(tmp, "link_to_dir")
@@ -232,3 +236,161 @@ def dcp_interrupted(rank, world, port, outdir, mode):
     with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{kind}\n{msg}")
     os._exit(0)
+
+
+def load_refusals(rank, tmp):
+    """Checkpoints a load must refuse with the file's name, never block on, never load as wrong values:
+    a FIFO, a directory or a symlink to /proc/self/mem where a shard should be, an index placing a key
+    in a shard that lacks it, an F32 tensor relabelled I32 (same byte size), a valid I32 tensor for a
+    float parameter. Then the good checkpoint loads bit-exactly."""
+    import shutil
+
+    model, pm = _gpt2()
+    good = os.path.join(tmp, "good")
+    autopar.save_pretrained(pm, good, max_shard_bytes=GOOD_SHARD)
+    shard = "model-00001-of-%05d.safetensors" % len([f for f in os.listdir(good) if f.endswith(".safetensors")])
+    index = json.load(open(os.path.join(good, "model.safetensors.index.json")))["weight_map"]
+    first, second = sorted(set(index.values()))[:2]
+    assert first == shard, (first, shard)
+    key = next(k for k, f in index.items() if f == first)
+
+    def variant(name, change):
+        path = os.path.join(tmp, name)
+        if rank == 0:
+            shutil.copytree(good, path)
+            change(path)
+        dist.barrier()
+        return path
+
+    def relabel(path, file, dtype):  # the first F32 entry's dtype rewritten in place: same header length
+        raw = open(os.path.join(path, file), "rb").read()
+        n = int.from_bytes(raw[:8], "little")
+        at = raw.index(b'"F32"', 8, 8 + n)
+        with open(os.path.join(path, file), "wb") as f:
+            f.write(raw[:at] + f'"{dtype}"'.encode() + raw[at + 5:])
+
+    def replace(path, fn):
+        os.remove(os.path.join(path, first))
+        fn(os.path.join(path, first))
+
+    def wrong_index(path):
+        moved = dict(index, **{key: second})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": moved}, f)
+
+    def ints(path):
+        relabel(path, first, "I32")
+
+    def valid_int(path):  # a whole shard rewritten with one float tensor stored as int32 values
+        from autopar.checkpoint.safetensors_io import SafetensorsFile, write
+        f = SafetensorsFile(os.path.join(path, first))
+        tensors = {k: f.read(k, [(0, n) for n in f.shape(k)]) for k in f.keys()}
+        f.close()
+        tensors[key] = tensors[key].to(torch.int32)
+        write(os.path.join(path, first), tensors, {"format": "pt"})
+
+    cases = {"fifo": lambda p: replace(p, os.mkfifo), "directory": lambda p: replace(p, os.mkdir),
+             "proc mem": lambda p: replace(p, lambda d: os.symlink("/proc/self/mem", d)),
+             "key in another shard": wrong_index, "relabelled I32": ints, "valid I32": valid_int}
+    out = {}
+    for name, change in cases.items():
+        path = variant(name.replace(" ", "_"), change)
+        out[name] = _err(lambda p=path: autopar.load_safetensors(pm, p, progress=False))
+    out["key"], out["first"] = key, first
+    autopar.load_safetensors(pm, good, progress=False)
+    out["good after"] = _exact(pm, dict(model.named_parameters()))
+    return out
+
+
+def save_refusals(rank, tmp):
+    """save_distributed through a symlink to a directory (twice: the second replaces the first), saves
+    into places whose lock another process holds (the test's), and a load of a DCP checkpoint missing
+    a data file: the error, caught by `except Exception`."""
+    import glob
+
+    _, pm = _gpt2()
+    want = {n: p.full_tensor() for n, p in pm.named_parameters()}
+    real, link = os.path.join(tmp, "real_dcp"), os.path.join(tmp, "link_dcp")
+    _on_rank0(lambda: (os.makedirs(real), os.symlink(real, link)))
+    out = {"symlink saves": [_err(lambda: checkpoint.save_distributed(pm, link)) for _ in range(2)]}
+    out["link still a link"] = os.path.islink(link) and os.path.realpath(link) == os.path.realpath(real)
+    out["real holds"] = sorted(os.listdir(real))[:1]
+    out["siblings"] = sorted(n for n in os.listdir(tmp) if n.startswith(("real_dcp", "link_dcp")))
+    _, pm2 = _gpt2(seed=3)
+    checkpoint.load_distributed(pm2, link)
+    out["load through link"] = _exact(pm2, want)
+    out["held dcp"] = _err(lambda: checkpoint.save_distributed(pm, os.path.join(tmp, "held")))
+    out["held hf"] = _err(lambda: autopar.save_pretrained(pm, os.path.join(tmp, "held_hf")))
+    out["held dirs"] = sorted(os.listdir(os.path.join(tmp, "held_hf")))
+    broken = os.path.join(tmp, "broken")
+    checkpoint.save_distributed(pm, broken)
+    _on_rank0(lambda: os.remove(sorted(glob.glob(os.path.join(broken, "*.distcp")))[0]))
+    try:
+        checkpoint.load_distributed(pm2, broken)
+        out["broken"] = (None, "")
+    except Exception as e:  # the point: a training loop's `except Exception` catches it
+        out["broken"] = (type(e).__name__, str(e))
+    return out
+
+
+def slow_rank_group_timeout(rank, world, port, outdir):
+    """Fresh group made with init_process_group(timeout=5 s), parallelize without timeout=: rank 3
+    sleeps through a forward; the others must give up after the group's 5 s, not torch's 30 min."""
+    import datetime
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=5))
+    model, make = build("gpt2")
+    batch = make(4, 8, 0)
+    pm = autopar.parallelize(model, grid=(2, 2), example_kwargs=batch)
+    pm(**batch)  # every rank in step once
+    if rank == 3:
+        time.sleep(30)
+        os._exit(0)
+    start = time.time()
+    kind, msg = _err(lambda: pm(**batch))
+    with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{kind}\n{time.time() - start:.2f}\n{pm.grid.timeout}\n{msg}")
+    os._exit(0)
+
+
+def switch_keeps_one_checkpoint(rank, tmp):
+    """Into a directory holding user files named like shards (model-00001-of-0000k.safetensors, k = 2..9,
+    which no index lists), two sharded saves of different weights and shard counts, then a save that
+    dies at the switch (renaming the new index into place fails on rank 0). The user's files stay
+    byte for byte, and after the failed save the directory loads the second save exactly."""
+    model, pm = _gpt2()
+    path = os.path.join(tmp, "switch")
+    users = [f"model-00001-of-{k:05d}.safetensors" for k in range(2, 10)]
+    _on_rank0(lambda: (os.makedirs(path), [open(os.path.join(path, u), "w").write(f"user file {u}") for u in users]))
+    out = {"saves": []}
+    for max_bytes in (GOOD_SHARD, 2 * GOOD_SHARD):
+        with torch.no_grad():
+            for p in pm.parameters():
+                p.add_(0.01)
+        autopar.save_pretrained(pm, path, max_shard_bytes=max_bytes)
+        index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+        out["saves"].append(sorted(set(index.values())))
+    want = {n: p.full_tensor() for n, p in pm.named_parameters()}
+    before = _digests(path)
+    dist.barrier()  # every rank has read the directory before rank 0's next save locks it
+    real = os.replace
+
+    def dies_at_switch(src, dst):  # renaming the new index into place: where a kill would hit
+        if os.path.basename(dst) == "model.safetensors.index.json":
+            raise OSError(errno.EIO, "Input/output error (the process dies here)", dst)
+        real(src, dst)
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.add_(0.01)
+    out["failed save"] = _patched(rank, os, "replace", dies_at_switch,
+                                  lambda: autopar.save_pretrained(pm, path, max_shard_bytes=3 * GOOD_SHARD))
+    out["files unchanged"] = _digests(path) == before
+    dist.barrier()
+    out["users"] = {u: open(os.path.join(path, u)).read() for u in users}
+    out["listing"] = sorted(os.listdir(path))
+    back = autopar.from_pretrained(path, grid=(2, 2), example_kwargs=build("gpt2")[1](4, 8, 0), progress=False)
+    out["errs"] = _exact(back, want)
+    return out

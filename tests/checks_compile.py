@@ -3,7 +3,9 @@ parameters after a few optimizer steps, against the unmodified model on one proc
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import time
 import warnings
 
@@ -68,6 +70,35 @@ def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3, 
     ref_params = dict(ref.named_parameters())
     errs, first, step_bytes = {}, 0.0, []
     counters.clear()
+    progress = io.StringIO()  # what rank 0 says about compiling
+    with contextlib.redirect_stderr(progress):
+        first, fell_back = _steps(pm, run, ref, o, ref_o, batch, loss_of, steps, errs, step_bytes)
+    errs.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
+                             prefix=f"param after {steps} steps "))
+    out_of_range = None
+    if how == "option" and name in ("tinygpt", "llama"):  # the compiled program's id and target checks
+        args, kwargs = batch(0)
+        if name == "tinygpt":
+            ids = args[0].clone()
+            ids[1, 1] = model.cfg.vocab_size
+            args = (ids, *args[1:])
+        else:
+            labels = kwargs["labels"].clone()
+            labels[0, 2] = model.config.vocab_size + 1
+            kwargs = {**kwargs, "labels": labels}
+        try:
+            run(*args, **kwargs)
+        except IndexError as e:
+            out_of_range = (type(e).__name__, str(e))
+    return {"excess": errs, "first call s": first, "graphs": counters["stats"]["unique_graphs"],
+            "fell back": fell_back, "step bytes": step_bytes, "eager bytes": eager_bytes,
+            "compile stats": tuple(pm.compile_stats.get(pm.program.signature, ())),
+            "progress": progress.getvalue(), "out of range": out_of_range}
+
+
+def _steps(pm, run, ref, o, ref_o, batch, loss_of, steps, errs, step_bytes):
+    ref_params = dict(ref.named_parameters())
+    first, fell_back = 0.0, []
     for step in range(steps):
         args, kwargs = batch(step)
         pm.grid.log.reset()
@@ -88,11 +119,7 @@ def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3, 
         ref_o.step()
         o.zero_grad()
         ref_o.zero_grad()
-    errs.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
-                             prefix=f"param after {steps} steps "))
-    return {"excess": errs, "first call s": first, "graphs": counters["stats"]["unique_graphs"],
-            "fell back": fell_back, "step bytes": step_bytes, "eager bytes": eager_bytes,
-            "compile stats": tuple(pm.compile_stats.get(pm.program.signature, ()))}
+    return first, fell_back
 
 
 def _failing_compile(fn, *args, **kwargs):

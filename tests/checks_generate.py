@@ -85,7 +85,9 @@ def sampling(rank, grid=(2, 2), seed=5):
     pm = parallel(model, grid, ids, mask)
     torch.manual_seed(seed)
     got = pm.generate(ids, **kw)
-    return want.tolist(), got.tolist()
+    torch.manual_seed(seed + 100 * rank)  # a seed per rank, as data-parallel code seeds: rank 0's is `seed`
+    per_rank = pm.generate(ids, **kw)
+    return want.tolist(), got.tolist(), per_rank.tolist()
 
 
 def eos_and_dict(rank, grid=(2, 2)):
@@ -139,7 +141,7 @@ def pretrained(rank, path, grid=(2, 2)):
 def _error(fn) -> str:
     try:
         fn()
-    except (ValueError, NotImplementedError, TypeError) as e:
+    except (ValueError, NotImplementedError, TypeError, IndexError) as e:
         return f"{type(e).__name__}: {e}"
     return ""
 
@@ -155,6 +157,11 @@ def errors(rank):
         "unknown": _error(lambda: pm.generate(ids, max_new_tokens=4, beam_width=2)),
         "batch differs": _error(lambda: pm.generate(ids[: 2 if rank == 3 else 4], max_new_tokens=2)),
         "ids differ": _error(lambda: pm.generate(ids + (rank == 1), max_new_tokens=2)),
+        "new tokens differ": _error(lambda: pm.generate(ids, max_new_tokens=2 + (rank == 2))),
+        "id out of range": _error(lambda: pm.generate(torch.where(ids == ids[1, 2], VOCAB + 3, ids),
+                                                      max_new_tokens=2)),
+        "one process, id out of range": _error(lambda: model.generate(
+            torch.where(ids == ids[1, 2], VOCAB + 3, ids), max_new_tokens=2, do_sample=False, pad_token_id=0)),
     }
     torch.manual_seed(0)
     base = T.LlamaModel(CONFIGS["llama"]()).eval()
@@ -238,7 +245,17 @@ def phase_strategies(rank, prefill, decode, strategy="2d"):
         moved = float((up[0] - up[1]).abs().max())
     after = (trained.generate(ids, **kw).tolist(),
              pm.generate(ids, prefill_strategy=prefill, decode_strategy=decode, **kw).tolist(), relaid.copies, moved)
-    return want.tolist(), got.tolist(), again.tolist(), text, first, second, after
+    writes = {}  # in-place updates through .data (which move no version counter), then one that does
+    for name, write in (("to_local().data.mul_", lambda p: p.to_local().data.mul_(1.5)),
+                        (".data.add_", lambda p: p.data.add_(0.01)),
+                        ("no_grad mul_", lambda p: p.mul_(0.9))):
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "mlp" in n or "self_attn" in n:
+                    write(p)
+        writes[name] = (trained_copy(pm).generate(ids, **kw).tolist(),
+                        pm.generate(ids, prefill_strategy=prefill, decode_strategy=decode, **kw).tolist())
+    return want.tolist(), got.tolist(), again.tolist(), text, first, second, after, writes
 
 
 def compiled(rank):

@@ -49,6 +49,20 @@ def bad_inputs(rank):
     checked = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), check_inputs=True)
     other = _data(cfg, 4, 8, seed=1 + (rank == 2))  # rank 2 passes other token ids of the same shape
     out["inputs differ"] = _err(lambda: checked(*other))
+    torch.manual_seed(7)
+    state = TinyGPT(cfg).state_dict()
+    if rank == 3:
+        state["blocks.1.mlp.up.weight"] = state["blocks.1.mlp.up.weight"] + 1e-3  # one rank's dict differs
+    out["state differs"] = _err(lambda: pm.load_state_dict(state))
+    out["batch differs"] = _err(lambda: pm(*_data(cfg, 8 if rank == 1 else 4, 8)))  # check_inputs off
+    out["after batch differs"] = _err(lambda: pm(ids, tgt))
+    other_vocab = TinyGPT(GPTConfig(vocab_size=66 if rank == 1 else 64))  # ids < 64 fit both
+    out["model differs"] = _err(lambda: autopar.parallelize(other_vocab, grid=(2, 2), example_inputs=(ids, tgt)))
+    wide = nn.Sequential(nn.Linear(8, 64 if rank == 2 else 32), nn.ReLU(), nn.Linear(64 if rank == 2 else 32, 8))
+    out["mlp differs"] = _err(lambda: autopar.parallelize(wide, grid=(2, 2), example_inputs=(torch.randn(4, 8),)))
+    out["nested"] = _err(lambda: autopar.parallelize(pm, grid=(2, 2), example_inputs=(ids, tgt)))
+    out["nested inside"] = _err(lambda: autopar.parallelize(nn.Sequential(pm), grid=(2, 2),
+                                                            example_inputs=(ids, tgt)))
     return out
 
 
@@ -172,3 +186,53 @@ def sweep_case(rank, spec):
     errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                              prefix="grad "))
     return errs
+
+
+def out_of_range(rank):
+    """Ids, positions and targets outside their tables, at 2x2: what one process does (the unmodified
+    model, which raises IndexError) and what every rank of the parallel model does; a bad target sits
+    in the first batch row only, which one mesh row holds. Then HF Llama's ids and labels."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    ids, tgt = _data(cfg, 4, 8)
+    model = TinyGPT(cfg)
+    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(ids, tgt))
+
+    def edit(t, value, row=0, col=3):
+        t = t.clone()
+        t[row, col] = value
+        return t
+
+    long_ids, long_tgt = _data(cfg, 4, cfg.max_seq + 4)  # positions past the 16-row position table
+    cases = {
+        "id = vocab": (edit(ids, cfg.vocab_size, row=2), tgt),
+        "id = -1": (edit(ids, -1), tgt),
+        "sequence > positions": (long_ids, long_tgt),
+        "target = vocab": (ids, edit(tgt, cfg.vocab_size + 5)),
+        "target = -1": (ids, edit(tgt, -1)),
+    }
+    out = {}
+    for name, args in cases.items():
+        out[name] = (_err(lambda a=args: model(*a)), _err(lambda a=args: pm(*a)))
+    ignored = edit(tgt, -100)  # ignore_index: a valid target, the loss leaves it out
+    out["ignore_index"] = (model(ids, ignored)[1].item(), pm(ids, ignored)[1].item())
+    out["after errors"] = (model(ids, tgt)[1].item(), pm(ids, tgt)[1].item())  # nothing left out of step
+
+    tcfg = T.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    llama = T.LlamaForCausalLM(tcfg)
+    hids = torch.randint(0, 96, (4, 6), generator=torch.Generator().manual_seed(3))
+    pl = autopar.parallelize(llama, grid=(2, 2), example_kwargs=dict(input_ids=hids, labels=hids))
+    for name, kw in {"llama id = vocab": dict(input_ids=edit(hids, 96, row=3, col=1), labels=hids),
+                     "llama label = vocab": dict(input_ids=hids, labels=edit(hids, 200, row=1, col=4))}.items():
+        out[name] = (_err(lambda k=kw: llama(**k)), _err(lambda k=kw: pl(**k)))
+    # parallelized with labels=input_ids (one tensor in both places, as HF examples pass them): export
+    # read the embedding's ids from `labels`, so a call with padded labels embedded -100s
+    masked = hids.clone()
+    masked[:, :2] = -100
+    out["example labels is input_ids"] = (llama(input_ids=hids, labels=masked).loss.item(),
+                                          pl(input_ids=hids, labels=masked).loss.item())
+    return out

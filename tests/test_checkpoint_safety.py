@@ -184,7 +184,7 @@ def test_rank0_failures_raise_on_every_rank(pool4, tmp_path):
     expect = {"file target": ("UsageError", "is a file, not a directory"),
               "dangling symlink": ("UsageError", "which does not exist: create that directory"),
               "not writable": ("CheckpointPermissionError", "is not writable by this process"),
-              "disk full": ("CheckpointFileError", "writing model-00002-of-0"),
+              "disk full": ("CheckpointFileError", "writing shard 2 of "),
               "permission at finish": ("CheckpointPermissionError",
                                        "finishing failed on rank 0: [Errno 13] Permission denied")}
     for case, (kind, words) in expect.items():
@@ -245,7 +245,7 @@ def test_interrupted_save_distributed_keeps_previous(tmp_path, mode):
         if mode == "kill":
             assert kind == "CollectiveError" and "torch.distributed.checkpoint.save" in msg, (rank, kind, msg)
         else:
-            assert kind == "CheckpointException" and "injected write failure" in msg, (rank, kind, msg[:300])
+            assert kind == "CheckpointFileError" and "injected write failure" in msg, (rank, kind, msg[:300])
     expected = torch.load(tmp_path / "expected.pt")
     state = {"model": {n: torch.empty_like(t) for n, t in expected.items()}}
     dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
@@ -279,3 +279,98 @@ def test_target_and_block_refusals(tmp_path):
     with pytest.raises(CheckpointPermissionError, match=r"^moving x failed on rank 0: denied$"):
         agree(SimpleNamespace(rank=0), PermissionError("denied"), "moving x")
     agree(SimpleNamespace(rank=0), None, "nothing failed")
+
+
+def test_load_refuses_non_files_misplaced_keys_and_integer_weights(pool4, tmp_path):
+    """A FIFO named like a shard blocked the load forever; a directory or a symlink to /proc/self/mem
+    raised IsADirectoryError / OSError naming no file; an index placing a key in a shard without it
+    raised a bare KeyError; an F32 tensor relabelled I32 loaded as garbage and a valid I32 tensor was
+    cast into a float parameter. Each now raises on every rank naming the file and what was expected,
+    and the good checkpoint still loads bit-exactly."""
+    res = pool4.run(C.load_refusals, str(tmp_path))
+    assert not failures([r["good after"] for r in res])
+    for rank, r in enumerate(res):
+        first = r["first"]
+        want = {"fifo": ("CheckpointFileError", [f"fifo/{first}", "is a FIFO, not a regular file"]),
+                "directory": ("CheckpointFileError", [f"directory/{first}", "is a directory, not a regular file"]),
+                "proc mem": ("CheckpointFileError", [f"proc_mem/{first}", "failed"]),
+                "key in another shard": ("MissingWeightsError", [r["key"], "index places in this file"]),
+                "relabelled I32": ("UsageError", [f"relabelled_I32/{first}", "stored as torch.int32",
+                                                  "is torch.float32", "integer values cannot load"]),
+                "valid I32": ("UsageError", [f"valid_I32/{first}", repr(r["key"]), "stored as torch.int32"])}
+        for case, (kind, words) in want.items():
+            got_kind, msg = r[case]
+            assert got_kind == kind and all(w in msg for w in words), (rank, case, r[case])
+
+
+def test_save_through_symlink_concurrent_saves_and_dcp_errors(pool4, tmp_path):
+    """save_distributed into a symlink to a directory raised 'Cannot call rmtree on a symbolic link'
+    after succeeding, and left the link a directory; a second save into a place another job is saving
+    into mixed or deleted files (CheckpointException ranks:dict_keys([0])); a failed
+    load_distributed raised DCP's CheckpointException, a BaseException that `except Exception` misses.
+    Now: the link's directory is replaced and the link kept; a second writer is refused on every rank
+    (here the test process holds the lock, as a running save does); the failed load raises
+    CheckpointFileError naming the rank and the cause."""
+    import fcntl
+
+    from autopar.checkpoint import files as F
+
+    held = []
+    for lock in (str(tmp_path / "held") + F.LOCK, str(tmp_path / "held_hf" / (".autopar-save" + F.LOCK))):
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.append(fd)
+    try:
+        res = pool4.run(C.save_refusals, str(tmp_path))
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert not failures([r["load through link"] for r in res])
+    for rank, r in enumerate(res):
+        assert r["symlink saves"] == [(None, "")] * 2, (rank, r["symlink saves"])
+        assert r["link still a link"] and r["real holds"] == [".metadata"], (rank, r)
+        assert r["siblings"] == ["link_dcp", "real_dcp"], (rank, r["siblings"])
+        for case, what in (("held dcp", "save_distributed"), ("held hf", "save_pretrained")):
+            kind, msg = r[case]
+            assert kind == "UsageError" and f"another {what} into" in msg and "is running" in msg, (rank, r[case])
+        assert r["held dirs"] == [".autopar-save" + F.LOCK], (rank, r["held dirs"])  # nothing written, nothing removed
+        kind, msg = r["broken"]
+        assert kind == "CheckpointFileError" and "load_distributed" in msg and "rank " in msg, (rank, r["broken"])
+
+
+def test_grid_inherits_the_process_group_timeout(tmp_path):
+    """parallelize(timeout=None) promised the process group's timeout, but the grid's row and column
+    groups got torch's 30-minute default: with init_process_group(timeout=5 s) the others waited out a
+    sleeping rank. Now ranks 0-2 raise CollectiveError within 15 s, the grid's timeout being 5 s."""
+    procs = _spawn(C.slow_rank_group_timeout, 4, tmp_path)
+    for p in procs[:3]:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for rank in range(3):
+        kind, elapsed, timeout, msg = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 3)
+        assert timeout == "0:00:05", (rank, timeout)
+        assert kind in ("CollectiveError", "RankFailedError") and float(elapsed) < 15, (rank, kind, elapsed, msg)
+
+
+def test_save_switches_by_index_and_keeps_unlisted_files(pool4, tmp_path):
+    """save_pretrained deleted a user's model-00001-of-00003.safetensors that no index listed, and a
+    kill between the final renames left old and new shards mixed that loaded without error. Now the
+    new shards take names no file has, the index switches, and only files the old index listed are
+    removed: the user's files survive two sharded saves, and a save dying at the switch leaves the
+    directory as it was, loading the previous weights exactly, on every rank."""
+    res = pool4.run(C.switch_keeps_one_checkpoint, str(tmp_path))
+    assert not failures([r["errs"] for r in res])
+    r = res[0]
+    users = {f"model-00001-of-{k:05d}.safetensors" for k in range(2, 10)}
+    assert all(text == f"user file {u}" for u, text in r["users"].items()) and set(r["users"]) == users, r["users"]
+    first, second = r["saves"]
+    assert len(first) > 1 and len(second) > 1 and not set(first) & set(second), r["saves"]
+    assert not set(first) & set(r["listing"]), r["listing"]  # the first save's shards were removed
+    assert set(r["listing"]) == users | set(second) | {"config.json", "model.safetensors.index.json"}, r["listing"]
+    for rank, res_r in enumerate(res):
+        kind, msg = res_r["failed save"]
+        assert kind == "CheckpointFileError" and "finishing failed on rank 0" in msg, (rank, res_r["failed save"])
+        assert res_r["files unchanged"], rank

@@ -32,6 +32,13 @@ def test_compiled_training_parity(pool4, name, grid, how, opt, lowering):
         assert r["step bytes"] == [r["eager bytes"]] * len(r["step bytes"]), (rank, r)
         if how == "option":  # autopar compiled the per-rank program: its collectives traced, one graph
             assert r["compile stats"] == (1, 0), (rank, r["compile stats"])
+            # rank 0 says that it compiles and how long it took (a cold compile ran 25 min unannounced)
+            said = r["progress"]
+            assert ("compiling a program with torch.compile" in said and "compiled in" in said) == (rank == 0), \
+                (rank, said)
+            if name in ("tinygpt", "llama"):  # the compiled program checks ids and targets too
+                kind, msg = r["out of range"] or (None, "")
+                assert kind == "IndexRangeError" and "is outside [0, " in msg, (rank, r["out of range"])
 
 
 def test_compile_failure_runs_eagerly_with_one_warning(pool4):

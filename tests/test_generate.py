@@ -41,7 +41,9 @@ def test_a_strategy_per_phase(pool4, strategy, prefill, decode):
     trained weights), an 'auto' model whose phases do not default to their own search, and explain not
     showing each phase's plan, estimated forward time and lowering."""
     res = pool4.run(C.phase_strategies, prefill, decode, strategy)
-    for rank, (want, got, again, text, first, second, after) in enumerate(res):
+    for rank, (want, got, again, text, first, second, after, writes) in enumerate(res):
+        for how, (one, par) in writes.items():  # tokens after a write no version counter sees matched neither
+            assert par == one, f"rank {rank}: after {how} pmodel {par}\n  one process with those weights {one}"
         assert got == want and again == want, f"rank {rank}: {got} / {again}\n  unmodified model {want}"
         kept, made = first
         assert kept == made and second == first, f"rank {rank}: (kept, made) {first}, after a second call {second}"
@@ -89,8 +91,13 @@ def test_generate_compiled(pool4):
 
 def test_sampling_identical_given_the_seed(pool4):
     """Catches a sampler that draws other numbers than transformers' (temperature, top-k, top-p
-    warpers in its order, one multinomial per step) or that differs between ranks."""
-    _same_tokens(pool4.run(C.sampling), "sampling")
+    warpers in its order, one multinomial per step) or that differs between ranks; and, with a
+    different seed on each rank (rank r: 5 + 100 r), tokens that differed on every rank: now every
+    rank returns rank 0's draw, which is one process's draw under rank 0's seed."""
+    res = pool4.run(C.sampling)
+    _same_tokens([r[:2] for r in res], "sampling")
+    for rank, (want, _, per_rank) in enumerate(res):
+        assert per_rank == want, f"rank {rank}: per-rank seeds {per_rank}\n  rank 0's seed, one process {want}"
 
 
 def test_eos_stops_rows_and_dict_output(pool4):
@@ -173,6 +180,10 @@ def test_refusals(pool4):
         assert "keywords it does not take: ['beam_width']" in r["unknown"], r
         assert r["batch differs"].startswith("UsageError") and "different generations" in r["batch differs"], r
         assert "ranks [1]" in r["ids differ"] and "input_ids hash" in r["ids differ"], r
+        assert "different generations" in r["new tokens differ"] and "max_length (9 vs 10)" in r["new tokens differ"], r
+        assert r["one process, id out of range"].startswith("IndexError"), r  # a prompt id >= vocab
+        assert r["id out of range"].startswith("IndexRangeError") and f"id {C.VOCAB + 3} is outside [0, " \
+            f"{C.VOCAB})" in r["id out of range"], r
         assert "needs a causal language model" in r["not causal"] and "LlamaModel" in r["not causal"], r
         assert "encoder-decoder" in r["t5"] and "cross-attention cache" in r["t5"], r
 

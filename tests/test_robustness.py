@@ -26,6 +26,21 @@ def test_bad_input_messages(pool4):
         assert kind == "UsageError" and "ranks built different plans: rank 1 differs from rank 0" in msg, (rank, r)
         kind, msg = r["inputs differ"]
         assert kind == "UsageError" and "input 0 differs between ranks of this grid" in msg, (rank, r)
+        # another model on one rank (vocab 66, an MLP of hidden 64) passed the handshake, then aborted in gloo
+        for case, words in (("model differs", "rank 1 differs from rank 0"), ("mlp differs", "rank 2 differs")):
+            kind, msg = r[case]
+            assert kind == "UsageError" and "ranks built different plans" in msg and words in msg, (rank, case, msg)
+        kind, msg = r["state differs"]  # loaded a patchwork of the ranks' values
+        assert kind == "UsageError" and "'blocks.1.mlp.up.weight' differs between ranks" in msg \
+            and "ranks [3]" in msg, (rank, msg)
+        kind, msg = r["batch differs"]  # aborted two processes in gloo with check_inputs off
+        assert kind == "UsageError" and "input 0 has shape and dtype ((4, 8), 'torch.int64') on rank 0" in msg \
+            and "1: ((8, 8)" in msg, (rank, msg)
+        assert r["after batch differs"] == (None, ""), (rank, r["after batch differs"])
+        kind, msg = r["nested"]
+        assert kind == "UsageError" and "this model is already parallelized" in msg, (rank, r["nested"])
+        kind, msg = r["nested inside"]
+        assert kind == "UsageError" and "submodule '0' of this model is already parallelized" in msg, (rank, msg)
 
 
 def _spawn(fn, world, tmp_path):
@@ -64,3 +79,27 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
     original, _ = build("gpt2")
     for (n, p), (_, q) in zip(model.named_parameters(), original.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_out_of_range_ids_and_targets_raise_on_every_rank(pool4):
+    """An id >= vocab or -1, a sequence longer than the position table, a target >= vocab or -1 (not
+    ignore_index): one process raises IndexError; at 2x2 the vocab-split lookup and loss read them as
+    zero rows and returned a loss. Now every rank raises IndexRangeError (an IndexError) naming the value
+    and the range, ignore_index still counts as valid, and the next call runs in step. Also: a model
+    parallelized with labels=input_ids (the same tensor) computed its embedding from `labels`, so a
+    later call with padded labels gave a wrong loss; the loss now equals one process's."""
+    res = pool4.run(C.out_of_range)
+    want = {"id = vocab": ("id 64", "[0, 64)", "'tok'"), "id = -1": ("id -1", "[0, 64)", "'tok'"),
+            "sequence > positions": ("id 19", "[0, 16)", "'pos'"),
+            "target = vocab": ("target 69", "[0, 64)", "ignore_index -100"),
+            "target = -1": ("target -1", "[0, 64)", "ignore_index -100"),
+            "llama id = vocab": ("id 96", "[0, 96)", "embed_tokens"),
+            "llama label = vocab": ("target 200", "[0, 96)", "ignore_index -100")}
+    for rank, r in enumerate(res):
+        for case, parts in want.items():
+            (one_kind, _), (kind, msg) = r[case]
+            assert one_kind in ("IndexError", "RuntimeError"), (case, r[case])  # one process refuses too
+            assert kind == "IndexRangeError" and all(p in msg for p in parts), (rank, case, msg)
+        for case in ("ignore_index", "after errors", "example labels is input_ids"):
+            one, par = r[case]
+            assert abs(one - par) <= 1e-5 * abs(one), (rank, case, one, par)

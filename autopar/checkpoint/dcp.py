@@ -16,16 +16,18 @@ you (or a process you trust) wrote.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from autopar.checkpoint import files as F
 from autopar.program.consensus import AXES, agree, grid_group, on_rank0
 from passes.ops.comm import guarded
-from autopar.errors import CheckpointNotFoundError, UsageError
+from autopar.errors import CheckpointFileError, CheckpointNotFoundError, UsageError
 
 
 def _state(pmodel, optimizer) -> dict:
@@ -55,18 +57,54 @@ def prepare_staging(path: str, staging: str) -> None:
     os.mkdir(staging)
 
 
+@contextlib.contextmanager
+def _dcp_errors(what: str):
+    """DCP's CheckpointException derives from BaseException, so a training loop's `except Exception`
+    misses it: re-raised as CheckpointFileError (an Exception) with each failing rank's error in one line."""
+    try:
+        yield
+    except CheckpointException as e:
+        parts = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _tb) in sorted(e.failures.items()))
+        raise CheckpointFileError(f"{what} failed: {parts or e}") from e
+
+
 def save_distributed(pmodel, path, optimizer=None) -> None:
     """DCP of `pmodel`'s state_dict (and `optimizer`'s, if given) at directory `path`; call on every
     rank (with a filesystem all ranks share). The previous checkpoint at `path` stays intact until
-    every rank has written the new one; then the new one replaces it in one step."""
+    every rank has written the new one; then the new one replaces it in one step. A `path` that is a
+    symlink to a directory is written through (the directory it names is replaced). A second save
+    into the same `path` while one is running is refused (a lock next to it, `path.lock-autopar`)."""
     grid = pmodel.grid
     path = os.fspath(path).rstrip("/") or "/"
+    if os.path.islink(path):  # swap the directory it names, not the link (which would end up a directory)
+        path = os.path.realpath(path)
     staging = path + F.TMP
     what = f"autopar.checkpoint.save_distributed({path!r})"
-    agree(grid, on_rank0(grid, prepare_staging, path, staging), f"{what}: preparing {staging}")
-    with guarded(grid, "torch.distributed.checkpoint.save", AXES, path):
-        dcp.save(_state(pmodel, optimizer), checkpoint_id=staging, process_group=_dcp_group(grid))
-    agree(grid, on_rank0(grid, F.replace_dir, staging, path), f"{what}: moving {staging} into place")
+    lock = F.SaveLock(path + F.LOCK, f"save_distributed into {path!r}")
+    agree(grid, on_rank0(grid, lock.acquire), f"{what}: locking {path}")
+    try:
+        agree(grid, _unlock_on_error(grid, lock, prepare_staging, path, staging), f"{what}: preparing {staging}")
+        with guarded(grid, "torch.distributed.checkpoint.save", AXES, path), _dcp_errors(what):
+            dcp.save(_state(pmodel, optimizer), checkpoint_id=staging, process_group=_dcp_group(grid))
+        agree(grid, on_rank0(grid, _swap_then_unlock, staging, path, lock), f"{what}: moving {staging} into place")
+    finally:
+        lock.release()
+
+
+def _unlock_on_error(grid, lock, fn, *args):
+    """`on_rank0(fn)`, the lock released on failure before the ranks learn of it."""
+    err = on_rank0(grid, fn, *args)
+    if err is not None:
+        lock.release()
+    return err
+
+
+def _swap_then_unlock(staging: str, path: str, lock) -> None:
+    """Rank 0: the staging directory swapped in, then the lock released (before any rank returns)."""
+    try:
+        F.replace_dir(staging, path)
+    finally:
+        lock.release()
 
 
 def load_distributed(pmodel, path, optimizer=None) -> None:
@@ -81,7 +119,7 @@ def load_distributed(pmodel, path, optimizer=None) -> None:
                                           f"save_distributed or torch.distributed.checkpoint.save")
     agree(grid, missing, f"{what}: checking the checkpoint")
     state = _state(pmodel, optimizer)
-    with guarded(grid, "torch.distributed.checkpoint.load", AXES, path):
+    with guarded(grid, "torch.distributed.checkpoint.load", AXES, path), _dcp_errors(what):
         dcp.load(state, checkpoint_id=path, process_group=_dcp_group(grid))
     set_state_dict(pmodel, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))

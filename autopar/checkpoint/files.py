@@ -2,16 +2,21 @@
 and how a directory is swapped in whole.
 
 `save_pretrained` writes into a directory that may hold other things (a tokenizer, a README), so it
-replaces only the files it writes, each one atomically (written under a temporary name next to it,
-then `os.replace`d), and removes only weight files of autopar's / transformers' naming pattern that
-the new save no longer lists. `save_distributed` writes a whole directory and swaps it in.
+writes each file under a temporary name next to it and `os.replace`s it into place. A sharded save's
+new shards take names no file there has (`shard_names`), and the new index, renamed into place last,
+switches a reader from the old complete set to the new one; only then are the previous checkpoint's
+weight files (those its index listed, `previous_weights`) removed, and no other file.
+`save_distributed` writes a whole directory and swaps it in.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import json
 import os
 import re
+import secrets
 import shutil
 import time
 
@@ -20,17 +25,52 @@ from autopar.errors import CheckpointFileError, CheckpointPermissionError, Usage
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TMP = ".tmp-autopar"  # suffix of everything a save writes before it is complete
-WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # what a save (ours or transformers') names weights
-OURS = re.compile(rf"(model(-\d{{5}}-of-\d{{5}})?\.safetensors|{re.escape(INDEX)}|config\.json){re.escape(TMP)}")
+LOCK = ".lock-autopar"  # suffix of the lock a running save holds (SaveLock)
+OURS = re.compile(rf"(model(-\d{{5}}-of-\d{{5}}(-[0-9a-f]{{8}})?)?\.safetensors|{re.escape(INDEX)}|config\.json)"
+                  rf"{re.escape(TMP)}")
+
+
+class SaveLock:
+    """An exclusive lock held by one save at a time (rank 0's), on the file `path`: `flock`, which the
+    OS releases when the holder dies, so a killed save never leaves it held. The file is removed at
+    release; a taker that locked a file its previous holder had just removed takes the new one."""
+
+    def __init__(self, path: str, what: str):
+        self.path, self.what, self.fd = path, what, None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise UsageError(f"another {self.what} is running (it holds {self.path}): two saves into one place "
+                                 f"would mix their files; wait for it to finish, or save elsewhere") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            remove_quietly([self.path])
+            os.close(self.fd)
+            self.fd = None
 
 
 def shard_name(i: int, n: int) -> str:
     return SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def check_target(path) -> str:
-    """Make `path` a writable directory (created with its parents if missing) and remove temporary
-    files an interrupted save left in it; returns it. A symlink to a directory is written through."""
+def check_target(path, lock: SaveLock | None = None) -> str:
+    """Make `path` a writable directory (created with its parents if missing), take `lock` (refused
+    if another save holds it) and remove temporary files an interrupted save left in it; returns it.
+    A symlink to a directory is written through."""
     path = os.fspath(path)
     if not path:
         raise UsageError("save path '' is empty: expected a directory to write the checkpoint into")
@@ -48,6 +88,8 @@ def check_target(path) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise CheckpointPermissionError(f"save directory {path!r} is not writable by this process: change "
                                         f"its permissions or pass another path")
+    if lock is not None:
+        lock.acquire()
     for name in os.listdir(path):
         if OURS.fullmatch(name) and os.path.isfile(os.path.join(path, name)):
             os.remove(os.path.join(path, name))  # a save killed before it finished left it
@@ -67,17 +109,36 @@ def remove_quietly(paths) -> None:
             pass
 
 
-def stale_weights(directory: str, written: set) -> list:
-    """Weight files of a previous save that the new one (which wrote `written`) does not list:
-    shards of another count, a single model.safetensors when now sharded, the index when now single
-    (listed first: removed before the shards it names, a loader never follows it to a missing file)."""
-    single_now = SINGLE in written
-    stale = []
-    for name in sorted(os.listdir(directory), key=lambda n: (n != INDEX, n)):
-        ours = WEIGHTS.fullmatch(name) or (name == INDEX and single_now)
-        if ours and name not in written and os.path.isfile(os.path.join(directory, name)):
-            stale.append(name)
-    return stale
+def shard_names(directory: str, n: int) -> list:
+    """The file names of a save of `n` shards into `directory`: model.safetensors for one; else
+    transformers' model-0000i-of-0000n.safetensors, unless a file of one of those names is already
+    there (the previous save's, which must stay whole until the new index replaces it, or a file of
+    the user's), then the same names tagged with a random suffix."""
+    if n == 1:
+        return [SINGLE]
+    names = [shard_name(i, n) for i in range(n)]
+    if any(os.path.lexists(os.path.join(directory, name)) for name in names):
+        tag = secrets.token_hex(4)
+        names = [f"model-{i + 1:05d}-of-{n:05d}-{tag}.safetensors" for i in range(n)]
+    return names
+
+
+def previous_weights(directory: str) -> list:
+    """The weight files of the checkpoint now in `directory`: the files its index lists (names inside
+    it) and a single model.safetensors. Only these may a new save remove; a file no index lists,
+    whatever its name, is not a checkpoint's and stays."""
+    listed = set()
+    index = os.path.join(directory, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as fh:
+                weight_map = json.load(fh).get("weight_map") or {}
+            listed = {v for v in weight_map.values() if isinstance(v, str) and os.path.basename(v) == v}
+        except (OSError, ValueError, AttributeError):
+            listed = set()  # an unreadable index lists nothing we could trust
+    if os.path.isfile(os.path.join(directory, SINGLE)):
+        listed.add(SINGLE)
+    return sorted(n for n in listed if os.path.isfile(os.path.join(directory, n)))
 
 
 def fsync_dir(directory: str) -> None:

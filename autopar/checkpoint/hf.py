@@ -30,7 +30,7 @@ from autopar.checkpoint import files as F
 from autopar.checkpoint import keys as hf_keys
 from autopar.program.consensus import AXES, agree, on_rank0
 from autopar.checkpoint.dcp import load_distributed, save_distributed  # noqa: F401  (part of this API)
-from autopar.checkpoint.safetensors_io import SafetensorsFile, write
+from autopar.checkpoint.safetensors_io import SafetensorsFile, check_dtype, open_regular, write
 from passes.layout import chunk_range, parts, split_dim
 from passes.ops.comm import guarded
 from autopar.errors import CheckpointNotFoundError, CheckpointWarning, MissingWeightsError, UsageError
@@ -118,7 +118,7 @@ def checkpoint_files(path: str) -> dict:
 
 def _weight_map(index: str) -> dict:
     try:
-        with open(index) as fh:
+        with os.fdopen(open_regular(index)) as fh:  # not a FIFO, whose open would block
             weight_map = json.load(fh).get("weight_map")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise UsageError(f"{index}: not a JSON object with a 'weight_map' ({e}); re-save the checkpoint") from None
@@ -180,12 +180,15 @@ def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
             ranges = block_ranges(tuple(tensor.shape), getattr(tensor, "placements", ()), pmodel.grid)
             if isinstance(src, str):
                 _check_shape(path, src, handle(src).shape(src), tensor)
+                check_dtype(files[src], src, handle(src).dtype(src), tensor.dtype)
                 block = _read_block(functools.partial(handle(src).read, src), ranges)
             else:
                 if alias not in converted:
                     converted.update(src.run(pmodel.source_model, read_whole))
                 whole = converted.pop(alias)
-                _check_shape(path, f"{alias} (computed by {src.ops()} from {len(src.keys)} keys)", whole.shape, tensor)
+                what = f"{alias} (computed by {src.ops()} from {len(src.keys)} keys)"
+                _check_shape(path, what, whole.shape, tensor)
+                check_dtype(path, what, whole.dtype, tensor.dtype)
                 block = _read_block(lambda chosen, whole=whole: whole[tuple(slice(a, b) for a, b in chosen)], ranges)
             local = tensor.to_local() if getattr(tensor, "placements", ()) else tensor
             with torch.no_grad():
@@ -316,12 +319,13 @@ def _config_json(pmodel) -> dict | None:
     return content
 
 
-def _clean_on_error(grid, written: list, fn, *args):
-    """`on_rank0(fn)`; on failure the temporary files are removed before the ranks learn of it, so
-    when any rank has raised, none is left."""
+def _clean_on_error(grid, written: list, lock, fn, *args):
+    """`on_rank0(fn)`; on failure the temporary files are removed and the lock released before the
+    ranks learn of it, so when any rank has raised, neither is left."""
     err = on_rank0(grid, fn, *args)
     if err is not None:
         F.remove_quietly(written)
+        lock.release()
     return err
 
 
@@ -329,16 +333,26 @@ def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30) -> None:
     """Write `pmodel` in HF format (config.json + safetensors) into directory `path`; call on every
     rank. Each parameter is gathered on its own (all ranks take part), and rank 0 holds at most one
     shard's tensors at a time. Other files in `path` are left alone. Any failure raises the same
-    error on every rank and leaves the previous checkpoint's files in place (no temporary file stays)."""
+    error on every rank and leaves the previous checkpoint's files in place (no temporary file stays).
+    A second save into `path` while one runs (another job) is refused: the two would mix their files."""
     grid, path = pmodel.grid, os.fspath(path)
     what = f"autopar.save_pretrained({path!r})"
-    agree(grid, on_rank0(grid, F.check_target, path), f"{what}: checking the target")
+    lock = F.SaveLock(os.path.join(path, ".autopar-save" + F.LOCK), f"save_pretrained into {path!r}")
+    try:
+        agree(grid, _clean_on_error(grid, [], lock, F.check_target, path, lock), f"{what}: checking the target")
+        _save(pmodel, grid, path, what, max_shard_bytes, lock)
+    finally:
+        lock.release()
+
+
+def _save(pmodel, grid, path: str, what: str, max_shard_bytes: int, lock) -> None:
     tensors, shards = _shards(pmodel, max_shard_bytes)
     index = {"metadata": {"total_size": 0}, "weight_map": {}}  # filled on rank 0
     written = []  # temporary files on rank 0
+    names = F.shard_names(path, len(shards))  # rank 0's are the ones written (it alone reads the directory)
     try:
         for i, shard in enumerate(shards):
-            fname = F.shard_name(i, len(shards))
+            fname = names[i]
             gathered = []
             for group in shard:
                 full = {}
@@ -351,9 +365,10 @@ def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30) -> None:
                     del whole
                 gathered.append(full)
             written.append(F.temp_path(path, fname))
-            err = _clean_on_error(grid, written, _write_shard, written[-1], fname, gathered, pmodel.source_model, index)
-            agree(grid, err, f"{what}: writing {fname}")
-        agree(grid, _clean_on_error(grid, written, _finish, path, len(shards), index, _config_json(pmodel)),
+            err = _clean_on_error(grid, written, lock, _write_shard, written[-1], fname, gathered,
+                                  pmodel.source_model, index)
+            agree(grid, err, f"{what}: writing shard {i + 1} of {len(shards)}")
+        agree(grid, _clean_on_error(grid, written, lock, _finish, path, names, index, _config_json(pmodel), lock),
               f"{what}: finishing")
     finally:  # a failed collective: nothing was agreed, rank 0 still cleans up
         if grid.rank == 0:
@@ -371,19 +386,40 @@ def _write_shard(tmp: str, fname: str, gathered: list, source, index: dict) -> N
     index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in block.values())
 
 
-def _finish(path: str, n: int, index: dict, config: dict | None) -> None:
-    """Move the complete shards into place, then the index (or, for one file, drop the old index so
-    loaders read it), then config.json; last, remove the previous save's weight files not listed."""
-    names = [F.shard_name(i, n) for i in range(n)]
-    for name in names:
-        os.replace(F.temp_path(path, name), os.path.join(path, name))
-    if n > 1:
-        _write_json(path, INDEX, index)
-        names.append(INDEX)
+def _finish(path: str, names: list, index: dict, config: dict | None, lock) -> None:
+    """`_switch`, then the lock released: before the ranks return, so that none sees it left behind."""
+    try:
+        _switch(path, names, index, config)
+    finally:
+        lock.release()
+
+
+def _switch(path: str, names: list, index: dict, config: dict | None) -> None:
+    """Switch `path` from the checkpoint there to the new one, so that a reader (or a kill) at any point
+    sees one complete checkpoint: move the new shards into place under names the old one does not use
+    (`F.shard_names`), then rename the index into place (the switch: the old index named only old
+    shards, the new one only new), then config.json; only then remove the previous checkpoint's weight
+    files that the new one does not list (an index first, before the shards it names). A failure
+    before the switch removes the new shards again and leaves the old checkpoint as it was."""
+    previous = F.previous_weights(path)
+    moved = []
+    try:
+        for name in names:
+            os.replace(F.temp_path(path, name), os.path.join(path, name))
+            moved.append(name)
+        F.fsync_dir(path)
+        if len(names) > 1:
+            _write_json(path, INDEX, index)
+    except BaseException:
+        F.remove_quietly(os.path.join(path, n) for n in moved if n not in previous)
+        raise
     if config is not None:
         _write_json(path, "config.json", config)
-    for name in F.stale_weights(path, set(names)):
-        os.remove(os.path.join(path, name))
+    if len(names) == 1 and os.path.isfile(os.path.join(path, INDEX)):
+        os.remove(os.path.join(path, INDEX))  # the old index named shards; a loader now reads model.safetensors
+    for name in previous:
+        if name not in names:
+            os.remove(os.path.join(path, name))
     F.fsync_dir(path)
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 
 import torch
 
-from autopar.errors import CheckpointFileError, UsageError
+from autopar.errors import CheckpointFileError, MissingWeightsError, UsageError
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -33,12 +34,47 @@ DTYPES = {
 MAX_HEADER = 100_000_000  # bytes; the safetensors library's own cap
 
 
+def open_regular(path: str) -> int:
+    """A read-only descriptor of `path`, refused (CheckpointFileError naming the path) unless it is a
+    regular file: opening a FIFO blocks until a writer comes (no timeout applies), a directory or a
+    device is no checkpoint. The open does not block, and what it opened is checked again (the path
+    may have changed in between)."""
+    try:
+        kind = _kind(os.stat(path).st_mode)
+        if kind == "regular file":
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            kind = _kind(os.fstat(fd).st_mode)
+            if kind == "regular file":
+                os.set_blocking(fd, True)
+                return fd
+            os.close(fd)
+    except OSError as e:
+        raise CheckpointFileError(f"{path}: cannot open it for reading ({e.strerror or e}); expected a readable "
+                                  f"safetensors file") from e
+    link = f" (a symlink to {os.path.realpath(path)!r})" if os.path.islink(path) else ""
+    raise CheckpointFileError(f"{path}{link} is a {kind}, not a regular file: a checkpoint's weights must be "
+                              f"regular safetensors files; replace it with the file itself")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
 class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = open_regular(path)
         try:
             self.base, self.entries = _read_header(self.fd, path)
+        except OSError as e:  # a read the OS refuses (EIO: /proc files, a failing disk)
+            os.close(self.fd)
+            raise CheckpointFileError(f"{path}: reading its header failed ({e.strerror or e}); expected a "
+                                      f"readable safetensors file") from e
         except BaseException:
             os.close(self.fd)
             raise
@@ -49,12 +85,24 @@ class SafetensorsFile:
     def keys(self):
         return self.entries.keys()
 
+    def entry(self, name: str) -> dict:
+        """The header entry of tensor `name`; one the file lacks (an index naming the wrong shard) is refused."""
+        e = self.entries.get(name)
+        if e is None:
+            raise MissingWeightsError(f"{self.path}: holds no tensor {name!r}, which the checkpoint's index places "
+                                      f"in this file (it holds {len(self.entries)} others); the index and the "
+                                      f"shards come from different saves: re-save the checkpoint")
+        return e
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[self.entry(name)["dtype"]]
+
     def shape(self, name: str) -> tuple:
-        return tuple(self.entries[name]["shape"])
+        return tuple(self.entry(name)["shape"])
 
     def read(self, name: str, ranges: list) -> torch.Tensor:
         """The block [r0:r1, ...] of tensor `name`; `ranges` has one (start, stop) per dim."""
-        e = self.entries[name]
+        e = self.entry(name)
         dtype = DTYPES[e["dtype"]]
         shape = e["shape"]
         if len(ranges) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(ranges, shape)):
@@ -84,7 +132,11 @@ class SafetensorsFile:
         return out
 
     def _pread_into(self, flat: torch.Tensor, pos: int, offset: int, nbytes: int):
-        data = os.pread(self.fd, nbytes, offset)
+        try:
+            data = os.pread(self.fd, nbytes, offset)
+        except OSError as e:
+            raise CheckpointFileError(f"{self.path}: reading {nbytes} bytes at byte {offset} failed "
+                                      f"({e.strerror or e})") from e
         if len(data) != nbytes:
             raise CheckpointFileError(f"{self.path}: short read at byte {offset} ({len(data)} of {nbytes})")
         flat[pos:pos + nbytes] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -184,3 +236,22 @@ def write(path: str, tensors: dict, metadata: dict | None = None) -> None:
             f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         f.flush()
         os.fsync(f.fileno())  # on disk before a rename makes it the checkpoint's file
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    return "bool" if dtype == torch.bool else "complex" if dtype.is_complex else \
+        "floating" if dtype.is_floating_point else "integer"
+
+
+def check_dtype(file: str, what: str, have: torch.dtype, want: torch.dtype) -> None:
+    """A stored tensor loads into a parameter or buffer of the same kind: floating into floating (cast,
+    as transformers casts to torch_dtype), an integer into an integer at least as wide. An integer
+    tensor relabelled or saved into a floating parameter would load as wrong values, silently."""
+    same_kind = _dtype_kind(have) == _dtype_kind(want)
+    narrower = _dtype_kind(have) == "integer" and same_kind and have.itemsize > want.itemsize
+    if not same_kind or narrower:
+        why = "a narrowing cast could lose values" if narrower else \
+            f"{_dtype_kind(have)} values cannot load into a {_dtype_kind(want)} tensor"
+        raise UsageError(f"{file}: tensor {what!r} is stored as {have}, but the model's tensor is {want} "
+                         f"({why}); the checkpoint was written for another model or its header was altered: "
+                         f"re-save it from the model, or convert the tensor to {want} yourself")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from passes.layout import Layout, local_shape
@@ -201,8 +202,8 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     decode_strategy = phase_strategy(pmodel, "decode_strategy", decode_strategy)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    _agree(pmodel.grid, (batch, prompt, max_len, bool(gc.do_sample), fingerprint(input_ids)[-12:],
-                         fingerprint(attention_mask)[-12:]))
+    _agree(pmodel.grid, (batch, prompt, max_len, fingerprint(input_ids)[-12:], fingerprint(attention_mask)[-12:],
+                         prefill_strategy, decode_strategy, _settings(gc)))
     device = input_ids.device
     model._prepare_special_tokens(gc, True, device=device)
     processors = model._get_logits_processor(generation_config=gc, input_ids_seq_length=prompt,
@@ -211,6 +212,7 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     stopping = model._get_stopping_criteria(gc, StoppingCriteriaList())
     eos_stops = any(hasattr(c, "eos_token_id") for c in stopping)
     gen = pmodel.generator
+    gen.relaid.begin(pmodel)  # copies of weights changed since the last call are made again
     mask = torch.zeros(batch, max_len, dtype=attention_mask.dtype, device=device)  # [B, L] over cache slots
     mask[:, :prompt] = attention_mask
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as HF does
@@ -222,7 +224,8 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
         gen.allocate(comp, batch, max_len)
         logits = gen.run(comp, inputs)
         while True:
-            tokens, chosen, raw = _next_tokens(gc, processors, sequences, logits, unfinished if eos_stops else None)
+            tokens, chosen, raw = _next_tokens(gc, processors, sequences, logits, unfinished if eos_stops else None,
+                                               pmodel.grid)
             scores.append(chosen)
             logits_seen.append(raw)
             sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
@@ -241,13 +244,19 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
                                      logits=tuple(logits_seen) if gc.output_logits else None)
 
 
-def _next_tokens(gc, processors, sequences, logits, unfinished) -> tuple:
+def _next_tokens(gc, processors, sequences, logits, unfinished, grid) -> tuple:
     """(the next token of each row, its processed scores, the raw last-position logits), as
-    transformers' sampling loop picks them; rows already finished (`unfinished` 0) get the pad token."""
+    transformers' sampling loop picks them; rows already finished (`unfinished` 0) get the pad token.
+    A sampled token is the draw of the grid's first rank, sent to the others: ranks whose random
+    generators differ (a per-rank seed) still agree, and each rank's tokens equal what one process
+    seeded as that first rank draws."""
     raw = logits[:, -1].to(dtype=torch.float32, copy=True)  # [B, V]
     chosen = processors(sequences, raw)
     if gc.do_sample:
         tokens = torch.multinomial(torch.softmax(chosen, dim=-1), num_samples=1).squeeze(1)
+        if grid.world > 1:
+            with comm.guarded(grid, "generate sampled-token broadcast", "grid", "generate"):
+                dist.broadcast(tokens, src=grid.dp_index * grid.world, group=grid.world_group)
     else:
         tokens = torch.argmax(chosen, dim=-1)
     if unfinished is not None:
@@ -280,17 +289,32 @@ def _config(model, generation_config, kwargs: dict, prompt: int, max_cache_len: 
     return gc, max_len
 
 
+def _settings(gc) -> dict:
+    """The generation arguments of this call (every GenerationConfig field that differs from the
+    defaults: max_length, do_sample, temperature, top_k, eos_token_id, ...), as plain text values."""
+    return {k: repr(v) for k, v in sorted(gc.to_diff_dict().items())}
+
+
+_AGREED = ("batch size", "prompt length", "cache length", "input_ids hash", "attention_mask hash",
+           "prefill_strategy", "decode_strategy")
+
+
 def _agree(grid, mine: tuple) -> None:
-    """Every rank of a grid asks for the same generation (batch, prompt length, cache length, sampling,
-    and a hash of input_ids and attention_mask): the programs run collectives and would hang or mix
-    blocks otherwise."""
+    """Every rank of a grid asks for the same generation (batch, prompt length, cache length, a hash of
+    input_ids and attention_mask, the phase strategies, every generation argument): the programs run
+    collectives, and a rank asking for fewer tokens would return while the others wait. Raises on
+    every rank, naming what differs."""
     everyone = all_gather_objects(mine, grid.world_group, comm.guarded(grid, "generate all-gather", "grid", "generate"))
     base = grid.dp_index * grid.world
     differ = [base + r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
-        names = "(batch size, prompt length, cache length, do_sample, input_ids hash, attention_mask hash)"
+        first = everyone[differ[0] - base]
+        names = [n for n, a, b in zip(_AGREED, everyone[0], first) if a != b]
+        ours, theirs = everyone[0][-1], first[-1]
+        names += [f"{k} ({ours.get(k, 'default')} vs {theirs.get(k, 'default')})"
+                  for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         raise UsageError(
-            f"pmodel.generate: ranks of one grid asked for different generations {names}: rank {base} "
-            f"{everyone[0]}, ranks {differ} {[everyone[r - base] for r in differ]}; every rank of a grid "
-            f"must pass the same input_ids and the same generation arguments"
+            f"pmodel.generate: ranks of one grid asked for different generations: rank {base} and ranks {differ} "
+            f"differ in {', '.join(names)}; every rank of a grid must pass the same input_ids and the same "
+            f"generation arguments"
         )

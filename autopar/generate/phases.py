@@ -14,9 +14,10 @@ A phase's own plan is priced as what inference runs (`Options.forward_only`): th
 backward products, no gradient reductions, nothing saved, parameters without gradients or optimizer
 states. A parameter that plan lays out otherwise than stored is read from a copy (`Relaid`), made on
 first use, kept across generate calls and made again only when the parameter changed (its version
-counters moved: an optimizer step, `load_state_dict`, any in-place write) or was replaced. Every rank
-runs the same steps on its blocks, so every rank refreshes the same copies, in the programs'
-placeholder order (each copy is a collective).
+counters moved: an optimizer step, `load_state_dict`, any in-place write; its bits changed: a write
+through `.data`) or was replaced. The check runs at the start of each generate call on every rank and
+its verdicts are combined (a copy stale on one rank is stale on all), so every rank refreshes the same
+copies, in the programs' placeholder order (each copy is a collective).
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ import collections
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from autopar.program.build import resolve_cost_model
+from autopar.program.guards import bit_sum
 from passes.search import strategy as strategies
 from passes.search.estimate import Estimate
 from passes.layout import Layout
+from passes.ops import comm
 from passes.ops import modules as kernels
 from autopar.errors import MemoryLimitError, UsageError
 
@@ -133,9 +137,11 @@ def phase_plan(pmodel, strategy: str | None, comp, estimate: Estimate | None) ->
 
 
 def _stamp(p) -> tuple:
-    """What changes when parameter `p` is written or replaced: its identity and version counters (the
-    DTensor's and its local block's: an optimizer may write either)."""
-    return id(p), p._version, p.to_local()._version
+    """What changes when parameter `p` is written or replaced: its identity, version counters (the
+    DTensor's and its local block's: an optimizer may write either), its block's storage, and a
+    checksum of the block's bits, which a write through `.data` (that moves no version counter) changes."""
+    local = p.to_local()
+    return id(p), p._version, local._version, local.data_ptr(), bit_sum(local)
 
 
 class Relaid:
@@ -145,10 +151,28 @@ class Relaid:
         self.blocks: dict = {}  # (parameter name, Layout) -> (stamp of the parameter copied, this rank's block)
         self.copies = 0  # copies made so far (a refresh counts)
 
+    def begin(self, pmodel) -> None:
+        """At the start of a generate call: drop the copies whose parameter changed since it was copied
+        on any rank of the grid (one all-reduce of a flag per copy), so that every rank makes the same
+        copies again (each is a collective) and none reads weights older than the parameters."""
+        if not self.blocks:
+            return
+        keys = list(self.blocks)
+        stale = torch.tensor([float(self.blocks[k][0] != _stamp(pmodel.get_parameter(k[0]))) for k in keys],
+                             device=pmodel.program.captured.device)
+        grid = pmodel.grid
+        if grid.world > 1:
+            with comm.guarded(grid, "generate weight-copy check all-reduce", "grid", "generate"):
+                dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=grid.world_group)
+        for k, flag in zip(keys, stale.tolist()):
+            if flag:
+                del self.blocks[k]
+
     def get(self, name: str, p, layout: Layout) -> torch.Tensor:
-        """This rank's block of parameter `p` (a DTensor) in `layout`, copied again if `p` changed."""
+        """This rank's block of parameter `p` (a DTensor) in `layout`: the copy held (checked by
+        `begin`), else a new one."""
         held = self.blocks.get((name, layout))
-        if held is None or held[0] != _stamp(p):
+        if held is None:
             block = p.detach().redistribute(p.device_mesh, list(layout.placements)).to_local()
             held = self.blocks[(name, layout)] = (_stamp(p), block)
             self.copies += 1

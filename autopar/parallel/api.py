@@ -13,6 +13,7 @@ from autopar.parallel.module import ParallelModule
 from autopar.program.build import cache_off_kwargs, compile_program, input_device
 from autopar.program.guards import agree_on_options, agree_on_plan
 from passes import Grid
+from passes.compat import group_timeout
 from passes.options import DEFAULTS, Options
 
 # ParallelModule, FallbackWarning and CompileWarning: what `autopar.api`, this module's old path, exported
@@ -108,6 +109,13 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
         raise UsageError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "
                          f"(dp, R, C) for dp data-parallel replicas of an R x C grid")
+    nested = next((n for n, m in model.named_modules() if isinstance(m, ParallelModule)), None) \
+        if isinstance(model, nn.Module) else None
+    if nested is not None:
+        raise UsageError(
+            f"{'this model is' if nested == '' else f'submodule {nested!r} of this model is'} already parallelized "
+            f"(a ParallelModule): parallelize the original model once, e.g. "
+            f"autopar.parallelize(pmodel.source_model, ...) for another grid or options")
     if not torch.distributed.is_initialized():
         raise NoProcessGroupError(
             "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
@@ -119,9 +127,11 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
     # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
     agree_on_options(tuple(grid), options, device.type)
-    delta = datetime.timedelta(seconds=timeout) if timeout is not None else None
+    # timeout=None: the process group's own (the grid's groups would otherwise get torch's default, 30 min)
+    delta = datetime.timedelta(seconds=timeout) if timeout is not None else \
+        group_timeout(torch.distributed.group.WORLD, device.type)
     g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
     example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
     comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)
-    agree_on_plan(comp, layouts)
+    agree_on_plan(comp, layouts, model)
     return ParallelModule(model, g, comp, layouts, options)

@@ -6,6 +6,7 @@ signature; `autopar.parallel.run` runs the programs."""
 
 from __future__ import annotations
 
+import hashlib
 import types
 
 import torch
@@ -27,7 +28,7 @@ from autopar.parallel.run import Runner
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.program.consensus import all_gather_objects
-from autopar.program.guards import check_dtypes, fingerprint
+from autopar.program.guards import bit_sum, check_dtypes, fingerprint
 from autopar.program.build import Compiled, cache_off_kwargs, compile_program, refuse_kv_cache, signature
 from autopar.errors import NotMaterializedError, UnsupportedError, UsageError
 
@@ -275,6 +276,7 @@ class ParallelModule(nn.Module):
                     f"on {device}; pass every input on {device} (the model was parallelized with inputs there)"
                 )
         if not self._options.check_inputs:
+            self._check_shapes(flat, device)
             return
         mine = [fingerprint(t) for t in flat]
         everyone = all_gather_objects(mine, self.grid.world_group,
@@ -289,10 +291,33 @@ class ParallelModule(nn.Module):
                     f"replica, not per rank)"
                 )
 
+    def _check_shapes(self, flat, device) -> None:
+        """With check_inputs off, the inputs' shapes and dtypes still agree across the grid: a rank with
+        another batch size would otherwise abort the collectives (gloo: 'Received data size doesn't
+        match'). One all-reduce of two int64 (the max of a digest of the shapes and of its negation);
+        only when they differ are the shapes gathered, to name the ranks."""
+        shapes = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else None for t in flat]
+        digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+        with comm.guarded(self.grid, "input shape check all-reduce", "grid", "check_inputs"):
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.grid.world_group)
+        if int(both[0]) == digest and int(both[1]) == -digest:
+            return
+        everyone = all_gather_objects(shapes, self.grid.world_group,
+                                      comm.guarded(self.grid, "input shape gather", "grid", "check_inputs"))
+        base = self.grid.dp_index * self.grid.world
+        i = next(i for i in range(len(shapes)) if any(e[i] != everyone[0][i] for e in everyone))
+        differ = {base + r: e[i] for r, e in enumerate(everyone) if e[i] != everyone[0][i]}
+        raise UsageError(
+            f"input {i} has shape and dtype {everyone[0][i]} on rank {base} but {differ} on others: every rank "
+            f"of a grid must pass the same full inputs (the same batch; check_inputs=False skips comparing "
+            f"their values, never their shapes)")
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As nn.Module's, and also from plain full tensors (a single-process model's state_dict, the
         same on every rank): each rank keeps its block of each, without communication."""
         own = self.state_dict()
+        self._same_state_everywhere(state_dict, own)
         converted = {}
         for name, value in state_dict.items():
             name = self._tied.get(name, name)  # a tied weight's other name (an LM head) loads once
@@ -311,6 +336,27 @@ class ParallelModule(nn.Module):
         result = super().load_state_dict(converted, strict=strict, assign=assign)
         self._materialized = True
         return result
+
+    def _same_state_everywhere(self, state_dict, own) -> None:
+        """Each rank keeps its block of a full tensor, so ranks given different values would load a
+        patchwork of them: one all-gather of a checksum per full tensor (its shape, dtype and the int64
+        sum of its bits, read at memory speed) refuses that, naming the first tensor and the ranks."""
+        mine = {}
+        for name, value in state_dict.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and \
+                    isinstance(own.get(self._tied.get(name, name)), DTensor):
+                mine[name] = (tuple(value.shape), str(value.dtype), bit_sum(value))
+        everyone = all_gather_objects(mine, self.grid.world_group,
+                                      comm.guarded(self.grid, "load_state_dict checksum all-gather", "grid",
+                                                   "load_state_dict"))
+        base = self.grid.dp_index * self.grid.world
+        for name in sorted(set().union(*everyone)):
+            differ = [base + r for r, e in enumerate(everyone) if e.get(name) != everyone[0].get(name)]
+            if differ:
+                raise UsageError(
+                    f"load_state_dict: {name!r} differs between ranks of this grid (rank {base} vs ranks "
+                    f"{differ}): each rank keeps its block of the full tensors it is given, so every rank must "
+                    f"pass the same state_dict (load it from the same file on every rank)")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter to a total norm of `max_norm`, as

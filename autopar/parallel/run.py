@@ -4,9 +4,12 @@ replicas, eagerly with the `Arrive` calls that launch each gradient bucket's all
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from autopar.errors import CompileWarning
 from autopar.program.build import Compiled
@@ -17,6 +20,12 @@ from passes.ops.grad_buckets import StepBuckets, with_arrivals
 from passes.ops.library import INDUCTOR_OPTIONS
 
 __all__ = ["CompileStats", "Runner"]
+
+
+def _say(text: str) -> None:
+    """A progress line on rank 0's stderr (the other ranks compile the same program at the same time)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
 
 
 class CompileStats(NamedTuple):
@@ -51,6 +60,9 @@ class Runner:
             return self(comp, locals_, step)
         compiled = torch.compile(comp.gm, options=INDUCTOR_OPTIONS)  # order kept: compat.keep_effect_order_in_inductor
         before = dynamo_counts()
+        started = time.perf_counter()
+        _say(f"autopar: compiling a program with torch.compile (the first call of this input signature; "
+             f"{len(comp.gm.graph.nodes)} graph nodes; a minute or more on a busy machine) ...")
         try:
             outs = compiled(*locals_)
         except comm.CollectiveError:
@@ -64,6 +76,8 @@ class Runner:
         self._callables[comp.signature] = compiled
         after = dynamo_counts()
         self.stats[comp.signature] = CompileStats(after[0] - before[0], after[1] - before[1])
+        _say(f"autopar: compiled in {time.perf_counter() - started:.1f} s ({after[0] - before[0]} graph(s), "
+             f"{after[1] - before[1]} graph break(s)); later calls of this signature reuse it")
         return outs
 
     def with_rank_rng(self, comp: Compiled, locals_: list, rank: int, step: StepBuckets | None = None):

@@ -74,10 +74,15 @@ def agree_on_options(grid: tuple, options, device_type: str) -> None:
             )
 
 
-def agree_on_plan(comp, layouts: dict) -> None:
-    """Every rank must have built the same plan; otherwise their collectives would not match and the
-    job would hang later. Raises on every rank, naming the first difference."""
+def agree_on_plan(comp, layouts: dict, model=None) -> None:
+    """Every rank must have built the same plan, from the same model; otherwise their collectives would
+    not match and the job would hang later. The plan's text holds the shape and dtype of every
+    parameter and buffer of `model`, so a model of other sizes on one rank is caught here even where
+    the graph's code reads the same. Raises on every rank, naming the first difference."""
     text = _plan_text(comp, layouts)
+    if model is not None:
+        text += "".join(f"\ntensor {n}: {tuple(t.shape)} {t.dtype}" for n, t in
+                        [*model.named_parameters(remove_duplicate=False), *model.named_buffers()])
     digest = hashlib.sha256(text.encode()).hexdigest()
     digests = _gather(digest, "comparing plans between ranks")
     if len(set(digests)) == 1:
@@ -155,3 +160,14 @@ def fingerprint(t) -> str:
     data = t.detach().to("cpu").contiguous()
     digest = hashlib.sha256(data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else ""
     return f"{tuple(t.shape)} {t.dtype} {digest}"
+
+
+def bit_sum(t: torch.Tensor) -> int:
+    """The int64 sum of `t`'s bit patterns (read as ints of its element size): a checksum at memory
+    speed. Equal tensors agree (NaNs included); a changed element changes it (but for a wrap-around
+    collision)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    flat = t.detach().contiguous().reshape(-1)
+    if bits is None or not flat.numel():
+        return 0
+    return int(flat.view(bits).sum(dtype=torch.int64))

@@ -79,8 +79,32 @@ def _unchanged_module_to():
         torch.nn.Module.to = original
 
 
+def unaliased(args: tuple, kwargs: dict) -> tuple:
+    """(args, kwargs) with every tensor that shares its storage with an earlier one (the same tensor
+    passed twice, as HF's `labels=input_ids`, or a view of another input) replaced by a copy. Export
+    traces a graph for the inputs as given: with one tensor in two places it may read either
+    placeholder for both (the embedding reading `labels`), and a later call whose two inputs differ
+    would silently compute on the wrong one."""
+    seen: set = set()
+
+    def own(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        try:
+            key = ("storage", t.untyped_storage().data_ptr()) if t.device.type != "meta" else ("id", id(t))
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (fake, functional)
+            key = ("id", id(t))
+        if key[1] == 0:  # an empty storage: nothing to share
+            key = ("id", id(t))
+        if key in seen:
+            return t.clone()
+        seen.add(key)
+        return t
+    return pytree.tree_map(own, (tuple(args), dict(kwargs)))
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
-    kwargs = kwargs or {}
+    args, kwargs = unaliased(args, kwargs or {})
     try:
         with _unchanged_module_to():
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)

@@ -5,9 +5,9 @@ the SUMMA, redistribution and gradient-sync specs: `passes.kernels.spec`.
 
 >>> ce = CrossEntropySpec(vocab_split=True, reduce_sum=False)  # r rows of logits per rank
 >>> ce.steps(None, {k: symbol(k) for k in "RCr"}, exact=True)
-[(1, 'fwd', floor(4*r*(2*C - 2)/C)), (1, 'fwd', floor(8*r*(2*C - 2)/C)), (0, 'fwd', floor((16*R - 16)/R))]
+[(1, 'fwd', floor(4*r*(2*C - 2)/C)), (1, 'fwd', floor(8*r*(2*C - 2)/C)), (0, 'fwd', floor((24*R - 24)/R))]
 >>> ce.steps(None, {"R": 2, "C": 4, "r": 8}, exact=False)
-[(1, 'fwd', 48), (1, 'fwd', 96), (0, 'fwd', 8)]
+[(1, 'fwd', 48), (1, 'fwd', 96), (0, 'fwd', 12)]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from passes.cost.volumes import all_gather_bytes, all_reduce_bytes
-from passes.nodes import arg
+from passes.nodes import arg, module_path
 from passes.kernels.spec import KernelSpec, symbol  # noqa: F401  (symbol: the doctest)
 from passes.ops import conv_norm
 from passes.ops import modules as kernels
@@ -164,14 +164,18 @@ class EmbeddingSpec(KernelSpec):
     def build(self, node, grid, lowering):
         padding_idx = node.args[2] if len(node.args) > 2 else -1
         vocab = node.args[0].meta["val"].shape[0]
-        return kernels.VocabSplitEmbedding(grid, self.vocab_axis, padding_idx, node.name, vocab), self.operands(node)
+        where = f"the embedding table [{vocab}, {node.args[0].meta['val'].shape[1]}]" + (
+            f" of module {module_path(node)!r}" if module_path(node) else f" ({node.name})")
+        return (kernels.VocabSplitEmbedding(grid, self.vocab_axis, padding_idx, node.name, vocab, where),
+                self.operands(node))
 
 
 @dataclass(frozen=True)
 class CrossEntropySpec(KernelSpec):
     """Mean (or, `reduce_sum`, summed) cross-entropy of logits [N, V] with rows over the mesh rows and,
     if `vocab_split`, the vocabulary over the columns (`kernels.VocabParallelCrossEntropy`): the fp32
-    max and (sum-exp, target logit) of each row all-reduced in the row, the (loss, count) pair over
+    max and (sum-exp, target logit) of each row all-reduced in the row, the (loss, tokens, targets out of
+    range) triple over
     the column (unless `rows_whole`: a row count the mesh rows do not divide, every row holding all
     of them); backward local."""
 
@@ -182,8 +186,11 @@ class CrossEntropySpec(KernelSpec):
 
     def build(self, node, grid, lowering):
         ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        vocab = node.args[0].meta["val"].shape[1]
+        where = f"the cross-entropy over {vocab} classes" + (
+            f" in module {module_path(node)!r}" if module_path(node) else f" ({node.name})")
         module = kernels.VocabParallelCrossEntropy(grid, ignore, node.name, self.vocab_split, self.reduce_sum,
-                                                   self.rows_whole, node.args[0].meta["val"].shape[1])
+                                                   self.rows_whole, vocab, where)
         return module, self.operands(node)
 
     def describe(self, site):
@@ -199,4 +206,5 @@ class CrossEntropySpec(KernelSpec):
         if self.vocab_split:  # fp32 max [r], then (sum-exp, target) [2, r]
             out += [(1, "fwd", all_reduce_bytes(4 * v["r"], v["C"], exact)),
                     (1, "fwd", all_reduce_bytes(8 * v["r"], v["C"], exact))]
-        return out if self.rows_whole else out + [(0, "fwd", all_reduce_bytes(8, v["R"], exact))]  # fp32 (loss, count)
+        # fp32 (loss, tokens, targets out of range)
+        return out if self.rows_whole else out + [(0, "fwd", all_reduce_bytes(12, v["R"], exact))]

@@ -36,7 +36,7 @@ import torch
 from passes.compat import CACHEABLE_EFFECTS, keep_effect_order_in_inductor, register_ordered
 from passes.layout import chunk_range
 from passes.mesh import grid_of
-from passes.ops import comm, reblock, summa
+from passes.ops import bounds, comm, reblock, summa
 
 
 @torch.library.custom_op("autopar::all_gather", mutates_args=())
@@ -131,7 +131,34 @@ def _(t, grid, axis, dim, src, dst, tag, phase):
     return t.new_empty(shape)
 
 
-for _name in ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_stack", "summa", "reblock"):
+@torch.library.custom_op("autopar::check_ids", mutates_args=())
+def check_ids(ids: torch.Tensor, size: int, where: str) -> torch.Tensor:
+    """Raise unless every id lies in [0, size) (`passes.ops.bounds`); returns an empty tensor."""
+    bounds.check_ids(ids, size, where)
+    return ids.new_empty(0)
+
+
+@check_ids.register_fake
+def _(ids, size, where):
+    return ids.new_empty(0)
+
+
+@torch.library.custom_op("autopar::check_targets", mutates_args=())
+def check_targets(target: torch.Tensor, tot: torch.Tensor, grid: int, axis: int, size: int, ignore: int, tag: str,
+                  where: str) -> torch.Tensor:
+    """Raise on every rank when tot[2], the out-of-range targets counted over mesh `axis` (-1: this
+    rank's alone), is not zero (`passes.ops.bounds`); returns an empty tensor."""
+    bounds.check_targets(grid_of(grid), axis, target, size, ignore, tot[2], tag, where)
+    return target.new_empty(0)
+
+
+@check_targets.register_fake
+def _(target, tot, grid, axis, size, ignore, tag, where):
+    return target.new_empty(0)
+
+
+for _name in ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_stack", "summa", "reblock", "check_ids",
+              "check_targets"):
     register_ordered(f"autopar::{_name}")
 keep_effect_order_in_inductor()  # inductor 2.13 loses the order edges between them otherwise
 

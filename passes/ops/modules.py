@@ -14,7 +14,7 @@ from torch.autograd.function import once_differentiable
 from passes.cost.planned import redistribution
 from passes.layout import Layout, chunk_range
 from passes.mesh import Grid
-from passes.ops import comm
+from passes.ops import bounds, comm
 from passes.ops.summa import summa_matmul
 
 HALF = (torch.float16, torch.bfloat16)
@@ -213,15 +213,19 @@ class VocabSplitEmbedding(nn.Module):
     """Lookup in a table whose vocab dim is split over `vocab_axis`: ids outside this rank's block
     give zero rows, so the result is a partial sum over that axis."""
 
-    def __init__(self, grid: Grid, vocab_axis: int, padding_idx: int, tag: str, vocab: int | None = None):
-        """`vocab`: the table's rows V, which place this rank's block when the axis does not divide V."""
+    def __init__(self, grid: Grid, vocab_axis: int, padding_idx: int, tag: str, vocab: int | None = None,
+                 where: str = ""):
+        """`vocab`: the table's rows V, which place this rank's block when the axis does not divide V;
+        `where`: the table as an out-of-range id's error names it."""
         super().__init__()
         self.grid, self.vocab_axis, self.padding_idx, self.tag = grid, vocab_axis, padding_idx, tag
-        self.vocab = vocab
+        self.vocab, self.where = vocab, where or f"the vocab-split embedding {tag}"
 
     def forward(self, table, ids):
         rows = table.shape[0]  # V/q (this rank's torch.chunk block of V)
         vocab = self.vocab or rows * self.grid.size(self.vocab_axis)
+        # an id outside the whole table is outside every block: it would sum to a zero row (passes.ops.bounds)
+        torch.ops.autopar.check_ids(ids, vocab, self.where)
         start = chunk_range(vocab, self.grid.size(self.vocab_axis), self.grid.index(self.vocab_axis))[0]
         if rows == 0:  # an empty torch.chunk block (a table of 1 row over 2 rows): no id is inside it
             # zeros that keep the (empty) table in the graph, so its gradient is an empty tensor, not None
@@ -237,7 +241,7 @@ class VocabSplitEmbedding(nn.Module):
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, target, grid, ignore_index, tag, vocab_split=True, reduce_sum=False, rows_whole=False,
-                vocab=None):
+                vocab=None, where=""):
         zf = z.float()  # [n/q, V/q] (or [n/q, V] when the vocabulary is whole)
         rows = z.shape[1]
         # a torch.chunk block of a vocabulary the columns do not divide may be empty: its max is -inf
@@ -256,8 +260,13 @@ class _VocabParallelCE(torch.autograd.Function):
         valid = target != ignore_index
         per_token = torch.where(valid, torch.log(sums[0]) + m - sums[1], 0.0)  # ignored rows may be NaN
         # each mesh row holds a block of the rows: sum them (unless every row holds all of them)
-        tot = comm.all_reduce_stack(grid, None if rows_whole else 0, [per_token.sum(), valid.sum().to(zf.dtype)],
-                                    tag, "fwd")
+        # with the count of targets outside [0, V) (ignore_index aside), which every rank then checks
+        size = vocab or rows * (grid.shape[1] if vocab_split else 1)
+        bad = bounds.out_of_range(target, size, ignore_index).to(zf.dtype)
+        axis = -1 if rows_whole else 0
+        tot = comm.all_reduce_stack(grid, None if rows_whole else 0,
+                                    [per_token.sum(), valid.sum().to(zf.dtype), bad], tag, "fwd")
+        torch.ops.autopar.check_targets(target, tot, grid.key, axis, size, ignore_index, tag, where)
         # sums and tot saved whole, not the rows backward reads (the same storages): torch.compile refuses
         # a saved tensor that is a view of another tensor of the traced forward
         ctx.save_for_backward(e, sums, local, inside, valid, tot)
@@ -277,7 +286,7 @@ class _VocabParallelCE(torch.autograd.Function):
         # -softmax * 0: zero, but NaN where the row holds a NaN or +inf (its softmax is NaN) -- one
         # process's gradient there, kept for parity
         grad = torch.where(valid[:, None], grad * scale, grad * 0)
-        return grad.to(ctx.dtype), None, None, None, None, None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):
@@ -286,14 +295,16 @@ class VocabParallelCrossEntropy(nn.Module):
     logits never gathered; backward local."""
 
     def __init__(self, grid: Grid, ignore_index: int, tag: str, vocab_split: bool = True, reduce_sum: bool = False,
-                 rows_whole: bool = False, vocab: int | None = None):
-        """`vocab`: V, which places this rank's block when the columns do not divide it."""
+                 rows_whole: bool = False, vocab: int | None = None, where: str = ""):
+        """`vocab`: V, which places this rank's block when the columns do not divide it; `where`: the
+        loss as an out-of-range target's error names it."""
         super().__init__()
         self.grid, self.ignore_index, self.tag = grid, ignore_index, tag
         self.vocab_split, self.reduce_sum, self.rows_whole, self.vocab = vocab_split, reduce_sum, rows_whole, vocab
+        self.where = where or f"the cross-entropy {tag}"
 
     def forward(self, logits, target):
         loss = _VocabParallelCE.apply(logits, target, self.grid, self.ignore_index, self.tag, self.vocab_split,
-                                      self.reduce_sum, self.rows_whole, self.vocab)
+                                      self.reduce_sum, self.rows_whole, self.vocab, self.where)
         # under autocast torch's cross_entropy runs (and returns) fp32; otherwise it keeps the logits' dtype
         return loss if torch.is_autocast_enabled(logits.device.type) else loss.to(logits.dtype)
