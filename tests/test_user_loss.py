@@ -18,10 +18,11 @@ N_TOKENS, VOCAB = 32, 64  # 4 x 8 tokens of the tiny models' calls, their vocabu
 
 def _kernel_bytes(grid, n=N_TOKENS):
     """CommLog bytes of the vocab-parallel cross-entropy on [n, vocab] fp32 logits: all-reduce of the
-    row max [n/R] and of (Σexp, target logit) [2, n/R] over the C columns, of (sum, count) over the R rows."""
+    row max [n/R] and of (Σexp, target logit) [2, n/R] over the C columns, of (sum, count, targets out
+    of range) over the R rows."""
     rows, cols = grid
     ring = lambda q, nbytes: 2 * (q - 1) * nbytes // q  # noqa: E731
-    return ring(cols, 4 * n // rows) + ring(cols, 8 * n // rows) + ring(rows, 8)
+    return ring(cols, 4 * n // rows) + ring(cols, 8 * n // rows) + ring(rows, 12)
 
 
 def _row_gather_bytes(grid, n=N_TOKENS, vocab=VOCAB):
