@@ -356,6 +356,41 @@ def slow_rank_group_timeout(rank, world, port, outdir):
     os._exit(0)
 
 
+def retry_after_a_failure(rank, world, port, outdir):
+    """Fresh group made with init_process_group(timeout=5 s), parallelize without timeout=."""
+    import datetime
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=5))
+    model, make = build("gpt2")
+    batch = make(4, 8, 0)
+    pm = autopar.parallelize(model, grid=(2, 2), example_kwargs=batch)
+    pm(**batch)  # every rank in step once
+    # rank 1 fails mid-forward (a hook on a kernel half way raises once), catches it and calls again, as a
+    # training loop retrying a step would; every rank retries once. All must end within the group's
+    # timeout (raise or return), none blocks for good
+    kernels = [m for n, m in pm.graph_module.named_children() if n.startswith("autopar_")]
+    middle = kernels[len(kernels) // 2]  # a kernel half way through the program, after some collectives
+    fired = []
+
+    def fail_once(module, args):
+        if rank == 1 and not fired:
+            fired.append(1)
+            raise RuntimeError("a failure inside the forward (injected)")
+    hook = middle.register_forward_pre_hook(fail_once)
+    start = time.time()
+    retry = []
+    for _ in range(2):
+        retry.append(_err(lambda: pm(**batch))[0])
+    retry_s = time.time() - start
+    hook.remove()
+    with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
+        f.write(" ".join(str(k) for k in retry) + f"\n{retry_s:.2f}")
+    os._exit(0)
+
+
 def switch_keeps_one_checkpoint(rank, tmp):
     """Into a directory holding user files named like shards (model-00001-of-0000k.safetensors, k = 2..9,
     which no index lists), two sharded saves of different weights and shard counts, then a save that

@@ -374,3 +374,22 @@ def test_save_switches_by_index_and_keeps_unlisted_files(pool4, tmp_path):
         kind, msg = res_r["failed save"]
         assert kind == "CheckpointFileError" and "finishing failed on rank 0" in msg, (rank, res_r["failed save"])
         assert res_r["files unchanged"], rank
+
+
+def test_a_rank_retrying_after_a_failure_raises_everywhere(tmp_path):
+    """One rank failing mid-forward, catching it and calling again (every rank retries once) left all
+    4 ranks blocked past a 120 s group timeout: the grid's groups had torch's 30-minute default. With
+    init_process_group(timeout=5 s) every rank's retry now raises CollectiveError within two timeouts."""
+    procs = _spawn(C.retry_after_a_failure, 4, tmp_path)
+    for p in procs:
+        p.join(timeout=120)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    for rank in range(4):
+        kinds, elapsed = (tmp_path / f"rank{rank}.txt").read_text().split("\n")
+        first, second = kinds.split()
+        assert first == ("RuntimeError" if rank == 1 else "CollectiveError") and second == "CollectiveError", \
+            (rank, kinds)
+        assert float(elapsed) < 20, (rank, elapsed)
