@@ -315,7 +315,8 @@ class ParallelModule(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As nn.Module's, and also from plain full tensors (a single-process model's state_dict, the
-        same on every rank): each rank keeps its block of each, without communication."""
+        same on every rank): each rank keeps its block of each. Call it on every rank of the grid: one
+        all-gather of a checksum per full tensor checks that the ranks were given the same values."""
         own = self.state_dict()
         self._same_state_everywhere(state_dict, own)
         converted = {}
