@@ -333,9 +333,9 @@ def save_refusals(rank, tmp):
     return out
 
 
-def slow_rank_group_timeout(rank, world, port, outdir):
-    """Fresh group made with init_process_group(timeout=5 s), parallelize without timeout=: rank 3
-    sleeps through a forward; the others must give up after the group's 5 s, not torch's 30 min."""
+def _five_second_group(rank, world, port):
+    """A fresh group made with init_process_group(timeout=5 s); GPT-2 parallelized at 2x2 without
+    timeout=, called once on every rank: (pmodel, batch)."""
     import datetime
 
     torch.set_num_threads(1)
@@ -346,6 +346,13 @@ def slow_rank_group_timeout(rank, world, port, outdir):
     batch = make(4, 8, 0)
     pm = autopar.parallelize(model, grid=(2, 2), example_kwargs=batch)
     pm(**batch)  # every rank in step once
+    return pm, batch
+
+
+def slow_rank_group_timeout(rank, world, port, outdir):
+    """Fresh group made with init_process_group(timeout=5 s), parallelize without timeout=: rank 3
+    sleeps through a forward; the others must give up after the group's 5 s, not torch's 30 min."""
+    pm, batch = _five_second_group(rank, world, port)
     if rank == 3:
         time.sleep(30)
         os._exit(0)
@@ -358,16 +365,7 @@ def slow_rank_group_timeout(rank, world, port, outdir):
 
 def retry_after_a_failure(rank, world, port, outdir):
     """Fresh group made with init_process_group(timeout=5 s), parallelize without timeout=."""
-    import datetime
-
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=5))
-    model, make = build("gpt2")
-    batch = make(4, 8, 0)
-    pm = autopar.parallelize(model, grid=(2, 2), example_kwargs=batch)
-    pm(**batch)  # every rank in step once
+    pm, batch = _five_second_group(rank, world, port)
     # rank 1 fails mid-forward (a hook on a kernel half way raises once), catches it and calls again, as a
     # training loop retrying a step would; every rank retries once. All must end within the group's
     # timeout (raise or return), none blocks for good
