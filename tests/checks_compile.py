@@ -51,12 +51,12 @@ def _optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)  # eps: see checks_engine.gpt_parity
 
 
-def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3, lowering="broadcast"):
+def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3, lowering="broadcast", layers=2):
     """`steps` steps of `opt` on `name` at `grid`, the model run as torch.compile(pmodel) (how=
     'torch.compile') or parallelize(..., compile=True) (how='option'). Returns the excess of the
     loss, every gradient (each step) and the parameters after the steps, and the first call's time."""
     torch.manual_seed(0)
-    model, batch, loss_of = _model(name)
+    model, batch, loss_of = _model(name, layers)
     ref = copy.deepcopy(model)
     args, kwargs = batch(0)
     eager = autopar.parallelize(copy.deepcopy(model), grid=grid, example_inputs=args, example_kwargs=kwargs,

@@ -12,7 +12,8 @@ import autopar
 from autopar.generate.cache import kv_cache_bytes_per_rank
 
 VOCAB = 96
-_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+# one block of hidden 32: every cache, rotary and projection path of a decoder is in one block
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
 
 CONFIGS = {
@@ -20,9 +21,9 @@ CONFIGS = {
     "llama_gqa": lambda: T.LlamaConfig(**{**_SMALL, "num_key_value_heads": 2}),
     "mistral": lambda: T.MistralConfig(**{**_SMALL, "sliding_window": 6}),
     "qwen2": lambda: T.Qwen2Config(**{**_SMALL, "num_key_value_heads": 2}),
-    "gemma": lambda: T.GemmaConfig(**{**_SMALL, "head_dim": 16}),
+    "gemma": lambda: T.GemmaConfig(**{**_SMALL, "head_dim": 8}),
     "phi3": lambda: T.Phi3Config(**_SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+    "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=128,
                                  bos_token_id=1, eos_token_id=2),
 }
 CLASSES = {"llama": T.LlamaForCausalLM, "llama_gqa": T.LlamaForCausalLM, "mistral": T.MistralForCausalLM,
@@ -278,11 +279,11 @@ def compiled(rank):
 
 def uneven_cache(rank, cases):
     """For each (grid, batch, heads, kv heads): (tokens equal the unmodified model's, this rank's key
-    block shape, bytes of its key and value blocks, kv_cache_bytes_per_rank) for a 2-layer Llama."""
+    block shape, bytes of its key and value blocks, kv_cache_bytes_per_rank) for a 1-layer Llama."""
     out = []
     for grid, batch, heads, kv in cases:
         torch.manual_seed(0)
-        cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2,
+        cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=1,
                             num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=128)
         cfg._attn_implementation = "sdpa"
         model = T.LlamaForCausalLM(cfg).eval()

@@ -124,15 +124,15 @@ def test_generate_after_from_pretrained(pool4, tmp_path):
     _same_tokens(pool4.run(C.pretrained, str(tmp_path)), "from_pretrained")
 
 
-@pytest.mark.parametrize("family,grid,block", [("llama_gqa", (2, 2), [2, 1, 32, 16]),
-                                                ("llama", (1, 4), [4, 1, 32, 16]),
-                                                ("llama_gqa", (1, 4), [4, 1, 32, 16]),
-                                                ("gpt2", (2, 2), [2, 2, 32, 16])])
+@pytest.mark.parametrize("family,grid,block", [("llama_gqa", (2, 2), [2, 1, 32, 8]),
+                                                ("llama", (1, 4), [4, 1, 32, 8]),
+                                                ("llama_gqa", (1, 4), [4, 1, 32, 8]),
+                                                ("gpt2", (2, 2), [2, 2, 32, 8])])
 def test_cache_bytes_per_rank(pool4, family, grid, block):
     """Catches a cache held whole (or split other than batch over rows, KV heads over columns) and a
     formula that disagrees with what ranks allocate: 2 * layers * B/R * kv/C * L * head_dim * 4. With
     2 KV heads on 4 columns each column keeps the one KV head its query head reads (1 = lcm(2, 4)/4)."""
-    layers, batch, length, head_dim = 2, 4, 32, 16
+    layers, batch, length, head_dim = 1, 4, 32, 8
     kv = 2 if family == "llama_gqa" else 4
     per_column = 1 if (family, grid) == ("llama_gqa", (1, 4)) else kv // grid[1]
     formula = 2 * layers * (batch // grid[0]) * per_column * length * head_dim * 4
@@ -149,7 +149,7 @@ def test_plan_reports_cache_bytes():
     model = C.build("llama_gqa")
     ids, mask = C.prompts()
     pl = autopar.plan(model, (2, 2), (ids,), {"attention_mask": mask}, generation=(8, 128), measure_activations=False)
-    assert pl.kv_cache_bytes_per_rank == 2 * 2 * (8 // 2) * (2 // 2) * 128 * 16 * 4
+    assert pl.kv_cache_bytes_per_rank == 2 * 1 * (8 // 2) * (2 // 2) * 128 * 8 * 4  # k and v, 1 layer, head_dim 8
     assert pl.to_json()["kv_cache_bytes_per_rank"] == pl.kv_cache_bytes_per_rank
 
 
@@ -220,10 +220,10 @@ def test_cache_split_in_unequal_blocks(pool4):
             r, c = divmod(rank, grid[1])
             rows = [len(b) for b in torch.arange(batch).chunk(grid[0])] + [0] * grid[0]
             cols = [len(b) for b in torch.arange(kv).chunk(grid[1])] + [0] * grid[1]
-            want = [rows[r], cols[c] if kv == heads else kv // grid[1], 32, 16]
+            want = [rows[r], cols[c] if kv == heads else kv // grid[1], 32, 16]  # k and v of one layer: 2x
             assert same, f"case {i} rank {rank}: tokens differ from the unmodified model's"
             assert shape == want, f"case {i} rank {rank}: key block {shape}, expected {want}"
-            assert held == 2 * 2 * math.prod(want) * 4, f"case {i} rank {rank}: held {held} B for blocks {want}"
+            assert held == 2 * math.prod(want) * 4, f"case {i} rank {rank}: held {held} B for blocks {want}"
             largest = max(largest, held)
         reported = {per_case[i][3] for per_case in res}
         assert reported == {largest}, f"case {i}: reported {reported}, largest block {largest}"
