@@ -59,9 +59,10 @@ def test_compile_option_is_validated():
 
 
 def _assert_one_graph(res, case):
-    """The compiled step of every rank made one graph, no break, and launched the eager step's
-    collectives: the same bytes and calls, in the same order; inductor's FX graph cache took its
-    graphs (none bypassed it)."""
+    """The compiled step of every rank gave one process's loss and gradients, made one graph, no
+    break, and launched the eager step's collectives: the same bytes and calls, in the same order;
+    inductor's FX graph cache took its graphs (none bypassed it)."""
+    assert_every_rank([r["excess"] for r in res], f"{case}: compiled step against one process")
     for rank, r in enumerate(res):
         assert not r["fell back"], (case, rank, r["fell back"])
         assert r["stats"] == (1, 0), f"{case}: rank {rank}: (graphs, graph breaks) = {r['stats']}, want one graph"
@@ -99,7 +100,8 @@ def test_compiled_collectives_keep_the_program_order(pool4):
 def test_a_new_shape_compiles_once(pool4):
     """Catches a program recompiled on every call, or on every return to a shape already seen (guards
     that fail on a value that changes per call). Its first step is the MLP case of
-    test_compiled_program_has_no_graph_breaks (one graph, the eager step's collectives, at 1x4)."""
+    test_compiled_program_has_no_graph_breaks (one process's loss and gradients, one graph, the eager
+    step's collectives, at 1x4): the fast tier's parity check of parallelize(compile=True)."""
     res = pool4.run(C.compile_graphs, "mlp", (1, 4), batches=(6, 4, 6))
     _assert_one_graph(res, "mlp at (1, 4)")
     for rank, r in enumerate(res):
