@@ -193,7 +193,8 @@ def compile_graphs(rank, name, grid, batches=()):
     for b in batches:
         loss_of(pm(torch.randn(b, *args[0].shape[1:]))).backward()
         seen.append(counters["stats"]["unique_graphs"])
-    return {"excess": errs, "stats": stats, "line": line, "eager log": logs[0], "compiled log": logs[1], "seen": seen, "cache": cache,
+    return {"excess": errs, "stats": stats, "line": line, "eager log": logs[0], "compiled log": logs[1], "seen": seen,
+            "cache": cache,
             "fell back": [str(w.message) for w in caught if issubclass(w.category, autopar.CompileWarning)]}
 
 

@@ -44,15 +44,65 @@ def _worker(rank, world, port, inbox, outbox, parent, stacks):
             outbox.put((rank, False, traceback.format_exc()))
 
 
-def spawn_fresh(fn, world: int, *args) -> list:
+def _fresh_worker(fn, stacks, rank, world, port, *args):
+    dump = open(stacks, "w")  # kept open: faulthandler writes to its descriptor from a signal handler
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    fn(rank, world, port, *args)
+
+
+class Fresh(list):
+    """The processes of spawn_fresh, by rank, with the files their stacks are dumped to."""
+
+    def __init__(self, procs, stacks):
+        super().__init__(procs)
+        self.stacks = stacks
+
+    def join(self, ranks=None, timeout: float = 120) -> str:
+        """Waits up to `timeout` s in all for `ranks` (default: all) to exit. Returns '' when they did,
+        else where each one still running was (faulthandler dump), for the test's assertion message.
+        Every process still alive is then killed: a rank meant to sleep through the check included."""
+        deadline = time.time() + timeout
+        for r in range(len(self)) if ranks is None else ranks:
+            self[r].join(timeout=max(0.1, deadline - time.time()))
+        hung = [(r, self[r]) for r in (range(len(self)) if ranks is None else ranks) if self[r].is_alive()]
+        where = _where(hung, self.stacks) if hung else ""
+        for p in self:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)  # reaped: nothing left running when the test goes on
+        for path in self.stacks:
+            if os.path.exists(path):
+                os.remove(path)
+        return f"rank(s) {[r for r, _ in hung]} still running after {timeout:.0f} s:\n{where}" if hung else ""
+
+
+def spawn_fresh(fn, world: int, *args) -> Fresh:
     """`world` new processes running fn(rank, world, port, *args), each joining a group of its own:
-    for checks that kill ranks or break their group. Returns the started processes."""
+    for checks that kill ranks or break their group. Returns the started processes; `.join()` waits
+    for them and reports where a hung one was."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=fn, args=(r, world, port, *args)) for r in range(world)]
+    stacks = [tempfile.mkstemp(prefix=f"autopar-fresh-rank{r}-", suffix=".txt")[1] for r in range(world)]
+    procs = [ctx.Process(target=_fresh_worker, args=(fn, stacks[r], r, world, port, *args)) for r in range(world)]
     for p in procs:
         p.start()
-    return procs
+    return Fresh(procs, stacks)
+
+
+def _where(live, stacks, tail: int = 12) -> str:
+    """The innermost `tail` frames of the main thread of every (rank, process) in `live`, from a
+    faulthandler dump (each process registered SIGUSR1 to write to stacks[rank])."""
+    for _, p in live:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)  # the handlers write asynchronously
+    out = []
+    for r, _ in live:
+        text = open(stacks[r]).read().strip()
+        blocks = text.split("\n\n")
+        main = next((b for b in blocks if "most recent call first" in b and "Current thread" in b), blocks[0])
+        lines = main.splitlines()
+        out.append(f"rank {r} was at (innermost first):\n" + "\n".join(lines[1:tail + 1]))
+    return "\n".join(out) or "(no rank alive to ask)"
 
 
 def _ready(rank):
@@ -130,18 +180,7 @@ class Pool:
 
     def where(self, tail: int = 12) -> str:
         """The innermost `tail` frames of every live rank's main thread, from a faulthandler dump."""
-        live = [(r, p) for r, p in enumerate(self.procs) if p.is_alive()]
-        for _, p in live:  # each rank dumps once: the pool is torn down after a hang
-            os.kill(p.pid, signal.SIGUSR1)
-        time.sleep(1.0)  # the handlers write asynchronously
-        out = []
-        for r, _ in live:
-            text = open(self.stacks[r]).read().strip()
-            blocks = text.split("\n\n")
-            main = next((b for b in blocks if "most recent call first" in b and "Current thread" in b), blocks[0])
-            lines = main.splitlines()
-            out.append(f"rank {r} was at (innermost first):\n" + "\n".join(lines[1:tail + 1]))
-        return "\n".join(out) or "(no rank alive to ask)"
+        return _where([(r, p) for r, p in enumerate(self.procs) if p.is_alive()], self.stacks, tail)
 
     def close(self, force: bool = False):
         self.broken = True

@@ -157,8 +157,10 @@ SLOW = {
     "tests/test_recompute.py::test_tinygpt_parity[blocks-1x4]": "test_recompute.py::test_tinygpt_parity[selective-1x4]",
     "tests/test_recompute.py::test_hf_parity[llama-grid1-selective]":
         "test_recompute.py::test_hf_parity[gpt2-grid2-selective]",
-    "tests/test_recompute.py::test_hf_parity[gpt2-grid3-blocks]": "test_recompute.py::test_hf_parity[llama-grid0-blocks]",
-    "tests/test_recompute.py::test_uneven_splits_parity[selective]": "test_recompute.py::test_uneven_splits_parity[blocks]",
+    "tests/test_recompute.py::test_hf_parity[gpt2-grid3-blocks]":
+        "test_recompute.py::test_hf_parity[llama-grid0-blocks]",
+    "tests/test_recompute.py::test_uneven_splits_parity[selective]":
+        "test_recompute.py::test_uneven_splits_parity[blocks]",
     "tests/test_recompute.py::test_dropout_masks_redrawn_identically[grid1-selective]":
         "test_recompute.py::test_dropout_masks_redrawn_identically[grid0-blocks]",
     "tests/test_recompute.py::test_planned_equals_counted[grid1-blocks]":
@@ -178,7 +180,8 @@ SLOW = {
         "test_hf.py::test_gpt2_indivisible_sizes_stay_correct[over0-4]",
     "tests/test_hf.py::test_gpt2_indivisible_sizes_stay_correct[over2-3]":
         "test_uneven.py::test_transformers_models_with_odd_sizes[gpt2-over0-grid0]",
-    "tests/test_hf.py::test_strategies_parity[llama-2d-4x1]": "test_engine_parity.py::test_gpt_parity_rectangular[4x1-broadcast]",
+    "tests/test_hf.py::test_strategies_parity[llama-2d-4x1]":
+        "test_engine_parity.py::test_gpt_parity_rectangular[4x1-broadcast]",
     "tests/test_hf.py::test_strategies_parity[gpt2-1d]": "test_hf.py::test_strategies_parity[llama-1d-1x4]",
     "tests/test_capture_regions.py::test_hf_family_parity_2x2[megatron_bert]":
         "test_capture_regions.py::test_hf_family_parity_2x2[deberta_v2]",
@@ -223,13 +226,15 @@ SLOW = {
     "tests/test_checkpoint_safety.py::test_a_rank_retrying_after_a_failure_raises_everywhere":
         "test_checkpoint_safety.py::test_grid_inherits_the_process_group_timeout (the grid's groups take the "
         "process group's 5 s timeout: the mechanism both rely on)",
-    "tests/test_ragged.py::test_repo_model_ragged_batches[2x2]": "test_ragged.py::test_repo_model_ragged_batches[2x1-dp2]",
+    "tests/test_ragged.py::test_repo_model_ragged_batches[2x2]":
+        "test_ragged.py::test_repo_model_ragged_batches[2x1-dp2]",
     "tests/test_sweep.py::test_sweep_2x2":
         "test_sweep.py::test_sweep_rectangular_grids_and_strategies and test_engine_parity.py::test_gpt_parity_2x2",
     "tests/test_hf.py::test_family_parity[t5]":
         "test_reload.py::test_transformers_checkpoint_roundtrip_2x2[t5] and "
         "test_strategy_budget.py::test_auto_planned_bart_matches_one_process (encoder-decoder parity)",
-    "tests/test_training.py::test_hf_checkpoint_roundtrip[gpt2]": "test_training.py::test_hf_checkpoint_roundtrip[llama]",
+    "tests/test_training.py::test_hf_checkpoint_roundtrip[gpt2]":
+        "test_training.py::test_hf_checkpoint_roundtrip[llama]",
     "tests/test_numerics.py::test_poisoned_unused_embedding_rows[gpt2]":
         "test_numerics.py::test_poisoned_unused_embedding_rows[tinygpt] (tied) and [llama]",
 }

@@ -6,7 +6,6 @@ import functools
 import json
 import os
 import struct
-import time
 import tracemalloc
 
 import pytest
@@ -202,12 +201,8 @@ def test_rank0_failures_raise_on_every_rank(pool4, tmp_path):
 def test_skipped_save_raises_after_timeout(tmp_path):
     """Catches a save whose gathers wait for the process group's default timeout (30 min) when a
     rank never calls it: with parallelize(timeout=5) ranks 0-2 raise CollectiveError within 15 s."""
-    procs = _spawn(C.skipping_rank, 4, tmp_path)
-    for p in procs[:3]:  # rank 3 sleeps on purpose: killed below
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    hung = _spawn(C.skipping_rank, 4, tmp_path).join(ranks=range(3), timeout=120)  # rank 3 sleeps on purpose
+    assert not hung, hung
     for rank in range(3):
         kind, elapsed, msg = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 2)
         assert kind == "CollectiveError" and "A peer rank has probably exited" in msg, (rank, kind, msg)
@@ -231,14 +226,8 @@ def test_interrupted_save_distributed_keeps_previous(tmp_path, mode):
     writer raises) mid-way must leave the previous checkpoint whole and loadable, and no survivor hangs."""
     import torch.distributed.checkpoint as dcp
 
-    procs = _spawn(functools.partial(C.dcp_interrupted, mode=mode), 4, tmp_path)
-    start = time.time()
-    for p in procs:
-        p.join(timeout=max(1, 150 - (time.time() - start)))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a surviving rank hung"
+    hung = _spawn(functools.partial(C.dcp_interrupted, mode=mode), 4, tmp_path).join(timeout=150)
+    assert not hung, f"a surviving rank hung: {hung}"
     survivors = [r for r in range(4) if not (mode == "kill" and r == 2)]
     for rank in survivors:  # a dead peer: bounded by timeout=10; a raising writer: DCP tells every rank
         kind, msg = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
@@ -343,12 +332,8 @@ def test_grid_inherits_the_process_group_timeout(tmp_path):
     """parallelize(timeout=None) promised the process group's timeout, but the grid's row and column
     groups got torch's 30-minute default: with init_process_group(timeout=5 s) the others waited out a
     sleeping rank. Now ranks 0-2 raise CollectiveError within 15 s, the grid's timeout being 5 s."""
-    procs = _spawn(C.slow_rank_group_timeout, 4, tmp_path)
-    for p in procs[:3]:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    hung = _spawn(C.slow_rank_group_timeout, 4, tmp_path).join(ranks=range(3), timeout=120)  # rank 3 sleeps
+    assert not hung, hung
     for rank in range(3):
         kind, elapsed, timeout, msg = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 3)
         assert timeout == "0:00:05", (rank, timeout)
@@ -380,13 +365,8 @@ def test_a_rank_retrying_after_a_failure_raises_everywhere(tmp_path):
     """One rank failing mid-forward, catching it and calling again (every rank retries once) left all
     4 ranks blocked past a 120 s group timeout: the grid's groups had torch's 30-minute default. With
     init_process_group(timeout=5 s) every rank's retry now raises CollectiveError within two timeouts."""
-    procs = _spawn(C.retry_after_a_failure, 4, tmp_path)
-    for p in procs:
-        p.join(timeout=120)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
+    hung = _spawn(C.retry_after_a_failure, 4, tmp_path).join(timeout=120)
+    assert not hung, f"a rank hung: {hung}"
     for rank in range(4):
         kinds, elapsed = (tmp_path / f"rank{rank}.txt").read_text().split("\n")
         first, second = kinds.split()

@@ -59,3 +59,20 @@ def test_a_hang_says_where_every_rank_was():
     assert "rank 0 was at" in msg and "rank 1 was at" in msg, msg
     rank1 = msg.split("rank 1 was at", 1)[1]
     assert "hang_on_rank_1" in rank1.split("rank 0 was at")[0], msg
+
+
+def fresh_hang_on_rank_1(rank, world, port):
+    """A process of spawn_fresh that never exits on rank 1 (no group needed to show it)."""
+    if rank == 1:
+        time.sleep(120)
+
+
+def test_a_hung_fresh_process_says_where_it_was():
+    """Catches a check on fresh processes (a killed rank, a broken group) that hangs and fails with
+    'a rank hung' and nothing more: join must name the rank still running and show its stack, and
+    leave no process behind."""
+    procs = dist_pool.spawn_fresh(fresh_hang_on_rank_1, 2)
+    msg = procs.join(timeout=6)
+    assert msg.startswith("rank(s) [1] still running after 6 s"), msg
+    assert "rank 1 was at" in msg and "fresh_hang_on_rank_1" in msg and "rank 0 was at" not in msg, msg
+    assert not any(p.is_alive() for p in procs), "join left a process running"
