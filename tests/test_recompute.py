@@ -181,7 +181,7 @@ def test_readme_figures():
     """The README's recomputation figures (tiny HF Llama, 2 layers, batch 4 x 8, 2x2) are the plan's:
     saved for backward without, with 'blocks' and with 'selective', the bytes 'blocks' receives again,
     and the step's bytes."""
-    model, make = H.build("llama")
+    model, make = H.build("llama", num_hidden_layers=2)  # the README's model
     model.eval()
     kw = make(4, 8, 1)
     got = {m: autopar.plan(model, grid=(2, 2), example_kwargs=kw, recompute=m) for m in (None, "blocks", "selective")}
