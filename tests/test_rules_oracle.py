@@ -493,6 +493,27 @@ def test_split_chunk_unbind(q):
     check_local_rules(Splits(), (torch.randn(B, S_, H),), q, expect=(aten.split, operator.getitem))
 
 
+class LastDimUnbind(nn.Module):
+    """x-transformers' rotary helper: pairs of the hidden dim viewed as a last dim of 2 and unbound."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.lin(x).view(*x.shape[:-1], H // 2, 2)  # [b, s, h/2, 2]
+        a, b_ = h.unbind(-1)  # [b, s, h/2] each
+        return a * 2 - b_, b_
+
+
+@pytest.mark.parametrize("q", QS)
+def test_unbind_of_the_last_dim(q):
+    """unbind(-1), whose pieces have one dim fewer than the input. Catches the rule indexing the
+    pieces' shapes with the input's dim (IndexError before: x-transformers' rotary crashed
+    parallelize) and a split of an earlier dim not kept in the pieces."""
+    check_local_rules(LastDimUnbind(), (torch.randn(B, S_, H),), q, expect=(aten.unbind,))
+
+
 class Cat(nn.Module):
     def __init__(self):
         super().__init__()

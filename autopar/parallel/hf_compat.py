@@ -67,10 +67,32 @@ def signed_forward(pmodel, model):
     return types.MethodType(forward, pmodel)  # a bound method: copy.deepcopy rebinds it to the copy
 
 
+class ConfigView:
+    """`source`'s attributes, read through, plus `distributed_config`: for a config that takes no new
+    attribute, even on a copy (a `slots=True` or frozen dataclass, as torchtitan's model configs are)."""
+
+    def __init__(self, source, distributed_config: GridParallelism):
+        self.distributed_config = distributed_config
+        self.source = source
+
+    def __getattr__(self, name):  # called only for names not set above
+        return getattr(self.__dict__["source"], name)
+
+    def __repr__(self) -> str:
+        return f"ConfigView({self.source!r}, distributed_config={self.distributed_config!r})"
+
+
 def config_view(model, grid):
-    """A shallow copy of `model.config` (or an empty namespace for a model without one) whose
-    `distributed_config` is the grid; the source model's config is left as it was."""
+    """`model.config` as transformers' Trainer reads it off a ParallelModule: a shallow copy whose
+    `distributed_config` is the grid (a ConfigView where the copy takes no new attribute, or an
+    empty namespace for a model without a config). The model's own config object is never written."""
+    parallelism = GridParallelism(tp_size=grid.world, dp_size=grid.dp)
     source = getattr(model, "config", None)
-    view = copy.copy(source) if source is not None else types.SimpleNamespace()
-    view.distributed_config = GridParallelism(tp_size=grid.world, dp_size=grid.dp)
+    if source is None:
+        return types.SimpleNamespace(distributed_config=parallelism)
+    try:
+        view = copy.copy(source)
+        view.distributed_config = parallelism
+    except (AttributeError, TypeError):  # __slots__ without the name, a frozen dataclass, an uncopyable object
+        return ConfigView(source, parallelism)
     return view

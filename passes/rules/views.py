@@ -223,21 +223,22 @@ def select(node, layouts, mesh):
 def split(node, layouts, mesh):
     x = node.args[0]
     nd = len(shape(x))
-    dim = arg(node, 2, "dim", 0) % nd
-    if node.target == aten.unbind.int:
-        dim = arg(node, 1, "dim", 0) % nd
     n = len(val(node))
+    if node.target == aten.unbind.int:
+        # the pieces have one dim fewer than x (x-transformers' rotary unbinds the last one): splits
+        # of the dims after `dim` move down by one
+        dim = arg(node, 1, "dim", 0) % nd
+        lay = whole_along(layouts, x, dim)
+        out = Layout(tuple(moved(p, p.dim - (p.dim > dim)) if split_dim(p) is not None else p for p in lay.placements))
+        return Strategy({x: lay}, (out,) * n)
+    dim = arg(node, 2, "dim", 0) % nd
     have = _input_layout(layouts, x)
     sizes = {t.shape[dim] for t in val(node)}
-    if have is not None and len(sizes) == 1 and node.target != aten.unbind.int and any(
-            parts(p) == n and split_dim(p) == dim for p in have.placements):
+    if have is not None and len(sizes) == 1 and any(parts(p) == n and split_dim(p) == dim for p in have.placements):
         # a fused projection's output split into its n parts: each rank holds its block of every part
         out = Layout(tuple(Shard(dim) if split_dim(p) == dim else p for p in have.placements))
         return Strategy({x: have}, (out,) * n)
     lay = whole_along(layouts, x, dim)
-    if node.target == aten.unbind.int:
-        out = Layout(tuple(moved(p, p.dim - (p.dim > dim)) if split_dim(p) is not None else p for p in lay.placements))
-        return Strategy({x: lay}, (out,) * n)
     return Strategy({x: lay}, (lay,) * n)
 
 
