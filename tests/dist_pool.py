@@ -61,10 +61,11 @@ class Fresh(list):
         """Waits up to `timeout` s in all for `ranks` (default: all) to exit. Returns '' when they did,
         else where each one still running was (faulthandler dump), for the test's assertion message.
         Every process still alive is then killed: a rank meant to sleep through the check included."""
+        ranks = list(range(len(self)) if ranks is None else ranks)
         deadline = time.time() + timeout
-        for r in range(len(self)) if ranks is None else ranks:
+        for r in ranks:
             self[r].join(timeout=max(0.1, deadline - time.time()))
-        hung = [(r, self[r]) for r in (range(len(self)) if ranks is None else ranks) if self[r].is_alive()]
+        hung = [(r, self[r]) for r in ranks if self[r].is_alive()]
         where = _where(hung, self.stacks) if hung else ""
         for p in self:
             if p.is_alive():
@@ -91,7 +92,8 @@ def spawn_fresh(fn, world: int, *args) -> Fresh:
 
 def _where(live, stacks, tail: int = 12) -> str:
     """The innermost `tail` frames of the main thread of every (rank, process) in `live`, from a
-    faulthandler dump (each process registered SIGUSR1 to write to stacks[rank])."""
+    faulthandler dump (each process registered SIGUSR1 to write to stacks[rank]). Each process dumps
+    once (it is torn down after): its file is read whole, never truncated first."""
     for _, p in live:
         os.kill(p.pid, signal.SIGUSR1)
     time.sleep(1.0)  # the handlers write asynchronously

@@ -73,13 +73,13 @@ class ConfigView:
 
     def __init__(self, source, distributed_config: GridParallelism):
         self.distributed_config = distributed_config
-        self.source = source
+        self._source = source  # underscored: a config field named `source` must read through
 
     def __getattr__(self, name):  # called only for names not set above
-        return getattr(self.__dict__["source"], name)
+        return getattr(self.__dict__["_source"], name)
 
     def __repr__(self) -> str:
-        return f"ConfigView({self.source!r}, distributed_config={self.distributed_config!r})"
+        return f"ConfigView({self._source!r}, distributed_config={self.distributed_config!r})"
 
 
 def config_view(model, grid):
