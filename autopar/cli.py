@@ -115,11 +115,28 @@ def calibrate_grid(parser, words: list) -> tuple:
         parser.error(f"argument --grid: {e}")
 
 
-def _layers_hidden(model) -> tuple:
+def _layers_hidden(model, pl) -> tuple:
+    """From the model's config where it has one (transformers' names), else from the captured graph's
+    parameters (a plain nn.Module: `autopar.planning.plan.layers_and_hidden`)."""
+    from autopar.planning.plan import layers_and_hidden
+
     cfg = getattr(model, "config", None)
     layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or getattr(cfg, "num_layers", 0)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or getattr(cfg, "d_model", 0)
-    return layers, hidden
+    if isinstance(layers, int) and isinstance(hidden, int) and layers and hidden:
+        return layers, hidden
+    return layers_and_hidden(pl)
+
+
+def _tokens(args, kwargs, hidden: int) -> int:
+    """The tokens of a module:callable's example batch (its first tensor input: ids [B, S] hold B*S,
+    activations [B, S, hidden] hold B*S), not --batch x --seq, which only size transformers models."""
+    import torch
+
+    first = next((t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        return 0
+    return first.numel() // hidden if first.dim() > 1 and hidden and first.shape[-1] == hidden else first.numel()
 
 
 def inspect_cmd(ns) -> int:
@@ -148,8 +165,8 @@ def inspect_cmd(ns) -> int:
         grid = ns.grid
     pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
                       cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute)
-    layers, hidden = _layers_hidden(model)
-    tokens = ns.batch * ns.seq
+    layers, hidden = _layers_hidden(model, pl)
+    tokens = ns.batch * ns.seq if ":" not in ns.model else _tokens(args, kwargs, hidden)
     report = pl.to_json()
     if grids is not None:
         report["grid_search"] = grids

@@ -47,7 +47,7 @@ from passes.errors import TorchVersionError
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
            "exit_autocast", "fake_store", "fake_tensor_mode", "group_timeout", "implicit_replication",
-           "legacy_reduction", "parse_to",
+           "in_torch_compile_call", "legacy_reduction", "parse_to",
            "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
            "set_version_counter", "keep_effect_order_in_inductor", "CACHEABLE_EFFECTS"]
 
@@ -189,6 +189,19 @@ def dynamo_counts() -> tuple:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def in_torch_compile_call() -> bool:
+    """True while a module wrapped by the user's `torch.compile(module)` is being called (dynamo's
+    OptimizedModule sets the private `torch._dynamo.eval_frame._in_optimized_module` around the call).
+    A ParallelModule's orchestration runs outside dynamo (`torch.compiler.disable`) and compiles its
+    per-rank program itself when this says so. Checked on 2.13.0. If it moves: False, and
+    `torch.compile(pmodel)` runs the program eagerly, as a ParallelModule without compile=True does."""
+    try:
+        from torch._dynamo.eval_frame import _is_in_optimized_module
+    except ImportError:
+        return False
+    return bool(_is_in_optimized_module())
 
 
 def fx_graph_cache_counts() -> dict:

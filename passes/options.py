@@ -128,7 +128,7 @@ class Options:
         check=lambda v: v is None or (_number(v) and v >= 0),
         expected=f"seconds >= 0 (e.g. {BUDGET_S:g}) or None for no time limit", unit="s")
     check_inputs: bool = option(
-        False, "compare every call's inputs across the ranks of a grid (one small all-gather per call)",
+        True, "check on every call that the ranks of a grid got the same inputs (one all-reduce of 4 int64)",
         choices=(True, False),
         expected="True (compare every call's inputs across the ranks of a grid) or False")
     timeout: float | None = option(

@@ -65,7 +65,8 @@ class Features(nn.Module):
 
 
 def check_inputs_cases(rank):
-    """Reordered token ids on one rank are caught; identical inputs holding NaN are not a false alarm."""
+    """Reordered token ids on one rank are caught; identical inputs holding NaN are not a false alarm;
+    by default a rank's own batch is caught, and with check_inputs=False it is not."""
     torch.manual_seed(0)
     cfg = GPTConfig()
     ids, tgt = _data(cfg, 4, 8)
@@ -75,6 +76,12 @@ def check_inputs_cases(rank):
         swapped[0, 0], swapped[0, 1] = ids[0, 1].item(), ids[0, 0].item()
     assert rank != 2 or not torch.equal(swapped, ids), "the test data must differ"
     out = {"swapped": _err(lambda: pm(swapped, tgt))}
+    # a user coming from DDP: every rank draws its own batch, with the default options
+    default = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt))
+    out["own batch"] = _err(lambda: default(*_data(cfg, 4, 8, seed=100 + rank)))
+    out["same batch"] = _err(lambda: default(*_data(cfg, 4, 8, seed=100)))
+    off = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), check_inputs=False)
+    out["own batch, off"] = _err(lambda: off(*_data(cfg, 4, 8, seed=100 + rank)))
     x = torch.randn(4, 8)
     x[1, 3] = float("nan")
     lin = autopar.parallelize(Features(), grid=(2, 2), example_inputs=(x,), check_inputs=True)

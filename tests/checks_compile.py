@@ -79,7 +79,7 @@ def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3, 
     errs.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
                              prefix=f"param after {steps} steps "))
     out_of_range = None
-    if how == "option" and name in ("tinygpt", "llama"):  # the compiled program's id and target checks
+    if name in ("tinygpt", "llama"):  # the compiled program's id and target checks
         args, kwargs = batch(0)
         if name == "tinygpt":
             ids = args[0].clone()
@@ -94,6 +94,7 @@ def compile_parity(rank, name, grid, how="torch.compile", opt="adamw", steps=3, 
         except IndexError as e:
             out_of_range = (type(e).__name__, str(e))
     return {"excess": errs, "first call s": first, "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()),
             "fell back": fell_back, "step bytes": step_bytes, "eager bytes": eager_bytes,
             "compile stats": tuple(pm.compile_stats.get(pm.program.signature, ())),
             "progress": progress.getvalue(), "out of range": out_of_range}

@@ -54,7 +54,7 @@ def bad_inputs(rank):
     if rank == 3:
         state["blocks.1.mlp.up.weight"] = state["blocks.1.mlp.up.weight"] + 1e-3  # one rank's dict differs
     out["state differs"] = _err(lambda: pm.load_state_dict(state))
-    out["batch differs"] = _err(lambda: pm(*_data(cfg, 8 if rank == 1 else 4, 8)))  # check_inputs off
+    out["batch differs"] = _err(lambda: pm(*_data(cfg, 8 if rank == 1 else 4, 8)))
     out["after batch differs"] = _err(lambda: pm(ids, tgt))
     other_vocab = TinyGPT(GPTConfig(vocab_size=66 if rank == 1 else 64))  # ids < 64 fit both
     out["model differs"] = _err(lambda: autopar.parallelize(other_vocab, grid=(2, 2), example_inputs=(ids, tgt)))

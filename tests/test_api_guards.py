@@ -27,12 +27,20 @@ def test_options_that_differ_between_ranks_raise_everywhere(pool4):
 
 def test_check_inputs_compares_bytes(pool4):
     """Swapping two token ids on one rank kept the sum and sum of squares that check_inputs compared,
-    and gave ~10% wrong logits unnoticed; identical inputs holding NaN raised a false alarm."""
+    and gave ~10% wrong logits unnoticed; identical inputs holding NaN raised a false alarm; a rank
+    drawing its own batch trained silently on the wrong data (check_inputs was off by default)."""
     res = pool4.run(C.check_inputs_cases)
     for rank, r in enumerate(res):
         kind, msg = r["swapped"]
         assert kind == "UsageError", (rank, kind)
-        assert "input 0 differs between ranks of this grid" in msg and "[2]" in msg, (rank, msg)
+        assert "positional input 0 differs between the ranks of this grid: ranks [2]" in msg, (rank, msg)
+        # each rank's own batch (DDP's habit) trained on a mix of batches with no word, check_inputs
+        # being off by default: now the default check names the input and the ranks that differ
+        kind, msg = r["own batch"]
+        assert kind == "UsageError" and "positional input 0 differs between the ranks of this grid: ranks " \
+            "[1, 2, 3] got other values than rank 0" in msg and "check_inputs=False" in msg, (rank, msg)
+        assert r["same batch"] == (None, ""), (rank, r["same batch"])
+        assert r["own batch, off"] == (None, ""), (rank, r["own batch, off"])
         assert r["nan identical"] == (None, ""), (rank, r["nan identical"])
         kind, msg = r["int to float model"]
         assert kind == "UsageError" and "aten.linear in module lin" in msg and "torch.int64" in msg, (rank, msg)

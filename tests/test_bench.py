@@ -7,7 +7,8 @@ ROW = dict(bytes=2**20, param_bytes=2**20, saved_bytes=2**20, peak_rss_mb=1.0, p
 
 def test_compiled_rows_report_the_ratio_to_eager():
     """Catches a compiled row set against the wrong eager row, or one left out of the report."""
-    res = {"PyTorch 1D TP (4 ranks)": dict(ROW, step_s=0.4), "2D 2x2 broadcast": dict(ROW, step_s=0.5),
+    res = {"PyTorch 1D TP (4 ranks)": dict(ROW, step_s=0.4),
+           "2D 2x2 broadcast": dict(ROW, step_s=0.5, input_check_s=0.002),
            "2D 2x2 broadcast" + COMPILED: dict(ROW, step_s=0.4),
            "PyTorch 1D TP (4 ranks)" + COMPILED: dict(ROW, step_s=0.3)}
     overhead = {"eager": 0.2, "autopar 1x1": 0.21, "autopar 1x1" + COMPILED: 0.15}
@@ -15,6 +16,8 @@ def test_compiled_rows_report_the_ratio_to_eager():
     assert "- 2D 2x2 broadcast: 400 ms compiled, 500 ms eager, ratio 0.80" in text, text
     assert "- PyTorch 1D TP (4 ranks): 300 ms compiled, 400 ms eager, ratio 0.75" in text, text
     assert "- autopar 1x1: 150 ms compiled, 210 ms eager, ratio 0.71" in text, text
+    # the default input check's cost, set against the step it precedes
+    assert "input check (check_inputs=True, the default; every call): 2.00 ms, 0.40% of the 2D 2x2" in text, text
 
 
 def test_no_compiled_rows_without_compile():

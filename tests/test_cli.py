@@ -81,3 +81,23 @@ def test_bad_config_value_is_one_line(model, sets, why):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"autopar inspect: {model} rejects "), msg
     assert sets[0].replace("=abc", '="abc"') in msg and why in msg, msg
+
+
+def test_inspect_of_your_own_module_prices_1d_from_its_graph(capsys):
+    """A plain nn.Module has no `config`: `--vs 1d` crashed formatting a None ratio and `--sweep` priced
+    1D at 0 bytes. Its layers, hidden size and tokens now come from the captured graph and the example
+    batch: 3 blocks of hidden 32 on 4 x 8 tokens, two Megatron all-reduces of [32 tokens, 32] forward
+    and two backward per block plus one, each a ring all-reduce receiving 2 (p-1)/p of 4096 bytes."""
+    own = ["inspect", "tests.cli_own_model:build", "--grid", "2x2"]
+    assert cli.main(own + ["--vs", "1d"]) == 0
+    text = capsys.readouterr().out
+    assert "1D (Megatron-style) at p=4: 0.1 MiB received per rank per step" in text, text
+    assert cli.main(own + ["--vs", "1d", "--sweep", "9", "--json"]) == 0
+    import json
+
+    report = json.loads(capsys.readouterr().out)
+    ring = 2 * 3 / 4 * (32 * 32 * 4)
+    assert report["vs_1d"]["comm_bytes_per_rank_per_step"] == 3 * 4 * ring + ring, report["vs_1d"]
+    assert report["vs_1d"]["ratio_2d_over_1d_comm"] > 0, report["vs_1d"]
+    rows = [r for r in report["sweep"] if "p" in r]
+    assert [r["p"] for r in rows] == [4, 9] and all(r["1d_comm_bytes"] > 0 for r in rows), rows

@@ -134,6 +134,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
                 if r > 0 or s > 0:  # the first step of the first round is warm-up
                     times[k].append(time.perf_counter() - t0)
         dist.barrier()
+    res["2D 2x2 broadcast"]["input_check_s"] = _input_check_s(configs["2D 2x2 broadcast"], steps)
     for k in configs:
         if k.endswith(COMPILED):
             res[k] = dict(res[k[:-len(COMPILED)]])
@@ -152,6 +153,19 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
         with open(out, "w") as f:
             json.dump(merged, f)
     close()
+
+
+def _input_check_s(pm, calls: int) -> float:
+    """The median time of the input check every call of `pm` makes (check_inputs=True, the default):
+    the checksums of the batch and one all-reduce over the grid."""
+    times = []
+    for s in range(calls + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.check_inputs(**common.batch(s))
+        if s:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def overhead_worker(rank, world, port, steps, out, compiled=True):
@@ -195,6 +209,10 @@ def markdown(res: dict, overhead: dict) -> str:
         lines.append("estimated (alpha-beta, calibrated here) vs measured step: " + "; ".join(
             f"{k} {r['estimated_step_s'] * 1e3:.0f} / {r['step_s'] * 1e3:.0f} ms" for k, r in res.items()
             if "estimated_step_s" in r))
+    check = res.get("2D 2x2 broadcast", {})
+    if "input_check_s" in check:
+        lines.append(f"\ninput check (check_inputs=True, the default; every call): {check['input_check_s'] * 1e3:.2f} "
+                     f"ms, {check['input_check_s'] / check['step_s']:.2%} of the 2D 2x2 broadcast step")
     lines.append(f"\nautopar on a 1x1 grid: {overhead['autopar 1x1'] * 1e3:.0f} ms per forward+backward against "
                  f"{overhead['eager'] * 1e3:.0f} ms eager ({overhead['autopar 1x1'] / overhead['eager']:.2f}x)")
     return "\n".join(lines + compiled_lines(res, overhead))

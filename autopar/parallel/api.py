@@ -76,8 +76,10 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             clip_grad_norm_ and full_tensor() are bounded too, raising torch's error). Default: the
             process group's timeout. parallelize's two start-up handshakes (options, plan) always wait up
             to the process group's timeout, since ranks compile at different speeds.
-        check_inputs: verify on every call that all ranks of a grid passed the same inputs (one small
-            all-gather per call); off by default.
+        check_inputs: verify on every call that all ranks of a grid passed the same inputs (shapes,
+            dtypes and a checksum of the values; one all-reduce of four int64 per call). On by default:
+            every rank of a grid computes on the same batch, so a rank that draws its own (as under
+            DDP) raises instead of training on a mix. False compares only the shapes and dtypes.
         compile: run each rank's program under torch.compile (inductor), compiled on the first call of
             each input signature; the collectives run between the compiled regions. The same as calling
             torch.compile(pmodel). A program torch.compile cannot compile runs eagerly, with one

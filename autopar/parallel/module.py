@@ -12,7 +12,7 @@ import types
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from passes.compat import pytree
+from passes.compat import in_torch_compile_call, pytree
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from passes import Grid
@@ -28,7 +28,7 @@ from autopar.parallel.run import Runner
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.program.consensus import all_gather_objects
-from autopar.program.guards import bit_sum, check_dtypes, fingerprint
+from autopar.program.guards import bit_sum, check_dtypes, fingerprint, position_checksum
 from autopar.program.build import Compiled, cache_off_kwargs, compile_program, refuse_kv_cache, signature
 from autopar.errors import NotMaterializedError, UnsupportedError, UsageError
 
@@ -61,6 +61,24 @@ def _set_path(root: nn.Module, path: str, value, kind: str, persistent: bool = T
         m.register_buffer(leaf, value, persistent=persistent)
 
 
+def _plain(v):
+    """What the input check compares of a non-tensor input: a plain value itself, another object its type
+    (its repr may hold an address that differs between processes)."""
+    return repr(v) if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__
+
+
+def _input_names(comp: Compiled, args, kwargs) -> list[str]:
+    """The user's name of each flattened input, in placeholder order: "positional input 0",
+    "input 'labels'", "positional input 1[0]" for a nested one."""
+    spec_kwargs = comp.captured.in_spec.child(1).context if comp.captured.in_spec.num_children == 2 else []
+    leaves, _ = pytree.tree_flatten_with_path((tuple(args), {k: kwargs[k] for k in spec_kwargs if k in kwargs}))
+    names = []
+    for path, _ in leaves:
+        head, key, rest = path[0], path[1], "".join(str(k) for k in path[2:])
+        names.append(f"positional input {key.idx}{rest}" if head.idx == 0 else f"input {key.key!r}{rest}")
+    return names
+
+
 class ParallelModule(nn.Module):
     """The 2D-parallel model on one rank. Call it like the original, on every rank, with the same
     full inputs. A call with new input shapes or a new train/eval mode is compiled once and cached."""
@@ -75,6 +93,7 @@ class ParallelModule(nn.Module):
         self._param_layouts = param_layouts
         self._compiled = {first.signature: first}
         self._runner = Runner(options.compile)
+        self._via_torch_compile = False  # this call came through the user's torch.compile(pmodel)
         self._bucket_plans: dict = {}  # signature -> BucketPlan of the replicas' gradients (dp > 1)
         self._last = first
         device = first.captured.device
@@ -220,6 +239,28 @@ class ParallelModule(nn.Module):
                     "(run one call of the original model first), or call with the shapes it was parallelized for"
                 )
 
+    @torch.compiler.disable
+    def _wrapped_call_impl(self, *args, **kwargs):
+        """As nn.Module's call (hooks included), never traced by dynamo: under the user's
+        torch.compile(pmodel) the Python around the program (caches, checks, output wrapping) would
+        break its graph several times and recompile on guards over this module's state. The program
+        itself is what gets compiled: a call through torch.compile(pmodel) runs it as compile=True
+        does (one graph per rank, compiled on the first call of each input signature).
+
+        The name is nn.Module's own: torch.compile(module) runs a top-level function of another name
+        that dynamo does not trace through a traced wrapper, which then counts a graph break at the
+        call (checked on 2.13.0); under this name it calls it directly and traces nothing."""
+        self._via_torch_compile = in_torch_compile_call()
+        return super()._wrapped_call_impl(*args, **kwargs)
+
+    __call__ = _wrapped_call_impl
+
+    def compile(self, *args, **kwargs) -> None:
+        """In place, as nn.Module.compile: from now on every call runs its program compiled, as with
+        parallelize(..., compile=True) (the per-rank program is what torch.compile sees; `args` and
+        `kwargs`, torch.compile's options, are not applied to it: it compiles with inductor)."""
+        self._runner.compile = True
+
     def forward(self, *args, **kwargs):
         if not self._materialized:
             raise NotMaterializedError(
@@ -231,7 +272,7 @@ class ParallelModule(nn.Module):
         kwargs = {**self._cache_off, **kwargs}
         comp, flat = self._get(args, kwargs)
         self._last = comp
-        self._validate_inputs(flat, comp)
+        self._validate_inputs(flat, comp, lambda: _input_names(comp, args, kwargs))
         locals_, cache = [], {}
         for role, key in comp.captured.sources:
             if role == "param" and key not in cache:
@@ -246,10 +287,11 @@ class ParallelModule(nn.Module):
                 locals_.append(comp.captured.constants[key])
             else:
                 locals_.append(flat[key])
+        compile, self._via_torch_compile = self._via_torch_compile, False
         if comp.random and self.training:
-            outs = self._runner.with_rank_rng(comp, locals_, self.grid.rank, step)
+            outs = self._runner.with_rank_rng(comp, locals_, self.grid.rank, step, compile)
         else:
-            outs = self._runner(comp, locals_, step)
+            outs = self._runner(comp, locals_, step, compile)
         wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
 
@@ -267,49 +309,66 @@ class ParallelModule(nn.Module):
         `autopar.generate.phases`). Runs under torch.no_grad()."""
         return generate_tokens(self, input_ids, attention_mask, **kwargs)
 
-    def _validate_inputs(self, flat, comp) -> None:
+    def check_inputs(self, *args, **kwargs) -> None:
+        """What every call checks first, on its own: that these inputs are on this rank's device and that
+        every rank of the grid passed the same (values too, unless check_inputs=False); raises a
+        UsageError naming the input and the ranks that differ. Call it on every rank, like a call."""
+        kwargs = {**self._cache_off, **kwargs}
+        comp, flat = self._get(args, kwargs)
+        self._validate_inputs(flat, comp, lambda: _input_names(comp, args, kwargs))
+
+    def _validate_inputs(self, flat, comp, names) -> None:
         device = comp.captured.device
         for i, t in enumerate(flat):
             if isinstance(t, torch.Tensor) and t.device != device:
                 raise UsageError(
-                    f"input {i} (shape {tuple(t.shape)}) is on {t.device}, but this rank's parameter blocks are "
+                    f"{names()[i]} (shape {tuple(t.shape)}) is on {t.device}, but this rank's parameter blocks are "
                     f"on {device}; pass every input on {device} (the model was parallelized with inputs there)"
                 )
-        if not self._options.check_inputs:
-            self._check_shapes(flat, device)
-            return
-        mine = [fingerprint(t) for t in flat]
-        everyone = all_gather_objects(mine, self.grid.world_group,
-                                      comm.guarded(self.grid, "check_inputs all-gather", "grid", "check_inputs"))
-        base = self.grid.dp_index * self.grid.world
-        for i in range(len(flat)):
-            differ = [base + r for r, s in enumerate(everyone) if s[i] != everyone[0][i]]
-            if differ:
-                raise UsageError(
-                    f"check_inputs: input {i} differs between ranks of this grid (rank {base} vs ranks {differ}); "
-                    f"every rank of a grid must pass the same full inputs (shard the data per data-parallel "
-                    f"replica, not per rank)"
-                )
+        self._check_same_inputs(flat, device, names)
 
-    def _check_shapes(self, flat, device) -> None:
-        """With check_inputs off, the inputs' shapes and dtypes still agree across the grid: a rank with
-        another batch size would otherwise abort the collectives (gloo: 'Received data size doesn't
-        match'). One all-reduce of two int64 (the max of a digest of the shapes and of its negation);
-        only when they differ are the shapes gathered, to name the ranks."""
-        shapes = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else None for t in flat]
+    def _check_same_inputs(self, flat, device, names) -> None:
+        """Every rank of a grid must pass the same inputs: a rank with another batch size would abort
+        the collectives (gloo: 'Received data size doesn't match'), and one with the same shapes but
+        its own batch (as under DDP) would train on a mix of batches with nobody told. One all-reduce
+        of four int64 per call (the max of a digest of the shapes and dtypes, of a checksum of the
+        values on the device, and of their negations: equal maxima of both signs mean every rank
+        had the same); only when they differ are the inputs gathered, to name what differs and where.
+        check_inputs=False leaves out the values, never the shapes."""
+        shapes = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else _plain(t) for t in flat]
         digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
-        both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-        with comm.guarded(self.grid, "input shape check all-reduce", "grid", "check_inputs"):
+        values = torch.zeros((), dtype=torch.int64, device=device)
+        if self._options.check_inputs:
+            for i, t in enumerate(flat):
+                if isinstance(t, torch.Tensor):
+                    values = values + position_checksum(t) * (2 * i + 3)
+        both = torch.stack([torch.tensor(digest, dtype=torch.int64, device=device), values])
+        both = torch.cat([both, -both])
+        mine = both.tolist()
+        with comm.guarded(self.grid, "check_inputs all-reduce", "grid", "check_inputs"):
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.grid.world_group)
-        if int(both[0]) == digest and int(both[1]) == -digest:
+        agreed = both.tolist()
+        if agreed == mine:
             return
+        base = self.grid.dp_index * self.grid.world
+        if agreed[0] == mine[0] and agreed[2] == mine[2]:  # same shapes: the values differ
+            prints = [fingerprint(t) for t in flat]
+            everyone = all_gather_objects(prints, self.grid.world_group,
+                                          comm.guarded(self.grid, "check_inputs all-gather", "grid", "check_inputs"))
+            i = next(i for i in range(len(flat)) if any(e[i] != everyone[0][i] for e in everyone))
+            differ = [base + r for r, e in enumerate(everyone) if e[i] != everyone[0][i]]
+            raise UsageError(
+                f"check_inputs: {names()[i]} differs between the ranks of this grid: ranks {differ} got other "
+                f"values than rank {base}. Every rank of a grid computes on the same batch (unlike DDP, "
+                f"where each rank takes its own): pass the same inputs on all {self.grid.world} ranks of a "
+                f"grid (seed their data loaders alike; with data-parallel replicas, split the data per "
+                f"replica, grid.dp_index, not per rank). check_inputs=False turns this check off")
         everyone = all_gather_objects(shapes, self.grid.world_group,
                                       comm.guarded(self.grid, "input shape gather", "grid", "check_inputs"))
-        base = self.grid.dp_index * self.grid.world
         i = next(i for i in range(len(shapes)) if any(e[i] != everyone[0][i] for e in everyone))
         differ = {base + r: e[i] for r, e in enumerate(everyone) if e[i] != everyone[0][i]}
         raise UsageError(
-            f"input {i} has shape and dtype {everyone[0][i]} on rank {base} but {differ} on others: every rank "
+            f"{names()[i]} has shape and dtype {everyone[0][i]} on rank {base} but {differ} on others: every rank "
             f"of a grid must pass the same full inputs (the same batch; check_inputs=False skips comparing "
             f"their values, never their shapes)")
 

@@ -41,22 +41,25 @@ class Runner:
     def __init__(self, compile: bool):
         self.compile = compile
         self.stats: dict = {}  # signature -> CompileStats of its first compiled call (compile=True)
-        self._callables: dict = {}  # signature -> the callable running that program (torch.compile'd if asked)
+        self._callables: dict = {}  # (signature, compiled?) -> the callable running that program
         self._arrival_programs: dict = {}  # signature -> the eager program with its buckets' Arrive calls
 
-    def __call__(self, comp: Compiled, locals_: list, step: StepBuckets | None = None):
-        """comp's graph on `locals_` (this rank's blocks and inputs, in `comp.captured.sources` order).
-        A program torch.compile cannot compile runs eagerly from then on, with one CompileWarning
-        shown by rank 0 (`passes.mesh.warn`): every rank compiles the same program, so all of them fail
-        and fall back alike. `step`: the replicas' gradient buckets; an eager program then runs with
-        their `Arrive` calls."""
-        runner = self._callables.get(comp.signature)
+    def __call__(self, comp: Compiled, locals_: list, step: StepBuckets | None = None, compile: bool = False):
+        """comp's graph on `locals_` (this rank's blocks and inputs, in `comp.captured.sources` order),
+        compiled when the module was built with compile=True or when `compile` (the call came through
+        the user's torch.compile(pmodel)). A program torch.compile cannot compile runs eagerly from
+        then on, with one CompileWarning shown by rank 0 (`passes.mesh.warn`): every rank compiles the
+        same program, so all of them fail and fall back alike. `step`: the replicas' gradient buckets;
+        an eager program then runs with their `Arrive` calls."""
+        compile = compile or self.compile
+        key = (comp.signature, compile)
+        runner = self._callables.get(key)
         if step is not None and runner is comp.gm:
             return self._with_arrivals(comp, step)(*locals_, step)
         if runner is not None:
             return runner(*locals_)
-        if not self.compile:
-            self._callables[comp.signature] = comp.gm
+        if not compile:
+            self._callables[key] = comp.gm
             return self(comp, locals_, step)
         compiled = torch.compile(comp.gm, options=INDUCTOR_OPTIONS)  # order kept: compat.keep_effect_order_in_inductor
         before = dynamo_counts()
@@ -71,16 +74,17 @@ class Runner:
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             warn(f"autopar: torch.compile could not compile this program ({type(e).__name__}: {first}); it runs "
                  f"eagerly", CompileWarning, stacklevel=4)
-            self._callables[comp.signature] = comp.gm
+            self._callables[key] = comp.gm
             return comp.gm(*locals_)
-        self._callables[comp.signature] = compiled
+        self._callables[key] = compiled
         after = dynamo_counts()
         self.stats[comp.signature] = CompileStats(after[0] - before[0], after[1] - before[1])
         _say(f"autopar: compiled in {time.perf_counter() - started:.1f} s ({after[0] - before[0]} graph(s), "
              f"{after[1] - before[1]} graph break(s)); later calls of this signature reuse it")
         return outs
 
-    def with_rank_rng(self, comp: Compiled, locals_: list, rank: int, step: StepBuckets | None = None):
+    def with_rank_rng(self, comp: Compiled, locals_: list, rank: int, step: StepBuckets | None = None,
+                      compile: bool = False):
         """As a call, with dropout masks independent per block: one number drawn from the default
         generator (equal on ranks seeded alike, so the user's RNG advances the same everywhere) seeds
         this rank's stream."""
@@ -88,7 +92,7 @@ class Runner:
         devices = [comp.captured.device] if comp.captured.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((seed + 1_000_003 * (rank + 1)) % 2**63)
-            return self(comp, locals_, step)
+            return self(comp, locals_, step, compile)
 
     def _with_arrivals(self, comp: Compiled, step: StepBuckets):
         gm = self._arrival_programs.get(comp.signature)

@@ -23,6 +23,7 @@ parallelism at p = q·q, from its analytic volume (docs/design.md section 1).
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -224,6 +225,28 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     if measure_activations:
         result.activation_bytes, result.largest_tensor_bytes = _measure_activations(gm, cap, mesh)
     return result
+
+
+def layers_and_hidden(pl: Plan) -> tuple:
+    """(layers, hidden size) of the captured model, for `compare_1d` on a model without a config:
+    hidden is the size most common among the dims of its 2-D parameters (the smaller of a tie);
+    layers, the count of its repeated blocks (the most indices under one `prefix.<i>.` of the
+    parameter names), or, without repeated blocks, its 2-D parameters over 4 (a transformer layer's
+    two column/row pairs)."""
+    dims: dict = {}
+    blocks: dict = {}
+    weights = 0
+    for name, v in pl.params.items():
+        if len(v.shape) == 2:
+            weights += 1
+            for d in v.shape:
+                dims[d] = dims.get(d, 0) + 1
+        m = re.match(r"^(.*?)\.(\d+)\.", name)
+        if m:
+            blocks.setdefault(m.group(1), set()).add(m.group(2))
+    hidden = max(dims, key=lambda d: (dims[d], -d)) if dims else 0  # a tie: the narrower (h before 4h)
+    layers = max((len(v) for v in blocks.values()), default=0) or weights / 4
+    return layers, hidden
 
 
 def compare_1d(pl: Plan, model, tokens: int, layers: int, hidden: int, dtype_bytes: int = 4) -> dict:

@@ -162,6 +162,23 @@ def fingerprint(t) -> str:
     return f"{tuple(t.shape)} {t.dtype} {digest}"
 
 
+def position_checksum(t: torch.Tensor) -> torch.Tensor:
+    """An int64 scalar on `t`'s device: the sum of `t`'s bit patterns (read as ints of its element
+    size), each mixed with its flat position, so reordered rows differ where a plain sum agrees.
+    Equal tensors agree, NaNs included; it never leaves the device (no host copy of the data)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    flat = t.detach().contiguous().reshape(-1)
+    if t.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size())
+    if bits is None or not flat.numel():
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    x = flat.view(bits).to(torch.int64)
+    x = x ^ (x >> 29)  # spread the high bits of a float's pattern into the low ones
+    pos = torch.arange(flat.numel(), dtype=torch.int64, device=t.device)
+    return (x * (2 * pos + 1) + pos * 0x2545F491).sum()  # int64 arithmetic wraps alike on every rank
+
+
 def bit_sum(t: torch.Tensor) -> int:
     """The int64 sum of `t`'s bit patterns (read as ints of its element size): a checksum at memory
     speed. Equal tensors agree (NaNs included); a changed element changes it (but for a wrap-around
