@@ -154,7 +154,7 @@ def inspect_cmd(ns) -> int:
         model, args, kwargs = build_callable(ns.model)
     else:
         model, args, kwargs = build_hf(ns.model, overrides, ns.batch, ns.seq)
-    limit = ns.memory_limit * 2**30 if ns.memory_limit else None
+    limit = ns.memory_limit
     strategy = ns.strategy or ("auto" if ns.grid == "auto" else "2d")
     grids = None
     if ns.grid == "auto":
@@ -221,22 +221,23 @@ def inspect_cmd(ns) -> int:
 
 
 def max_batch_cmd(ns, overrides: dict) -> int:
-    """`inspect MODEL --max-batch --memory-limit GIB --grid RxC`: the largest batch per scheme (2D, 1D,
+    """`inspect MODEL --max-batch --memory-limit SIZE --grid RxC`: the largest batch per scheme (2D, 1D,
     1D x data parallel, auto), without and with recomputation (`autopar.planning.capacity`)."""
     if ":" in ns.model:
         raise SystemExit("autopar inspect --max-batch: needs a transformers model type (it builds the model at "
                          "several batch sizes), not module:callable")
     if not ns.memory_limit or ns.grid == "auto":
-        raise SystemExit("autopar inspect --max-batch: needs --memory-limit GIB and --grid RxC (e.g. --grid 8x8 "
-                         "--memory-limit 80)")
+        raise SystemExit("autopar inspect --max-batch: needs --memory-limit SIZE and --grid RxC (e.g. --grid 8x8 "
+                         "--memory-limit 80GiB)")
     from autopar.planning.capacity import max_batch, ratio, table
+    from passes.options import format_bytes
 
-    limit = ns.memory_limit * 2**30
+    limit = ns.memory_limit
     rows = max_batch(lambda b: build_hf(ns.model, overrides, b, ns.seq), ns.grid, limit, cost_model=ns.cost_model)
     if ns.json:
         print(json.dumps([{**c.__dict__, "grid": list(c.grid)} for c in rows], indent=2))
         return 0
-    print(f"{ns.model}, sequences of {ns.seq} tokens, {ns.memory_limit:g} GiB per device, "
+    print(f"{ns.model}, sequences of {ns.seq} tokens, {format_bytes(limit)} per device, "
           f"{ns.grid[0] * ns.grid[1]} devices")
     print(table(rows, limit))
     for rc in (False, True):
@@ -279,6 +280,20 @@ def bench_cmd(ns) -> int:
     return run(ns)
 
 
+def _size(text: str):
+    """--memory-limit's value: '80GiB', '500MB' or bytes, as parallelize's memory_limit takes it; a
+    usage error naming the flag otherwise (a plain 80 is 80 bytes: it asks whether GiB was meant)."""
+    from passes.options import MIN_MEMORY_LIMIT, parse_bytes
+
+    n = parse_bytes(text)
+    if n is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 80GiB, 500MB or a number of bytes")
+    if n < MIN_MEMORY_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text!r} is {n:g} bytes per rank, too little to hold any model: did you "
+                                         f"mean {text}GiB?")
+    return n
+
+
 def _option_flag(parser, name: str, note: str, **differs) -> None:
     """`--name` for the parallelize option `name`, from its declaration (`passes.options.OPTIONS`): its
     string choices (None and False stay out, being the flag's absence) and its meaning; `note` and
@@ -306,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     _option_flag(p, "strategy", "default 2d; auto with --grid auto", default=None)
     _option_flag(p, "cost_model", "JSON from `autopar calibrate`; default: published NVLink/InfiniBand figures",
                  metavar="FILE")
-    _option_flag(p, "memory_limit", "in GiB here; also --max-batch's limit", type=float, metavar="GIB")
+    _option_flag(p, "memory_limit", "a size per rank: 80GiB, 500MB, or bytes; also --max-batch's limit",
+                 type=_size, metavar="SIZE")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

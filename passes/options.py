@@ -33,7 +33,7 @@ from passes.cost.model import CostModel
 from passes.errors import UsageError
 
 __all__ = ["Options", "Option", "OPTIONS", "OPTION", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES",
-           "INDIVISIBLE", "markdown_table"]
+           "INDIVISIBLE", "markdown_table", "parse_bytes", "format_bytes"]
 
 LOWERINGS = ("broadcast", "allgather")  # how a SUMMA product moves its panels (passes.ops.summa)
 BUCKET_MB = 25.0  # default cap per replica gradient bucket, MiB (what DistributedDataParallel uses)
@@ -86,6 +86,48 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MIN_MEMORY_LIMIT = 2**20  # the command line reads a plain number below 1 MiB as a unit mistake ('80' for 80 GiB)
+
+
+def parse_bytes(value) -> float | None:
+    """A size in bytes from a number (bytes) or a string with a unit: '8GiB', '500MB', '1.5 TiB',
+    '1048576' (decimal kB/MB/GB/TB, binary KiB/MiB/GiB/TiB, any case). None when it is neither.
+
+    >>> parse_bytes("8GiB"), parse_bytes("500 MB"), parse_bytes(2**30)
+    (8589934592, 500000000, 1073741824)
+    """
+    if _number(value):
+        return value
+    if not isinstance(value, str):
+        return None
+    text = value.strip().lower().replace(" ", "").replace("_", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    try:
+        n = float(number)
+    except ValueError:
+        return None
+    if unit not in _UNITS:
+        return None
+    n *= _UNITS[unit]
+    return int(n) if n == int(n) else n
+
+
+def format_bytes(n: float) -> str:
+    """A size for people: '512 B', '3.0 MiB', '8.00 GiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _memory_limit_ok(v) -> bool:
+    n = parse_bytes(v)
+    return v is None or (n is not None and n > 0)
+
+
 @dataclass(frozen=True)
 class Options:
     """How a model is compiled and run; the defaults are `parallelize`'s. Each field's declaration says
@@ -118,10 +160,11 @@ class Options:
         check=lambda v: v is None or isinstance(v, (CostModel, dict, str, os.PathLike)),
         expected="None (published GPU-cluster figures), the path or dict of JSON that `autopar calibrate` wrote, "
                  "or a passes.cost.model.CostModel")
-    memory_limit: float | None = option(
+    memory_limit: float | str | None = option(
         None, "for strategy='auto': the estimated memory a rank may hold: parameters, gradients, optimizer "
-        "states and activations", check=lambda v: v is None or (_number(v) and v > 0),
-        expected="a positive number of bytes per rank (e.g. 40 * 2**30), or None for no limit",
+        "states and activations", check=_memory_limit_ok,
+        expected="a positive number of bytes per rank (e.g. 40 * 2**30), a string with a unit ('40GiB', "
+                 "'500MB'), or None for no limit",
         unit="bytes per rank")
     search_budget: float | None = option(
         BUDGET_S, "for strategy='auto': how long the search may take before it keeps the best plan found so far",
@@ -167,6 +210,16 @@ class Options:
             value = getattr(self, o.name)
             if not o.valid(value):
                 raise o.error(value)
+        if isinstance(self.memory_limit, str):  # '8GiB': kept as bytes, what every stage reads
+            object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
+
+    @property
+    def memory_limit_bytes(self) -> float | None:
+        """memory_limit in bytes, as every stage reads it (a string with a unit was converted when the
+        Options were built)."""
+        limit = self.memory_limit
+        assert not isinstance(limit, str), "converted in __post_init__"
+        return limit
 
     def items(self) -> list:
         """(name, value) of every option, in declaration order (what ranks compare before compiling)."""

@@ -30,3 +30,19 @@ def build():
     """(model, example inputs): three blocks of hidden 32 on a batch of 4 x 8 tokens."""
     torch.manual_seed(0)
     return Stack(), (torch.randn(4, 8, 32),)
+
+
+class Differences(nn.Module):
+    """A matmul then `torch.diff`, an op with no split form (it runs whole, its input gathered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.diff(self.lin(x), dim=-1)
+
+
+def build_with_fallback():
+    torch.manual_seed(0)
+    return Differences(), (torch.randn(4, 8, 16),)

@@ -64,16 +64,16 @@ def test_orderings_that_must_hold(capacities):
 def test_cli_max_batch_json_and_refusals(capsys):
     """`inspect --max-batch` prints one record per scheme and setting; without a limit, or with a
     module:callable that cannot be rebuilt at other batch sizes, it says what it needs."""
-    argv = ["inspect", "gpt2", "--set", "n_layer=2", "--seq", str(SEQ), "--grid", "2x2", "--memory-limit", "1",
+    argv = ["inspect", "gpt2", "--set", "n_layer=2", "--seq", str(SEQ), "--grid", "2x2", "--memory-limit", "1GiB",
             "--max-batch", "--json"]
     assert cli.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {(r["scheme"], r["recompute"]) for r in rows} == {(s, rc) for s in autopar.planning.capacity.SCHEMES
                                                               for rc in (False, True)}
-    with pytest.raises(SystemExit, match="needs --memory-limit GIB and --grid RxC"):
+    with pytest.raises(SystemExit, match="needs --memory-limit SIZE and --grid RxC"):
         cli.main(["inspect", "gpt2", "--max-batch"])
     with pytest.raises(SystemExit, match="needs a transformers model type"):
-        cli.main(["inspect", "examples.models:x", "--max-batch", "--memory-limit", "1"])
+        cli.main(["inspect", "examples.models:x", "--max-batch", "--memory-limit", "1GiB"])
 
 
 def test_max_batch_refuses_bad_arguments():

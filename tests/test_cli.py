@@ -101,3 +101,13 @@ def test_inspect_of_your_own_module_prices_1d_from_its_graph(capsys):
     assert report["vs_1d"]["ratio_2d_over_1d_comm"] > 0, report["vs_1d"]
     rows = [r for r in report["sweep"] if "p" in r]
     assert [r["p"] for r in rows] == [4, 9] and all(r["1d_comm_bytes"] > 0 for r in rows), rows
+
+
+def test_inspect_says_why_each_op_fell_back(capsys):
+    """The fallback column listed `diff` and `pad` with no reason: each fallback now gets a line saying
+    where it is and why it runs whole."""
+    assert cli.main(["inspect", "tests.cli_own_model:build_with_fallback", "--grid", "2x2"]) == 0
+    text = capsys.readouterr().out
+    assert "costly fallbacks: diff" in text, text
+    assert "  diff (aten.diff.default) in <top> runs whole: fallback: no sharding rule for aten.diff.default" \
+        in text, text

@@ -1,5 +1,6 @@
 """One set of options: validated once, with one set of defaults, read the same by every stage."""
 
+import argparse
 import importlib
 import inspect
 
@@ -130,3 +131,66 @@ def test_parallel_module_accessors(pool4):
         assert r["persistent buffers"] == ["scale"], (rank, r["persistent buffers"])
         assert r["signature after a call"] == (True, (), ((8, 8), torch.float32)), rank
         assert r["graph follows the call"], rank
+
+
+@pytest.mark.parametrize("given,bytes_", [("8GiB", 8 * 2**30), ("500MB", 500 * 10**6), ("1.5 GiB", 1.5 * 2**30),
+                                          ("64kib", 64 * 2**10), ("2TB", 2 * 10**12), (40 * 2**30, 40 * 2**30)])
+def test_memory_limit_takes_a_size_with_a_unit(given, bytes_):
+    """memory_limit was bytes in Python and GiB on the command line; a string with a unit reads the same
+    in both and every stage gets bytes."""
+    assert Options(memory_limit=given).memory_limit == bytes_
+
+
+def test_a_memory_limit_is_printed_with_its_unit():
+    """memory_limit=8 (bytes, meant as GiB) reported 'memory_limit=0.00 GiB ... is 0.00 GiB'."""
+    from passes.options import format_bytes
+
+    assert [format_bytes(n) for n in (8, 1536, 3 * 2**20, 8 * 2**30)] == ["8 B", "1.5 KiB", "3.0 MiB", "8.00 GiB"]
+    with pytest.raises(ValueError, match=r"memory_limit='8 parsecs': expected .* a string with a unit \('40GiB'"):
+        Options(memory_limit="8 parsecs")
+
+
+def test_the_command_line_reads_the_same_sizes():
+    """--memory-limit took GiB where memory_limit= takes bytes; both read '80GiB' now, and a plain
+    number on the command line that cannot be meant as bytes asks whether GiB was meant."""
+    from autopar import cli
+
+    assert cli._size("80GiB") == 80 * 2**30 and cli._size(str(2**31)) == 2**31
+    with pytest.raises(argparse.ArgumentTypeError, match="'80' is 80 bytes per rank.*did you mean 80GiB"):
+        cli._size("80")
+
+
+def test_missing_example_inputs_name_the_argument():
+    """Without example inputs torch.export failed inside the model ('missing a required argument' for a
+    module; transformers' 'You must specify exactly one of input_ids or inputs_embeds'), reported as
+    data-dependent control flow. Checked before any process group is needed."""
+    import transformers
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, mask):
+            return self.lin(x) * mask
+
+    with pytest.raises(ValueError, match=r"autopar.parallelize: the example inputs do not fit Two.forward\(x, mask\): "
+                                         r"missing a required argument: 'mask'.*example_inputs=\(\.\.\.\)"):
+        autopar.parallelize(Two(), grid=(1, 1), example_inputs=(torch.randn(2, 8),))
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16)
+    with pytest.raises(ValueError, match=r"autopar.plan needs example inputs and got none.*"
+                                         r"example_kwargs=dict\(input_ids=ids, labels=ids\)"):
+        autopar.plan(transformers.GPT2LMHeadModel(cfg), grid=(2, 2))
+
+
+def test_a_plan_prints_short_and_explains():
+    """print(plan) dumped every row and parameter (54,700 characters for a small Llama) and
+    explain(plan) raised AttributeError: the repr is a summary, explain prints the op table and totals."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    pl = autopar.plan(model, grid=(2, 2), example_inputs=(torch.randn(4, 8, 16),))
+    assert len(repr(pl)) < 300 and repr(pl).startswith("Plan(grid 2x2, strategy '2d': "), repr(pl)
+    text = autopar.explain(pl)
+    assert "SummaLinear(AB" in text and "grid 2x2, per rank per training step" in text, text
+    assert f"received in {pl.collectives_per_rank_per_step} collective calls" in text, text
+    with pytest.raises(ValueError, match="autopar.explain takes what autopar.parallelize returns"):
+        autopar.explain(model)

@@ -265,6 +265,7 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
     import transformers
 
     from autopar.parallel.api import parallelize
+    from autopar.program.build import check_example_inputs
 
     config = transformers.AutoConfig.from_pretrained(path)
     if model_class is None:
@@ -276,6 +277,8 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
     with meta_init():
         model = model_class(config)
     restore_buffers(model)
+    check_example_inputs(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
+                         example_kwargs, "autopar.from_pretrained")
     pm = parallelize(model, grid=grid, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
     load_safetensors(pm, path, progress=progress)
     return pm

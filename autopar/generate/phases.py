@@ -33,6 +33,7 @@ from autopar.program.guards import bit_sum
 from passes.search import strategy as strategies
 from passes.search.estimate import Estimate
 from passes.layout import Layout
+from passes.options import format_bytes
 from passes.ops import comm
 from passes.ops import modules as kernels
 from autopar.errors import MemoryLimitError, UsageError
@@ -68,14 +69,15 @@ def phase_options(options, strategy: str | None, stored_bytes: int = 0):
     True
     """
     over: dict = {"strategy": strategy} if strategy else {}
-    if strategy == "auto" and options.memory_limit is not None:
-        if options.memory_limit <= stored_bytes:
+    limit = options.memory_limit_bytes
+    if strategy == "auto" and limit is not None:
+        if limit <= stored_bytes:
             raise MemoryLimitError(
-                f"pmodel.generate: memory_limit={options.memory_limit} bytes per rank leaves nothing for a phase's "
-                f"own plan beside the {stored_bytes} bytes of parameter blocks this rank stores. Pass "
+                f"pmodel.generate: memory_limit={format_bytes(limit)} per rank leaves nothing for a phase's "
+                f"own plan beside the {format_bytes(stored_bytes)} of parameter blocks this rank stores. Pass "
                 f"prefill_strategy='forward' and decode_strategy='forward' (the forward's plan, no copies) or a "
                 f"larger memory_limit.")
-        over["memory_limit"] = options.memory_limit - stored_bytes
+        over["memory_limit"] = limit - stored_bytes
     return dataclasses.replace(options, forward_only=True, **over)
 
 

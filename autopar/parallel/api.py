@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, UsageError
 from autopar.parallel.module import ParallelModule
-from autopar.program.build import cache_off_kwargs, compile_program, input_device
+from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program, input_device
 from autopar.program.guards import agree_on_options, agree_on_plan
 from passes import Grid
 from passes.compat import group_timeout
@@ -24,7 +24,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 lowering: str = DEFAULTS.lowering, indivisible: str = DEFAULTS.indivisible,
                 fused: str = DEFAULTS.fused, on_unsupported: str = DEFAULTS.on_unsupported,
                 strategy: str = DEFAULTS.strategy, cost_model: object = DEFAULTS.cost_model,
-                memory_limit: float | None = DEFAULTS.memory_limit,
+                memory_limit: float | str | None = DEFAULTS.memory_limit,
                 search_budget: float | None = DEFAULTS.search_budget, check_inputs: bool = DEFAULTS.check_inputs,
                 timeout: float | None = DEFAULTS.timeout, compile: bool = DEFAULTS.compile,
                 recompute: str | bool | None = DEFAULTS.recompute, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
@@ -44,8 +44,9 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             `explain`, which shows each choice against its alternatives).
         cost_model: for strategy='auto': the JSON path (or dict) `autopar calibrate` wrote, or None
             for published GPU-cluster figures (NVLink inside a node, InfiniBand across nodes).
-        memory_limit: for strategy='auto': bytes per rank (parameters, gradients, Adam states and
-            activations, estimated); None: no limit.
+        memory_limit: for strategy='auto': the memory per rank (parameters, gradients, Adam states and
+            activations, estimated), in bytes (40 * 2**30) or as a string with a unit ('40GiB',
+            '500MB'); None: no limit.
         search_budget: for strategy='auto': seconds the search may take (default 30) before it stops
             with the best plan found so far and a SearchWarning; None: no limit. Rank 0 searches and
             sends its choice to the other ranks.
@@ -118,13 +119,14 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             f"{'this model is' if nested == '' else f'submodule {nested!r} of this model is'} already parallelized "
             f"(a ParallelModule): parallelize the original model once, e.g. "
             f"autopar.parallelize(pmodel.source_model, ...) for another grid or options")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    check_example_inputs(model, example_inputs, example_kwargs, "autopar.parallelize")
     if not torch.distributed.is_initialized():
         raise NoProcessGroupError(
             "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
             "(backend 'gloo' on CPU, 'nccl' on GPUs) on every rank first, or use autopar.launch.spawn"
         )
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
     device = input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
     # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
     # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')

@@ -63,9 +63,10 @@ def max_batch(make, grid, memory_limit: float, *, schemes=SCHEMES, recompute=(Fa
     `batch` sequences (a model on the meta device is enough: nothing is allocated)."""
     from autopar.program.build import capture, resolve_cost_model
 
-    if not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
-        raise UsageError(f"memory_limit={memory_limit!r}: expected a positive number of bytes per rank "
-                         f"(e.g. 40 * 2**30)")
+    memory_limit = Options(memory_limit=memory_limit).memory_limit  # '80GiB' or bytes, checked as parallelize does
+    if memory_limit is None:
+        raise UsageError("max_batch needs a memory_limit: bytes per rank (e.g. 40 * 2**30) or a string with a "
+                         "unit ('40GiB')")
     bad = [s for s in schemes if s not in SCHEMES]
     if bad:
         raise UsageError(f"schemes={bad!r}: expected some of {SCHEMES}")

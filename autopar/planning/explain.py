@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+from autopar.errors import UsageError
 from autopar.program import uneven as uneven
 from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
 from passes.kernels.spec import Site, flops
@@ -131,11 +132,8 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
-    """A readable table of the compiled model (see the module docstring): the ops that move bytes or
-    fell back, or with `verbose` every op. With `formulas`, each row that moves bytes is followed by
-    its cost as a sympy expression and the values it was evaluated at."""
-    every = rows(pmodel)
+def _table(every: list, verbose: bool, formulas: bool) -> tuple:
+    """(lines of the op table, the rows listed): the ops that move bytes or fell back, or every op."""
     table = every if verbose else [r for r in every if r.fwd_bytes or r.bwd_bytes or r.fallback]
     head = ("node", "op", "module", "layout", "collectives", "fwd/rank", "bwd/rank", "note")
     cells = [head] + [(r.node, r.op, r.module, r.layout, r.collectives, _fmt_bytes(r.fwd_bytes) if r.fwd_bytes else "",
@@ -149,6 +147,23 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
                                for i in range(len(head))).rstrip())
         if formulas and r.formula:
             lines.append(f"    why: {r.formula}")
+    return lines, table
+
+
+def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
+    """A readable table of the compiled model (see the module docstring): the ops that move bytes or
+    fell back, or with `verbose` every op. With `formulas`, each row that moves bytes is followed by
+    its cost as a sympy expression and the values it was evaluated at. `pmodel` may also be a Plan
+    (`autopar.plan(...)`, no processes needed): the same table, and its totals and memory."""
+    from autopar.planning.plan import Plan
+
+    if isinstance(pmodel, Plan):
+        return _explain_plan(pmodel, verbose, formulas)
+    if not hasattr(pmodel, "program"):
+        raise UsageError(f"autopar.explain takes what autopar.parallelize returns (a ParallelModule) or what "
+                        f"autopar.plan returns (a Plan), not {type(pmodel).__name__}")
+    every = rows(pmodel)
+    lines, table = _table(every, verbose, formulas)
     fwd = sum(r.fwd_bytes for r in table)
     bwd = sum(r.bwd_bytes for r in table)
     held = sum(p.to_local().numel() * p.element_size() for p in pmodel.parameters())
@@ -184,6 +199,19 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     else:
         lines.append("fallbacks: none")
     return "\n".join(lines + generation_lines(pmodel))
+
+
+def _explain_plan(pl, verbose: bool, formulas: bool) -> str:
+    """explain for a Plan: its op table, then the totals and memory of `autopar.planning.report`."""
+    from autopar.planning.report import summary_lines
+
+    lines, table = _table(pl.rows, verbose, formulas)
+    hidden = len(pl.rows) - len(table)
+    lines += [f"({hidden} more ops move no bytes; explain(plan, verbose=True) lists every op)"] if hidden else []
+    lines += ["", *summary_lines(pl)]
+    if pl.choice is not None:
+        lines += strategy_summary(pl.choice)
+    return "\n".join(lines)
 
 
 def generation_lines(pmodel) -> list:

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from autopar.program.build import cache_off_kwargs, capture, compile_program, resolve_cost_model
+from autopar.program.build import cache_off_kwargs, capture, check_example_inputs, compile_program, resolve_cost_model
 from passes.search import strategy as strategies
 from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options
@@ -77,6 +77,16 @@ class Plan:
     # figures above are grid position (0, 0)'s; these the rank that receives the most
     comm_bytes_most: int = 0
     comm_bytes_most_at: tuple = (0, 0)
+
+    def __repr__(self) -> str:
+        """A summary (the dataclass's own repr listed every row and parameter: 54,700 characters for a
+        small Llama); `autopar.explain(plan)` prints the table, `to_json()` holds everything."""
+        costly = sum(1 for f in self.fallbacks if f.costly)
+        return (f"Plan(grid {self.grid[0]}x{self.grid[1]}, strategy {self.strategy!r}: "
+                f"{self.comm_bytes_per_rank_per_step / 2**20:.2f} MiB received per rank per step in "
+                f"{self.collectives_per_rank_per_step} collective calls, parameters "
+                f"{self.param_bytes_per_rank / 2**20:.2f} of {self.param_bytes_total / 2**20:.2f} MiB per rank, "
+                f"{len(self.rows)} ops, {costly} costly fallback(s); autopar.explain(plan) prints the table)")
 
     @property
     def collectives_per_rank_per_step(self) -> int:
@@ -182,7 +192,7 @@ def _measure_activations(gm, cap, mesh):
 def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = DEFAULTS.lowering,
          indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
          measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
-         cost_model: object = DEFAULTS.cost_model, memory_limit: float | None = DEFAULTS.memory_limit,
+         cost_model: object = DEFAULTS.cost_model, memory_limit: float | str | None = DEFAULTS.memory_limit,
          search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
          recompute: str | bool | None = DEFAULTS.recompute, moe_dispatch: str = DEFAULTS.moe_dispatch) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
@@ -199,6 +209,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
     mesh = tuple(grid)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    check_example_inputs(model, example_inputs, example_kwargs, "autopar.plan")
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
     comp, layouts = compile_program(model, example_inputs, kwargs, Grid.for_planning(*mesh), options)
     gm, cap = comp.gm, comp.captured
@@ -272,7 +283,7 @@ def grid_shapes(devices: int) -> list:
 
 def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *,
                 cost_model: object = DEFAULTS.cost_model,
-                memory_limit: float | None = DEFAULTS.memory_limit, indivisible: str = DEFAULTS.indivisible,
+                memory_limit: float | str | None = DEFAULTS.memory_limit, indivisible: str = DEFAULTS.indivisible,
                 fused: str = DEFAULTS.fused, search_budget: float | None = DEFAULTS.search_budget) -> tuple:
     """The grid shape (R, C) with R*C = `devices` whose strategy='auto' assignment has the smallest
     estimated step time (within `memory_limit`), and a row per shape: the estimates of auto, fixed 2d
@@ -280,6 +291,7 @@ def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *,
     options = Options(strategy="auto", cost_model=cost_model, memory_limit=memory_limit, indivisible=indivisible,
                       fused=fused, search_budget=search_budget)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    check_example_inputs(model, example_inputs, example_kwargs, "autopar.choose_grid")
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
     cap = capture(model, example_inputs, kwargs)
     cm = resolve_cost_model(options.cost_model)

@@ -42,9 +42,14 @@ def group_by_module(pl) -> str:
              f"{'-' * width}  {'-' * 9}  {'-' * 9}  ---------"]
     for key, (f, b, _, fb) in groups.items():
         lines.append(f"{key:<{width}}  {_mib(f):>9}  {_mib(b):>9}  {', '.join(sorted(fb))}")
+    return "\n".join(lines + ["", *summary_lines(pl)])
+
+
+def summary_lines(pl) -> list:
+    """A plan's totals: bytes and collective calls per rank per step, memory per rank, what is held
+    above 1/p and the costly fallbacks."""
     j = pl.to_json()
-    lines += [
-        "",
+    return [
         f"grid {pl.grid[0]}x{pl.grid[1]}, per rank per training step: {_mib(j['comm_bytes_per_rank_per_step'])} MiB "
         f"received in {j['collectives_per_rank_per_step']} collective calls, "
         f"{j['flops_per_rank_per_step'] / 1e12:.3f} TFLOP (matmuls)",
@@ -55,8 +60,9 @@ def group_by_module(pl) -> str:
         f"{_mib(j['largest_tensor_bytes'])} MiB",
         f"held above 1/p: {_above(j['params_above_1_over_p'], j['param_bytes_per_rank'])}",
         f"costly fallbacks: {', '.join(f['node'] for f in j['fallback_nodes'] if f['costly']) or 'none'}",
+        *(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'} runs whole: {f.reason}"
+          + ("" if f.costly else " [its inputs are already whole: nothing is gathered]") for f in pl.fallbacks),
     ]
-    return "\n".join(lines)
 
 
 _COLORS = {"S(0)S(2)": "#a6cee3", "S(0)S(1)": "#b2df8a", "RR": "#eeeeee"}

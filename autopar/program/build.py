@@ -37,8 +37,8 @@ from passes.options import Options
 from passes.search import strategy as strategies
 from autopar.errors import UsageError
 
-__all__ = ["Compiled", "FallbackWarning", "capture", "compile_program", "compile_captured", "resolve_cost_model",
-           "signature", "cache_off_kwargs", "refuse_kv_cache", "input_device"]
+__all__ = ["Compiled", "FallbackWarning", "capture", "check_example_inputs", "compile_program", "compile_captured",
+           "resolve_cost_model", "signature", "cache_off_kwargs", "refuse_kv_cache", "input_device"]
 
 
 def signature(args, kwargs, training: bool) -> tuple:
@@ -53,6 +53,31 @@ def signature(args, kwargs, training: bool) -> tuple:
     return (training, tuple(sorted(kwargs))) + tuple(
         (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat) + \
         ((("autocast",) + autocast,) if autocast else ())
+
+
+def check_example_inputs(model, args: tuple, kwargs: dict | None, who: str) -> None:
+    """Before any capture: the example inputs fit `model.forward`. Without them (or with a required
+    argument missing) torch.export fails inside the model with an error about tracing (transformers:
+    'You must specify exactly one of input_ids or inputs_embeds'), which says nothing of the
+    argument autopar needs."""
+    kwargs = kwargs or {}
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C-level forward: nothing to check against
+        return
+    how = ("autopar captures the model by running forward once on a batch of the shapes you will train with: "
+           "pass it as example_inputs=(...) (positional, a tuple) and/or example_kwargs=dict(...) (keywords)")
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise UsageError(f"{who}: the example inputs do not fit {type(model).__name__}.forward{sig}: {e}. {how}, "
+                         f"e.g. example_inputs=(ids,)") from None
+    takes = [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not args and not kwargs and takes:
+        main = getattr(model, "main_input_name", None) or takes[0].name
+        raise UsageError(f"{who} needs example inputs and got none: {how}, e.g. "
+                         + (f"example_kwargs=dict({main}=ids, labels=ids) for a transformers model"
+                            if hasattr(model, "main_input_name") else f"example_inputs=({main},)"))
 
 
 AUTOCAST_DEVICES = ("cpu", "cuda")  # the autocast states a call's signature records

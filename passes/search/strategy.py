@@ -50,7 +50,7 @@ from passes.layout import mesh_shape
 from passes.nodes import block_of, module_path
 from passes.meta import CHOICE, CHOICE_WHY, LOWERING, ROLE
 from passes.mesh import warn
-from passes.options import BUDGET_S, DEFAULTS, Options
+from passes.options import BUDGET_S, DEFAULTS, Options, format_bytes
 from passes.transforms.propagate import Propagation, propagate_node
 from passes.search.recompute_cost import BlockTrade, block_trade
 from passes.rules.views import TRANSPOSES, VIEWS
@@ -217,7 +217,7 @@ class Evaluator:
         and a memory limit, the fewest that make it fit (all of them when none is enough: the smallest
         footprint). recompute=False, 'selective' and graphs without steady repeated blocks are priced
         as they are."""
-        mode, limit = self.options.recompute, self.options.memory_limit
+        mode, limit = self.options.recompute, self.options.memory_limit_bytes
         if self.options.forward_only:  # nothing is saved for a backward: nothing to recompute
             return
         if trade is None or mode == "selective" or mode is False or (mode is None and limit is None):
@@ -340,7 +340,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
     the propagation that follows."""
     t0 = time.perf_counter()
     options = DEFAULTS if options is None else options
-    memory_limit, search_budget = options.memory_limit, options.search_budget
+    memory_limit, search_budget = options.memory_limit_bytes, options.search_budget
     units = find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
     opts = {u.key: u.options for u in units}
@@ -369,8 +369,8 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
         least = min(tried.values(), key=lambda e: e.memory_bytes)
         how = f", recomputing all {len(least.recomputed)} repeated blocks" if least.recomputed else ""
         raise MemoryLimitError(
-            f"no strategy fits memory_limit={memory_limit / 2**30:.2f} GiB per rank on a {mesh_shape(mesh)} grid: "
-            f"the smallest estimate among {len(tried)} assignments is {least.memory_bytes / 2**30:.2f} GiB{how}"
+            f"no strategy fits memory_limit={format_bytes(memory_limit)} per rank on a {mesh_shape(mesh)} grid: "
+            f"the smallest estimate among {len(tried)} assignments is {format_bytes(least.memory_bytes)}{how}"
             f"{stopped}. Use more devices, a smaller batch, or a larger limit."
         )
     alternatives = {k: {o: min((e.time_s for c, e in tried.items() if c[i] == o and fits(e)), default=None)
