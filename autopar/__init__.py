@@ -12,6 +12,7 @@ _HOME = {
     "ShardingError": "autopar.errors", "SearchWarning": "autopar.errors", "from_pretrained": "autopar.checkpoint",
     "save_pretrained": "autopar.checkpoint", "CheckpointWarning": "autopar.errors",
     "load_safetensors": "autopar.checkpoint", "meta_init": "autopar.checkpoint",
+    "load_full_state_dict": "autopar.checkpoint",
     "save_distributed": "autopar.checkpoint", "load_distributed": "autopar.checkpoint",
     "plan": "autopar.planning.plan", "Plan": "autopar.planning.plan", "compare_1d": "autopar.planning.plan",
     "choose_grid": "autopar.planning.plan", "CompileWarning": "autopar.errors",

@@ -427,3 +427,42 @@ def switch_keeps_one_checkpoint(rank, tmp):
     back = autopar.from_pretrained(path, grid=(2, 2), example_kwargs=build("gpt2")[1](4, 8, 0), progress=False)
     out["errs"] = _exact(back, want)
     return out
+
+
+def plain_module_roundtrip(rank, path):
+    """A plain nn.Module (TinyGPT, its head tied to the embedding) after one AdamW step at 2x2: saved with
+    autopar.save_pretrained, read back with autopar.load_full_state_dict by the unmodified model's
+    strict load_state_dict (on every rank, no process group used), bit-equal to the parallel model's
+    full tensors; and torch.save(pm.state_dict()) warns naming those calls, where a deepcopy does not."""
+    import copy
+    import io
+    import warnings
+
+    from examples.models import GPTConfig, TinyGPT
+    from tests.checks_engine import _data
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=1)
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=_data(cfg, 4, 8))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm(*_data(cfg, 4, 8))[1].backward()
+    opt.step()
+    full = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in pm.state_dict().items()}
+    autopar.save_pretrained(pm, path)
+    dist.barrier()
+    torch.manual_seed(5)
+    fresh = TinyGPT(cfg)  # other weights: everything must come from the file
+    loaded = autopar.load_full_state_dict(path)
+    result = fresh.load_state_dict(loaded)  # strict
+    errs = {n: excess(t, full[n.replace("head.weight", "tok.weight")] if n not in full else full[n], 0.0, 0.0)
+            for n, t in fresh.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.save(pm.state_dict(), io.BytesIO())
+        said = [str(w.message) for w in caught if issubclass(w.category, autopar.CheckpointWarning)]
+        copy.deepcopy(pm.state_dict())
+        after_copy = [str(w.message) for w in caught if issubclass(w.category, autopar.CheckpointWarning)]
+    return {"errs": errs, "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys),
+            "keys": sorted(loaded), "model keys": sorted(fresh.state_dict()), "said": said,
+            "warnings after deepcopy": len(after_copy),
+            "tied shares": fresh.head.weight is fresh.tok.weight}

@@ -373,3 +373,19 @@ def test_a_rank_retrying_after_a_failure_raises_everywhere(tmp_path):
         assert first == ("RuntimeError" if rank == 1 else "CollectiveError") and second == "CollectiveError", \
             (rank, kinds)
         assert float(elapsed) < 20, (rank, elapsed)
+
+
+def test_a_plain_module_checkpoint_loads_into_the_unmodified_model(pool4, tmp_path):
+    """MyGPT().load_state_dict(pm.state_dict()) failed (mixed DTensor and Tensor) and
+    torch.save(pm.state_dict()) on one rank wrote that rank's blocks with no word. save_pretrained
+    writes full tensors under the model's own names (a tied head too) and load_full_state_dict reads
+    them for a strict load_state_dict, bit for bit; torch.save of the blocks warns, naming those calls."""
+    res = pool4.run(C.plain_module_roundtrip, str(tmp_path / "ckpt"))
+    assert failures([r["errs"] for r in res]) == {}
+    for rank, r in enumerate(res):
+        assert (r["missing"], r["unexpected"]) == ([], []), (rank, r)
+        assert r["keys"] == r["model keys"] and "head.weight" in r["keys"], (rank, r["keys"])
+        assert r["tied shares"], rank  # load_state_dict copies into the tied parameter: still one tensor
+        assert len(r["said"]) == 1 and "autopar.save_pretrained(pmodel, directory)" in r["said"][0] \
+            and "autopar.load_full_state_dict(directory)" in r["said"][0], (rank, r["said"])
+        assert r["warnings after deepcopy"] == 1, (rank, r)  # copying the dict is not saving it

@@ -284,6 +284,26 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
     return pm
 
 
+def load_full_state_dict(path: str) -> dict:
+    """The full tensors of a checkpoint `save_pretrained` wrote (one `model.safetensors`, or the shards
+    its index lists), as a plain state_dict for the unmodified model on one process, no process group
+    needed: `MyModel().load_state_dict(autopar.load_full_state_dict(path))`. For a plain nn.Module the
+    keys are its own state_dict's, tied names included; a transformers model's file is read by its
+    own `from_pretrained(path)` (the keys are transformers' checkpoint keys)."""
+    path = os.fspath(path)
+    files = checkpoint_files(path)
+    out: dict = {}
+    for file in dict.fromkeys(files.values()):
+        f = SafetensorsFile(file)
+        try:
+            for key in f.keys():
+                if files.get(key) == file:
+                    out[key] = f.read(key, [(0, n) for n in f.shape(key)])
+        finally:
+            f.close()
+    return out
+
+
 def _shards(pmodel, max_shard_bytes: int) -> tuple:
     """(name -> tensor of every saved parameter and persistent buffer, [[[names of a group] of shard i]]).
     A transformers model saves the names its own save_pretrained saves, in groups that convert back to
@@ -295,8 +315,9 @@ def _shards(pmodel, max_shard_bytes: int) -> tuple:
     if hf_keys.is_transformers_model(source):
         aliases = _aliases(pmodel)
         tensors = {n: own[n] if n in own else own[aliases[n][0]] for n in hf_keys.save_names(source)}
-    else:
-        tensors = own
+    else:  # every name the model's own state_dict has, a tied one included: its load_state_dict is strict
+        tied = pmodel.tied_names
+        tensors = {n: own[tied.get(n, n)] for n in source.state_dict(keep_vars=True) if tied.get(n, n) in own}
     shards, cur, cur_bytes = [], [], 0
     for group in hf_keys.save_groups(source, list(tensors)):
         size = sum(tensors[n].numel() * tensors[n].element_size() for n in group)

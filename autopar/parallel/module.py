@@ -6,8 +6,12 @@ signature; `autopar.parallel.run` runs the programs."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import os
+import sys
 import types
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -30,7 +34,7 @@ from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.program.consensus import all_gather_objects
 from autopar.program.guards import bit_sum, check_dtypes, fingerprint, position_checksum
 from autopar.program.build import Compiled, cache_off_kwargs, compile_program, refuse_kv_cache, signature
-from autopar.errors import NotMaterializedError, UnsupportedError, UsageError
+from autopar.errors import CheckpointWarning, NotMaterializedError, UnsupportedError, UsageError
 
 __all__ = ["ParallelModule"]
 
@@ -59,6 +63,36 @@ def _set_path(root: nn.Module, path: str, value, kind: str, persistent: bool = T
         m.register_parameter(leaf, value)
     else:
         m.register_buffer(leaf, value, persistent=persistent)
+
+
+class RankStateDict(collections.OrderedDict):
+    """A ParallelModule's state_dict (this rank's blocks). torch.save of it warns: the file holds one
+    rank's blocks as DTensors, which the unmodified model cannot load and which need the same process
+    group to unpickle. It pickles as a plain OrderedDict."""
+
+    def __reduce_ex__(self, protocol):
+        if _called_from_torch_save():
+            warnings.warn(
+                "torch.save(pmodel.state_dict()) writes this rank's parameter blocks only (DTensors that load "
+                "only into the same grid, under a process group). For full tensors that the unmodified model "
+                "loads: autopar.save_pretrained(pmodel, directory) on every rank, then "
+                "model.load_state_dict(autopar.load_full_state_dict(directory)) on one process; for a sharded "
+                "checkpoint to resume from: autopar.save_distributed(pmodel, path, optimizer)",
+                CheckpointWarning, stacklevel=3)
+        state = {k: v for k, v in vars(self).items()}
+        return collections.OrderedDict, (), state or None, None, iter(self.items())
+
+
+def _called_from_torch_save() -> bool:
+    """Whether torch.save (torch/serialization.py) is pickling: copy.deepcopy and other picklers do not warn."""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(os.path.join("torch", "serialization.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _plain(v):
@@ -144,6 +178,24 @@ class ParallelModule(nn.Module):
         """The model this was built from (unchanged, not a child module): new shapes and modes are
         captured from it, and checkpoints read its config and tied names."""
         return self._source
+
+    @property
+    def tied_names(self) -> dict:
+        """The other name of each tied parameter -> the name it is registered under (an LM head tied to
+        the token embedding: {'head.weight': 'tok.weight'})."""
+        return dict(self._tied)
+
+    def state_dict(self, *args, **kwargs):
+        """As nn.Module's: this rank's blocks, as DTensors (what torch.distributed.checkpoint and the
+        optimizers read). Saved with torch.save it holds this rank's blocks only and loads only into the
+        same grid, so pickling it warns, naming the calls that write full tensors."""
+        out = super().state_dict(*args, **kwargs)
+        if type(out) is collections.OrderedDict:
+            blocks = RankStateDict(out)
+            if hasattr(out, "_metadata"):
+                blocks._metadata = out._metadata  # type: ignore[attr-defined]
+            return blocks
+        return out
 
     @property
     def persistent_buffer_names(self) -> frozenset:
