@@ -94,3 +94,53 @@ def train(rank, family, grid, out, save=False) -> dict:
     again.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
     res["resumed"] = {**_history(again), "params": _full(again.model)}
     return res
+
+
+EVAL_ARGS = dict(bf16=True, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=BATCH)
+
+
+def _eval_run(trainer) -> dict:
+    """Predict before training (the logits of the whole eval set, from the same weights as one process),
+    train (evaluating every 2 steps), then evaluate and predict: the logged train and eval losses, the
+    final eval and prediction losses, the shape of the final predictions."""
+    before = trainer.predict(Tokens())
+    logits = before.predictions[0] if isinstance(before.predictions, tuple) else before.predictions
+    trainer.train()
+    logs = trainer.state.log_history
+    out = {**_history(trainer), "eval_loss": [h["eval_loss"] for h in logs if "eval_loss" in h]}
+    out["evaluate"] = trainer.evaluate()["eval_loss"]
+    pred = trainer.predict(Tokens())
+    out["predict loss"] = pred.metrics["test_loss"]
+    out["logits"] = torch.as_tensor(logits).float()
+    after = pred.predictions[0] if isinstance(pred.predictions, tuple) else pred.predictions
+    out["logits after"] = tuple(after.shape)
+    return out
+
+
+def eval_reference(family: str, out: str) -> dict:
+    """The plain Trainer on one process with bf16 autocast and evaluation during training."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model, _ = build(family, **NO_DROPOUT[family])
+    trainer = T.Trainer(model=model, args=arguments(out, **EVAL_ARGS), train_dataset=Tokens(), eval_dataset=Tokens())
+    return _eval_run(trainer)
+
+
+def train_eval(rank, family, grid, out) -> dict:
+    """ParallelTrainer with the same bf16 and evaluation arguments; then the plain Trainer on the
+    ParallelModule, which must refuse at construction naming ParallelTrainer."""
+    import transformers as T
+
+    from autopar.hf.trainer import ParallelTrainer
+
+    _as_launched(rank)
+    pm = _parallel(family, grid)
+    args = arguments(out, **EVAL_ARGS)
+    res = _eval_run(ParallelTrainer(model=pm, args=args, train_dataset=Tokens(), eval_dataset=Tokens()))
+    try:
+        T.Trainer(model=pm, args=arguments(out), train_dataset=Tokens())
+        res["plain trainer"] = (None, "")
+    except Exception as e:  # noqa: BLE001 (what the user sees is the point)
+        res["plain trainer"] = (type(e).__name__, str(e))
+    return res

@@ -76,7 +76,7 @@ def test_other_grid_and_family(pool4, reference, tmp_path, family, grid):
     (dict(gradient_checkpointing=True), "TrainingArguments.gradient_checkpointing=True: the compiled graph"),
     (dict(label_smoothing_factor=0.1), "TrainingArguments.label_smoothing_factor=0.1"),
     (dict(optim="adafactor"), "TrainingArguments.optim="),
-    (dict(eval_strategy="steps"), "evaluation during training is not supported"),
+    (dict(fp16=True), "TrainingArguments.fp16=True: float16 mixed precision"),
     (dict(torch_compile=True), "TrainingArguments.torch_compile=True"),
 ])
 def test_unsupported_arguments_are_refused(tmp_path, over, expected):
@@ -95,3 +95,33 @@ def test_plain_model_is_refused(tmp_path):
     model, _ = C.build("llama")
     with pytest.raises(ValueError, match="expected the ParallelModule autopar.parallelize returned"):
         ParallelTrainer(model=model, args=C.arguments(str(tmp_path)))
+
+
+# bf16 autocast: both runs round every matmul to bf16 (8 significant bits), in another order on a grid
+# (partial sums of blocks) than on one process, so their losses differ by a few bf16 ulps (2^-8 = 3.9e-3)
+BF16_RTOL = 2e-2
+
+
+def test_bf16_evaluate_predict_and_eval_during_training(pool4, tmp_path):
+    """bf16=True, eval_strategy='steps', evaluate() and predict() were refused; the plain Trainer on a
+    ParallelModule failed deep in accelerate ('ParallelismConfig is only compatible ...'). Every logged
+    loss, eval loss and the predicted logits of the eval set match the plain Trainer on one process
+    (bf16 tolerance), on every rank; the plain Trainer now refuses at construction naming ParallelTrainer."""
+    ref = C.eval_reference("llama", str(tmp_path / "ref"))
+    res = pool4.run(C.train_eval, "llama", (2, 2), str(tmp_path / "grid"))
+    assert len(ref["eval_loss"]) == 2, ref  # evaluated at steps 2 and 4
+    for rank, r in enumerate(res):
+        for key in ("loss", "eval_loss"):
+            assert len(r[key]) == len(ref[key]), (rank, key, r[key], ref[key])
+            for i, (g, w) in enumerate(zip(r[key], ref[key])):
+                assert abs(g - w) <= BF16_RTOL * abs(w), f"rank {rank} {key} {i}: {g} vs one process {w}"
+        for key in ("evaluate", "predict loss"):
+            assert abs(r[key] - ref[key]) <= BF16_RTOL * abs(ref[key]), (rank, key, r[key], ref[key])
+        assert r["logits"].shape == ref["logits"].shape == (C.N, C.SEQ, 64), (rank, r["logits"].shape)
+        assert r["logits after"] == ref["logits after"], (rank, r["logits after"], ref["logits after"])
+        # the logits predicted before training (the same weights on both sides): the whole eval set, once
+        scale = ref["logits"].abs().max().item()
+        err = (r["logits"] - ref["logits"]).abs().max().item()
+        assert err <= BF16_RTOL * scale, f"rank {rank}: logits differ by {err}, scale {scale}"
+        kind, msg = r["plain trainer"]
+        assert kind == "UsageError" and "Use autopar.hf.trainer.ParallelTrainer" in msg, (rank, r["plain trainer"])

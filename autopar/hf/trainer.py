@@ -25,6 +25,7 @@ import os
 import torch
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
+from transformers.utils import can_return_loss, find_labels
 
 from autopar.parallel.module import ParallelModule
 from autopar.checkpoint.hf import load_distributed, load_safetensors, save_distributed, save_pretrained
@@ -35,8 +36,7 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")  # torch optimizers, wh
 
 # argument -> (is it set to something this class cannot honour?, why, what to do)
 _REFUSED = {
-    "fp16": (bool, "mixed precision is not supported", "train in float32 (or cast the model before parallelize)"),
-    "bf16": (bool, "mixed precision is not supported", "train in float32 (or cast the model before parallelize)"),
+    "fp16": (bool, "float16 mixed precision (a GradScaler) is not supported", "use bf16=True, or float32"),
     "gradient_checkpointing": (bool, "the compiled graph has no activation checkpointing", "leave it False"),
     "torch_compile": (bool, "the per-rank graph is not run through torch.compile", "leave it False"),
     "fsdp": (bool, "a grid is not sharded by FSDP", "use a (dp, R, C) grid for data parallelism"),
@@ -52,14 +52,13 @@ _REFUSED = {
     "auto_find_batch_size": (bool, "a new batch size would need a new compile on every rank at once",
                              "set per_device_train_batch_size"),
     "push_to_hub": (bool, "pushing is not supported", "push the directory save_model wrote"),
-    "eval_strategy": (lambda v: str(getattr(v, "value", v)) != "no", "evaluation during training is not "
-                      "supported (prediction gathers logits per rank)", "set eval_strategy='no'"),
     "load_best_model_at_end": (bool, "it needs evaluation during training", "leave it False"),
     "optim": (lambda v: str(getattr(v, "value", v)) not in OPTIMIZERS, f"supported optimizers are {OPTIMIZERS}",
               "pick one of them"),
 }
 
 SUPPORTED = ("per_device_train_batch_size, gradient_accumulation_steps, max_steps, num_train_epochs, "
+             "bf16, eval_strategy and evaluate/predict (grid (R, C)), per_device_eval_batch_size, eval_steps, "
              "learning_rate, weight_decay, adam_beta1/2, adam_epsilon, lr_scheduler_type, warmup_steps, "
              "max_grad_norm, seed, data_seed, logging_*, save_strategy 'no'/'steps'/'epoch', save_steps, "
              "save_total_limit, save_only_model, average_tokens_across_devices, dataloader_*, "
@@ -80,6 +79,18 @@ def check_arguments(args: transformers.TrainingArguments) -> None:
                              f"same batch itself; leave it unset. Supported: {SUPPORTED}")
 
 
+def _same_batch(tensor, **_):
+    """Trainer's gather_function for a grid without replicas: every rank holds the whole batch already."""
+    return tensor
+
+
+def _full(value):
+    """A prediction with its DTensors (split outputs) made whole; tuples and lists alike."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_full(v) for v in value)
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
 def _unwrapped(optimizer):
     while hasattr(optimizer, "optimizer"):  # accelerate's AcceleratedOptimizer
         optimizer = optimizer.optimizer
@@ -88,6 +99,8 @@ def _unwrapped(optimizer):
 
 class ParallelTrainer(transformers.Trainer):
     """transformers.Trainer for a ParallelModule; build and call it on every rank, like the model."""
+
+    autopar_trainer = True  # the Trainer a ParallelModule accepts (`hf_compat.refuse_plain_trainer`)
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
         if not isinstance(model, ParallelModule):
@@ -103,6 +116,12 @@ class ParallelTrainer(transformers.Trainer):
         # Trainer's flag for a model that owns its placement and gradient reduction: prepare it without
         # DDP (set after __init__, which refuses optimizer checkpoints for the models it means; ours resume)
         self.is_distributed_loading_by_transformers = True
+        # Trainer reads the label names (which make evaluation compute a loss) off the model's class:
+        # ParallelModule's forward takes *args, so read them off the original model's class instead
+        source = type(model.source_model)
+        if self.args.label_names is None:
+            self.label_names = find_labels(source)
+        self.can_return_loss = can_return_loss(source)
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         args = super()._build_accelerator_args(**kwargs)
@@ -116,6 +135,26 @@ class ParallelTrainer(transformers.Trainer):
             grid = self.model.grid  # the data loaders then give every rank of a grid the same batch
             self.accelerator.state.device_mesh = init_device_mesh(
                 "cpu", (grid.dp, grid.world), mesh_dim_names=("dp_replicate", "tp"))
+
+    def evaluation_loop(self, *args, **kwargs):
+        """Trainer's loop (evaluate, predict, eval_strategy), with predictions gathered over the grid
+        replicas only: every rank of a grid evaluated the same batch, so gathering over all ranks (what
+        Trainer does) would count each sample R*C times."""
+        if self.model.grid.dp > 1:
+            raise UsageError("ParallelTrainer: evaluate, predict and eval_strategy run on a grid without data-"
+                             "parallel replicas, grid=(R, C); this model has grid=(dp, R, C) with dp="
+                             f"{self.model.grid.dp}. Evaluate with a model parallelized on (R, C)")
+        self.gather_function = _same_batch
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = self.accelerator.gather_for_metrics
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Trainer's step, with split outputs (logits as DTensors) gathered into full tensors: every
+        rank of the grid takes part, and each gets the whole prediction."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return _full(loss), _full(logits), _full(labels)
 
     def _clip_grad_norm(self, model):
         """ParallelModule.clip_grad_norm_: one all-reduce of one number over the grid; returns the

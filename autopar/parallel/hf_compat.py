@@ -38,6 +38,24 @@ class GridParallelism:
 MIRRORED = ("accepts_loss_kwargs", "loss_type", "main_input_name")
 
 
+def refuse_plain_trainer(frame) -> None:
+    """Raise when `frame` (the reader of `pmodel.tp_size`) is a method of transformers' own Trainer (or a
+    subclass other than autopar's ParallelTrainer): the plain Trainer hands the grid to accelerate as
+    tensor parallelism, which accelerate refuses deep in its set-up ("ParallelismConfig is only
+    compatible ...") without saying what to use. Read at the Trainer's construction, so it fails there."""
+    from autopar.errors import UsageError
+
+    caller = frame.f_locals.get("self") if frame is not None else None
+    mro = type(caller).__mro__
+    if getattr(type(caller), "autopar_trainer", False) or not any(
+            c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in mro):
+        return
+    raise UsageError(
+        f"{type(caller).__name__}(model=pmodel): transformers' Trainer cannot run a ParallelModule (accelerate "
+        f"would refuse its grid as tensor parallelism). Use autopar.hf.trainer.ParallelTrainer, which takes the "
+        f"same arguments: ParallelTrainer(model=pmodel, args=TrainingArguments(...), train_dataset=...)")
+
+
 def attach(pmodel, model) -> None:
     """Give `pmodel` the original forward's signature, a `config` carrying its grid, and the
     original's `MIRRORED` attributes that it has."""

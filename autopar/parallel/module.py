@@ -156,7 +156,9 @@ class ParallelModule(nn.Module):
 
     @property
     def tp_size(self) -> int:
-        """Ranks that share one batch (R*C), the tensor-parallel size transformers and accelerate read."""
+        """Ranks that share one batch (R*C), the tensor-parallel size transformers and accelerate read.
+        Read by transformers' plain Trainer it raises, naming autopar's ParallelTrainer."""
+        hf_compat.refuse_plain_trainer(sys._getframe(1))
         return self.grid.world
 
     _tp_size = tp_size
