@@ -17,7 +17,7 @@ import autopar
 from autopar.checkpoint import hf as checkpoint
 from tests.checks_robust import _err
 from tests.checks_hf import build
-from tests.compare import excess
+from tests.compare import excess, group_excess
 
 GOOD_SHARD = 20_000  # bytes: the test GPT-2 splits into several shards
 
@@ -466,3 +466,61 @@ def plain_module_roundtrip(rank, path):
             "keys": sorted(loaded), "model keys": sorted(fresh.state_dict()), "said": said,
             "warnings after deepcopy": len(after_copy),
             "tied shares": fresh.head.weight is fresh.tok.weight}
+
+
+def peft_roundtrip(rank, path):
+    """peft LoRA on q_proj and v_proj of the test Llama, one SGD step at 2x2 and on one process (only the
+    adapter trains). Both ways, against peft and transformers on one process (no process group used to
+    load): autopar's save read by peft (base + adapter) and by transformers (merged=True); peft's own
+    adapter and transformers' base checkpoint read by autopar.from_pretrained(base, adapter=...). Returns
+    the excess of each output and loss against the one-process peft model's."""
+    import copy
+
+    import peft
+    import transformers as T
+
+    torch.manual_seed(0)
+    model, make = build("llama")
+    base_dir, peft_dir = os.path.join(path, "base-by-transformers"), os.path.join(path, "adapter-by-peft")
+    if rank == 0:
+        model.save_pretrained(base_dir)  # the base as a user has it, before the adapter
+    ref = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    batch = make(4, 8, 0)
+    pm = autopar.parallelize(copy.deepcopy(ref), grid=(2, 2), example_kwargs=batch)
+    for m in (ref, pm):  # one step: lora_B leaves zero, the update is the adapter's only
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+        m(**batch).loss.backward()
+        opt.step()
+    ref.eval()
+    pm.eval()
+    batch = make(4, 8, 1)
+    want = ref(**batch)
+    errs = group_excess({"parallel loss": (pm(**batch).loss, want.loss)})
+    ours = os.path.join(path, "by-autopar")
+    pm.save_pretrained(ours)  # as a peft user calls it
+    autopar.save_pretrained(pm, os.path.join(path, "merged"), merged=True)
+    if rank == 0:
+        ref.save_pretrained(peft_dir)
+    dist.barrier()
+    base = T.AutoModelForCausalLM.from_pretrained(os.path.join(ours, "base"))
+    read = peft.PeftModel.from_pretrained(base, ours).eval()
+    errs.update(group_excess({"peft reads autopar's save": (read(**batch).logits, want.logits)}))
+    merged = T.AutoModelForCausalLM.from_pretrained(os.path.join(path, "merged")).eval()
+    errs.update(group_excess({"transformers reads the merged save": (merged(**batch).logits, want.logits)}))
+    back = autopar.from_pretrained(base_dir, grid=(2, 2), adapter=peft_dir, example_kwargs=batch, progress=False)
+    back.eval()
+    out = back(**batch)
+    errs.update(group_excess({"autopar reads peft's adapter: logits": (out.logits.full_tensor(), want.logits)}))
+    errs.update(group_excess({"autopar reads peft's adapter: loss": (out.loss, want.loss)}))
+    lora = [n for n, p in back.named_parameters() if p.requires_grad]
+    files = sorted(os.listdir(ours))
+    return {"errs": errs, "files": files, "trainable": lora,
+            "adapter keys": sorted(safetensors_keys(os.path.join(ours, "adapter_model.safetensors"))),
+            "peft keys": sorted(safetensors_keys(os.path.join(peft_dir, "adapter_model.safetensors")))}
+
+
+def safetensors_keys(file):
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as f:
+        return list(f.keys())

@@ -389,3 +389,17 @@ def test_a_plain_module_checkpoint_loads_into_the_unmodified_model(pool4, tmp_pa
         assert len(r["said"]) == 1 and "autopar.save_pretrained(pmodel, directory)" in r["said"][0] \
             and "autopar.load_full_state_dict(directory)" in r["said"][0], (rank, r["said"])
         assert r["warnings after deepcopy"] == 1, (rank, r)  # copying the dict is not saving it
+
+
+def test_peft_lora_checkpoints_round_trip_both_ways(pool4, tmp_path):
+    """A parallelized peft model saved `base_model.model.` keys and a config naming PeftModel (transformers
+    loaded it with every weight missing) and pm.save_pretrained raised AttributeError. Now the adapter is
+    written under peft's own keys (the same as peft writes), the base under its own names, merged weights
+    on request, and peft's adapter loads into autopar.from_pretrained: every output equals the one-process
+    peft model's (fp32 parity tolerances), on every rank."""
+    res = pool4.run(C.peft_roundtrip, str(tmp_path))
+    assert failures([r["errs"] for r in res]) == {}
+    for rank, r in enumerate(res):
+        assert r["files"] == ["adapter_config.json", "adapter_model.safetensors", "base"], (rank, r["files"])
+        assert r["adapter keys"] == r["peft keys"] and r["adapter keys"], (rank, r["adapter keys"], r["peft keys"])
+        assert r["trainable"] and all(".lora_" in n for n in r["trainable"]), (rank, r["trainable"])

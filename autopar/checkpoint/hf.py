@@ -116,6 +116,13 @@ def checkpoint_files(path: str) -> dict:
     return {k: single for k in keys}
 
 
+def _one_file(path: str) -> dict:
+    f = SafetensorsFile(path)
+    keys = list(f.keys())
+    f.close()
+    return {k: path for k in keys}
+
+
 def _weight_map(index: str) -> dict:
     try:
         with os.fdopen(open_regular(index)) as fh:  # not a FIFO, whose open would block
@@ -160,8 +167,24 @@ def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
     keys are matched to the model's names by transformers' own rules (`autopar.checkpoint.keys`): renamed
     keys, a base model's checkpoint for a model with a head (or the reverse), tied names. A tensor that
     transformers computes from several keys (stacked experts, a split fused projection) is computed
-    whole on every rank, then cut to the rank's block."""
-    files = checkpoint_files(path)
+    whole on every rank, then cut to the rank's block. A peft model reads its base model's checkpoint
+    and its adapter: `autopar.checkpoint.adapters.load`."""
+    from autopar.checkpoint import adapters
+
+    if adapters.is_peft_model(pmodel.source_model):
+        raise UsageError(f"load_safetensors({path!r}): this is a peft model, whose base weights and adapter are "
+                         f"two checkpoints: autopar.from_pretrained(base_path, adapter=adapter_path, ...), or "
+                         f"autopar.checkpoint.adapters.load(pmodel, base_path, adapter_path)")
+    load_view(pmodel, path, pmodel.source_model, None, progress)
+
+
+def load_view(pmodel, path: str, source, names: dict | None, progress: bool = True,
+              file: str | None = None) -> None:
+    """load_safetensors for the tensors `names` maps (name in `source`'s checkpoint -> `pmodel`'s name;
+    None: every tensor of `pmodel`, `source` being its source model). `source` None: the keys are the
+    names themselves (a peft adapter's file). `file`: read that one safetensors file in `path`
+    (adapter_model.safetensors) instead of the model's."""
+    files = checkpoint_files(path) if file is None else _one_file(os.path.join(path, file))
     handles: dict = {}
 
     def handle(key):
@@ -173,7 +196,7 @@ def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
 
     bar = None
     try:
-        todo = _sources(pmodel, path, {k: tuple(handle(k).shape(k)) for k in files})
+        todo = _sources(pmodel, path, {k: tuple(handle(k).shape(k)) for k in files}, source, names)
         bar = _progress(len(todo), pmodel.grid.rank == 0 and progress)
         converted: dict = {}  # model name -> whole tensor computed by a conversion, until its block is read
         for _name, tensor, (alias, src) in todo:
@@ -184,7 +207,7 @@ def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
                 block = _read_block(functools.partial(handle(src).read, src), ranges)
             else:
                 if alias not in converted:
-                    converted.update(src.run(pmodel.source_model, read_whole))
+                    converted.update(src.run(source, read_whole))
                 whole = converted.pop(alias)
                 what = f"{alias} (computed by {src.ops()} from {len(src.keys)} keys)"
                 _check_shape(path, what, whole.shape, tensor)
@@ -202,17 +225,29 @@ def load_safetensors(pmodel, path: str, progress: bool = True) -> None:
     pmodel.materialized = True
 
 
-def _sources(pmodel, path: str, shapes: dict) -> list:
+def _sources(pmodel, path: str, shapes: dict, source, names: dict | None) -> list:
     """[(name, tensor, (checkpoint name, key or Conversion))] for every parameter and persistent buffer
-    of `pmodel` that the checkpoint fills. A parameter it does not fill is refused (transformers would
-    initialize it at random); a buffer keeps the value the model computed, with a warning."""
-    plan = hf_keys.load_plan(pmodel.source_model, shapes)
-    hf_keys.keep_conversions(pmodel.source_model, plan.used)
-    aliases = _aliases(pmodel)
+    of `pmodel` that the checkpoint fills (those `names` maps, when given). A parameter it does not fill
+    is refused (transformers would initialize it at random); a buffer keeps the value the model
+    computed, with a warning."""
+    if source is None:
+        plan = hf_keys.LoadPlan({k: k for k in shapes if k in names}, sorted(set(shapes) - set(names)),
+                                set(names) - set(shapes), [])
+    else:
+        plan = hf_keys.load_plan(source, shapes)
+        hf_keys.keep_conversions(source, plan.used)
+    if names is None:
+        aliases = _aliases(pmodel)
+    else:  # pmodel's name -> the names it has in the checkpoint's model (a tied pair has two)
+        aliases = {}
+        for own_name, mine in names.items():
+            aliases.setdefault(mine, []).append(own_name)
     todo, missing, kept = [], [], []
     buffers = [(n, b) for n, b in pmodel.named_buffers() if n in pmodel.persistent_buffer_names]
     for is_param, items in ((True, pmodel.named_parameters()), (False, buffers)):
         for name, tensor in items:
+            if names is not None and name not in aliases:
+                continue  # filled from another checkpoint (a peft model's base or adapter)
             src = next(((a, plan.sources[a]) for a in aliases.get(name, [name]) if a in plan.sources), None)
             if src is not None:
                 todo.append((name, tensor, src))
@@ -221,9 +256,10 @@ def _sources(pmodel, path: str, shapes: dict) -> list:
             elif name in plan.missing:  # not covered by the model's _keys_to_ignore_on_load_missing
                 kept.append(name)
     if missing:
+        of = type(source if source is not None else pmodel.source_model).__name__
         raise MissingWeightsError(
             f"{path}: the checkpoint holds no tensor for {len(missing)} parameter(s) of "
-            f"{type(pmodel.source_model).__name__}: {missing[:8]}{' ...' if len(missing) > 8 else ''}; checkpoint keys "
+            f"{of}: {missing[:8]}{' ...' if len(missing) > 8 else ''}; checkpoint keys "
             f"that fill nothing: {plan.unexpected[:8]}{' ...' if len(plan.unexpected) > 8 else ''}. "
             f"autopar does not initialize missing parameters at random as transformers does: load a checkpoint "
             f"of this architecture (config.json's `architectures`, or pass model_class=)")
@@ -259,9 +295,12 @@ def _progress(total: int, enabled: bool):
 
 
 def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=None, *, model_class=None,
-                    progress: bool = True, **options):
+                    adapter: str | None = None, progress: bool = True, **options):
     """Build a transformers model from `path`/config.json on the meta device, parallelize it, and read
-    each rank's blocks from the safetensors weights in `path`. No rank materializes the whole model."""
+    each rank's blocks from the safetensors weights in `path`. No rank materializes the whole model.
+    `adapter`: a peft adapter's directory (adapter_config.json, adapter_model.safetensors, as peft's
+    save_pretrained writes it): the model is wrapped as that adapter's peft model and its adapter
+    weights are read too (`autopar.checkpoint.adapters`)."""
     import transformers
 
     from autopar.parallel.api import parallelize
@@ -277,10 +316,17 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
     with meta_init():
         model = model_class(config)
     restore_buffers(model)
+    if adapter is not None:
+        from autopar.checkpoint import adapters
+
+        model = adapters.wrap(model, os.fspath(adapter))
     check_example_inputs(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
                          example_kwargs, "autopar.from_pretrained")
     pm = parallelize(model, grid=grid, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
-    load_safetensors(pm, path, progress=progress)
+    if adapter is not None:
+        adapters.load(pm, path, os.fspath(adapter), progress=progress)
+    else:
+        load_safetensors(pm, path, progress=progress)
     return pm
 
 
@@ -304,20 +350,23 @@ def load_full_state_dict(path: str) -> dict:
     return out
 
 
-def _shards(pmodel, max_shard_bytes: int) -> tuple:
-    """(name -> tensor of every saved parameter and persistent buffer, [[[names of a group] of shard i]]).
-    A transformers model saves the names its own save_pretrained saves, in groups that convert back to
-    checkpoint keys together (`hf_keys.save_groups`); another model, every parameter then every
-    persistent buffer, each alone."""
+def _own_tensors(pmodel) -> dict:
+    """(name -> tensor of every saved parameter and persistent buffer): a transformers model the names
+    its own save_pretrained saves; another model every name its state_dict has (a tied one included:
+    its load_state_dict is strict)."""
     source = pmodel.source_model
     own = dict(pmodel.named_parameters())
     own.update((n, b) for n, b in pmodel.named_buffers() if n in pmodel.persistent_buffer_names)
     if hf_keys.is_transformers_model(source):
         aliases = _aliases(pmodel)
-        tensors = {n: own[n] if n in own else own[aliases[n][0]] for n in hf_keys.save_names(source)}
-    else:  # every name the model's own state_dict has, a tied one included: its load_state_dict is strict
-        tied = pmodel.tied_names
-        tensors = {n: own[tied.get(n, n)] for n in source.state_dict(keep_vars=True) if tied.get(n, n) in own}
+        return {n: own[n] if n in own else own[aliases[n][0]] for n in hf_keys.save_names(source)}
+    tied = pmodel.tied_names
+    return {n: own[tied.get(n, n)] for n in source.state_dict(keep_vars=True) if tied.get(n, n) in own}
+
+
+def _shards(source, tensors: dict, max_shard_bytes: int) -> list:
+    """[[[names of a group] of shard i]]: a transformers model's names in groups that convert back to
+    checkpoint keys together (`hf_keys.save_groups`); another model's each alone."""
     shards, cur, cur_bytes = [], [], 0
     for group in hf_keys.save_groups(source, list(tensors)):
         size = sum(tensors[n].numel() * tensors[n].element_size() for n in group)
@@ -328,18 +377,18 @@ def _shards(pmodel, max_shard_bytes: int) -> tuple:
         cur_bytes += size
     if cur:
         shards.append(cur)
-    return tensors, shards
+    return shards
 
 
-def _config_json(pmodel) -> dict | None:
+def _config_json(source) -> dict | None:
     """config.json's content, naming the source model's class in `architectures` (as transformers'
     save_pretrained does, even when the config named another class: a LlamaModel loaded from a
     LlamaForCausalLM file saves as LlamaModel), so that `from_pretrained(path)` needs no model_class=."""
-    config = getattr(pmodel.source_model, "config", None)
+    config = getattr(source, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         return None
     content = json.loads(config.to_json_string(use_diff=True))
-    content["architectures"] = [type(pmodel.source_model).__name__]
+    content["architectures"] = [type(source).__name__]
     return content
 
 
@@ -353,24 +402,45 @@ def _clean_on_error(grid, written: list, lock, fn, *args):
     return err
 
 
-def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30) -> None:
+def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30, merged: bool = False) -> None:
     """Write `pmodel` in HF format (config.json + safetensors) into directory `path`; call on every
     rank. Each parameter is gathered on its own (all ranks take part), and rank 0 holds at most one
     shard's tensors at a time. Other files in `path` are left alone. Any failure raises the same
     error on every rank and leaves the previous checkpoint's files in place (no temporary file stays).
-    A second save into `path` while one runs (another job) is refused: the two would mix their files."""
-    grid, path = pmodel.grid, os.fspath(path)
+    A second save into `path` while one runs (another job) is refused: the two would mix their files.
+
+    A peft (LoRA) model: the adapter as peft writes it (adapter_model.safetensors, adapter_config.json)
+    in `path`, and the base model under its own names in `path/base`; with `merged=True`, the base
+    model with the adapter merged into its weights in `path` (what `merge_and_unload()` saves). See
+    `autopar.checkpoint.adapters`."""
+    from autopar.checkpoint import adapters
+
+    path = os.fspath(path)
+    if adapters.is_peft_model(pmodel.source_model):
+        adapters.save(pmodel, path, max_shard_bytes, merged)
+        return
+    if merged:
+        raise UsageError(f"save_pretrained(merged=True) merges a peft adapter into its base model; "
+                         f"{type(pmodel.source_model).__name__} is not a peft model: leave merged out")
+    save_view(pmodel, path, pmodel.source_model, _own_tensors(pmodel), max_shard_bytes)
+
+
+def save_view(pmodel, path: str, source, tensors: dict, max_shard_bytes: int, merge=None) -> None:
+    """save_pretrained of `tensors` (checkpoint name in `source` -> a tensor of `pmodel`) as `source`'s
+    checkpoint. `merge(name, full)` (rank 0, the full tensor) gives what is written for a name (a peft
+    base weight with its adapter's update added)."""
+    grid = pmodel.grid
     what = f"autopar.save_pretrained({path!r})"
     lock = F.SaveLock(os.path.join(path, ".autopar-save" + F.LOCK), f"save_pretrained into {path!r}")
     try:
         agree(grid, _clean_on_error(grid, [], lock, F.check_target, path, lock), f"{what}: checking the target")
-        _save(pmodel, grid, path, what, max_shard_bytes, lock)
+        _save(pmodel, grid, path, what, max_shard_bytes, lock, source, tensors, merge)
     finally:
         lock.release()
 
 
-def _save(pmodel, grid, path: str, what: str, max_shard_bytes: int, lock) -> None:
-    tensors, shards = _shards(pmodel, max_shard_bytes)
+def _save(pmodel, grid, path: str, what: str, max_shard_bytes: int, lock, source, tensors, merge) -> None:
+    shards = _shards(source, tensors, max_shard_bytes)
     index = {"metadata": {"total_size": 0}, "weight_map": {}}  # filled on rank 0
     written = []  # temporary files on rank 0
     names = F.shard_names(path, len(shards))  # rank 0's are the ones written (it alone reads the directory)
@@ -386,13 +456,16 @@ def _save(pmodel, grid, path: str, what: str, max_shard_bytes: int, lock) -> Non
                         whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # every rank calls it
                     if grid.rank == 0:
                         full[n] = whole.detach().cpu().contiguous()
+                    if merge is not None:
+                        merged = merge(n, full.get(n))  # gathers of its own on every rank (an adapter's A, B)
+                        if grid.rank == 0:
+                            full[n] = merged
                     del whole
                 gathered.append(full)
             written.append(F.temp_path(path, fname))
-            err = _clean_on_error(grid, written, lock, _write_shard, written[-1], fname, gathered,
-                                  pmodel.source_model, index)
+            err = _clean_on_error(grid, written, lock, _write_shard, written[-1], fname, gathered, source, index)
             agree(grid, err, f"{what}: writing shard {i + 1} of {len(shards)}")
-        agree(grid, _clean_on_error(grid, written, lock, _finish, path, names, index, _config_json(pmodel), lock),
+        agree(grid, _clean_on_error(grid, written, lock, _finish, path, names, index, _config_json(source), lock),
               f"{what}: finishing")
     finally:  # a failed collective: nothing was agreed, rank 0 still cleans up
         if grid.rank == 0:

@@ -181,6 +181,14 @@ class ParallelModule(nn.Module):
         captured from it, and checkpoints read its config and tied names."""
         return self._source
 
+    def save_pretrained(self, path, **kwargs) -> None:
+        """`autopar.save_pretrained(self, path, **kwargs)`, under the name transformers and peft models
+        give it: call it on every rank (full tensors, written by rank 0; a peft model's adapter as peft
+        writes it)."""
+        from autopar.checkpoint.hf import save_pretrained
+
+        save_pretrained(self, path, **kwargs)
+
     @property
     def tied_names(self) -> dict:
         """The other name of each tied parameter -> the name it is registered under (an LM head tied to
