@@ -81,3 +81,14 @@ def test_max_batch_refuses_bad_arguments():
         autopar.max_batch(_make, (2, 2), 0)
     with pytest.raises(ValueError, match=r"schemes=\['3d'\]: expected some of"):
         autopar.max_batch(_make, (2, 2), LIMIT, schemes=("3d",))
+
+
+def test_max_batch_shows_progress_on_stderr(capsys, monkeypatch):
+    """--max-batch ran two minutes without a word: a bar on rank 0's stderr names the scheme it is on
+    (shown at once here: AUTOPAR_PROGRESS_DELAY=0; by default after 2 s), and progress=False is silent."""
+    monkeypatch.setenv("AUTOPAR_PROGRESS_DELAY", "0")
+    autopar.max_batch(_make, (2, 2), LIMIT, schemes=("2d",), recompute=(False,))
+    said = capsys.readouterr().err
+    assert "autopar max_batch" in said and "2d" in said, said
+    autopar.max_batch(_make, (2, 2), LIMIT, schemes=("2d",), recompute=(False,), progress=False)
+    assert "autopar max_batch" not in capsys.readouterr().err

@@ -37,6 +37,7 @@ import autopar
 from autopar.bench import common
 from autopar.bench.common import BATCH, CONFIG, SEQ, FunctionalCommBytes
 from autopar.launch import close, init_local
+from autopar.planning.progress import steps
 from passes.compat import peak_tensor_bytes
 
 RECOMPUTE = ("blocks", "selective")  # 2D 2x2 (broadcast) with each recompute mode
@@ -120,9 +121,12 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
         res[k]["saved_bytes"] = common.saved_bytes(m)
         step = functools.partial(common.train_step, m, opts[k], 1)
         res[k]["peak_tensor_bytes"] = peak_tensor_bytes(step, torch.device("cpu"))
+    bar = steps("autopar bench: timed rounds (rank 0)", rounds * len(configs))
     for r in range(rounds):  # alternate configurations round by round
         order = ([] if rank == 0 else [("one process", None)]) + list(configs.items())  # same order everywhere
         for k, m in order:
+            bar.update(m is not None)
+            bar.set_postfix_str(k)
             dist.barrier()
             if m is None:
                 continue
@@ -134,6 +138,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
                 if r > 0 or s > 0:  # the first step of the first round is warm-up
                     times[k].append(time.perf_counter() - t0)
         dist.barrier()
+    bar.close()
     res["2D 2x2 broadcast"]["input_check_s"] = _input_check_s(configs["2D 2x2 broadcast"], steps)
     for k in configs:
         if k.endswith(COMPILED):
@@ -256,12 +261,20 @@ def run(ns) -> int:
     plt = require_matplotlib("autopar bench --plot") if ns.plot else None  # before minutes of measuring
     tmp = tempfile.mkdtemp()
     cost_model = ns.cost_model
+    bar = steps("autopar bench", 3)
     if cost_model is None:
+        bar.set_postfix_str("calibrating the cost model on 2x2")
         cost_model = os.path.join(tmp, "calibration.json")
         common.spawn(calibrate_worker, 4, cost_model)
+    bar.update()
     compiled = not getattr(ns, "no_compile", False)
+    bar.set_postfix_str("every configuration on 4 ranks")
     common.spawn(worker, 4, ns.rounds, ns.steps, os.path.join(tmp, "bench.json"), cost_model, compiled)
+    bar.update()
+    bar.set_postfix_str("autopar on a 1x1 grid against the eager model")
     common.spawn(overhead_worker, 1, 2 * ns.steps, os.path.join(tmp, "overhead.json"), compiled)
+    bar.update()
+    bar.close()
     res = json.load(open(os.path.join(tmp, "bench.json")))
     overhead = json.load(open(os.path.join(tmp, "overhead.json")))
     if ns.json:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from passes.search import strategy as strategies
+from autopar.planning.progress import steps
 from passes.options import DEFAULTS, Options
 from autopar.errors import UsageError
 
@@ -57,10 +58,11 @@ def _estimate(cap, grid: tuple, strategy: str, options: Options, cm):
 
 def max_batch(make, grid, memory_limit: float, *, schemes=SCHEMES, recompute=(False, True),
               cost_model: object = DEFAULTS.cost_model, optimizer_states: int = DEFAULTS.optimizer_states,
-              search_budget: float | None = 10.0) -> list:
+              search_budget: float | None = 10.0, progress: bool = True) -> list:
     """[Capacity] per scheme (see the module docstring) and recomputation setting, on an R x C `grid`,
     for `memory_limit` bytes per rank. `make(batch)` returns (model, args, kwargs) for one step of
-    `batch` sequences (a model on the meta device is enough: nothing is allocated)."""
+    `batch` sequences (a model on the meta device is enough: nothing is allocated). `progress`: a bar
+    on rank 0's stderr when it runs for more than a few seconds (`autopar.planning.progress`)."""
     from autopar.program.build import capture, resolve_cost_model
 
     memory_limit = Options(memory_limit=memory_limit).memory_limit  # '80GiB' or bytes, checked as parallelize does
@@ -80,16 +82,19 @@ def max_batch(make, grid, memory_limit: float, *, schemes=SCHEMES, recompute=(Fa
         return captured[batch]
 
     out = []
-    for scheme in schemes:
-        g = _scheme_grid(scheme, tuple(grid))
-        strategy = {"2d": "2d", "1d": "1d", "1d x dp": "1d", "auto": "auto"}[scheme]
-        for rc in recompute:
-            options = Options(strategy=strategy, recompute="blocks" if rc else False, optimizer_states=optimizer_states,
-                              search_budget=search_budget)
-            if strategy == "auto":
-                out.append(_auto(cap, g, memory_limit, options, cm, out, rc))
-            else:
-                out.append(_linear(cap, scheme, g, memory_limit, options, cm, rc))
+    with steps("autopar max_batch", len(schemes) * len(recompute), progress) as bar:
+        for scheme in schemes:
+            g = _scheme_grid(scheme, tuple(grid))
+            strategy = {"2d": "2d", "1d": "1d", "1d x dp": "1d", "auto": "auto"}[scheme]
+            for rc in recompute:
+                bar.set_postfix_str(f"{scheme}{' + recompute' if rc else ''}")
+                options = Options(strategy=strategy, recompute="blocks" if rc else False,
+                                  optimizer_states=optimizer_states, search_budget=search_budget)
+                if strategy == "auto":
+                    out.append(_auto(cap, g, memory_limit, options, cm, out, rc))
+                else:
+                    out.append(_linear(cap, scheme, g, memory_limit, options, cm, rc))
+                bar.update()
     return out
 
 

@@ -34,8 +34,9 @@ import torch.distributed as dist
 from autopar.program.build import cache_off_kwargs, capture, check_example_inputs, compile_program, resolve_cost_model
 from passes.search import strategy as strategies
 from passes.meta import LAYOUT
-from passes.options import DEFAULTS, Options
+from passes.options import DEFAULTS, Options, format_bytes
 from autopar.planning.explain import graph_rows
+from autopar.planning.progress import steps
 from autopar.generate.cache import kv_cache_bytes_per_rank
 from autopar.program.uneven import most_received
 from passes.compat import fake_store, fake_tensor_mode, pytree
@@ -83,10 +84,10 @@ class Plan:
         small Llama); `autopar.explain(plan)` prints the table, `to_json()` holds everything."""
         costly = sum(1 for f in self.fallbacks if f.costly)
         return (f"Plan(grid {self.grid[0]}x{self.grid[1]}, strategy {self.strategy!r}: "
-                f"{self.comm_bytes_per_rank_per_step / 2**20:.2f} MiB received per rank per step in "
+                f"{format_bytes(self.comm_bytes_per_rank_per_step)} received per rank per step in "
                 f"{self.collectives_per_rank_per_step} collective calls, parameters "
-                f"{self.param_bytes_per_rank / 2**20:.2f} of {self.param_bytes_total / 2**20:.2f} MiB per rank, "
-                f"{len(self.rows)} ops, {costly} costly fallback(s); autopar.explain(plan) prints the table)")
+                f"{format_bytes(self.param_bytes_per_rank)} of {format_bytes(self.param_bytes_total)} per rank, "
+                f"{costly} costly fallback(s); autopar.explain(plan) prints the table)")
 
     @property
     def collectives_per_rank_per_step(self) -> int:
@@ -211,7 +212,11 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     check_example_inputs(model, example_inputs, example_kwargs, "autopar.plan")
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
+    bar = steps(f"autopar plan {mesh[0]}x{mesh[1]}", 2)
+    bar.set_postfix_str("capture and passes" + (" and strategy search" if strategy == "auto" else ""))
     comp, layouts = compile_program(model, example_inputs, kwargs, Grid.for_planning(*mesh), options)
+    bar.update()
+    bar.set_postfix_str("costs and memory")
     gm, cap = comp.gm, comp.captured
     rows = graph_rows(comp.inspected, mesh)
     params = {}
@@ -235,6 +240,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         measure_activations = not dist.is_initialized()
     if measure_activations:
         result.activation_bytes, result.largest_tensor_bytes = _measure_activations(gm, cap, mesh)
+    bar.update()
+    bar.close()
     return result
 
 
