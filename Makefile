@@ -5,13 +5,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 PLOT_STAMP := $(VENV)/.installed-0.1.0-plot  # matplotlib, for the targets that draw
 
-.PHONY: demo test test-all lint bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
+.PHONY: demo test test-all lint docs bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,hf,lint]'
+	$(BIN)/pip install -q -e '.[test,hf,lint,docs]'
 	touch $(STAMP)
 
 $(PLOT_STAMP): $(STAMP)
@@ -21,18 +21,24 @@ $(PLOT_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# lint first: it takes seconds, the suite minutes. pytest's paths and --doctest-modules are in pyproject.toml.
-test: lint
+# lint and the docs first: they take seconds, the suite minutes. pytest's paths and --doctest-modules are in
+# pyproject.toml.
+test: lint docs
 	$(BIN)/python -m pytest -q
 
 # the slow tier too: exhaustive sweeps, every grid, long compiled runs (see README, Contributing)
-test-all: lint
+test-all: lint docs
 	RUN_SLOW=1 $(BIN)/python -m pytest -q
 
 # ruff and mypy, configured (and the choice of rules explained) in pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy
+
+# the user guide and the API reference (from the docstrings) into site/; strict (mkdocs.yml): a broken
+# link, anchor or reference fails it
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(BIN)/python examples/bench_lowering.py
@@ -56,4 +62,4 @@ sweep-hf: $(STAMP)
 	$(BIN)/python examples/sweep_hf.py --out docs/models.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site *.egg-info .mypy_cache .ruff_cache

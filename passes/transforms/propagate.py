@@ -150,7 +150,7 @@ def _refuse_fallback(node: Node, why: str) -> None:
     raise ShardingError(
         f"on_unsupported='error': node {node.name} ({node.target}) in module {module_path(node) or '<top>'} has "
         f"no way to run split ({why}) and would be gathered whole on every rank; source: {source_line(node)}.\n"
-        f"  Rewrite it with supported ops (see the README's supported-ops table), or pass "
+        f"  Rewrite it with supported ops (see the supported-ops table, docs/guide/supported.md), or pass "
         f"on_unsupported='replicate' to accept the replicated fallback (correct, with a warning)."
     )
 
