@@ -57,8 +57,8 @@ def test_readme_quick_start_is_the_example_file():
     """The quick start used MyGPT, cfg and targets without defining them: it is now a file that runs, and
     the README shows that file as it is."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    block = text.split("<!-- runs: tests/test_readme.py::test_quickstart_runs_on_4_ranks_as_one_process -->\n```python\n",
-                       1)[1].split("```\n", 1)[0]
+    mark = "<!-- runs: tests/test_readme.py::test_quickstart_runs_on_4_ranks_as_one_process -->\n```python\n"
+    block = text.split(mark, 1)[1].split("```\n", 1)[0]
     assert block == open(QUICKSTART).read(), "README's quick start differs from examples/quickstart.py"
 
 
