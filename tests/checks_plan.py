@@ -42,7 +42,17 @@ def _mixtral():
     return model, (), make(4, 8, 1)
 
 
-MODELS = {"mlp": _mlp, "attention": _attention, "gpt2": _gpt2, "bench llama": _bench_llama, "mixtral": _mixtral}
+def _peft_llama():
+    """peft LoRA on q_proj and v_proj: every base weight frozen (requires_grad=False)."""
+    import peft
+
+    torch.manual_seed(0)
+    model, make = build("llama")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(model, lora), (), make(4, 8, 0)
+
+
+MODELS = {"peft llama": _peft_llama, "mlp": _mlp, "attention": _attention, "gpt2": _gpt2, "bench llama": _bench_llama, "mixtral": _mixtral}
 
 
 ROUTING_KERNELS = ("ExpertDispatch", "ExpertCombine", "ExpertOffsets")

@@ -15,10 +15,11 @@ from tests import checks_plan as C
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", ["mlp", "attention", "gpt2", "bench llama", "mixtral"])
+@pytest.mark.parametrize("name", ["mlp", "attention", "gpt2", "bench llama", "mixtral", "peft llama"])
 def test_plan_equals_a_real_2x2_run(pool4, name):
     """Catches a planner that drifts from the engine: a different rewritten graph, or bytes (or
-    collective calls) that the collective layer does not actually move (launch). The MoE token
+    collective calls) that the collective layer does not actually move (launch); a frozen weight (peft's
+    base layers) priced with a weight gradient it never gets (132.0 KiB charged, 12,288 B moved). The MoE token
     dispatch's bytes depend on the routing and are left out here (planned for balanced routing;
     tests/test_moe.py checks the counted ones against the router's choices)."""
     for rank, r in enumerate(pool4.run(C.plan_vs_run, name)):
@@ -112,3 +113,18 @@ def test_cli_grid_auto_and_strategy(capsys):
     r = _inspect(capsys, "llama", "--grid", "2x2", "--strategy", "auto", *small)
     assert r.returncode == 0, r.stderr
     assert "strategy auto: estimated step" in r.stdout and "[auto: " not in r.stdout  # table by module
+
+
+def test_frozen_parameters_hold_no_gradient_or_optimizer_state():
+    """peft's frozen base layers were priced as trained: gradients and AdamW states of every parameter.
+    Only the LoRA matrices (requires_grad) get them now, in the plan's memory and in the search's."""
+    model, args, kwargs = C.MODELS["peft llama"]()
+    pl = autopar.plan(model, grid=(2, 2), example_inputs=args, example_kwargs=kwargs)
+    lora = sum(v.bytes_per_rank for n, v in pl.params.items() if ".lora_" in n)
+    j = pl.to_json()
+    assert 0 < lora < pl.param_bytes_per_rank
+    assert (j["grad_bytes_per_rank"], j["adamw_state_bytes_per_rank"]) == (lora, 2 * lora), j
+    auto = autopar.plan(model, grid=(2, 2), example_inputs=args, example_kwargs=kwargs, strategy="auto")
+    est = auto.choice.estimate
+    assert est.frozen_param_bytes == est.param_bytes - sum(
+        v.bytes_per_rank for n, v in auto.params.items() if ".lora_" in n), (est.param_bytes, est.frozen_param_bytes)

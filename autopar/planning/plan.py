@@ -52,6 +52,7 @@ class ParamPlacement(NamedTuple):
     layout: str  # repr of its Layout, e.g. "S(0)S(1)"
     bytes_per_rank: int  # of the block each rank holds
     bytes_total: int  # of the whole tensor
+    trained: bool = True  # requires_grad: a frozen one (peft's base layers) holds no gradient or optimizer state
 
 
 @dataclass
@@ -103,6 +104,12 @@ class Plan:
         return sum(v.bytes_per_rank for v in self.params.values())
 
     @property
+    def trained_bytes_per_rank(self) -> int:
+        """Of param_bytes_per_rank, the parameters that get a gradient (requires_grad): what gradients
+        and optimizer states take."""
+        return sum(v.bytes_per_rank for v in self.params.values() if v.trained)
+
+    @property
     def param_bytes_total(self) -> int:
         return sum(v.bytes_total for v in self.params.values())
 
@@ -125,8 +132,8 @@ class Plan:
             "collectives_recompute": self.collectives_recompute,
             "param_bytes_per_rank": self.param_bytes_per_rank,
             "param_bytes_total": self.param_bytes_total,
-            "grad_bytes_per_rank": self.param_bytes_per_rank,
-            "adamw_state_bytes_per_rank": 2 * self.param_bytes_per_rank,
+            "grad_bytes_per_rank": self.trained_bytes_per_rank,
+            "adamw_state_bytes_per_rank": 2 * self.trained_bytes_per_rank,
             "activation_bytes_per_rank": self.activation_bytes,
             "recompute": self.recompute,
             "recompute_bytes_per_rank": self.recompute_bytes,
@@ -224,7 +231,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         lay = layouts.get(name, REPLICATED)
         full = p.numel() * p.element_size()
         mine = math.prod(local_shape(tuple(p.shape), lay, mesh, at=(0, 0))) * p.element_size()
-        params[name] = ParamPlacement(tuple(p.shape), repr(lay), mine, full)
+        params[name] = ParamPlacement(tuple(p.shape), repr(lay), mine, full, p.requires_grad)
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
                   flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice,

@@ -148,13 +148,15 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False) -
 
 
 def nodes_needing_grad(gm: torch.fx.GraphModule) -> set:
-    """Nodes whose value depends on a floating-point parameter: only their backward runs."""
+    """Nodes whose value depends on a trained floating-point parameter: only their backward runs. A
+    frozen parameter (requires_grad=False: peft's base layers) gets no gradient, so neither its weight
+    gradient nor its gradient reduction is priced, and what only it feeds saves nothing for backward."""
     out = set()
     for node in gm.graph.nodes:
         v = node.meta.get("val")
         floating = isinstance(v, torch.Tensor) and v.dtype.is_floating_point or isinstance(v, (tuple, list))
         if node.op == "placeholder":
-            if node.meta.get(ROLE) == "param" and floating:
+            if node.meta.get(ROLE) == "param" and floating and getattr(v, "requires_grad", True):
                 out.add(node)
         elif floating and any(a in out for a in node.all_input_nodes):
             out.add(node)

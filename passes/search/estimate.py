@@ -35,6 +35,7 @@ class Estimate:
     time_s: float = 0.0
     bytes_per_axis: list = field(default_factory=lambda: [0.0, 0.0])
     param_bytes: float = 0.0
+    frozen_param_bytes: float = 0.0  # of param_bytes, those of parameters that get no gradient
     activation_bytes: float = 0.0
     memory_bytes: float = 0.0
     lowerings: dict = field(default_factory=dict)  # SUMMA node name -> lowering
@@ -45,6 +46,7 @@ class Estimate:
         for a in range(2):
             self.bytes_per_axis[a] += k * other.bytes_per_axis[a]
         self.param_bytes += k * other.param_bytes
+        self.frozen_param_bytes += k * other.frozen_param_bytes
         self.activation_bytes += k * other.activation_bytes
         self.lowerings.update(other.lowerings)
 
@@ -175,5 +177,7 @@ def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: se
             if p not in params_seen:
                 params_seen.add(p)
                 est.param_bytes += nbytes
+                if p not in grads and grads:  # frozen: no gradient, no optimizer state (a forward: grads empty)
+                    est.frozen_param_bytes += nbytes
         est.activation_bytes += nc.activation_bytes
     return est

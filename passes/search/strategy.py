@@ -207,7 +207,9 @@ class Evaluator:
             nodes = list(self.gm.graph.nodes)
             est = price(nodes, self._run(nodes), self.mesh, self.grads, self.cm, cache=self.costs,
                         lowering=self.lowering)
-        est.memory_bytes = est.param_bytes * self.state_factor + est.activation_bytes
+        # a frozen parameter holds no gradient or optimizer state: the parameter alone
+        trained = est.param_bytes - est.frozen_param_bytes
+        est.memory_bytes = trained * self.state_factor + est.frozen_param_bytes + est.activation_bytes
         self._recompute(est, trade)
         self.cache[key] = est
         return est
