@@ -52,7 +52,8 @@ def _peft_llama():
     return peft.get_peft_model(model, lora), (), make(4, 8, 0)
 
 
-MODELS = {"peft llama": _peft_llama, "mlp": _mlp, "attention": _attention, "gpt2": _gpt2, "bench llama": _bench_llama, "mixtral": _mixtral}
+MODELS = {"peft llama": _peft_llama, "mlp": _mlp, "attention": _attention, "gpt2": _gpt2, "bench llama": _bench_llama,
+          "mixtral": _mixtral}
 
 
 ROUTING_KERNELS = ("ExpertDispatch", "ExpertCombine", "ExpertOffsets")
