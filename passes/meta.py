@@ -33,6 +33,8 @@ Each entry: the value, on which nodes, written by -> read by.
 - `PLAN_ARGS`: the args grid position (0, 0) bakes, on the sized nodes whose args this rank bakes
   otherwise (its torch.chunk block of a dim the grid does not divide). localize -> autopar.program.guards
   (ranks compare one plan).
+- `CAPTURED_AS`: the op capture recorded (`aten.view.default`), on the views localize turned into
+  `aten.reshape.default`. localize -> the rule oracle (tests/test_rules_oracle.py names the rule that ran).
 
 >>> import torch
 >>> from passes.capture.export import capture
@@ -54,3 +56,4 @@ KERNEL = "autopar_kernel"
 PLACED = "autopar_placed"
 RECOMPUTE = "autopar_recompute"
 PLAN_ARGS = "autopar_plan_args"
+CAPTURED_AS = "autopar_captured_as"

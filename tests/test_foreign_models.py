@@ -14,3 +14,15 @@ def test_slots_config_and_rotary_unbind_of_the_last_dim(pool4):
     for rank, r in enumerate(res):
         assert (r["dim"], r["tp_size"]) == (32, 4), (rank, r)  # the config read through, the grid reported
         assert r["user config"] == "SlotsConfig(dim=32)", (rank, r["user config"])
+
+
+def test_nanogpt_attention_under_a_mixed_auto_plan(pool4):
+    """strategy='auto' built a rank program that crashed on its first call ('view size is not compatible
+    with input tensor's size and stride') for nanoGPT's attention under the mixed plan c_attn
+    replicated, c_proj 1D: every view of a rank program is now a reshape. Forward and backward."""
+    res = pool4.run(C.nano_attention_auto)
+    assert_every_rank([r["excess"] for r in res], "nanoGPT attention, auto at 2x2")
+    for rank, r in enumerate(res):
+        # the mixed plan that crashed (the default cost model's choice; if it changes, this test no
+        # longer exercises the crash and must pin another mixed plan)
+        assert r["choice"] == {"matmul:c_attn": "rep", "matmul:c_proj": "1d"}, (rank, r["choice"])

@@ -6,6 +6,12 @@ computed from the node's global shape, its layout and the rank's grid coordinate
 not divide has torch.chunk blocks of unequal sizes); split sizes become the pieces' block sizes (a
 fused projection's output is split locally). Ops that build tensors from sizes (arange,
 zeros, full) produce replicated whole tensors and keep theirs.
+
+Every `view` becomes a `reshape`: a view is valid for the strides one process had, and a rank's
+tensor can have others (a head block sliced out of a whole tensor, then transposed:
+capture drops a `.contiguous()` that was a no-op on one process, as after CPU SDPA in nanoGPT's
+`y.transpose(1, 2).contiguous().view(B, T, C)`). reshape is that view wherever the strides allow
+one, and a copy where they do not; capture left no in-place op that could write through the view.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import torch
 from torch.fx import GraphModule
 
 from passes.layout import local_shape
-from passes.meta import LAYOUT, PLAN_ARGS
+from passes.meta import CAPTURED_AS, LAYOUT, PLAN_ARGS
 from passes.nodes import arg
 from passes.rules.views import VIEWS
 
@@ -22,6 +28,7 @@ aten = torch.ops.aten
 _SIZED = {*VIEWS, aten.expand.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 LOCALIZED = _SIZED | _SPLITS | {aten.unflatten.int}
+_VIEWS = {aten.view.default, aten._unsafe_view.default}  # become reshape (see the module docstring)
 
 
 def localize(gm: GraphModule, mesh, at: tuple = (0, 0)) -> GraphModule:
@@ -29,6 +36,9 @@ def localize(gm: GraphModule, mesh, at: tuple = (0, 0)) -> GraphModule:
     does not divide (the blocks of other dims are the same on every rank). Where this rank's args
     differ from grid position (0, 0)'s, those are kept in `node.meta[PLAN_ARGS]`."""
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS:
+            node.meta[CAPTURED_AS] = node.target
+            node.target = aten.reshape.default
         if node.op == "call_function" and node.target in LOCALIZED:
             args = local_args(node, mesh, at)
             if tuple(at) != (0, 0):
