@@ -98,3 +98,66 @@ def nano_attention_auto(rank):
     errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                              prefix="grad "))
     return {"excess": errs, "choice": dict(pm.choice.assignment)}
+
+
+def _freqs_cis(head_dim: int, seq: int) -> torch.Tensor:
+    """torchtitan's precompute_freqs_cis: e^(i t theta_k), complex [seq, head_dim / 2]."""
+    theta = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(seq).float(), theta)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+class ComplexRotaryGQA(nn.Module):
+    """Attention as torchtitan's Llama 3 writes its rotary embedding (q and k viewed as complex pairs,
+    multiplied by a complex buffer, viewed back as real) and as litgpt repeats grouped KV heads
+    (`repeat_interleave` over the head dim): 4 query heads, 2 KV heads, hidden 32."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 2, seq: int = 8):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.register_buffer("freqs_cis", _freqs_cis(self.head_dim, seq), persistent=False)
+
+    def _rotate(self, t, heads):
+        b, s = t.shape[:2]
+        pairs = torch.view_as_complex(t.float().reshape(b, s, heads, -1, 2))
+        return torch.view_as_real(pairs * self.freqs_cis[:s].view(1, s, 1, -1)).flatten(3).type_as(t)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self._rotate(self.wq(x).view(b, s, self.heads, self.head_dim), self.heads)
+        k = self._rotate(self.wk(x).view(b, s, self.kv_heads, self.head_dim), self.kv_heads)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
+        k = k.repeat_interleave(self.heads // self.kv_heads, dim=2)
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=2)
+        y = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def complex_rotary_gqa(rank, grid):
+    """ComplexRotaryGQA at `grid`: loss and every gradient against one process, the ops that fell back
+    (none: view_as_complex, view_as_real and repeat_interleave have rules) and the step's bytes."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = ComplexRotaryGQA()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = autopar.parallelize(model, grid=grid, example_inputs=(x,))
+    pm.grid.log.reset()
+    loss, ref_loss = pm(x).pow(2).mean(), ref(x).pow(2).mean()
+    loss.backward()
+    ref_loss.backward()
+    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    ref_params = dict(ref.named_parameters())
+    errs = group_excess({"loss": (full, ref_loss)})
+    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                             prefix="grad "))
+    return {"excess": errs, "fallbacks": [f.node.name for f in pm.program.fallbacks],
+            "warned": [str(w.message)[:200] for w in caught if issubclass(w.category, autopar.FallbackWarning)]}

@@ -1,6 +1,8 @@
 """Model code nobody here wrote, reduced to the construct that failed: parity with one process on
 real gloo ranks."""
 
+import pytest
+
 from tests import checks_foreign as C
 from tests.compare import assert_every_rank
 
@@ -26,3 +28,15 @@ def test_nanogpt_attention_under_a_mixed_auto_plan(pool4):
         # the mixed plan that crashed (the default cost model's choice; if it changes, this test no
         # longer exercises the crash and must pin another mixed plan)
         assert r["choice"] == {"matmul:c_attn": "rep", "matmul:c_proj": "1d"}, (rank, r["choice"])
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (1, 4)])
+def test_complex_rotary_and_repeated_kv_heads_run_split(pool4, grid):
+    """torchtitan's rotary (view_as_complex / view_as_real) and litgpt's grouped KV heads
+    (repeat_interleave) had no rules: every layer gathered q and k and split them again (26% of
+    torchtitan Llama 3's bytes at 2x2). Now none falls back, and the loss and every gradient equal one
+    process's on every rank."""
+    res = pool4.run(C.complex_rotary_gqa, grid)
+    assert_every_rank([r["excess"] for r in res], f"ComplexRotaryGQA at {grid}")
+    for rank, r in enumerate(res):
+        assert r["fallbacks"] == [] and r["warned"] == [], (rank, r["fallbacks"], r["warned"])

@@ -514,6 +514,17 @@ def test_unbind_of_the_last_dim(q):
     check_local_rules(LastDimUnbind(), (torch.randn(B, S_, H),), q, expect=(aten.unbind,))
 
 
+@pytest.mark.parametrize("q", [2, (1, 2), (2, 1)])
+def test_complex_pairs_and_repeated_heads(q):
+    """view_as_complex / view_as_real (torchtitan's rotary) and repeat_interleave over the head dim
+    (litgpt's grouped KV heads): each rank's block against the oracle, with their inputs split (they
+    fell back to whole tensors before). The backward: tests/test_foreign_models.py, on 4 ranks."""
+    from tests.checks_foreign import ComplexRotaryGQA
+
+    check_local_rules(ComplexRotaryGQA(), (torch.randn(4, 8, 32),), q,
+                      expect=(aten.view_as_complex, aten.view_as_real, aten.repeat_interleave))
+
+
 class Cat(nn.Module):
     def __init__(self):
         super().__init__()

@@ -264,3 +264,46 @@ def repeat(node, layouts, mesh):
     need = Layout(ps)
     out = Layout(tuple(moved(p, p.dim + off) if split_dim(p) is not None else p for p in ps))
     return Strategy({x: need}, out)
+
+
+@register(aten.view_as_complex.default)
+def view_as_complex(node, layouts, mesh):
+    """x [..., 2] (real, imaginary) -> [...] complex: the pair stays whole on every rank; every other
+    dim keeps its split and its index (torchtitan's rotary embedding views q and k this way). Linear,
+    so a partial sum stays partial."""
+    x = node.args[0]
+    nd = len(shape(x))
+    lay = (layouts[x] or REPLICATED).normalized(nd)
+    need = Layout(tuple(Replicate() if split_dim(p) == nd - 1 else p for p in lay.placements))
+    return Strategy({x: need}, need)
+
+
+@register(aten.view_as_real.default)
+def view_as_real(node, layouts, mesh):
+    """x [...] complex -> [..., 2]: every split kept at its dim, the new pair dim whole."""
+    x = node.args[0]
+    lay = (layouts[x] or REPLICATED).normalized(len(shape(x)))
+    return Strategy({x: lay}, lay)
+
+
+@register(aten.repeat_interleave.self_int)
+def repeat_interleave(node, layouts, mesh):
+    """Each element of `dim` repeated r times in place (litgpt's grouped KV heads): splits of the other
+    dims are kept; a split of `dim` is kept when the axis divides it evenly (block b of the output is
+    then the repeats of block b of the input), and gathered otherwise. Without `dim`, the input is
+    flattened: it is taken whole."""
+    x = node.args[0]
+    nd = len(shape(x))
+    dim = arg(node, 2, "dim", None)
+    lay = (layouts[x] or REPLICATED).normalized(nd)
+    sized = node.kwargs.get("output_size") is not None  # a baked global size of `dim`: keep it whole
+    if dim is None:
+        return Strategy({x: REPLICATED}, REPLICATED)
+    dim %= nd
+    need = []
+    for axis, p in enumerate(lay.placements):
+        if isinstance(p, Partial) or (split_dim(p) == dim and (sized or shape(x)[dim] % mesh[axis] or parts(p) != 1)):
+            p = Replicate()
+        need.append(p)
+    need_lay = Layout(tuple(need))
+    return Strategy({x: need_lay}, need_lay)
