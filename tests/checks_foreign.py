@@ -161,3 +161,35 @@ def complex_rotary_gqa(rank, grid):
                              prefix="grad "))
     return {"excess": errs, "fallbacks": [f.node.name for f in pm.program.fallbacks],
             "warned": [str(w.message)[:200] for w in caught if issubclass(w.category, autopar.FallbackWarning)]}
+
+
+class CastWeight(nn.Module):
+    """A weight stored in float64 and cast before its product (as torchtitan's DeepSeek-V3 casts its
+    fp32 experts to bf16 before the grouped product), then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 32, dtype=torch.float64) / 4)
+        self.lin = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.lin(x @ self.w.float())
+
+
+def cast_weight(rank):
+    """CastWeight at 2x2: the loss and every gradient (the float64 one included) against one process,
+    and the stored layout of the cast weight."""
+    torch.manual_seed(0)
+    model = CastWeight()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))
+    loss, ref_loss = pm(x).pow(2).mean(), ref(x).pow(2).mean()
+    loss.backward()
+    ref_loss.backward()
+    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    ref_params = dict(ref.named_parameters())
+    errs = group_excess({"loss": (full, ref_loss)})
+    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                             prefix="grad "))
+    return {"excess": errs, "w placements": repr(pm.w.placements), "w dtype": str(pm.w.dtype)}

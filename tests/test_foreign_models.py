@@ -40,3 +40,13 @@ def test_complex_rotary_and_repeated_kv_heads_run_split(pool4, grid):
     assert_every_rank([r["excess"] for r in res], f"ComplexRotaryGQA at {grid}")
     for rank, r in enumerate(res):
         assert r["fallbacks"] == [] and r["warned"] == [], (rank, r["fallbacks"], r["warned"])
+
+
+def test_a_cast_between_a_weight_and_its_product_keeps_the_split(pool4):
+    """A dtype cast between a parameter and its matmul (DeepSeek-V3's `w.bfloat16()` before its
+    experts' product in torchtitan) left the weight whole on every rank: its consumer now places it
+    through the cast, as through a transpose. Loss and every gradient against one process."""
+    res = pool4.run(C.cast_weight)
+    assert_every_rank([r["excess"] for r in res], "CastWeight at 2x2")
+    for rank, r in enumerate(res):
+        assert r["w placements"] == "(Shard(dim=0), Shard(dim=1))" and r["w dtype"] == "torch.float64", (rank, r)

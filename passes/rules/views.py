@@ -33,6 +33,19 @@ TRANSPOSES = (aten.transpose.int, aten.t.default, aten.permute.default, aten.num
 _LAST_TWO = (aten.mT.default, aten.mH.default, aten.adjoint.default)  # swap the last two dims (mH conjugates)
 
 
+def is_cast(node) -> bool:
+    """A dtype cast and nothing else (`w.bfloat16()`, `w.to(torch.float32)`): a parameter read through
+    one is placed by the cast's consumer, as through a transpose (DeepSeek-V3 in torchtitan casts its
+    fp32 experts to bf16 before the grouped product)."""
+    if node.op != "call_function":
+        return False
+    if node.target == aten.to.dtype:
+        return not any(k in node.kwargs for k in ("memory_format",)) and len(node.args) <= 2
+    if node.target == aten._to_copy.default:
+        return len(node.args) == 1 and set(node.kwargs) <= {"dtype"}
+    return False
+
+
 def _input_layout(layouts, x):
     lay = layouts[x]
     if lay is None:
@@ -71,8 +84,11 @@ def _perm_rule(node, layouts, mesh, perm):
 
 
 def permutation(node) -> list:
-    """perm of a transpose-like node (see TRANSPOSES): output dim i is input dim perm[i]."""
+    """perm of a transpose-like node (see TRANSPOSES): output dim i is input dim perm[i]; the identity
+    for a cast (`is_cast`)."""
     nd = len(shape(node.args[0]))
+    if is_cast(node):
+        return list(range(nd))
     if node.target == aten.permute.default:
         return [d % nd for d in node.args[1]]
     if node.target in (aten.t.default, aten.numpy_T.default):  # .T reverses every dim

@@ -40,7 +40,7 @@ from passes.options import DEFAULTS, Options
 from passes.rules.registry import Strategy, Unsupported, lookup
 from passes.nodes import tensor_inputs, val
 from passes.rules.fallback import creation, fallback
-from passes.rules.views import TRANSPOSES, permutation
+from passes.rules.views import TRANSPOSES, is_cast, permutation
 from passes.errors import UnsupportedError
 
 
@@ -66,7 +66,7 @@ class Propagation:
 
 
 def _claim(node: Node, need: Layout, layouts: dict, res: Propagation) -> None:
-    """Place an unplaced parameter (or a transpose chain of one) as its consumer asks."""
+    """Place an unplaced parameter (or a chain of transposes and casts of one) as its consumer asks."""
     layouts[node] = need
     if node.op == "placeholder":
         res.param_layouts[node.meta[PARAM]] = need
@@ -88,7 +88,7 @@ def _strategy(node: Node, layouts: dict, mesh: tuple, indivisible: str) -> Strat
         return Strategy({}, REPLICATED)
     if not ins:
         return creation(node)
-    if node.target in TRANSPOSES and layouts.get(node.args[0]) is None:
+    if (node.target in TRANSPOSES or is_cast(node)) and layouts.get(node.args[0]) is None:
         return Strategy({}, None)  # waits for its consumer (see _claim)
     if writes_first_arg(node) and layouts.get(node.args[0]) is None:
         return Strategy({}, None)  # an update of an unplaced parameter waits for a reader to place it
