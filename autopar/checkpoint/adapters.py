@@ -184,7 +184,8 @@ def load(pmodel, base_path: str, adapter_path: str, progress: bool = True) -> No
     # (a `q_proj.base_layer.weight` is the checkpoint's `q_proj.weight`): one more copy, on meta
     injected = _base_model(pmodel)
     with meta_init():
-        clean = type(injected)(injected.config) if hasattr(injected, "config") else None
+        model_class = type(injected)
+        clean = model_class(injected.config) if hasattr(injected, "config") else None
     if clean is None:
         raise UsageError(f"autopar loads a peft adapter over a transformers base model; "
                          f"{type(injected).__name__} has no config to rebuild it from")

@@ -86,8 +86,10 @@ def _same_batch(tensor, **_):
 
 def _full(value):
     """A prediction with its DTensors (split outputs) made whole; tuples and lists alike."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(_full(v) for v in value)
+    if isinstance(value, tuple):
+        return tuple(_full(v) for v in value)
+    if isinstance(value, list):
+        return [_full(v) for v in value]
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
