@@ -280,7 +280,7 @@ def bench_cmd(ns) -> int:
     return run(ns)
 
 
-def _size(text: str):
+def parse_size(text: str):
     """--memory-limit's value: '80GiB', '500MB' or bytes, as parallelize's memory_limit takes it; a
     usage error naming the flag otherwise (a plain 80 is 80 bytes: it asks whether GiB was meant)."""
     from passes.options import MIN_MEMORY_LIMIT, parse_bytes
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     _option_flag(p, "cost_model", "JSON from `autopar calibrate`; default: published NVLink/InfiniBand figures",
                  metavar="FILE")
     _option_flag(p, "memory_limit", "a size per rank: 80GiB, 500MB, or bytes; also --max-batch's limit",
-                 type=_size, metavar="SIZE")
+                 type=parse_size, metavar="SIZE")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.checkpoint import hf as checkpoint
+from autopar.checkpoint import save as saving
 from tests.checks_robust import _err
 from tests.checks_hf import build
 from tests.compare import excess, group_excess
@@ -94,7 +95,7 @@ def rank0_failures(rank, tmp):
     autopar.save_pretrained(pm, good, max_shard_bytes=GOOD_SHARD)
     before = _digests(good)
     dist.barrier()  # each rank reads the directory before rank 0's next save takes its lock there
-    out["disk full"] = _patched(rank, checkpoint, "write", _full_on_second_call(checkpoint.write),
+    out["disk full"] = _patched(rank, saving, "write", _full_on_second_call(saving.write),
                                 lambda: autopar.save_pretrained(pm, good, max_shard_bytes=GOOD_SHARD))
     out["disk full: files"] = _digests(good) == before
     dist.barrier()

@@ -85,7 +85,7 @@ def dying_rank(rank, world, port, outdir):
 
 def interrupted_save(rank, world, port, outdir):
     """A save killed after its first shard leaves the previous checkpoint loadable."""
-    from autopar.checkpoint import hf as checkpoint
+    from autopar.checkpoint import save as checkpoint
     from autopar.launch import init_local
     from tests.checks_hf import build
 

@@ -155,9 +155,9 @@ def test_the_command_line_reads_the_same_sizes():
     number on the command line that cannot be meant as bytes asks whether GiB was meant."""
     from autopar import cli
 
-    assert cli._size("80GiB") == 80 * 2**30 and cli._size(str(2**31)) == 2**31
+    assert cli.parse_size("80GiB") == 80 * 2**30 and cli.parse_size(str(2**31)) == 2**31
     with pytest.raises(argparse.ArgumentTypeError, match="'80' is 80 bytes per rank.*did you mean 80GiB"):
-        cli._size("80")
+        cli.parse_size("80")
 
 
 def test_missing_example_inputs_name_the_argument():

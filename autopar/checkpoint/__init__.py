@@ -3,9 +3,12 @@
 files (`safetensors_io`)."""
 
 from autopar.checkpoint.dcp import load_distributed, save_distributed
-from autopar.checkpoint.hf import (from_pretrained, load_full_state_dict, load_safetensors, meta_init,
-                                   restore_buffers, save_pretrained)
+from autopar.checkpoint.hf import load_full_state_dict, load_safetensors, meta_init, restore_buffers
+from autopar.checkpoint.pretrained import from_pretrained, save_pretrained
 from autopar.errors import CheckpointWarning
+from autopar.parallel.module import EXTENSIONS
+
+EXTENSIONS["save_pretrained"] = save_pretrained  # pmodel.save_pretrained(path), as transformers and peft name it
 
 __all__ = ["from_pretrained", "save_pretrained", "load_full_state_dict", "load_safetensors", "meta_init",
            "restore_buffers",

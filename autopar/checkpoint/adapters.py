@@ -27,18 +27,16 @@ import os
 
 import torch
 
+from autopar.checkpoint.hf import load_view, meta_init
+from autopar.checkpoint.keys import is_peft_model
+from autopar.checkpoint.save import save_view
 from autopar.errors import UsageError
+from autopar.program.consensus import AXES, agree, on_rank0
 from passes.ops.comm import guarded
-from autopar.program.consensus import AXES
 
 __all__ = ["is_peft_model", "save", "load", "names"]
 
 PREFIX = "base_model.model."  # where a PeftModel keeps the wrapped model's names
-
-
-def is_peft_model(model) -> bool:
-    """A `peft.PeftModel` (or subclass: PeftModelForCausalLM, ...), without importing peft."""
-    return any(c.__module__.startswith("peft.") and c.__name__ == "PeftModel" for c in type(model).__mro__)
 
 
 def _adapter(model) -> str:
@@ -73,8 +71,6 @@ def _base_model(pmodel):
 
 def save(pmodel, path: str, max_shard_bytes: int, merged: bool) -> None:
     """See the module docstring. Every rank calls it; gathers go parameter by parameter."""
-    from autopar.checkpoint.hf import save_view
-
     base_model = _base_model(pmodel)
     base, adapted = names(pmodel)
     tensors = _by_name(pmodel)
@@ -91,8 +87,6 @@ def save(pmodel, path: str, max_shard_bytes: int, merged: bool) -> None:
         with guarded(pmodel.grid, "full_tensor gather", AXES, f"save_pretrained: {name}"):
             whole = t.full_tensor() if hasattr(t, "full_tensor") else t
         full[key] = whole.detach().cpu().contiguous()
-    from autopar.program.consensus import agree, on_rank0
-
     agree(pmodel.grid, on_rank0(pmodel.grid, _write_adapter, pmodel.source_model, path, full),
           f"autopar.save_pretrained({path!r}): writing the adapter")
 
@@ -175,10 +169,6 @@ def _merger(pmodel, tensors: dict):
 def load(pmodel, base_path: str, adapter_path: str, progress: bool = True) -> None:
     """Each rank's blocks of the base model's weights from `base_path` (transformers' key rules) and of
     the adapter from `adapter_path` (peft's keys)."""
-    from autopar.checkpoint.hf import load_view
-
-    from autopar.checkpoint.hf import meta_init
-
     base, adapted = names(pmodel)
     # transformers' key rules are asked about the base model as it was before peft injected its layers
     # (a `q_proj.base_layer.weight` is the checkpoint's `q_proj.weight`): one more copy, on meta

@@ -190,3 +190,20 @@ def revert(model: nn.Module, tensors: dict) -> dict:
     if not is_transformers_model(model):
         return tensors
     return transformers_internals().revert_weight_conversion(model, tensors)
+
+
+def is_peft_model(model) -> bool:
+    """A `peft.PeftModel` (or subclass: PeftModelForCausalLM, ...), without importing peft."""
+    return any(c.__module__.startswith("peft.") and c.__name__ == "PeftModel" for c in type(model).__mro__)
+
+
+def aliases(pmodel) -> dict:
+    """Canonical parameter name -> every name the source model has for the same tensor (tied weights)."""
+    names: dict = {}
+    by_id = {}
+    for name, p in pmodel.source_model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    for group in by_id.values():
+        for name in group:
+            names.setdefault(name, group)
+    return names

@@ -28,7 +28,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers.utils import can_return_loss, find_labels
 
 from autopar.parallel.module import ParallelModule
-from autopar.checkpoint.hf import load_distributed, load_safetensors, save_distributed, save_pretrained
+from autopar.checkpoint.dcp import load_distributed, save_distributed
+from autopar.checkpoint.hf import load_safetensors
+from autopar.checkpoint.pretrained import save_pretrained
 from autopar.errors import CheckpointNotFoundError, UsageError
 
 OPTIMIZER_DIR = "optimizer_dcp"

@@ -6,12 +6,8 @@ signature; `autopar.parallel.run` runs the programs."""
 
 from __future__ import annotations
 
-import collections
-import hashlib
-import os
 import sys
 import types
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -32,9 +28,10 @@ from autopar.parallel.run import Runner
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.program.consensus import all_gather_objects
-from autopar.program.guards import bit_sum, check_dtypes, fingerprint, position_checksum
+from autopar.parallel.inputs import RankStateDict, check_inputs as check_call_inputs, input_names
+from autopar.program.guards import bit_sum, check_dtypes
 from autopar.program.build import Compiled, cache_off_kwargs, compile_program, refuse_kv_cache, signature
-from autopar.errors import CheckpointWarning, NotMaterializedError, UnsupportedError, UsageError
+from autopar.errors import NotMaterializedError, UnsupportedError, UsageError
 
 __all__ = ["ParallelModule"]
 
@@ -65,52 +62,8 @@ def _set_path(root: nn.Module, path: str, value, kind: str, persistent: bool = T
         m.register_buffer(leaf, value, persistent=persistent)
 
 
-class RankStateDict(collections.OrderedDict):
-    """A ParallelModule's state_dict (this rank's blocks). torch.save of it warns: the file holds one
-    rank's blocks as DTensors, which the unmodified model cannot load and which need the same process
-    group to unpickle. It pickles as a plain OrderedDict."""
-
-    def __reduce_ex__(self, protocol):
-        if _called_from_torch_save():
-            warnings.warn(
-                "torch.save(pmodel.state_dict()) writes this rank's parameter blocks only (DTensors that load "
-                "only into the same grid, under a process group). For full tensors that the unmodified model "
-                "loads: autopar.save_pretrained(pmodel, directory) on every rank, then "
-                "model.load_state_dict(autopar.load_full_state_dict(directory)) on one process; for a sharded "
-                "checkpoint to resume from: autopar.save_distributed(pmodel, path, optimizer)",
-                CheckpointWarning, stacklevel=3)
-        state = {k: v for k, v in vars(self).items()}
-        return collections.OrderedDict, (), state or None, None, iter(self.items())
-
-
-def _called_from_torch_save() -> bool:
-    """Whether torch.save (torch/serialization.py) is pickling: copy.deepcopy and other picklers do not warn."""
-    frame = sys._getframe(2)
-    for _ in range(12):
-        if frame is None:
-            return False
-        if frame.f_code.co_filename.endswith(os.path.join("torch", "serialization.py")):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _plain(v):
-    """What the input check compares of a non-tensor input: a plain value itself, another object its type
-    (its repr may hold an address that differs between processes)."""
-    return repr(v) if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__
-
-
-def _input_names(comp: Compiled, args, kwargs) -> list[str]:
-    """The user's name of each flattened input, in placeholder order: "positional input 0",
-    "input 'labels'", "positional input 1[0]" for a nested one."""
-    spec_kwargs = comp.captured.in_spec.child(1).context if comp.captured.in_spec.num_children == 2 else []
-    leaves, _ = pytree.tree_flatten_with_path((tuple(args), {k: kwargs[k] for k in spec_kwargs if k in kwargs}))
-    names = []
-    for path, _ in leaves:
-        head, key, rest = path[0], path[1], "".join(str(k) for k in path[2:])
-        names.append(f"positional input {key.idx}{rest}" if head.idx == 0 else f"input {key.key!r}{rest}")
-    return names
+# methods a layer above adds (autopar.checkpoint: "save_pretrained"), so that this one imports none of it
+EXTENSIONS: dict = {}
 
 
 class ParallelModule(nn.Module):
@@ -182,12 +135,13 @@ class ParallelModule(nn.Module):
         return self._source
 
     def save_pretrained(self, path, **kwargs) -> None:
-        """`autopar.save_pretrained(self, path, **kwargs)`, under the name transformers and peft models
-        give it: call it on every rank (full tensors, written by rank 0; a peft model's adapter as peft
-        writes it)."""
-        from autopar.checkpoint.hf import save_pretrained
-
-        save_pretrained(self, path, **kwargs)
+        """`autopar.save_pretrained(self, path, **kwargs)` (registered in `EXTENSIONS` by autopar.checkpoint),
+        under the name transformers and peft models give it: call it on every rank."""
+        save = EXTENSIONS.get("save_pretrained")
+        if save is None:
+            raise UsageError("pmodel.save_pretrained(path) is autopar.save_pretrained(pmodel, path), which is not "
+                             "loaded yet: call autopar.save_pretrained(pmodel, path) (on every rank)")
+        save(self, path, **kwargs)
 
     @property
     def tied_names(self) -> dict:
@@ -199,13 +153,7 @@ class ParallelModule(nn.Module):
         """As nn.Module's: this rank's blocks, as DTensors (what torch.distributed.checkpoint and the
         optimizers read). Saved with torch.save it holds this rank's blocks only and loads only into the
         same grid, so pickling it warns, naming the calls that write full tensors."""
-        out = super().state_dict(*args, **kwargs)
-        if type(out) is collections.OrderedDict:
-            blocks = RankStateDict(out)
-            if hasattr(out, "_metadata"):
-                blocks._metadata = out._metadata  # type: ignore[attr-defined]
-            return blocks
-        return out
+        return RankStateDict.of(super().state_dict(*args, **kwargs))
 
     @property
     def persistent_buffer_names(self) -> frozenset:
@@ -334,7 +282,7 @@ class ParallelModule(nn.Module):
         kwargs = {**self._cache_off, **kwargs}
         comp, flat = self._get(args, kwargs)
         self._last = comp
-        self._validate_inputs(flat, comp, lambda: _input_names(comp, args, kwargs))
+        self._validate_inputs(flat, comp, lambda: input_names(comp, args, kwargs))
         locals_, cache = [], {}
         for role, key in comp.captured.sources:
             if role == "param" and key not in cache:
@@ -377,62 +325,10 @@ class ParallelModule(nn.Module):
         UsageError naming the input and the ranks that differ. Call it on every rank, like a call."""
         kwargs = {**self._cache_off, **kwargs}
         comp, flat = self._get(args, kwargs)
-        self._validate_inputs(flat, comp, lambda: _input_names(comp, args, kwargs))
+        self._validate_inputs(flat, comp, lambda: input_names(comp, args, kwargs))
 
     def _validate_inputs(self, flat, comp, names) -> None:
-        device = comp.captured.device
-        for i, t in enumerate(flat):
-            if isinstance(t, torch.Tensor) and t.device != device:
-                raise UsageError(
-                    f"{names()[i]} (shape {tuple(t.shape)}) is on {t.device}, but this rank's parameter blocks are "
-                    f"on {device}; pass every input on {device} (the model was parallelized with inputs there)"
-                )
-        self._check_same_inputs(flat, device, names)
-
-    def _check_same_inputs(self, flat, device, names) -> None:
-        """Every rank of a grid must pass the same inputs: a rank with another batch size would abort
-        the collectives (gloo: 'Received data size doesn't match'), and one with the same shapes but
-        its own batch (as under DDP) would train on a mix of batches with nobody told. One all-reduce
-        of four int64 per call (the max of a digest of the shapes and dtypes, of a checksum of the
-        values on the device, and of their negations: equal maxima of both signs mean every rank
-        had the same); only when they differ are the inputs gathered, to name what differs and where.
-        check_inputs=False leaves out the values, never the shapes."""
-        shapes = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else _plain(t) for t in flat]
-        digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
-        values = torch.zeros((), dtype=torch.int64, device=device)
-        if self._options.check_inputs:
-            for i, t in enumerate(flat):
-                if isinstance(t, torch.Tensor):
-                    values = values + position_checksum(t) * (2 * i + 3)
-        both = torch.stack([torch.tensor(digest, dtype=torch.int64, device=device), values])
-        both = torch.cat([both, -both])
-        mine = both.tolist()
-        with comm.guarded(self.grid, "check_inputs all-reduce", "grid", "check_inputs"):
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.grid.world_group)
-        agreed = both.tolist()
-        if agreed == mine:
-            return
-        base = self.grid.dp_index * self.grid.world
-        if agreed[0] == mine[0] and agreed[2] == mine[2]:  # same shapes: the values differ
-            prints = [fingerprint(t) for t in flat]
-            everyone = all_gather_objects(prints, self.grid.world_group,
-                                          comm.guarded(self.grid, "check_inputs all-gather", "grid", "check_inputs"))
-            i = next(i for i in range(len(flat)) if any(e[i] != everyone[0][i] for e in everyone))
-            differ = [base + r for r, e in enumerate(everyone) if e[i] != everyone[0][i]]
-            raise UsageError(
-                f"check_inputs: {names()[i]} differs between the ranks of this grid: ranks {differ} got other "
-                f"values than rank {base}. Every rank of a grid computes on the same batch (unlike DDP, "
-                f"where each rank takes its own): pass the same inputs on all {self.grid.world} ranks of a "
-                f"grid (seed their data loaders alike; with data-parallel replicas, split the data per "
-                f"replica, grid.dp_index, not per rank). check_inputs=False turns this check off")
-        everyone = all_gather_objects(shapes, self.grid.world_group,
-                                      comm.guarded(self.grid, "input shape gather", "grid", "check_inputs"))
-        i = next(i for i in range(len(shapes)) if any(e[i] != everyone[0][i] for e in everyone))
-        differ = {base + r: e[i] for r, e in enumerate(everyone) if e[i] != everyone[0][i]}
-        raise UsageError(
-            f"{names()[i]} has shape and dtype {everyone[0][i]} on rank {base} but {differ} on others: every rank "
-            f"of a grid must pass the same full inputs (the same batch; check_inputs=False skips comparing "
-            f"their values, never their shapes)")
+        check_call_inputs(self.grid, flat, comp.captured.device, names, self._options.check_inputs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As nn.Module's, and also from plain full tensors (a single-process model's state_dict, the

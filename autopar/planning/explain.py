@@ -155,9 +155,7 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     fell back, or with `verbose` every op. With `formulas`, each row that moves bytes is followed by
     its cost as a sympy expression and the values it was evaluated at. `pmodel` may also be a Plan
     (`autopar.plan(...)`, no processes needed): the same table, and its totals and memory."""
-    from autopar.planning.plan import Plan
-
-    if isinstance(pmodel, Plan):
+    if hasattr(pmodel, "rows") and hasattr(pmodel, "to_json"):  # a Plan (plan.py imports this module)
         return _explain_plan(pmodel, verbose, formulas)
     if not hasattr(pmodel, "program"):
         raise UsageError(f"autopar.explain takes what autopar.parallelize returns (a ParallelModule) or what "
@@ -201,10 +199,48 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     return "\n".join(lines + generation_lines(pmodel))
 
 
+def held_above(above: dict, held: int, shown: int = 6) -> str:
+    """The parameters a rank holds more than 1/p of: all names when few, else a count, their share of
+    what the rank holds and the first names (a model's 65 norm weights would fill the screen).
+
+    >>> held_above({"ln.weight": 8, "ln.bias": 8}, 1000)
+    'ln.weight, ln.bias'
+    >>> held_above({f"h.{i}.ln.weight": 8 for i in range(8)}, 6400, shown=2)[:70]
+    "8 tensors, 1.00% of this rank's parameter bytes: h.0.ln.weight, h.1.ln"
+    """
+    if len(above) <= shown:
+        return ", ".join(above) or "none"
+    share = sum(above.values()) / held if held else 0.0
+    return (f"{len(above)} tensors, {share:.2%} of this rank's parameter bytes: {', '.join(list(above)[:shown])}, "
+            f"... (all in --json's params_above_1_over_p)")
+
+
+def mib(n) -> str:
+    return f"{n / 2**20:.2f}" if n is not None else "-"
+
+
+def summary_lines(pl) -> list:
+    """A plan's totals: bytes and collective calls per rank per step, memory per rank, what is held
+    above 1/p and the costly fallbacks."""
+    j = pl.to_json()
+    return [
+        f"grid {pl.grid[0]}x{pl.grid[1]}, per rank per training step: {mib(j['comm_bytes_per_rank_per_step'])} MiB "
+        f"received in {j['collectives_per_rank_per_step']} collective calls, "
+        f"{j['flops_per_rank_per_step'] / 1e12:.3f} TFLOP (matmuls)",
+        f"memory per rank: parameters {mib(j['param_bytes_per_rank'])} MiB "
+        f"(model {mib(j['param_bytes_total'])} MiB), "
+        f"gradients {mib(j['grad_bytes_per_rank'])} MiB, AdamW states {mib(j['adamw_state_bytes_per_rank'])} MiB, "
+        f"saved for backward {mib(j['activation_bytes_per_rank'])} MiB, largest tensor "
+        f"{mib(j['largest_tensor_bytes'])} MiB",
+        f"held above 1/p: {held_above(j['params_above_1_over_p'], j['param_bytes_per_rank'])}",
+        f"costly fallbacks: {', '.join(f['node'] for f in j['fallback_nodes'] if f['costly']) or 'none'}",
+        *(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'} runs whole: {f.reason}"
+          + ("" if f.costly else " [its inputs are already whole: nothing is gathered]") for f in pl.fallbacks),
+    ]
+
+
 def _explain_plan(pl, verbose: bool, formulas: bool) -> str:
     """explain for a Plan: its op table, then the totals and memory of `autopar.planning.report`."""
-    from autopar.planning.report import summary_lines
-
     lines, table = _table(pl.rows, verbose, formulas)
     hidden = len(pl.rows) - len(table)
     lines += [f"({hidden} more ops move no bytes; explain(plan, verbose=True) lists every op)"] if hidden else []

@@ -6,25 +6,7 @@ from __future__ import annotations
 import html as _html
 from collections import defaultdict
 
-
-def _above(above: dict, held: int, shown: int = 6) -> str:
-    """The parameters a rank holds more than 1/p of: all names when few, else a count, their share of
-    what the rank holds and the first names (a model's 65 norm weights would fill the screen).
-
-    >>> _above({"ln.weight": 8, "ln.bias": 8}, 1000)
-    'ln.weight, ln.bias'
-    >>> _above({f"h.{i}.ln.weight": 8 for i in range(8)}, 6400, shown=2)[:70]
-    "8 tensors, 1.00% of this rank's parameter bytes: h.0.ln.weight, h.1.ln"
-    """
-    if len(above) <= shown:
-        return ", ".join(above) or "none"
-    share = sum(above.values()) / held if held else 0.0
-    return (f"{len(above)} tensors, {share:.2%} of this rank's parameter bytes: {', '.join(list(above)[:shown])}, "
-            f"... (all in --json's params_above_1_over_p)")
-
-
-def _mib(n) -> str:
-    return f"{n / 2**20:.2f}" if n is not None else "-"
+from autopar.planning.explain import mib, summary_lines
 
 
 def group_by_module(pl) -> str:
@@ -41,28 +23,9 @@ def group_by_module(pl) -> str:
     lines = [f"{'module':<{width}}  {'fwd MiB':>9}  {'bwd MiB':>9}  fallbacks",
              f"{'-' * width}  {'-' * 9}  {'-' * 9}  ---------"]
     for key, (f, b, _, fb) in groups.items():
-        lines.append(f"{key:<{width}}  {_mib(f):>9}  {_mib(b):>9}  {', '.join(sorted(fb))}")
+        lines.append(f"{key:<{width}}  {mib(f):>9}  {mib(b):>9}  {', '.join(sorted(fb))}")
     return "\n".join(lines + ["", *summary_lines(pl)])
 
-
-def summary_lines(pl) -> list:
-    """A plan's totals: bytes and collective calls per rank per step, memory per rank, what is held
-    above 1/p and the costly fallbacks."""
-    j = pl.to_json()
-    return [
-        f"grid {pl.grid[0]}x{pl.grid[1]}, per rank per training step: {_mib(j['comm_bytes_per_rank_per_step'])} MiB "
-        f"received in {j['collectives_per_rank_per_step']} collective calls, "
-        f"{j['flops_per_rank_per_step'] / 1e12:.3f} TFLOP (matmuls)",
-        f"memory per rank: parameters {_mib(j['param_bytes_per_rank'])} MiB "
-        f"(model {_mib(j['param_bytes_total'])} MiB), "
-        f"gradients {_mib(j['grad_bytes_per_rank'])} MiB, AdamW states {_mib(j['adamw_state_bytes_per_rank'])} MiB, "
-        f"saved for backward {_mib(j['activation_bytes_per_rank'])} MiB, largest tensor "
-        f"{_mib(j['largest_tensor_bytes'])} MiB",
-        f"held above 1/p: {_above(j['params_above_1_over_p'], j['param_bytes_per_rank'])}",
-        f"costly fallbacks: {', '.join(f['node'] for f in j['fallback_nodes'] if f['costly']) or 'none'}",
-        *(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'} runs whole: {f.reason}"
-          + ("" if f.costly else " [its inputs are already whole: nothing is gathered]") for f in pl.fallbacks),
-    ]
 
 
 _COLORS = {"S(0)S(2)": "#a6cee3", "S(0)S(1)": "#b2df8a", "RR": "#eeeeee"}
