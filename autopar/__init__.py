@@ -28,5 +28,5 @@ __all__ = list(_HOME)
 __version__ = "0.1.0"
 
 
-lazy_names(__name__, _HOME)
+lazy_names(__name__, _HOME, first_use="autopar.checkpoint")  # it registers pmodel.save_pretrained
 moved.install()

@@ -14,7 +14,11 @@ import sys
 import types
 
 
-def lazy_names(package_name: str, home: dict) -> None:
+def lazy_names(package_name: str, home: dict, first_use: str | None = None) -> None:
+    """`first_use`: a module imported with the first public name read (autopar: its checkpoint layer,
+    which adds `pmodel.save_pretrained` to the parallel layer below it)."""
+    pending = [first_use] if first_use else []
+
     class Package(types.ModuleType):
         def __getattr__(self, name):
             if name not in home:  # a submodule, as when the names above loaded them all
@@ -27,6 +31,8 @@ def lazy_names(package_name: str, home: dict) -> None:
                 raise AttributeError(f"module {package_name!r} has no attribute {name!r}")
             value = getattr(importlib.import_module(home[name]), name)
             setattr(self, name, value)
+            while pending:
+                importlib.import_module(pending.pop())
             return value
 
         def __setattr__(self, name, value):

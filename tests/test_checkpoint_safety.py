@@ -403,3 +403,15 @@ def test_peft_lora_checkpoints_round_trip_both_ways(pool4, tmp_path):
         assert r["files"] == ["adapter_config.json", "adapter_model.safetensors", "base"], (rank, r["files"])
         assert r["adapter keys"] == r["peft keys"] and r["adapter keys"], (rank, r["adapter keys"], r["peft keys"])
         assert r["trainable"] and all(".lora_" in n for n in r["trainable"]), (rank, r["trainable"])
+
+
+def test_pmodel_save_pretrained_is_there_after_import_autopar():
+    """`pmodel.save_pretrained(path)` (as transformers and peft name it) is registered by the checkpoint
+    layer; a program that only did `import autopar; autopar.parallelize(...)` must have it too."""
+    import subprocess
+    import sys
+
+    code = ("import autopar; autopar.parallelize; from autopar.parallel.module import EXTENSIONS; "
+            "print(sorted(EXTENSIONS))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "['save_pretrained']", (out.stdout, out.stderr[-2000:])
