@@ -38,6 +38,20 @@ class RotaryBlock(nn.Module):
         return self.out(h * 0.5 + rotated).pow(2).mean()
 
 
+def _step_excess(pm, ref, x, loss_of=lambda out: out) -> dict:
+    """One forward and backward of `pm` and of `ref` (the unmodified model) on `x`: the excess of the
+    loss and of every gradient, by parameter name, over fp32 parity tolerances."""
+    loss, ref_loss = loss_of(pm(x)), loss_of(ref(x))
+    loss.backward()
+    ref_loss.backward()
+    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    ref_params = dict(ref.named_parameters())
+    errs = group_excess({"loss": (full, ref_loss)})
+    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                             prefix="grad "))
+    return errs
+
+
 def slots_config_and_last_dim_unbind(rank):
     """RotaryBlock at 2x2: the loss and every gradient against one process, what `pmodel.config`
     reads, and whether the user's config object was left without a new attribute."""
@@ -46,14 +60,7 @@ def slots_config_and_last_dim_unbind(rank):
     ref = copy.deepcopy(model)
     x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
     pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))
-    loss, ref_loss = pm(x), ref(x)
-    loss.backward()
-    ref_loss.backward()
-    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    ref_params = dict(ref.named_parameters())
-    errs = group_excess({"loss": (full, ref_loss)})
-    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
-                             prefix="grad "))
+    errs = _step_excess(pm, ref, x)
     return {"excess": errs, "dim": pm.config.dim, "tp_size": pm.config.distributed_config.tp_size,
             "user config": repr(model.config)}
 
@@ -89,14 +96,7 @@ def nano_attention_auto(rank):
     ref = copy.deepcopy(model)
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
     pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,), strategy="auto")
-    loss, ref_loss = pm(x).pow(2).mean(), ref(x).pow(2).mean()  # a loss on the split output
-    loss.backward()
-    ref_loss.backward()
-    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    ref_params = dict(ref.named_parameters())
-    errs = group_excess({"loss": (full, ref_loss)})
-    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
-                             prefix="grad "))
+    errs = _step_excess(pm, ref, x, lambda out: out.pow(2).mean())  # a loss on the split output
     return {"excess": errs, "choice": dict(pm.choice.assignment)}
 
 
@@ -150,15 +150,7 @@ def complex_rotary_gqa(rank, grid):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = autopar.parallelize(model, grid=grid, example_inputs=(x,))
-    pm.grid.log.reset()
-    loss, ref_loss = pm(x).pow(2).mean(), ref(x).pow(2).mean()
-    loss.backward()
-    ref_loss.backward()
-    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    ref_params = dict(ref.named_parameters())
-    errs = group_excess({"loss": (full, ref_loss)})
-    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
-                             prefix="grad "))
+    errs = _step_excess(pm, ref, x, lambda out: out.pow(2).mean())
     return {"excess": errs, "fallbacks": [f.node.name for f in pm.program.fallbacks],
             "warned": [str(w.message)[:200] for w in caught if issubclass(w.category, autopar.FallbackWarning)]}
 
@@ -184,12 +176,5 @@ def cast_weight(rank):
     ref = copy.deepcopy(model)
     x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
     pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))
-    loss, ref_loss = pm(x).pow(2).mean(), ref(x).pow(2).mean()
-    loss.backward()
-    ref_loss.backward()
-    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    ref_params = dict(ref.named_parameters())
-    errs = group_excess({"loss": (full, ref_loss)})
-    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
-                             prefix="grad "))
+    errs = _step_excess(pm, ref, x, lambda out: out.pow(2).mean())
     return {"excess": errs, "w placements": repr(pm.w.placements), "w dtype": str(pm.w.dtype)}
