@@ -37,7 +37,7 @@ import autopar
 from autopar.bench import common
 from autopar.bench.common import BATCH, CONFIG, SEQ, FunctionalCommBytes
 from autopar.launch import close, init_local
-from autopar.planning.progress import steps
+from autopar.planning.progress import steps as progress_steps
 from passes.compat import peak_tensor_bytes
 
 RECOMPUTE = ("blocks", "selective")  # 2D 2x2 (broadcast) with each recompute mode
@@ -121,7 +121,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
         res[k]["saved_bytes"] = common.saved_bytes(m)
         step = functools.partial(common.train_step, m, opts[k], 1)
         res[k]["peak_tensor_bytes"] = peak_tensor_bytes(step, torch.device("cpu"))
-    bar = steps("autopar bench: timed rounds (rank 0)", rounds * len(configs))
+    bar = progress_steps("autopar bench: timed rounds (rank 0)", rounds * len(configs))
     for r in range(rounds):  # alternate configurations round by round
         order = ([] if rank == 0 else [("one process", None)]) + list(configs.items())  # same order everywhere
         for k, m in order:
@@ -261,7 +261,7 @@ def run(ns) -> int:
     plt = require_matplotlib("autopar bench --plot") if ns.plot else None  # before minutes of measuring
     tmp = tempfile.mkdtemp()
     cost_model = ns.cost_model
-    bar = steps("autopar bench", 3)
+    bar = progress_steps("autopar bench", 3)
     if cost_model is None:
         bar.set_postfix_str("calibrating the cost model on 2x2")
         cost_model = os.path.join(tmp, "calibration.json")
