@@ -4,6 +4,7 @@ dataclasses, x-transformers' rotary helper), without depending on those projects
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -141,8 +142,6 @@ class ComplexRotaryGQA(nn.Module):
 def complex_rotary_gqa(rank, grid):
     """ComplexRotaryGQA at `grid`: loss and every gradient against one process, the ops that fell back
     (none: view_as_complex, view_as_real and repeat_interleave have rules) and the step's bytes."""
-    import warnings
-
     torch.manual_seed(0)
     model = ComplexRotaryGQA()
     ref = copy.deepcopy(model)
@@ -178,3 +177,58 @@ def cast_weight(rank):
     pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x,))
     errs = _step_excess(pm, ref, x, lambda out: out.pow(2).mean())
     return {"excess": errs, "w placements": repr(pm.w.placements), "w dtype": str(pm.w.dtype)}
+
+
+class TitanExperts(nn.Module):
+    """Experts written the way torchtitan's DeepSeek-V3 writes them: fp32 weights [E, out, in], each
+    cast to bf16 and transposed right before `torch._grouped_mm` over tokens sorted by expert, a SwiGLU
+    between the products, and the result cast back; a Linear on either side. With `scaled`, each
+    weight is first multiplied by a factor (an op that runs whole: the experts then stay whole)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, experts: int = 4, scaled: bool = False):
+        super().__init__()
+        self.scale = 0.5 if scaled else None
+        self.inp = nn.Linear(dim, dim)
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) / 4)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) / 4)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) / 4)
+        self.out = nn.Linear(dim, dim)
+
+    def _w(self, w):
+        return (w if self.scale is None else w * self.scale).bfloat16().transpose(-2, -1)
+
+    def forward(self, x, counts):
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = self.inp(x).bfloat16()
+        g = torch._grouped_mm(h, self._w(self.w1), offs=offs)
+        u = torch._grouped_mm(h, self._w(self.w3), offs=offs)
+        y = torch._grouped_mm(torch.nn.functional.silu(g) * u, self._w(self.w2), offs=offs)
+        return self.out(y.type_as(x))
+
+
+def titan_experts(rank, scaled: bool = False):
+    """TitanExperts at 2x2 (tokens already sorted by expert, four experts on two rows): the loss and
+    every gradient as relative errors against one process (bf16 products), the experts' stored
+    placements, and the fallback warnings."""
+    torch.manual_seed(0)
+    model = TitanExperts(scaled=scaled)
+    ref = copy.deepcopy(model)
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+    counts = torch.tensor([5, 7, 4, 8])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(x, counts))
+    loss, want = pm(x, counts).pow(2).mean(), ref(x, counts).pow(2).mean()
+    loss.backward()
+    want.backward()
+
+    def rel(got, w):
+        got = (got.full_tensor() if hasattr(got, "full_tensor") else got).detach().float()
+        w = w.detach().float()
+        return float((got - w).norm() / w.norm().clamp_min(1e-12))
+
+    mine = dict(pm.named_parameters())
+    errs = {"loss": rel(loss, want)}
+    errs.update({f"grad {n}": rel(mine[n].grad, p.grad) for n, p in ref.named_parameters()})
+    return {"errs": errs, "placements": {n: repr(mine[n].placements) for n in ("w1", "w2", "w3")},
+            "warned": [str(w.message) for w in caught if issubclass(w.category, autopar.FallbackWarning)]}

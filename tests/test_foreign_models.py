@@ -50,3 +50,28 @@ def test_a_cast_between_a_weight_and_its_product_keeps_the_split(pool4):
     assert_every_rank([r["excess"] for r in res], "CastWeight at 2x2")
     for rank, r in enumerate(res):
         assert r["w placements"] == "(Shard(dim=0), Shard(dim=1))" and r["w dtype"] == "torch.float64", (rank, r)
+
+
+BF16 = 3e-2  # relative norm error of a bf16 product's result and gradients (8-bit mantissa, other order)
+
+
+def test_experts_cast_to_bf16_before_the_grouped_product_are_split(pool4):
+    """torchtitan's DeepSeek-V3 casts its fp32 experts to bf16 (`w.bfloat16().transpose(-2, -1)`)
+    before `torch._grouped_mm`: the experts stayed whole on every rank, and the warning blamed the
+    expert count ('4 experts on 2 rows; pass indivisible=...' though 2 divides 4). Now they split over
+    the rows and their hidden dim over the columns, with no warning; loss and every gradient against
+    one process. When an op that runs whole (a scale) makes the weight, the warning names that op."""
+    res = pool4.run(C.titan_experts)
+    for rank, r in enumerate(res):
+        bad = {n: e for n, e in r["errs"].items() if not e <= BF16}
+        assert not bad, f"rank {rank}: relative errors above {BF16}: {bad}"
+        assert r["placements"] == {"w1": "(Shard(dim=0), Shard(dim=1))", "w2": "(Shard(dim=0), Shard(dim=2))",
+                                   "w3": "(Shard(dim=0), Shard(dim=1))"}, (rank, r["placements"])
+        assert r["warned"] == [], (rank, r["warned"])
+    scaled = pool4.run(C.titan_experts, True)
+    for rank, r in enumerate(scaled):
+        bad = {n: e for n, e in r["errs"].items() if not e <= BF16}
+        assert not bad, f"rank {rank} (scaled weights): relative errors above {BF16}: {bad}"
+    warned = " ".join(scaled[0]["warned"])  # fallbacks are reported once, by rank 0
+    assert "arrives whole over the rows from mul (aten.mul.Tensor)" in warned, warned
+    assert "indivisible" not in warned, warned

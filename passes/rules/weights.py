@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Shard
 
+from passes.layout import Layout
 from passes.meta import ROLE
-from passes.nodes import arg, val
-from passes.rules.views import TRANSPOSES, VIEWS
+from passes.nodes import arg, shape, val
+from passes.rules.views import TRANSPOSES, VIEWS, is_cast
 
 aten = torch.ops.aten
 
@@ -40,3 +42,20 @@ def is_param(w) -> bool:
     while w.op == "call_function" and w.target in TRANSPOSES:
         w = w.args[0]
     return w.op == "placeholder" and w.meta.get(ROLE) == "param"
+
+
+def whole_experts_why(w, experts: int, rows: int, placed: Layout | None) -> str:
+    """Why the experts of weight `w` stay whole over the `rows` mesh rows, as a fallback's note says
+    it: the weight arrives whole (computed by an op that ran whole, such as a scale, or placed so by
+    an earlier use or compile: the op is named), or the rows do not divide the expert count and
+    uneven splits are off."""
+    head = "fallback: experts whole over the rows: "
+    if placed is not None and placed.normalized(len(shape(w)))[0] != Shard(0):
+        src = w
+        while src.op == "call_function" and (src.target in TRANSPOSES or is_cast(src)):
+            src = src.args[0]
+        made = f"{src.name} ({src.target})" if src.op == "call_function" else src.name
+        return (f"{head}the weight {w.name} arrives whole over the rows from {made}, which runs whole or was "
+                f"placed so by an earlier use or compile; apply such an op to the product's output instead "
+                f"of the weight to split the experts")
+    return f"{head}{experts} experts on {rows} rows; pass indivisible='uneven' to split them in unequal blocks"

@@ -28,7 +28,7 @@ from passes.layout import REPLICATED, Layout, Strided, split_dim, uneven_ok
 from passes.rules.registry import Strategy
 from passes.nodes import shape, tensor_inputs
 from passes.rules.moe.expert_rows import ZERO_KEEPING
-from passes.rules.weights import fused_parts, is_param
+from passes.rules.weights import fused_parts, is_param, whole_experts_why
 
 aten = torch.ops.aten
 _BETWEEN = ZERO_KEEPING | {aten.chunk, aten.split, aten.split_with_sizes}  # act(gate) * up and its cut
@@ -89,6 +89,5 @@ def batched_experts(node, layouts, mesh) -> Strategy:
     if split or R == 1:
         return strat
     strat.fallback = True  # correct, but each rank stores R times its share of the experts -- say so
-    strat.note = (f"fallback: experts whole over the rows: {E} experts on {R} rows; pass indivisible='uneven' "
-                  f"to split them in unequal blocks")
+    strat.note = whole_experts_why(w, E, R, placed)
     return strat

@@ -91,3 +91,4 @@ def rows_sum(lay: Layout | None, kind: str) -> dict:
     if lay is None or kind != "sum" or EXPERT_ROWS not in lay.placements:
         return {}
     return {a: Partial("sum") for a, p in enumerate(lay.placements) if p in (EXPERT_ROWS, Partial("sum"))}
+

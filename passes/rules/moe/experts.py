@@ -40,7 +40,7 @@ from passes.ops.experts import ExpertBlockMM
 from passes.rules.registry import Strategy, Unsupported, register, register_named
 from passes.nodes import arg, shape, tensor_inputs
 from passes.rules.moe.expert_rows import ZERO_KEEPING, EXPERT_ROWS
-from passes.rules.weights import fused_parts
+from passes.rules.weights import fused_parts, whole_experts_why
 
 aten = torch.ops.aten
 _BETWEEN = ZERO_KEEPING | {aten.chunk, aten.split, aten.split_with_sizes}  # ops between two expert matmuls
@@ -150,6 +150,4 @@ def grouped_mm(node, layouts, mesh):
     if split or R == 1:
         return Strategy(need, Layout((o0, o1)), kernel=spec, note="experts over the rows" if split else "")
     # the experts whole on every row: correct, but each rank stores R times its share -- say so
-    return Strategy(need, Layout((o0, o1)), kernel=spec, fallback=True,
-                    note=f"fallback: experts whole over the rows: {E} experts on {R} rows; pass "
-                         f"indivisible='uneven' to split them in unequal blocks")
+    return Strategy(need, Layout((o0, o1)), kernel=spec, fallback=True, note=whole_experts_why(w, E, R, placed))
