@@ -59,11 +59,11 @@ MODELS = {"peft llama": _peft_llama, "mlp": _mlp, "attention": _attention, "gpt2
 ROUTING_KERNELS = ("ExpertDispatch", "ExpertCombine", "ExpertOffsets")
 
 
-def plan_vs_run(rank, name):
+def plan_vs_run(rank, name, grid=(2, 2), strategy="2d"):
     """The plan's code equals parallelize's, and its bytes equal what one real step counts."""
     model, args, kwargs = MODELS[name]()
-    pl = autopar.plan(model, grid=(2, 2), example_inputs=args, example_kwargs=kwargs)
-    pm = autopar.parallelize(model, grid=(2, 2), example_inputs=args, example_kwargs=kwargs)
+    pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy)
+    pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy)
     pm.grid.log.reset()
     out = pm(*args, **(kwargs or {}))
     loss = out.loss if hasattr(out, "loss") else out
@@ -74,4 +74,5 @@ def plan_vs_run(rank, name):
     return {"same code": pl.gm.code == pm.graph_module.code, "planned": pl.comm_bytes_per_rank_per_step - routing,
             "counted": pm.grid.log.total() - pm.grid.log.total("moe:"), "routing": routing,
             "planned calls": (pl.collectives_fwd, pl.collectives_bwd),
-            "counted calls": (pm.grid.log.calls(phase="fwd"), pm.grid.log.calls(phase="bwd"))}
+            "counted calls": (pm.grid.log.calls(phase="fwd"), pm.grid.log.calls(phase="bwd")),
+            "rows": [(r.op, r.collectives, r.fwd_bytes, r.bwd_bytes) for r in pl.rows if r.collectives]}

@@ -30,6 +30,28 @@ def test_plan_equals_a_real_2x2_run(pool4, name):
             f"rank {rank}: planned {r['planned calls']} collective calls (fwd, bwd), launched {r['counted calls']}"
 
 
+def test_1d_is_sequence_parallel_in_both_directions(pool4):
+    """strategy='1d' at 1x4 on the benchmark Llama is Megatron's sequence parallelism: the residual
+    stream stays split over the sequence, each row-split product's partial sum is reduce-scattered
+    onto it and each column-split product's input all-gathered from it, and backward mirrors both.
+    Catches the gather's backward as an all-reduce of the whole gradient and a cut of the rank's
+    block (twice the bytes of the reduce-scatter; what autopar ran before); planned bytes and calls
+    equal those a real step counts on every rank (loss and gradients: test_engine_parity, 1x4 1d)."""
+    for rank, r in enumerate(pool4.run(C.plan_vs_run, "bench llama", (1, 4), "1d")):
+        assert r["same code"], f"rank {rank}: plan and parallelize built different graphs"
+        assert r["planned"] == r["counted"], f"rank {rank}: planned {r['planned']} B, counted {r['counted']} B"
+        assert r["planned calls"] == r["counted calls"], (rank, r["planned calls"], r["counted calls"])
+        gathers = [row for row in r["rows"] if "all-gather(axis 1" in row[1] and row[0].startswith("Redistribute")]
+        scatters = [row for row in r["rows"] if row[1].startswith("reduce-scatter(axis 1)")]
+        # the 4 layers' 2 norms and the final norm each reduce-scatter; q|k|v, gate|up and the head gather
+        assert (len(gathers), len(scatters)) == (9, 9), (rank, len(gathers), len(scatters))
+        for op, what, fwd, bwd in gathers + scatters:
+            assert fwd == bwd > 0, (rank, op, what, fwd, bwd)  # backward moves what forward moved
+        assert all("bwd reduce-scatter" in what for _, what, _, _ in gathers), (rank, gathers)
+        synced = [row for row in r["rows"] if row[0].startswith("GradSync") and row[3] > 2**16]
+        assert not synced, f"rank {rank}: activation gradients still all-reduced: {synced}"
+
+
 def test_plan_8x8_on_one_process():
     """A Llama-shaped model planned at 8x8 in this process (fake tensors, a fake process group): every
     weight q divides holds exactly 1/64, the rest is listed, and the total adds up."""

@@ -186,10 +186,13 @@ TRAINING_FIGURES = {  # (time_s, bytes per axis, memory bytes) of the training-s
     # (`estimate.hidden_dw_reduction`): 0.0313315944 -> 0.0312496744 s (gpt2 0.0467799208 -> 0.0466488488 s)
     # the loss's all-reduce over the rows carries a third fp32 (the count of targets out of range):
     # axis 0 +4 bytes, 2d 0.0312496744 -> 0.0312496764 s (gpt2 0.0466488488 -> 0.0466488508 s), 1d alike
-    ("_llama", "2d"): (0.031249676400000002, [500876, 261312], 1571588),
-    ("_llama", "1d"): (0.018223212399999994, [346124, 199296], 2427780),
+    # a GradSync folded into the all-gather before it (reduce-scatter backward instead of all-reduce,
+    # `insert_collectives.fold_gradsyncs`): llama 1d axis 1 199296 -> 166528 bytes (the sequence-split
+    # norm outputs gathered before q|k|v and gate|up), llama 2d 261312 -> 260736, gpt2 1d 818432 -> 814336
+    ("_llama", "2d"): (0.031249388400000005, [500876, 260736], 1571588),
+    ("_llama", "1d"): (0.0182068284, [346124, 166528], 2427780),
     ("_gpt2", "2d"): (0.046648850799999995, [803212, 613376], 2749956),
-    ("_gpt2", "1d"): (0.03935803479999999, [554380, 818432], 4441604),
+    ("_gpt2", "1d"): (0.03935598679999999, [554380, 814336], 4441604),
 }
 
 

@@ -115,11 +115,12 @@ def redistribution(src, dst) -> tuple:
     return tuple(steps)
 
 
-def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False) -> tuple:
+def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, synced: tuple = ()) -> tuple:
     """What `redistribution(src, dst)` moves: ([(axis, phase, bytes)], [step names]), for a rank
     holding n elements of e bytes before, on a mesh of `sizes` (R, C). Works on numbers (integer
     division, as the collective layer counts) and, with `exact`, on sympy symbols (the formulas
-    `explain` prints)."""
+    `explain` prints). A gather over an axis in `synced` reduce-scatters the gradient back (a GradSync
+    folded in: `passes.ops.comm.GatherSum`)."""
     div = (lambda a, b: a / b) if exact else (lambda a, b: a // b)
     size, moves, names = n, [], []  # size: elements this rank holds between steps
     for kind, a, _, _, _ in redistribution(src, dst):
@@ -127,6 +128,11 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False) -
         if kind == "gather":
             moves.append((a, "fwd", all_gather_bytes(size * e, g)))
             size = size * g
+            if a in synced:
+                if grad:
+                    moves.append((a, "bwd", reduce_scatter_bytes(size * e, g, exact)))
+                names.append(f"all-gather(axis {a}; bwd reduce-scatter)")
+                continue
             names.append(f"all-gather(axis {a})")
         elif kind == "reduce-scatter":
             moves.append((a, "fwd", reduce_scatter_bytes(size * e, g, exact)))

@@ -285,15 +285,16 @@ class RedistributeSpec(KernelSpec):
     src: Layout
     dst: Layout
     tag: str = field(default="", compare=False)
+    synced: tuple = ()  # axes whose gather reduce-scatters the gradient back (a GradSync folded in)
     name: ClassVar[str] = "redist"
 
     def build(self, node, grid, lowering):
         v = node.meta.get("val")
         shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
-        return kernels.Redistribute(grid, self.src, self.dst, self.tag, shape), (node,)
+        return kernels.Redistribute(grid, self.src, self.dst, self.tag, shape, self.synced), (node,)
 
     def describe(self, site):
-        _, names = redistribute_steps(self.src, self.dst, site.mesh, 1, 1, grad=False)
+        _, names = redistribute_steps(self.src, self.dst, site.mesh, 1, 1, grad=False, synced=self.synced)
         return ", ".join(names)
 
     def values(self, site):
@@ -302,7 +303,8 @@ class RedistributeSpec(KernelSpec):
         return {"R": site.mesh[0], "C": site.mesh[1], "e": v.element_size(), "n": n}
 
     def steps(self, site, v, exact):
-        moves, _ = redistribute_steps(self.src, self.dst, (v["R"], v["C"]), v["n"], v["e"], site.grads[0], exact)
+        moves, _ = redistribute_steps(self.src, self.dst, (v["R"], v["C"]), v["n"], v["e"], site.grads[0], exact,
+                                      self.synced)
         return moves
 
 

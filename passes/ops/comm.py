@@ -259,6 +259,24 @@ class Gather(torch.autograd.Function):
         return block(grid, axis, g, dim, parts).contiguous(), None, None, None, None, None, None
 
 
+class GatherSum(torch.autograd.Function):
+    """Shard(dim) -> Replicate for a consumer whose gradient is this rank's share only (split work
+    reads the whole tensor): all-gather forward, reduce-scatter backward. That is the sum over the
+    group (the GradSync all-reduce) and this member's block (Gather's backward) as one collective of
+    half the bytes: Megatron's sequence-parallel all-gather (`passes.transforms.insert_collectives`
+    folds a GradSync into the gather before it)."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim, tag, full=None):
+        ctx.args = (grid, axis, dim, tag)
+        return all_gather(grid, axis, x, dim, tag, "fwd", full)
+
+    @staticmethod
+    def backward(ctx, g):
+        grid, axis, dim, tag = ctx.args
+        return reduce_scatter(grid, axis, g, dim, tag, "bwd"), None, None, None, None, None
+
+
 class Split(torch.autograd.Function):
     """Replicate -> Shard(dim) (or Strided(dim, parts)): own block forward, all-gather backward."""
 

@@ -32,11 +32,14 @@ class Redistribute(nn.Module):
     the list the planner prices: first gather the axes whose split changes, then split, reduce or
     reduce-scatter axis by axis (never two axes on one dim in between)."""
 
-    def __init__(self, grid: Grid, src: Layout, dst: Layout, tag: str, shape: tuple | None = None):
-        """`shape`: the tensor's global shape, which a gather of a dim the grid does not divide needs."""
+    def __init__(self, grid: Grid, src: Layout, dst: Layout, tag: str, shape: tuple | None = None,
+                 synced: tuple = ()):
+        """`shape`: the tensor's global shape, which a gather of a dim the grid does not divide needs.
+        `synced`: axes whose gather sums the gradient over the group in backward (`comm.GatherSum`,
+        a GradSync folded in), instead of taking this member's block of a gradient already whole."""
         super().__init__()
         self.grid, self.src, self.dst, self.tag = grid, src, dst, tag
-        self.shape = shape
+        self.shape, self.synced = shape, tuple(synced)
         # worked out once, as plain values: forward reads no placement objects, which torch.compile
         # cannot trace into
         self.steps = redistribution(src, dst)
@@ -44,7 +47,9 @@ class Redistribute(nn.Module):
     def forward(self, x):
         g = self.grid
         for kind, a, dim, k, avg in self.steps:
-            if kind == "gather":
+            if kind == "gather" and a in self.synced:
+                x = comm.GatherSum.apply(x, g, a, dim, self.tag, None if self.shape is None else self.shape[dim])
+            elif kind == "gather":
                 x = comm.Gather.apply(x, g, a, dim, self.tag, k, None if self.shape is None else self.shape[dim])
             elif kind == "reduce-scatter":
                 x = comm.ReduceScatter.apply(x, g, a, dim, avg, self.tag)
@@ -57,7 +62,7 @@ class Redistribute(nn.Module):
         return x
 
     def extra_repr(self) -> str:
-        return f"{self.src} -> {self.dst}"
+        return f"{self.src} -> {self.dst}" + (f", bwd reduce-scatter over axes {self.synced}" if self.synced else "")
 
 
 class GradSync(nn.Module):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from passes.transforms.insert_collectives import gradsync_axes
+from passes.transforms.insert_collectives import foldable_axes, gradsync_axes
 from passes.kernels.spec import MATMULS, GradSyncSpec, RedistributeSpec, Site, SummaSpec, flops
 from passes.layout import Layout, local_shape, mesh_shape
 from passes.cost.model import CostModel
@@ -122,10 +122,12 @@ def _node_cost(node, strat, layouts, mesh, grads, cm, lowering=None) -> _NodeCos
         have, v = layouts.get(inp), inp.meta.get("val")
         if not isinstance(v, torch.Tensor) or not isinstance(have, Layout):
             continue
+        sync = tuple(a for a in gradsync_axes(node, strat.output, inp, need) if mesh[a] > 1)
+        folded = foldable_axes(have, need, sync) if have != need else ()  # as insert_collectives folds them
         if have != need:
             moved = Site(inp, (inp,), (have,), need, mesh, (inp in grads,))
-            shared.append(((inp, need), RedistributeSpec(have, need).terms(moved)))
-        sync = tuple(a for a in gradsync_axes(node, strat.output, inp, need) if mesh[a] > 1)
+            shared.append(((inp, need), RedistributeSpec(have, need, synced=folded).terms(moved)))
+        sync = tuple(a for a in sync if a not in folded)
         if sync:
             synced = Site(inp, (inp,), (need,), need, mesh, (inp in grads,))
             shared.append(((inp, need, sync), GradSyncSpec(sync).terms(synced)))

@@ -13,6 +13,13 @@ For each consumer it inserts, as call_module nodes on the GraphModule:
 - a kernel module (SUMMA, sharded norm, vocab-split embedding, vocab-parallel cross-entropy) in place
   of the aten call, when the rule named one (`Strategy.kernel`, a `passes.kernels.spec.KernelSpec`).
 
+A GradSync over an axis that the Redistribute before it gathers (Shard -> Replicate) is folded into
+that gather when every user of the gathered tensor syncs that axis: all-gather forward, reduce-scatter
+backward (`comm.GatherSum`) instead of an all-reduce of the whole gradient and a cut of this rank's
+block: half the backward bytes. This is Megatron's sequence parallelism: with 1D splits the residual
+stream stays split over the sequence between a row-split matmul's reduce-scatter and the next
+column-split matmul's all-gather, in both directions (`fold_gradsyncs`).
+
 Each module is built by its spec, which every new node carries in `KERNEL` (what `explain` and
 `passes.cost.planned` ask), with `LAYOUT`; Redistribute and GradSync nodes are marked `INSERTED`; kernels keep
 the replaced node's name, meta and strategy.
@@ -20,10 +27,13 @@ the replaced node's name, meta and strategy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.tensor import Replicate
 from torch.fx import GraphModule, Node
 
+from passes.cost.planned import redistribution
 from passes.kernels.spec import GradSyncSpec, RedistributeSpec
 from passes.layout import Layout
 from passes.mesh import Grid
@@ -102,6 +112,41 @@ def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast")
             gm.graph.erase_node(node)
             new.name = node.name
             replaced[node] = new
+    fold_gradsyncs(gm, grid, lowering)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def foldable_axes(src: Layout, dst: Layout, sync: tuple) -> tuple:
+    """The axes of `sync` over which `Redistribute(src -> dst)` gathers a plain split (Shard, not
+    Strided): a GradSync over them folds into the gather (`comm.GatherSum`)."""
+    return tuple(a for kind, a, _, k, _ in redistribution(src, dst) if kind == "gather" and k == 1 and a in sync)
+
+
+def fold_gradsyncs(gm: GraphModule, grid: Grid, lowering: str) -> None:
+    """Fold each GradSync into the gather of the Redistribute it reads, over the axes that every user of
+    that Redistribute syncs (see the module docstring); a GradSync left with no axis is removed."""
+    for node in list(gm.graph.nodes):
+        spec = node.meta.get(KERNEL)
+        if node.op != "call_module" or not isinstance(spec, RedistributeSpec) or not node.users:
+            continue
+        users = list(node.users)
+        if not all(isinstance(u.meta.get(KERNEL), GradSyncSpec) for u in users):
+            continue
+        common = set.intersection(*(set(u.meta[KERNEL].axes) for u in users))
+        axes = foldable_axes(spec.src, spec.dst, tuple(sorted(common)))
+        if not axes:
+            continue
+        folded = dataclasses.replace(spec, synced=tuple(sorted(set(spec.synced) | set(axes))))
+        node.meta[KERNEL] = folded
+        gm.add_submodule(node.target, folded.build(node.args[0], grid, lowering)[0])
+        for u in users:
+            left = tuple(a for a in u.meta[KERNEL].axes if a not in axes)
+            if not left:
+                u.replace_all_uses_with(node)
+                gm.graph.erase_node(u)
+                gm.delete_submodule(u.target)
+                continue
+            u.meta[KERNEL] = dataclasses.replace(u.meta[KERNEL], axes=left)
+            gm.add_submodule(u.target, u.meta[KERNEL].build(node, grid, lowering)[0])
