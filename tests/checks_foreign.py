@@ -232,3 +232,30 @@ def titan_experts(rank, scaled: bool = False):
     errs.update({f"grad {n}": rel(mine[n].grad, p.grad) for n, p in ref.named_parameters()})
     return {"errs": errs, "placements": {n: repr(mine[n].placements) for n in ("w1", "w2", "w3")},
             "warned": [str(w.message) for w in caught if issubclass(w.category, autopar.FallbackWarning)]}
+
+
+def bench_tp_sp_parity(rank) -> dict:
+    """`autopar bench`'s torchtitan-style baseline (`common.tp_sp`: PyTorch's 1D TP with sequence
+    parallelism and the loss over vocabulary blocks) on a tiny Llama against one process: the loss
+    and every gradient, by parameter name."""
+    import transformers
+
+    from autopar.bench import common
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                   pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    b = dict(input_ids=ids, labels=ids)
+    want = ref(**b).loss
+    want.backward()
+    tp = common.tp_sp(model)
+    got = common.forward_backward(tp, b)
+    mine = dict(tp.named_parameters())
+    errs = group_excess({"loss": (got.full_tensor(), want)})
+    errs.update(group_excess({n: (mine[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()},
+                             prefix="grad "))
+    return {"errs": errs, "names": sorted(mine)}

@@ -50,3 +50,15 @@ def test_moe_bench_pytorch_baseline_matches_one_process(pool4):
     per_rank = pool4.run(torch_tp_parity)
     assert_every_rank([r["errs"] for r in per_rank], "PyTorch 1D TP + expert TP, tiny mixtral")
     assert any(n.endswith("experts.gate_up_proj") for n in per_rank[0]["errs"]), per_rank[0]["errs"]
+
+
+def test_bench_torchtitan_baseline_matches_one_process(pool4):
+    """The PyTorch 1D TP+SP row of `autopar bench` (torchtitan's plan: sequence parallelism, loss over
+    vocabulary blocks) on a tiny Llama against one process. Catches a baseline that runs but computes
+    another loss: a residual left as one rank's sequence block, a mask built for the local sequence."""
+    from tests import checks_foreign
+    from tests.compare import assert_every_rank
+
+    per_rank = pool4.run(checks_foreign.bench_tp_sp_parity)
+    assert_every_rank([r["errs"] for r in per_rank], "PyTorch 1D TP+SP, tiny llama")
+    assert "model.layers.1.mlp.down_proj.weight" in per_rank[0]["names"], per_rank[0]["names"]

@@ -1,8 +1,11 @@
 """What the benchmarks share: the benchmark Llama (built from its config class) and its batches, the
-bytes PyTorch's DTensor collectives receive, peak memory readings, PyTorch's own 1D tensor parallel
-plan, and a spawn of gloo ranks on this machine."""
+bytes PyTorch's DTensor collectives receive and the calls they launch, peak memory readings, PyTorch's
+own 1D tensor parallel plans (Megatron's, and torchtitan's with sequence parallelism and a
+vocabulary-parallel loss), one training step of either, and a spawn of gloo ranks on this machine."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -31,14 +34,17 @@ def batch(step):
 
 
 class FunctionalCommBytes(TorchDispatchMode):
-    """Bytes received per rank by the functional collectives DTensor issues, CommLog conventions."""
+    """Bytes received per rank by the functional collectives DTensor issues, CommLog conventions, and
+    the collective calls (every functional collective but the waits)."""
 
     def __init__(self, world):
         super().__init__()
-        self.world, self.bytes = world, 0
+        self.world, self.bytes, self.calls = world, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if func.namespace == "_c10d_functional" and not name.startswith("wait"):
+            self.calls += 1
         if func.namespace == "_c10d_functional":
             t = args[0]
             n = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
@@ -70,16 +76,47 @@ def saved_bytes(model):
 
     def pack(t):
         local = t.to_local() if hasattr(t, "to_local") else t
+        local = getattr(local, "elem", local)  # a functional collective's result not yet waited for
         seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(**batch(0))  # run for the hook: the saved tensors are what is measured
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_context(model):
+        loss_of(model, batch(0))  # run for the hook: the saved tensors are what is measured
     return sum(seen.values())
 
 
+def loss_context(model):
+    """What a step of `model` runs in: `loss_parallel()` for `tp_sp`'s model (its loss reads logits
+    split over the vocabulary, forward and backward), else nothing."""
+    if getattr(model, "loss_parallel", False):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def loss_of(model, b):
+    """The batch's mean next-token loss. `tp_sp`'s model returns logits split over the vocabulary and
+    the loss is taken outside it, as torchtitan does, under `loss_context`; the others compute their
+    own from `labels`."""
+    if not getattr(model, "loss_parallel", False):
+        return model(**b).loss
+    from torch.distributed.tensor import DTensor, Replicate
+
+    logits = model(input_ids=b["input_ids"]).logits
+    labels = DTensor.from_local(b["labels"][:, 1:].reshape(-1), logits.device_mesh, [Replicate()], run_check=False)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels)
+
+
+def forward_backward(model, b):
+    with loss_context(model):
+        loss = loss_of(model, b)
+        loss.backward()
+    return loss
+
+
 def train_step(model, opt, step):
-    model(**batch(step)).loss.backward()
+    forward_backward(model, batch(step))
     opt.step()
     opt.zero_grad()
 
@@ -94,6 +131,37 @@ def tp_1d(model):
                  "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
+    return model
+
+
+def tp_sp(model):
+    """torchtitan's tensor-parallel plan for Llama on all ranks, through PyTorch's own API: Megatron's
+    column/row pairs with sequence parallelism (embedding output, norms and residuals split over the
+    sequence; an all-gather before q|k|v and gate|up, a reduce-scatter after o and down) and the loss
+    over logits split by vocabulary (`loss_of`). The residual stream stays a DTensor between modules
+    (`use_local_output=False`) so that transformers' mask and rotary code see the full sequence."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+    for layer in model.model.layers:
+        plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+        plan.update({f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
+        plan.update({f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")})
+        parallelize_module(layer, mesh, plan)
+    model.loss_parallel = True
     return model
 
 

@@ -5,7 +5,8 @@ in one run for the same transformers Llama-style model (built from its config cl
 - autopar 2D on a 2x2 grid, for each SUMMA lowering, and with each activation recomputation mode
   (recompute='blocks', 'selective');
 - PyTorch's own 1D tensor parallel (`parallelize_module`, q/k/v/gate/up column-wise, o/down row-wise)
-  on 4 ranks;
+  on 4 ranks, and the plan torchtitan applies through the same API: that with sequence parallelism
+  and a vocabulary-parallel loss (`common.tp_sp`);
 - autopar strategy='1d' on a 1x4 grid (Megatron column/row pairs in autopar's engine);
 - autopar strategy='auto' on the grid shape `choose_grid` picks for 4 ranks, with the alpha-beta
   model measured here first (`autopar calibrate` on 2x2, unless --cost-model names a file), and
@@ -41,6 +42,7 @@ from autopar.planning.progress import steps as progress_steps
 from passes.compat import peak_tensor_bytes
 
 RECOMPUTE = ("blocks", "selective")  # 2D 2x2 (broadcast) with each recompute mode
+TP_SP = "PyTorch 1D TP+SP (4 ranks)"  # torchtitan's plan: sequence parallel, loss over vocabulary blocks
 
 
 def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
@@ -89,6 +91,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
         configs[f"2D 2x2 recompute={mode}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
                                                               example_kwargs=common.batch(0), recompute=mode)
     configs["PyTorch 1D TP (4 ranks)"] = common.tp_1d(copy.deepcopy(base))
+    configs[TP_SP] = common.tp_sp(copy.deepcopy(base))
     configs["autopar 1D 1x4"] = autopar.parallelize(copy.deepcopy(base), grid=(1, 4), example_kwargs=common.batch(0),
                                                     strategy="1d")
     grid, _table = autopar.choose_grid(base, world, (), common.batch(0), cost_model=cost_model)
@@ -112,10 +115,11 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
         if grid is not None:
             grid.log.reset()
         with counter:
-            m(**common.batch(0)).loss.backward()
+            common.forward_backward(m, common.batch(0))
         opts[k].step()
         opts[k].zero_grad()
         res[k]["bytes"] = grid.log.total() if grid is not None else counter.bytes
+        res[k]["calls"] = grid.log.calls() if grid is not None else counter.calls
         res[k]["peak_rss_mb"] = common.peak_mb()
         res[k]["param_bytes"] = common.local_bytes(m)
         res[k]["saved_bytes"] = common.saved_bytes(m)
@@ -132,7 +136,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
                 continue
             for s in range(steps):
                 t0 = time.perf_counter()
-                m(**common.batch(s + 1)).loss.backward()
+                common.forward_backward(m, common.batch(s + 1))
                 opts[k].step()
                 opts[k].zero_grad()
                 if r > 0 or s > 0:  # the first step of the first round is warm-up
@@ -196,17 +200,18 @@ def overhead_worker(rank, world, port, steps, out, compiled=True):
 
 def markdown(res: dict, overhead: dict) -> str:
     base = res["PyTorch 1D TP (4 ranks)"]
-    lines = ["| configuration | step (median) | vs 1D | received/rank/step | params/rank | saved for bwd/rank | "
-             "saved vs 1D | peak RSS/rank | peak tensors/rank |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | step (median) | vs 1D | received/rank/step | collective calls/rank/step | "
+             "params/rank | saved for bwd/rank | saved vs 1D | peak RSS/rank | peak tensors/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for k, r in res.items():
         lines.append(f"| {k} | {r['step_s'] * 1e3:.0f} ms | {r['step_s'] / base['step_s']:.2f} | "
-                     f"{r['bytes'] / 2**20:.1f} MiB | {r['param_bytes'] / 2**20:.1f} MiB | "
+                     f"{r['bytes'] / 2**20:.1f} MiB | {r.get('calls', '')} | {r['param_bytes'] / 2**20:.1f} MiB | "
                      f"{r['saved_bytes'] / 2**20:.1f} MiB | {r['saved_bytes'] / base['saved_bytes']:.2f} | "
                      f"{r['peak_rss_mb']:.0f} MB | {r['peak_tensor_bytes'] / 2**20:.1f} MiB |")
     auto = next((k for k in res if k.startswith("autopar auto")), None)
     if auto:
         fixed = {k: res[k]["step_s"] for k in ("2D 2x2 broadcast", "2D 2x2 allgather", "PyTorch 1D TP (4 ranks)",
-                                               "autopar 1D 1x4")}
+                                               TP_SP, "autopar 1D 1x4")}
         best = min(fixed, key=fixed.get)
         lines.append(f"\n{auto}: {res[auto]['step_s'] * 1e3:.0f} ms measured, {res[auto]['step_s'] / fixed[best]:.2f}x "
                      f"the best fixed scheme ({best}, {fixed[best] * 1e3:.0f} ms); assignment "
