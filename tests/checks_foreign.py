@@ -259,3 +259,57 @@ def bench_tp_sp_parity(rank) -> dict:
     errs.update(group_excess({n: (mine[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()},
                              prefix="grad "))
     return {"errs": errs, "names": sorted(mine)}
+
+
+class _RMS(nn.Module):
+    """RMSNorm written out (pow, mean, rsqrt), as transformers writes it."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+class PreNormMLP(nn.Module):
+    """Pre-norm residual blocks as torchtitan writes them: `nn.RMSNorm` (one aten.rms_norm), the
+    residual summed straight from the embedding and each block's output projection; with
+    `written_out`, the same model with the norm written out as transformers does."""
+
+    def __init__(self, written_out: bool = False, vocab: int = 64, dim: int = 32, layers: int = 2):
+        super().__init__()
+        norm = (lambda: _RMS(dim)) if written_out else (lambda: nn.RMSNorm(dim, eps=1e-5))
+        self.tok = nn.Embedding(vocab, dim)
+        self.norms = nn.ModuleList(norm() for _ in range(layers + 1))
+        self.w1 = nn.ModuleList(nn.Linear(dim, 2 * dim, bias=False) for _ in range(layers))
+        self.w2 = nn.ModuleList(nn.Linear(2 * dim, dim, bias=False) for _ in range(layers))
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.tok(ids)
+        for norm, w1, w2 in zip(self.norms, self.w1, self.w2):
+            h = h + w2(torch.nn.functional.silu(w1(norm(h))))
+        logits = self.out(self.norms[-1](h))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+
+
+def prenorm_sequence_parallel(rank, grid, written_out: bool):
+    """PreNormMLP under strategy='1d' at `grid`: loss and every gradient against one process, and the
+    bytes and calls one step counts."""
+    torch.manual_seed(0)
+    model = PreNormMLP(written_out)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
+    pm = autopar.parallelize(model, grid=grid, example_inputs=(ids, labels), strategy="1d")
+    pm.grid.log.reset()
+    loss, want = pm(ids, labels), ref(ids, labels)
+    loss.backward()
+    want.backward()
+    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    ref_params = dict(ref.named_parameters())
+    errs = group_excess({"loss": (full, want)})
+    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                             prefix="grad "))
+    return {"excess": errs, "bytes": pm.grid.log.total(), "calls": pm.grid.log.calls()}

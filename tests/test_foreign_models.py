@@ -75,3 +75,22 @@ def test_experts_cast_to_bf16_before_the_grouped_product_are_split(pool4):
     warned = " ".join(scaled[0]["warned"])  # fallbacks are reported once, by rank 0
     assert "arrives whole over the rows from mul (aten.mul.Tensor)" in warned, warned
     assert "indivisible" not in warned, warned
+
+
+@pytest.mark.parametrize("grid", [(1, 4), (2, 2)])
+def test_nn_rmsnorm_runs_sequence_parallel_under_1d(pool4, grid):
+    """torchtitan's pre-norm blocks (`nn.RMSNorm`, the residual summed from partial sums) under
+    strategy='1d': the norm rule reduce-scattered the partial sums onto the hidden dim, which turned
+    every later product into a row split (103.6 MiB per rank per step on a torchtitan-style Llama 3
+    at 1x4, 3.8x torchtitan's own plan). Now the norm runs on sequence blocks: at 1x4 the same bytes
+    and calls as the model with the norm written out (transformers' form), at 2x2 no more bytes (its
+    residual stays a partial sum, reduce-scattered at each norm: one call more, 13% fewer bytes, as
+    measured); both equal one process."""
+    fused = pool4.run(C.prenorm_sequence_parallel, grid, False)
+    written = pool4.run(C.prenorm_sequence_parallel, grid, True)
+    assert_every_rank([r["excess"] for r in fused], f"PreNormMLP (nn.RMSNorm) 1d at {grid}")
+    assert_every_rank([r["excess"] for r in written], f"PreNormMLP (written out) 1d at {grid}")
+    for rank, (a, b) in enumerate(zip(fused, written)):
+        if grid == (1, 4):
+            assert (a["bytes"], a["calls"]) == (b["bytes"], b["calls"]), (rank, a, b)
+        assert a["bytes"] <= b["bytes"], (rank, a["bytes"], b["bytes"])

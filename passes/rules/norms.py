@@ -5,6 +5,11 @@ all-reduced in the same-row group. LayerNorm sends 3 numbers per token forward (
 shifted sum and sum of squares) and 2 backward; RMSNorm 1 each way (`passes.ops.modules.NORM_STATS`).
 The weight and bias are split like the hidden dim and replicated over the rows.
 
+An input split over the columns by tokens instead (1D's sequence-parallel residual), or a partial sum
+over them (a row-split product's output), is normalized on sequence blocks with no communication: the
+partial sum reduce-scattered onto the first token dim the columns divide, weight and bias whole
+(their gradient summed over the grid).
+
 Batch norm normalizes each channel over the batch and spatial dims: the batch is split over the rows
 and the channels over the columns (weight, bias and running statistics by channel over the columns).
 In eval mode, or with the batch whole on every row, it runs on the blocks alone; in training mode
@@ -15,7 +20,7 @@ each rank updates the running statistics of its channels.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.kernels.local import BatchNormSpec, NormSpec
 from passes.layout import REPLICATED, Layout, uneven_ok
@@ -35,13 +40,36 @@ def _rows(lay, shape_, rows: int):
     return Shard(0) if nd >= 2 and shape_[0] % rows == 0 else Replicate()
 
 
+def _sequence_block(lay, xs, rows, columns: int):
+    """The columns' split of a token dim (not the last, not the rows') that a norm can run on with no
+    communication: the one `x` arrives with (a sequence-parallel residual), or, for an input that is
+    a partial sum over the columns (a row-split product's output, a vocabulary-split embedding's),
+    the first such dim the columns divide, which a reduce-scatter fills; None otherwise."""
+    nd = len(xs)
+    if lay is None or nd < 3 or columns == 1:
+        return None
+    col = lay.normalized(nd)[1]
+    taken = rows.dim if isinstance(rows, Shard) else None
+    if isinstance(col, Shard) and col.dim not in (nd - 1, taken) and xs[col.dim] % columns == 0:
+        return col
+    if isinstance(col, Partial):
+        return next((Shard(d) for d in range(nd - 1) if d != taken and xs[d] % columns == 0), None)
+    return None
+
+
 def norm_strategy(node, layouts, mesh, x, params, n_norm):
     if n_norm != 1:
         raise Unsupported("normalization over more than the last dim")
     xs = shape(x)
     nd = len(xs)
+    rows = _rows(layouts.get(x), xs, mesh[0])
+    seq = _sequence_block(layouts.get(x), xs, rows, mesh[1])
+    if seq is not None:  # sequence parallel: each column normalizes its own tokens whole
+        need = {x: Layout((rows, seq))}
+        need.update({p: REPLICATED for p in params if p is not None})
+        return Strategy(need, need[x], note="norm on sequence blocks (sequence parallel)")
     split = xs[-1] % mesh[1] == 0 or uneven_ok(mesh)  # uneven: torch.chunk blocks; the kernel divides by n
-    x_lay = Layout((_rows(layouts.get(x), xs, mesh[0]), Shard(nd - 1) if split else Replicate()))
+    x_lay = Layout((rows, Shard(nd - 1) if split else Replicate()))
     p_lay = Layout((Replicate(), Shard(0) if split else Replicate()))
     need = {x: x_lay}
     need.update({p: p_lay for p in params if p is not None})
