@@ -151,8 +151,8 @@ class Options:
         "replicate", "an op with no split form: run it whole on every rank with a FallbackWarning, or raise",
         choices=("replicate", "error"))
     strategy: str = option(
-        "2d", "how each weight matmul is split: SUMMA on the grid, Megatron 1D over its columns, or the "
-        "fastest estimate per matmul group", choices=STRATEGIES,
+        "2d", "how each weight matmul is split: SUMMA on the grid, Megatron 1D with sequence parallelism over its "
+        "columns, or the fastest estimate per matmul group", choices=STRATEGIES,
         expected="'2d' (SUMMA), '1d' (Megatron column/row splits over the grid's columns) or 'auto' (chosen per "
                  "matmul from estimated step time)")
     cost_model: object = option(
