@@ -150,3 +150,25 @@ def test_frozen_parameters_hold_no_gradient_or_optimizer_state():
     est = auto.choice.estimate
     assert est.frozen_param_bytes == est.param_bytes - sum(
         v.bytes_per_rank for n, v in auto.params.items() if ".lora_" in n), (est.param_bytes, est.frozen_param_bytes)
+
+
+def test_norm_statistics_take_one_call_each_way():
+    """transformers' RMSNorm written out (pow, mean, rsqrt) at 2x2: the mean square is a partial sum
+    over the columns; it was reduce-scattered onto the sequence and the rsqrt gathered back (two
+    calls each way per norm, for the bytes of one all-reduce). A per-token statistic is now
+    all-reduced: one call forward, one backward, per norm, plus its weight's gradient sum."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                   pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    with autopar.meta_init():
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    pl = autopar.plan(model, grid=(2, 2), example_kwargs=dict(input_ids=ids, labels=ids), measure_activations=False)
+    for layer in (1, 2):  # layer 0's first norm also reduce-scatters the embedding's partial sum
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            module = f"model.layers.{layer}.{norm}"
+            rows = [r for r in pl.rows if r.module == module and (r.calls_fwd or r.calls_bwd)]
+            calls = (sum(r.calls_fwd for r in rows), sum(r.calls_bwd for r in rows))
+            assert calls == (1, 2), (module, calls, [(r.op, r.collectives) for r in rows])

@@ -76,7 +76,10 @@ def broadcast_strategy(node, layouts, out_shape, mesh, skip_dims=()) -> tuple:
                 if free and (out_shape[od] % (mesh[axis] * parts(p)) == 0 or uneven):
                     chosen, kind = od, p
                     break
-        if chosen is None:  # a partial input is reduce-scattered onto the first divisible dim it has
+        # a partial input is reduce-scattered onto the first divisible dim it has, unless it is a
+        # statistic per token (last dim 1: a norm's mean square): all-reduced, one call for the two
+        # that a reduce-scatter and the gather of its consumer would take, the same bytes
+        if chosen is None and out_shape and out_shape[-1] != 1:
             full_dims = {od for n in ins if layouts.get(n) is not None and isinstance(layouts[n][axis], Partial)
                          for od in dim_map(shape(n), out_shape).values()}
             open_dims = [od for od in sorted(full_dims) if od not in skip_dims and od not in out_ps
