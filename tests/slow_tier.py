@@ -9,6 +9,12 @@ measured with the machine loaded.
 
 # test id -> the fast-tier test that covers its path
 SLOW = {
+    # every plan the search can choose, against the oracle: 2x2 splits both axes (25 s each grid); the
+    # 1x2 and 2x1 grids repeat its rules with one axis whole
+    "tests/test_rules_oracle.py::test_every_plan_the_search_can_choose[q1]":
+        "test_rules_oracle.py::test_every_plan_the_search_can_choose[q0]",
+    "tests/test_rules_oracle.py::test_every_plan_the_search_can_choose[q2]":
+        "test_rules_oracle.py::test_every_plan_the_search_can_choose[q0]",
     # uneven sizes: the 2x2 cases keep every path (torch.chunk blocks over rows and columns, SUMMA over
     # unequal pieces, reblocking); 6- and 9-rank grids repeat it on more ranks (94, 65, 15 s)
     "tests/test_uneven.py::test_prime_vocabulary_tied_parity[grid2-broadcast]":

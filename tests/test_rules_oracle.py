@@ -34,6 +34,7 @@ from passes.transforms.localize import localize
 from passes.meta import CAPTURED_AS, LAYOUT, STRATEGY
 from passes.transforms.propagate import propagate
 from passes.rules.registry import lookup
+from passes.search import strategy as strategies
 
 aten = torch.ops.aten
 RTOL, ATOL = 1e-5, 1e-6
@@ -193,19 +194,24 @@ def check_node(node, env, q: int) -> str | None:
     return None
 
 
-def check_local_rules(module: nn.Module, args: tuple, q: int, expect=(), expect_split: bool = True) -> list:
+def check_local_rules(module: nn.Module, args: tuple, q: int, expect=(), expect_split: bool = True,
+                      assignment: dict | None = None) -> list:
     """Capture `module`, propagate on a q x q grid and check every locally run node against the
     oracle. Returns the checked nodes' names.
 
     `expect`: aten overloads (or packets) that must be among the checked nodes. `expect_split`: at
     least one checked node must have had a non-replicated input or output, so a test meant to see
-    split layouts cannot pass with everything replicated.
+    split layouts cannot pass with everything replicated. `assignment`: a plan the strategy search can
+    choose (unit key -> '2d', '1d' or 'rep', `passes.search.strategy.find_units`), marked before
+    propagation; None: every unit 2D.
     """
     torch.manual_seed(0)
     module = module.eval()
     cap = capture(module, args)
     gm = cap.gm
     env = full_values(gm, _placeholder_values(cap, module, args))
+    if assignment is not None:
+        strategies.apply(gm, strategies.find_units(gm), assignment, {})
     propagate(gm, mesh=q)
     localize(gm, q)  # view/reshape/expand/unflatten sizes become block sizes, as on the ranks
     checked, failures, split_seen = [], [], False
@@ -727,6 +733,43 @@ def test_handwritten_causal_attention(q):
     buffer, softmax, merge heads). Catches any rule of the chain disagreeing with its neighbours."""
     check_local_rules(GPTBlockish(), (torch.randn(B, S_, H),), q,
                       expect=(aten.matmul, aten.masked_fill, aten.softmax, aten.view))
+
+
+class PreNormBlock(nn.Module):
+    """A pre-norm transformer block as torchtitan writes it (nn.RMSNorm, SDPA, SwiGLU), summing the
+    residual straight from the block's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(H), nn.RMSNorm(H)
+        self.wqkv = nn.Linear(H, 3 * H, bias=False)
+        self.wo = nn.Linear(H, H, bias=False)
+        self.w13 = nn.Linear(H, 4 * H, bias=False)
+        self.w2 = nn.Linear(2 * H, H, bias=False)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q_, k_, v_ = (t.view(b, s, NH, h // NH).transpose(1, 2) for t in self.wqkv(self.attention_norm(x)).split(H, 2))
+        y = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+        h_ = x + self.wo(y.transpose(1, 2).reshape(b, s, h))
+        gate, up = self.w13(self.ffn_norm(h_)).chunk(2, dim=-1)
+        return h_ + self.w2(F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("q", [(2, 2), (1, 2), (2, 1)])
+def test_every_plan_the_search_can_choose(q):
+    """Every assignment of '2d', '1d' and 'rep' to the block's matmul units (the plans strategy='auto'
+    chooses among; nanoGPT's attention under one of them crashed on its first call), each against the
+    oracle: the rules of the ops between the products (norms on sequence blocks, views, attention,
+    residual sums of partial sums) must agree whatever their neighbours were split as."""
+    import itertools
+
+    module, x = PreNormBlock(), torch.randn(B, S_, H)
+    units = strategies.find_units(capture(module.eval(), (x,)).gm)
+    keys = [u.key for u in units]
+    assert len(keys) == 4, keys
+    for options in itertools.product(*(u.options for u in units)):
+        check_local_rules(module, (x,), q, assignment=dict(zip(keys, options)))
 
 
 # -------------------------------------------------------------------------------- the oracle itself
