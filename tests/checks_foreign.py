@@ -40,9 +40,11 @@ class RotaryBlock(nn.Module):
 
 
 def _step_excess(pm, ref, x, loss_of=lambda out: out) -> dict:
-    """One forward and backward of `pm` and of `ref` (the unmodified model) on `x`: the excess of the
-    loss and of every gradient, by parameter name, over fp32 parity tolerances."""
-    loss, ref_loss = loss_of(pm(x)), loss_of(ref(x))
+    """One forward and backward of `pm` and of `ref` (the unmodified model) on `x` (a tuple: the
+    positional inputs): the excess of the loss and of every gradient, by parameter name, over fp32
+    parity tolerances."""
+    args = x if isinstance(x, tuple) else (x,)
+    loss, ref_loss = loss_of(pm(*args)), loss_of(ref(*args))
     loss.backward()
     ref_loss.backward()
     full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
@@ -304,12 +306,5 @@ def prenorm_sequence_parallel(rank, grid, written_out: bool):
     ids, labels = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
     pm = autopar.parallelize(model, grid=grid, example_inputs=(ids, labels), strategy="1d")
     pm.grid.log.reset()
-    loss, want = pm(ids, labels), ref(ids, labels)
-    loss.backward()
-    want.backward()
-    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    ref_params = dict(ref.named_parameters())
-    errs = group_excess({"loss": (full, want)})
-    errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
-                             prefix="grad "))
+    errs = _step_excess(pm, ref, (ids, labels))
     return {"excess": errs, "bytes": pm.grid.log.total(), "calls": pm.grid.log.calls()}
