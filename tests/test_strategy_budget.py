@@ -4,6 +4,8 @@ budget stops it with the best plan found and a warning; an auto-planned BART mat
 
 import math
 
+import re
+
 import pytest
 
 from autopar.program.build import cache_off_kwargs, capture
@@ -90,8 +92,9 @@ def test_budget_messages_and_bad_budget(monkeypatch):
         S.choose(gm, (2, 2), CM, Options(search_budget=None))
     notes = [str(w.message) for w in rec if "still running" in str(w.message)]
     assert len(notes) == 1, notes
-    assert notes[0].startswith("strategy search still running after 0 s: 2 of 2834352 assignments of 15 unit "
-                               "variables evaluated, best estimate so far"), notes[0]
+    # the seconds are the machine's (0 on a quiet one, 1 under load): the rest of the note is exact
+    assert re.match(r"strategy search still running after \d+ s: 2 of 2834352 assignments of 15 unit "
+                    r"variables evaluated, best estimate so far", notes[0]), notes[0]
     assert notes[0].endswith("no time limit (search_budget=None)"), notes[0]
     with pytest.raises(MemoryError, match=r"the smallest estimate among 2 assignments is [0-9.]+ (B|KiB|MiB|GiB) "
                                           r"\(the search stopped at search_budget=0 s; a larger one may find one\)"):
