@@ -3,7 +3,6 @@ coordinate search whose number of estimates grows with the variables, not with t
 budget stops it with the best plan found and a warning; an auto-planned BART matches one process."""
 
 import math
-
 import re
 
 import pytest
