@@ -38,7 +38,7 @@ class TwoBranches(nn.Module):
 def options_differ(rank):
     """One rank passes another lowering / check_inputs / grid: every rank raises the same UsageError."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     out = {}
     out["lowering"] = _err(lambda: autopar.parallelize(
@@ -68,7 +68,7 @@ def check_inputs_cases(rank):
     """Reordered token ids on one rank are caught; identical inputs holding NaN are not a false alarm;
     by default a rank's own batch is caught, and with check_inputs=False it is not."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), check_inputs=True)
     swapped = ids.clone()
@@ -96,7 +96,7 @@ def state_dict_and_clip(rank):
     """A plain full state_dict loads into the parallel model (each rank keeps its blocks), and
     pm.clip_grad_norm_ equals torch.nn.utils.clip_grad_norm_ on one process (norm and clipped grads)."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt))
     torch.manual_seed(5)
@@ -128,7 +128,7 @@ def clipping_is_quiet(rank):
     from torch.distributed.tensor import DTensor, _redistribute
 
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     model = TinyGPT(cfg)
     ref = copy.deepcopy(model)
@@ -161,7 +161,7 @@ def skipped_collective(rank, world, port, outdir, what):
 
     init_local(rank, world, port)
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     torch.distributed.barrier()  # start together: groups built with timeout=5 also connect within 5 s
     pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=5,
@@ -187,7 +187,7 @@ def replicas_with_timeout(rank):
     """grid=(2, 1, 2) with timeout= (every group built bounded) and check_inputs: the replicas' averaged
     gradients and pm.clip_grad_norm_ equal one process on the whole batch."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     model = TinyGPT(cfg)
     ref = copy.deepcopy(model)
     pm = autopar.parallelize(model, grid=(2, 1, 2), example_inputs=_data(cfg, 4, 8), timeout=60, check_inputs=True)

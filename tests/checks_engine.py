@@ -122,7 +122,7 @@ def gpt_bytes(rank, q, cfg_kw, lowering, batch=4, seq=8):
 def expect_error(rank, kind):
     """Run a misuse and return (exception type name, message) or the warnings raised."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     try:
         if kind == "world":
@@ -184,7 +184,7 @@ def indivisible_replicate(rank, indivisible="replicate"):
 def everyday_use(rank):
     """Other shapes than the example, eval/train switching, clip_grad_norm_ over DTensor grads."""
     torch.manual_seed(0)
-    cfg = GPTConfig(dropout=0.1)
+    cfg = GPTConfig(layers=1, dropout=0.1)
     model = TinyGPT(cfg)
     ids, tgt = _data(cfg, 4, 8)
     pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(ids, tgt))

@@ -13,7 +13,7 @@ from models import GPTConfig, TinyGPT
 from tests.checks_engine import _data
 from tests.compare import group_excess
 
-DROPOUT = dict(vocab_size=64, max_seq=16, hidden=32, heads=4, layers=2, dropout=0.2)
+DROPOUT = dict(vocab_size=64, max_seq=16, hidden=32, heads=4, layers=1, dropout=0.2)
 SWIGLU = dict(DROPOUT, norm="rmsnorm", mlp="swiglu")  # silu(gate) * up: a region 'selective' recomputes
 
 

@@ -33,7 +33,7 @@ class CumprodModel(nn.Module):
 
 def bad_inputs(rank):
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     out = {}
     out["zero grid"] = _err(lambda: autopar.parallelize(TinyGPT(cfg), grid=(0, 0), example_inputs=(ids, tgt)))
@@ -52,7 +52,7 @@ def bad_inputs(rank):
     torch.manual_seed(7)
     state = TinyGPT(cfg).state_dict()
     if rank == 3:
-        state["blocks.1.mlp.up.weight"] = state["blocks.1.mlp.up.weight"] + 1e-3  # one rank's dict differs
+        state["blocks.0.mlp.up.weight"] = state["blocks.0.mlp.up.weight"] + 1e-3  # one rank's dict differs
     out["state differs"] = _err(lambda: pm.load_state_dict(state))
     out["batch differs"] = _err(lambda: pm(*_data(cfg, 8 if rank == 1 else 4, 8)))
     out["after batch differs"] = _err(lambda: pm(ids, tgt))
@@ -72,7 +72,7 @@ def dying_rank(rank, world, port, outdir):
 
     init_local(rank, world, port)
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=20)
     if rank == 3:
@@ -195,7 +195,7 @@ def out_of_range(rank):
     import transformers as T
 
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     model = TinyGPT(cfg)
     pm = autopar.parallelize(model, grid=(2, 2), example_inputs=(ids, tgt))

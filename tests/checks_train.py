@@ -133,7 +133,7 @@ def dcp_load_other_grid(rank, tmp, q, strategy="2d"):
 def train_parity(rank, steps=5, micro=2):
     """AdamW + clip_grad_norm_ + gradient accumulation over `micro` micro-batches, `steps` steps."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     model = TinyGPT(cfg)
     ref = copy.deepcopy(model)
     pm = autopar.parallelize(model, grid=(2, 2), example_inputs=_data(cfg, 4, 8))
@@ -168,7 +168,7 @@ def bf16(rank):
     """bf16 autocast and bf16 parameters: the error of the 2x2 model and of the single process, both
     against the fp32 single process (loss and gradients)."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     base = TinyGPT(cfg)
     ids, tgt = _data(cfg, 4, 8)
     fp32 = copy.deepcopy(base)
@@ -218,7 +218,7 @@ def dp_parity(rank, steps=2):
     """grid=(2, 2, 2): two data-parallel replicas of a 2x2 grid, each with its own half of the batch,
     against one process on the whole batch."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     model = TinyGPT(cfg)
     ref = copy.deepcopy(model)
     replica = dist.get_rank() // 4
@@ -248,7 +248,7 @@ def dp_buckets(rank, grid=(2, 1, 2), bucket_mb=0.004, micro=2, compile=False):
     gradients averaged in buckets of `bucket_mb` MiB: the gradients against one process on the whole
     batches, and the replica all-reduces counted against the bucket plan."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     model = TinyGPT(cfg)
     ref = copy.deepcopy(model)
     d = grid[0]

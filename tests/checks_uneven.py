@@ -71,7 +71,7 @@ def explain_text(rank):
     from models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=97, hidden=24, heads=3)
+    cfg = GPTConfig(vocab_size=97, hidden=24, heads=3, layers=1)
     ids = torch.randint(0, 97, (4, 8))
     pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, ids))
     return autopar.explain(pm) if rank == 0 else ""

@@ -79,7 +79,7 @@ def mse_on_repo_model(rank, grid):
     from models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
-    model = TinyGPT(GPTConfig())
+    model = TinyGPT(GPTConfig(layers=1))
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     y = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(2))
     pm, ref = _parallel(model, grid, example_inputs=(ids,))

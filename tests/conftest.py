@@ -21,6 +21,13 @@ _OWN_CACHE = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-tests-inductor-")
 
+# Inductor picks the CPU's vector ISA by dry-compiling a probe program per ISA the CPU's flags list and
+# loading it in a child process: 7 s per process here, paid again by every rank that compiles (ranks
+# 1-3 wait on rank 0's lock). The suite trusts the flags instead (torch's own switch for this), so the
+# kernels are the ones the probe would pick (the first ISA the flags allow); a compiler that cannot
+# build for it fails the compiled tests instead of falling back quietly. A value the caller set is kept.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 _pools: dict = {}  # world -> live pool, least recently used first
 # Idle ranks cost memory (~0.4 GB each), not CPU: the 4-rank pool most tests use stays up while a
 # file alternates it with a 6- or 9-rank grid, instead of paying a fresh start (8-20 s) per switch.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -27,9 +28,16 @@ def capacities():
     return autopar.max_batch(_make, (2, 2), LIMIT)
 
 
-def _memory(scheme_grid, strategy, recompute, batch):
+@functools.lru_cache(maxsize=None)
+def _captured(batch):
+    """The graph at `batch`, captured once for every scheme and setting that estimates it (a capture
+    of GPT-2 is the slow part of an estimate; the estimate does not change the graph)."""
     model, args, kwargs = _make(batch)
-    gm = capture(model, args, kwargs).gm
+    return capture(model, args, kwargs).gm
+
+
+def _memory(scheme_grid, strategy, recompute, batch):
+    gm = _captured(batch)
     opts = Options(strategy=strategy, recompute="blocks" if recompute else False)
     return S.estimate_fixed(gm, scheme_grid, resolve_cost_model(None), strategy, opts).memory_bytes
 

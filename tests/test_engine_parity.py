@@ -5,8 +5,8 @@ import pytest
 from tests import checks_engine as C
 from tests.compare import ATOL_FRAC, RTOL, assert_every_rank, failures
 
-SMALL = dict(vocab_size=64, max_seq=16, hidden=32, heads=4, layers=2)
-SMALL3 = dict(vocab_size=72, max_seq=16, hidden=24, heads=6, layers=2)
+SMALL = dict(vocab_size=64, max_seq=16, hidden=32, heads=4, layers=1)
+SMALL3 = dict(vocab_size=72, max_seq=16, hidden=24, heads=6, layers=1)
 
 
 def _assert_all_small(per_rank, what):

@@ -21,7 +21,7 @@ from tests import checks_recompute as C
 from tests.compare import ATOL_FRAC, RTOL, assert_every_rank
 from tests.conftest import get_pool
 
-SMALL = dict(vocab_size=64, max_seq=16, hidden=32, heads=4, layers=2)
+SMALL = dict(vocab_size=64, max_seq=16, hidden=32, heads=4, layers=1)
 GRIDS = [(2, 2), (1, 4)]
 MODES = ["blocks", "selective"]
 
@@ -103,7 +103,7 @@ def test_regions_of_the_pass():
     marked for recomputation lies in one numbered block and every region in one block; 'selective'
     marks no inserted module and no matmul; 'blocks' makes one region per layer holding its SUMMAs."""
     torch.manual_seed(0)
-    cfg = GPTConfig(**SMALL, norm="rmsnorm", mlp="swiglu")
+    cfg = GPTConfig(**dict(SMALL, layers=2), norm="rmsnorm", mlp="swiglu")  # two blocks: a region may cross
     ids, tgt = E._data(cfg, 4, 8)
     for mode in MODES:
         comp, _ = compile_program(TinyGPT(cfg), (ids, tgt), {}, Grid.for_planning(2, 2), Options(recompute=mode))
@@ -128,22 +128,24 @@ def test_recompute_option_is_validated():
         autopar.plan(torch.nn.Linear(4, 4), grid=(2, 2), example_inputs=(torch.randn(2, 4),), recompute="block")
 
 
-def _llama_half_limit(layers=6):
-    """A 6-layer HF Llama, its inputs, and half the memory estimate of its unconstrained auto plan."""
-    model, make = H.build("llama", num_hidden_layers=layers)
+@pytest.fixture(scope="module")
+def llama_half_limit():
+    """A 6-layer HF Llama, its inputs, and half the memory estimate of its unconstrained auto plan: built
+    and searched once for the three tests that read it (none changes the model)."""
+    model, make = H.build("llama", num_hidden_layers=6)
     model.eval()
     kw = make(4, 8, 1)
     free = autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="auto", measure_activations=False)
     return model, kw, free.choice.estimate.memory_bytes * 0.5
 
 
-def test_search_recomputes_the_fewest_blocks_that_fit():
+def test_search_recomputes_the_fewest_blocks_that_fit(llama_half_limit):
     """Catches a search that ignores recomputation (it would refuse a limit that recomputing meets) or
     recomputes more blocks than needed: at half the unconstrained estimate the chosen plan fits, it
     recomputes some but not all blocks only if fewer would not fit, it is estimated slower than the
     unconstrained one, and the compiled program recomputes exactly those blocks (fewer saved bytes,
     forward collectives repeated)."""
-    model, kw, limit = _llama_half_limit()
+    model, kw, limit = llama_half_limit
     free = autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="auto")
     pl = autopar.plan(model, grid=(2, 2), example_kwargs=kw, strategy="auto", memory_limit=limit)
     est = pl.choice.estimate
@@ -157,9 +159,9 @@ def test_search_recomputes_the_fewest_blocks_that_fit():
     assert pl.activation_bytes < free.activation_bytes and pl.recompute_bytes > 0
 
 
-def test_search_refuses_naming_the_smallest_footprint_with_recomputation():
+def test_search_refuses_naming_the_smallest_footprint_with_recomputation(llama_half_limit):
     """Nothing fits: the error gives the smallest estimate, which recomputes every block."""
-    model, kw, _ = _llama_half_limit()
+    model, kw, _ = llama_half_limit
     with pytest.raises(MemoryError, match=r"no strategy fits memory_limit=1000 B .* smallest estimate among \d+ "
                                           r"assignments is [0-9.]+ (B|KiB|MiB|GiB), recomputing all 6 repeated "
                                           r"blocks\. Use more"):
@@ -167,10 +169,10 @@ def test_search_refuses_naming_the_smallest_footprint_with_recomputation():
                      measure_activations=False)
 
 
-def test_search_plan_with_recomputed_blocks_runs_at_parity():
+def test_search_plan_with_recomputed_blocks_runs_at_parity(llama_half_limit):
     """The blocks the search chose to recompute (a subset) run on real ranks: logits, loss and every
     gradient against one process."""
-    _, _, limit = _llama_half_limit()
+    _, _, limit = llama_half_limit
     res = get_pool(4).run(H.hf_parity, "llama", over=dict(num_hidden_layers=6),
                           options={"strategy": "auto", "memory_limit": limit})
     assert_every_rank([r["excess"] for r in res], "llama auto + recompute")

@@ -30,7 +30,7 @@ def test_bad_input_messages(pool4):
             kind, msg = r[case]
             assert kind == "UsageError" and "ranks built different plans" in msg and words in msg, (rank, case, msg)
         kind, msg = r["state differs"]  # loaded a patchwork of the ranks' values
-        assert kind == "UsageError" and "'blocks.1.mlp.up.weight' differs between ranks" in msg \
+        assert kind == "UsageError" and "'blocks.0.mlp.up.weight' differs between ranks" in msg \
             and "ranks [3]" in msg, (rank, msg)
         kind, msg = r["batch differs"]  # aborted two processes in gloo
         assert kind == "UsageError" and "1: ((8, 8)" in msg \
