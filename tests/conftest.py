@@ -2,6 +2,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -84,6 +85,23 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     return ("slow tier: run (RUN_SLOW=1)" if os.environ.get("RUN_SLOW", "0") not in ("", "0")
             else "slow tier: deselected (make test-all or RUN_SLOW=1 runs it)")
+
+
+FAST_TIER_BUDGET_S = 12 * 60  # `make test` on a quiet 2-core machine (README, Contributing)
+_started = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After a run of the whole fast tier, its time against the budget: printed, never asserted
+    (machines are noisy), so the change that grows the suite past it is seen in its own log."""
+    whole = config.args == config.getini("testpaths") and not (config.option.collectonly or config.option.keyword)
+    if os.environ.get("RUN_SLOW", "0") not in ("", "0") or not whole:
+        return
+    took = time.monotonic() - _started
+    word = "within" if took <= FAST_TIER_BUDGET_S else "OVER"
+    terminalreporter.write_line(
+        f"fast tier: {took:.0f} s, {word} its {FAST_TIER_BUDGET_S // 60}-minute budget on a quiet 2-core machine "
+        f"(a test that repeats a covered path on another grid, family or option goes to tests/slow_tier.py)")
 
 
 def pytest_sessionfinish(session, exitstatus):
