@@ -61,6 +61,11 @@ def pool9():
     return get_pool(9)
 
 
+def _run_slow() -> bool:
+    """RUN_SLOW=1 (`make test-all`): the slow tier runs too."""
+    return os.environ.get("RUN_SLOW", "0") not in ("", "0")
+
+
 def pytest_collection_modifyitems(config, items):
     """The slow tier (`@pytest.mark.slow`) runs only with RUN_SLOW=1 (`make test-all`), as
     transformers' slow tests do; `make test` deselects it, and says how many it left out. The cases
@@ -74,7 +79,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW:
             item.add_marker(pytest.mark.slow)
-    if os.environ.get("RUN_SLOW", "0") not in ("", "0"):
+    if _run_slow():
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     if slow:
@@ -83,7 +88,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return ("slow tier: run (RUN_SLOW=1)" if os.environ.get("RUN_SLOW", "0") not in ("", "0")
+    return ("slow tier: run (RUN_SLOW=1)" if _run_slow()
             else "slow tier: deselected (make test-all or RUN_SLOW=1 runs it)")
 
 
@@ -95,7 +100,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """After a run of the whole fast tier, its time against the budget: printed, never asserted
     (machines are noisy), so the change that grows the suite past it is seen in its own log."""
     whole = config.args == config.getini("testpaths") and not (config.option.collectonly or config.option.keyword)
-    if os.environ.get("RUN_SLOW", "0") not in ("", "0") or not whole:
+    if _run_slow() or not whole:
         return
     took = time.monotonic() - _started
     word = "within" if took <= FAST_TIER_BUDGET_S else "OVER"
