@@ -1,7 +1,7 @@
 """The pass order: a captured graph to the per-rank program every rank runs (`compile_captured`).
 
-    route_experts -> choose (strategy='auto') -> propagate -> insert_collectives -> localize
-    -> group_siblings -> recompute
+    route_experts -> choose (strategy='auto') or pick_lowerings (lowering='auto') -> propagate
+    -> insert_collectives -> localize -> group_siblings -> recompute
 
 The result is a `Compiled`: the rewritten GraphModule, the capture it came from, the layouts of its
 outputs and the fallbacks it runs. `autopar.program.build` captures a model's call and calls this.
@@ -31,6 +31,7 @@ from passes.meta import LAYOUT
 from passes.nodes import arg
 from passes.options import Options
 from passes.search import strategy as strategies
+from passes.search.lowering import pick_lowerings
 from passes.transforms.group_siblings import group_siblings
 from passes.transforms.insert_collectives import insert_collectives
 from passes.transforms.localize import localize
@@ -82,7 +83,8 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     """(Compiled, parameter name -> Layout) of a captured graph on `grid`, the passes in their order:
     route experts, the strategy of each matmul unit (options.strategy; with `choice`, a Choice made
     before, which a recompile for new shapes repeats instead of searching again; strategy='auto' calls
-    `search()`, by default `passes.search.strategy.choose` here), propagate, insert collectives,
+    `search()`, by default `passes.search.strategy.choose` here), each SUMMA product's lowering for a
+    fixed strategy under lowering='auto' (`passes.search.lowering`), propagate, insert collectives,
     localize, group sibling products, recompute. `pinned`: the parameter layouts of an earlier compile,
     kept as they are (see `passes.transforms.propagate`). Ops that run gathered whole are named in one
     FallbackWarning. A 1x1 grid runs the captured graph as it is. `key` becomes the signature."""
@@ -98,9 +100,13 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     elif grid.world > 1 and options.strategy == "auto":
         chosen = search() if search is not None else strategies.choose(
             cap.gm, grid.shape, CostModel.resolve(options.cost_model), options)
+    if grid.world > 1 and chosen is None and options.fixed_lowering is None:
+        pick_lowerings(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy,
+                                  options)
     prop = propagate(cap.gm, grid.shape, options, pinned)
     if grid.world > 1:
-        gm = insert_collectives(cap.gm, grid, options.lowering)
+        # a SUMMA node without a LOWERING mark (none under lowering='auto') runs the broadcast lowering
+        gm = insert_collectives(cap.gm, grid, options.fixed_lowering or "broadcast")
         localize(gm, grid.shape, (grid.r, grid.c))
         group_siblings(gm, grid)
     else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is

@@ -16,7 +16,7 @@ Each entry: the value, on which nodes, written by -> read by.
   -> propagate, rules.matmul, rules.embedding_loss.
 - `CHOICE_WHY`: (the option chosen, {option: estimated seconds, None where it did not fit}), on the
   nodes of each unit. strategy.choose -> autopar.explain.
-- `LOWERING`: the SUMMA lowering the estimate priced, on matmul nodes. strategy.choose ->
+- `LOWERING`: the SUMMA lowering the estimate priced, on matmul nodes. strategy.choose, lowering.pick_lowerings ->
   kernelspec (when insert_collectives builds the kernel).
 - `LAYOUT`: a Layout (a tuple of them for multi-output ops), on every node. propagate, and
   insert_collectives for the nodes it adds -> insert_collectives, localize, kernelspec, cost, autopar.

@@ -17,7 +17,7 @@ the values expected and what to pass instead, before anything is captured.
 >>> Options(lowering="ring")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-passes.errors.UsageError: lowering='ring': expected one of ('broadcast', 'allgather'); pass one of these, ...
+passes.errors.UsageError: lowering='ring': expected one of ('auto', 'broadcast', 'allgather'); pass one of these, ...
 >>> OPTION["search_budget"].unit, OPTION["search_budget"].default
 ('s', 30.0)
 """
@@ -33,9 +33,12 @@ from passes.cost.model import CostModel
 from passes.errors import UsageError
 
 __all__ = ["Options", "Option", "OPTIONS", "OPTION", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES",
-           "INDIVISIBLE", "markdown_table", "parse_bytes", "format_bytes"]
+           "INDIVISIBLE", "LOWERINGS", "LOWERING_CHOICES", "markdown_table", "parse_bytes", "format_bytes"]
 
 LOWERINGS = ("broadcast", "allgather")  # how a SUMMA product moves its panels (passes.ops.summa)
+# the lowering option: one of LOWERINGS for every product, or "auto": each product the one the cost model
+# prices faster (passes.search.strategy.pick_lowerings)
+LOWERING_CHOICES = ("auto",) + LOWERINGS
 BUCKET_MB = 25.0  # default cap per replica gradient bucket, MiB (what DistributedDataParallel uses)
 BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
 STRATEGIES = ("2d", "1d", "auto")
@@ -139,8 +142,9 @@ class Options:
     runs."""
 
     lowering: str = option(
-        "broadcast", "how a SUMMA product moves its panels: stepwise broadcasts (the paper's), or all-gathered "
-        "panels and one matmul", choices=LOWERINGS)
+        "auto", "how a SUMMA product moves its panels: each product the way the cost model prices faster, "
+        "stepwise broadcasts (the paper's; one block in flight), or all-gathered panels and one matmul (fewer "
+        "calls, q x the temporary panel)", choices=LOWERING_CHOICES)
     indivisible: str = option(
         "uneven", "a dim the grid does not divide: split in torch.chunk blocks where a rule can, run its matmuls "
         "unsplit, or raise a ShardingError", choices=INDIVISIBLE)
@@ -156,7 +160,7 @@ class Options:
         expected="'2d' (SUMMA), '1d' (Megatron column/row splits over the grid's columns) or 'auto' (chosen per "
                  "matmul from estimated step time)")
     cost_model: object = option(
-        None, "for strategy='auto': what collectives and matmuls cost on this machine",
+        None, "for strategy='auto' and lowering='auto': what collectives and matmuls cost on this machine",
         check=lambda v: v is None or isinstance(v, (CostModel, dict, str, os.PathLike)),
         expected="None (published GPU-cluster figures), the path or dict of JSON that `autopar calibrate` wrote, "
                  "or a passes.cost.model.CostModel")
@@ -220,6 +224,12 @@ class Options:
         limit = self.memory_limit
         assert not isinstance(limit, str), "converted in __post_init__"
         return limit
+
+    @property
+    def fixed_lowering(self) -> str | None:
+        """The lowering every SUMMA product runs, or None where each takes the one the cost model prices
+        faster (lowering='auto')."""
+        return None if self.lowering == "auto" else self.lowering
 
     def items(self) -> list:
         """(name, value) of every option, in declaration order (what ranks compare before compiling)."""

@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import autopar
@@ -243,6 +244,7 @@ def bench_tp_sp_parity(rank) -> dict:
     import transformers
 
     from autopar.bench import common
+    from autopar.planning.explain import rows
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -252,15 +254,29 @@ def bench_tp_sp_parity(rank) -> dict:
     ref = copy.deepcopy(model)
     ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     b = dict(input_ids=ids, labels=ids)
+    ours = copy.deepcopy(model)
     want = ref(**b).loss
     want.backward()
     tp = common.tp_sp(model)
-    got = common.forward_backward(tp, b)
+    with common.FunctionalCommBytes(dist.get_world_size()) as counter:
+        got = common.forward_backward(tp, b)
     mine = dict(tp.named_parameters())
     errs = group_excess({"loss": (got.full_tensor(), want)})
     errs.update(group_excess({n: (mine[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()},
                              prefix="grad "))
-    return {"errs": errs, "names": sorted(mine)}
+    # autopar's 2D on the same model and batch, default options: its launches beside the baseline's
+    pm = autopar.parallelize(ours, grid=(2, 2), example_kwargs=b)
+    pm.grid.log.reset()
+    out = pm(**b)
+    out.loss.backward()
+    planned = sum(r.calls_fwd + r.calls_bwd for r in rows(pm))
+    grads = dict(pm.named_parameters())
+    ours_errs = group_excess({"loss": (out.loss, want)})
+    ours_errs.update(group_excess({n: (grads[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()},
+                                  prefix="grad "))
+    lowerings = sorted({m.lowering for m in pm.graph_module.modules() if hasattr(m, "lowering")})
+    return {"errs": errs, "names": sorted(mine), "tp_sp calls": counter.calls, "2d calls": pm.grid.log.calls(),
+            "2d planned calls": planned, "2d errs": ours_errs, "2d lowerings": lowerings}
 
 
 class _RMS(nn.Module):

@@ -55,10 +55,18 @@ def test_moe_bench_pytorch_baseline_matches_one_process(pool4):
 def test_bench_torchtitan_baseline_matches_one_process(pool4):
     """The PyTorch 1D TP+SP row of `autopar bench` (torchtitan's plan: sequence parallelism, loss over
     vocabulary blocks) on a tiny Llama against one process. Catches a baseline that runs but computes
-    another loss: a residual left as one rank's sequence block, a mask built for the local sequence."""
+    another loss: a residual left as one rank's sequence block, a mask built for the local sequence.
+
+    Beside it, autopar's 2D at 2x2 with default options on the same model and batch: it must launch at
+    most twice the baseline's collective calls (the broadcast lowering launched 3.3x: 12 calls per
+    weight product and step at q=2), exactly the calls its plan counts, and match one process."""
     from tests import checks_foreign
     from tests.compare import assert_every_rank
 
     per_rank = pool4.run(checks_foreign.bench_tp_sp_parity)
     assert_every_rank([r["errs"] for r in per_rank], "PyTorch 1D TP+SP, tiny llama")
     assert "model.layers.1.mlp.down_proj.weight" in per_rank[0]["names"], per_rank[0]["names"]
+    assert_every_rank([r["2d errs"] for r in per_rank], "autopar 2D 2x2, default lowering, tiny llama")
+    for rank, r in enumerate(per_rank):
+        assert r["2d calls"] == r["2d planned calls"], (rank, r["2d calls"], r["2d planned calls"])
+        assert r["2d calls"] <= 2 * r["tp_sp calls"], (rank, r["2d calls"], r["tp_sp calls"], r["2d lowerings"])

@@ -9,6 +9,7 @@ from examples.models import GPTConfig, TinyGPT
 from passes.cost.planned import node_cost, nodes_needing_grad
 from passes.kernels.spec import KernelSpec, Site, SummaSpec
 from passes.meta import KERNEL
+from passes.ops.summa_group import SummaGroup
 
 
 def _tiny_gpt():
@@ -20,12 +21,20 @@ def _tiny_gpt():
 @pytest.mark.parametrize("grid", [(2, 2), (2, 4), (1, 2)])
 def test_formulas_and_numbers_are_one_source(grid):
     """Catches a kernel whose symbolic bytes (explain, plan) and numeric bytes (the strategy estimate)
-    drift apart, e.g. a statistic counted at another size in one of them."""
+    drift apart, e.g. a statistic counted at another size in one of them. Both lowerings: under the
+    all-gather one q|k|v run as one group, whose members carry the specs (the group node has none)."""
     model, args = _tiny_gpt()
-    pl = autopar.plan(model, grid=grid, example_inputs=args, measure_activations=False)
+    for lowering in ("broadcast", "allgather"):
+        _one_source(autopar.plan(model, grid=grid, example_inputs=args, measure_activations=False,
+                                 lowering=lowering), grid)
+
+
+def _one_source(pl, grid):
     gm, grads = pl.gm, nodes_needing_grad(pl.gm)
     kinds = set()
     for node in gm.graph.find_nodes(op="call_module"):
+        if isinstance(gm.get_submodule(node.target), SummaGroup):
+            continue
         spec = node.meta[KERNEL]
         assert isinstance(spec, KernelSpec), node.name
         assert node.target.startswith(f"autopar_{spec.name}_"), (node.target, spec)

@@ -15,8 +15,8 @@ from tests import checks_options as C
 
 
 @pytest.mark.parametrize("option, value, text", [
-    ("lowering", "ring", "lowering='ring': expected one of ('broadcast', 'allgather'); pass one of these, or "
-                         "leave lowering out for the default 'broadcast'"),
+    ("lowering", "ring", "lowering='ring': expected one of ('auto', 'broadcast', 'allgather'); pass one of "
+                         "these, or leave lowering out for the default 'auto'"),
     ("indivisible", "pad", "indivisible='pad': expected one of ('uneven', 'replicate', 'error')"),
     ("fused", "concat", "fused='concat': expected one of ('regroup', 'interleave')"),
     ("on_unsupported", "skip", "on_unsupported='skip': expected one of ('replicate', 'error')"),
@@ -100,7 +100,7 @@ def test_every_option_keyword_reaches_options(fn, home, monkeypatch):
 
 def test_plan_validates_like_parallelize():
     """plan used to accept any lowering, indivisible or fused value and fail (or not) deep inside."""
-    with pytest.raises(ValueError, match=r"lowering='ring': expected one of \('broadcast', 'allgather'\)"):
+    with pytest.raises(ValueError, match=r"lowering='ring': expected one of \('auto', 'broadcast', 'allgather'\)"):
         autopar.plan(nn.Linear(8, 8), grid=(2, 2), example_inputs=(torch.randn(4, 8),), lowering="ring")
     with pytest.raises(ValueError, match="memory_limit=-1: expected a positive number"):
         autopar.choose_grid(nn.Linear(8, 8), 4, (torch.randn(4, 8),), memory_limit=-1)

@@ -103,7 +103,8 @@ def estimate_phase(pmodel, gm, strategy: str | None) -> Estimate | None:
         if choice is None or not keys <= set(choice.assignment):
             return None
         return strategies.estimate_assignment(gm, grid.shape, cm, {k: choice.assignment[k] for k in keys}, forward)
-    return strategies.estimate_fixed(gm, grid.shape, cm, strategy or options.strategy, forward, options.lowering)
+    return strategies.estimate_fixed(gm, grid.shape, cm, strategy or options.strategy, forward,
+                                      options.fixed_lowering)
 
 
 @dataclasses.dataclass

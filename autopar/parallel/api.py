@@ -51,9 +51,10 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             with the best plan found so far and a SearchWarning; None: no limit. Rank 0 searches and
             sends its choice to the other ranks.
         example_inputs / example_kwargs: one call's inputs, used to capture the graph.
-        lowering: 'broadcast' (the paper's stepwise SUMMA) or 'allgather' (gather panels, one matmul;
-            linears that read the same activation, q|k|v and gate|up, then share one set of calls and
-            x's panel: `passes.transforms.group_siblings`).
+        lowering: 'auto' (default: each SUMMA product the lowering `cost_model` prices faster),
+            'broadcast' (the paper's stepwise SUMMA, one block in flight) or 'allgather' (gather panels,
+            one matmul, one call per axis; linears that read the same activation, q|k|v and gate|up,
+            then share one set of calls and x's panel: `passes.transforms.group_siblings`).
         indivisible: a dim the grid does not divide (a vocabulary of 50257, 25 heads on 8 columns).
             'uneven' (default) splits it in torch.chunk blocks, as DTensor's Shard does (ceil(n/q)
             per member, the last shorter; nothing padded, state_dict and checkpoints keep the true

@@ -202,8 +202,18 @@ class SummaSpec(KernelSpec):
         return products_per_step(site.grads[0], site.grads[1])
 
     def describe(self, site):
+        if self.lowering(site.node) == "allgather":
+            return ("SUMMA ABT: gather W (col), scatter-sum Y (row); bwd AB+ATB" if self.transposed
+                    else "SUMMA AB: gather X (row), W (col); bwd ABT + ATB")
         return ("SUMMA ABT: bcast W (col), reduce Y (row); bwd AB + ATB" if self.transposed
                 else "SUMMA AB: bcast X (row), W (col); bwd ABT + ATB")
+
+    @staticmethod
+    def lowering(node) -> str:
+        """The lowering the product runs: its module's once inserted, else the one marked on it."""
+        if node.op == "call_module":
+            return getattr(node.graph.owning_module.get_submodule(node.target), "lowering", "broadcast")
+        return node.meta.get(LOWERING, "broadcast")
 
     def cost(self, site):
         """Each product receives the same bytes; written as one fraction per product (`summa_ab_bytes`).
@@ -238,10 +248,7 @@ class SummaSpec(KernelSpec):
         """(axis, phase, bytes) of each product's collectives for the rank at `site.at`, as the lowering
         its module runs sends them (`passes.cost.summa_blocks`)."""
         v, node = self.values(site), site.node
-        if node.op == "call_module":
-            lowering = getattr(node.graph.owning_module.get_submodule(node.target), "lowering", "broadcast")
-        else:
-            lowering = node.meta.get(LOWERING, "broadcast")
+        lowering = self.lowering(node)
         m = math.prod(site.local(0)[:-1])  # rows of x on this rank
         roles = {"KN": (v["K"], v["N"]), "NK": (v["N"], v["K"])}
         return [(a, phase, n * v["e"])

@@ -156,7 +156,11 @@ class SummaGroup(nn.Module):
             x, ws = x.to(dtype), tuple(w.to(dtype) for w in ws)
         lead = x.shape[:-1]
         x2 = x.reshape(math.prod(lead), x.shape[-1])  # [m, K/C]
-        outs = SummaGroupAB.apply(x2, self.grid, SEP.join(self.tags), *(w.contiguous() for w in ws))
+        ws, tags = tuple(w.contiguous() for w in ws), SEP.join(self.tags)
+        if torch.is_grad_enabled() and (x2.requires_grad or any(w.requires_grad for w in ws)):
+            outs = SummaGroupAB.apply(x2, self.grid, tags, *ws)
+        else:  # no backward (generation): the product alone; dynamo mis-binds the Function's *ws here
+            outs = tuple(torch.ops.autopar.ab_group(x2, list(ws), self.grid.key, tags))
         return tuple(y.view(*lead, y.shape[-1]) for y in outs)
 
     def extra_repr(self) -> str:

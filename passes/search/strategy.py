@@ -56,9 +56,9 @@ from passes.search.recompute_cost import BlockTrade, block_trade
 from passes.rules.views import TRANSPOSES, VIEWS
 from passes.errors import MemoryLimitError, SearchWarning
 
-__all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "estimate_fixed",
-           "estimate_assignment",
-           "find_units", "repeated_blocks", "search_groups", "OPTIONS", "BUDGET_S"]
+__all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "block_lowerings",
+           "estimate_fixed", "estimate_assignment", "find_units", "repeated_blocks", "search_groups", "OPTIONS",
+           "BUDGET_S"]
 
 aten = torch.ops.aten
 OPTIONS = ("2d", "1d", "rep")
@@ -346,7 +346,7 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
     units = find_units(gm)
     keys = list(dict.fromkeys(u.key for u in units))
     opts = {u.key: u.options for u in units}
-    ev = Evaluator(gm, mesh, cm, units, options)
+    ev = Evaluator(gm, mesh, cm, units, options, options.fixed_lowering)
     fits = (lambda e: True) if memory_limit is None else (lambda e: e.memory_bytes <= memory_limit)
     space = math.prod(len(opts[k]) for k in keys)
     search = _Search(ev, keys, fits, search_budget, space, t0)
@@ -385,13 +385,13 @@ def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None)
             f"step (fixed 2d {ev.estimate(baselines['2d']).time_s * 1e3:.3f} ms, fixed 1d "
             f"{ev.estimate(baselines['1d']).time_s * 1e3:.3f} ms). Pass a larger search_budget (seconds; None: no "
             f"limit) to search further.", SearchWarning, stacklevel=2)
-    lowerings = _lowerings(ev, est)
+    lowerings = block_lowerings(ev, est)
     apply(gm, units, assignment, lowerings, alternatives)
     return Choice(assignment, est, alternatives, {s: ev.estimate(a) for s, a in baselines.items()}, len(tried),
                   lowerings, time.perf_counter() - t0, complete, est.recomputed)
 
 
-def _lowerings(ev: Evaluator, est: Estimate) -> dict:
+def block_lowerings(ev: Evaluator, est: Estimate) -> dict:
     """SUMMA node name -> lowering for every block: the estimate priced blocks 0-2 (when it took the
     block shortcut) and the others take the lowering of their stand-in."""
     lowerings = dict(est.lowerings)
