@@ -54,7 +54,7 @@ def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
     cm = resolve_cost_model(cost_model)
     if strategy == "auto":
         return S.choose(gm, grid, cm).estimate.time_s
-    return S.estimate_fixed(gm, grid, cm, strategy).time_s
+    return S.estimate_fixed(gm, grid, cm, strategy, lowering=lowering).time_s
 
 
 def calibrate_worker(rank, world, port, out):
@@ -74,7 +74,8 @@ COMPILED = " (compiled)"  # suffix of a configuration's compiled twin
 def _compiled_configs(base) -> dict:
     """autopar 2D 2x2 and PyTorch 1D TP under torch.compile; each compiles on its first (warm-up) step."""
     return {"2D 2x2 broadcast" + COMPILED: autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
-                                                               example_kwargs=common.batch(0), compile=True),
+                                                               example_kwargs=common.batch(0), compile=True,
+                                                               lowering="broadcast"),
             "PyTorch 1D TP (4 ranks)" + COMPILED: torch.compile(common.tp_1d(copy.deepcopy(base)))}
 
 
@@ -89,7 +90,8 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
                                                             example_kwargs=common.batch(0), lowering=lowering)
     for mode in RECOMPUTE:
         configs[f"2D 2x2 recompute={mode}"] = autopar.parallelize(copy.deepcopy(base), grid=(2, 2),
-                                                              example_kwargs=common.batch(0), recompute=mode)
+                                                              example_kwargs=common.batch(0), recompute=mode,
+                                                              lowering="broadcast")
     configs["PyTorch 1D TP (4 ranks)"] = common.tp_1d(copy.deepcopy(base))
     configs[TP_SP] = common.tp_sp(copy.deepcopy(base))
     configs["autopar 1D 1x4"] = autopar.parallelize(copy.deepcopy(base), grid=(1, 4), example_kwargs=common.batch(0),
@@ -98,7 +100,8 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
     auto = f"autopar auto {grid[0]}x{grid[1]}"
     configs[auto] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=common.batch(0), strategy="auto",
                                         cost_model=cost_model)
-    estimates = {"2D 2x2 broadcast": _estimate(base, (2, 2), "2d", cost_model),
+    estimates = {"2D 2x2 broadcast": _estimate(base, (2, 2), "2d", cost_model, "broadcast"),
+                 "2D 2x2 allgather": _estimate(base, (2, 2), "2d", cost_model, "allgather"),
                  "autopar 1D 1x4": _estimate(base, (1, 4), "1d", cost_model),
                  auto: _estimate(base, grid, "auto", cost_model)}
     if compiled:
