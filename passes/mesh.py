@@ -122,6 +122,7 @@ class _Groups(NamedTuple):
 
     default: object  # the default process group they were built under
     mesh: DeviceMesh
+    full_mesh: DeviceMesh | None  # dp > 1: the (dp, r, c) mesh `mesh` is a slice of
     same_col: object
     same_row: object
     dp: object
@@ -144,6 +145,7 @@ class Grid:
     same_row_group: Any  # over axis 1
     dp_group: Any  # over the replicas (dp > 1)
     world_group: Any  # this grid's R*C ranks; None: the default group (dp == 1, no timeout)
+    full_mesh: Any  # dp > 1: the (dp, r, c) DeviceMesh whose (r, c) slice is `mesh`; else None
     key: int  # names this grid to the traceable collectives (`grid_of`)
     # backward launches each SUMMA weight gradient's reduction before the input gradient's product and
     # waits for it after (`passes.ops.overlap`); False: one after the other. A compiled program keeps
@@ -171,6 +173,7 @@ class Grid:
         self.timeout = timeout
         if not dist.is_initialized():
             self.mesh: DeviceMesh | None = None
+            self.full_mesh = None
             self.same_col_group = self.same_row_group = self.dp_group = self.world_group = None
         else:
             self._adopt(self._process_groups())
@@ -185,7 +188,7 @@ class Grid:
         got = _GROUPS.get(key)
         if got is not None and got.default is dist.group.WORLD:  # not from a destroyed default group
             return got
-        self.dp_group = self.world_group = None
+        self.dp_group = self.world_group = self.full_mesh = None
         rows, cols = self.shape
         if self.timeout is not None:
             self._build_with_timeout(self.timeout)
@@ -193,6 +196,7 @@ class Grid:
             if self.dp > 1:
                 full = init_device_mesh(self.device_type, (self.dp, rows, cols), mesh_dim_names=("dp",) + AXIS_NAMES)
                 mesh = full[AXIS_NAMES]
+                self.full_mesh = full
                 self.dp_group = full.get_group("dp")
                 for d in range(self.dp):  # every rank creates every group, in the same order
                     group = dist.new_group(self._grid_ranks(d))
@@ -204,12 +208,13 @@ class Grid:
             self.same_col_group = mesh.get_group(0)
             self.same_row_group = mesh.get_group(1)
         self._flatten_mesh(self.mesh)
-        got = _GROUPS[key] = _Groups(dist.group.WORLD, self.mesh, self.same_col_group, self.same_row_group,
-                                     self.dp_group, self.world_group)
+        got = _GROUPS[key] = _Groups(dist.group.WORLD, self.mesh, self.full_mesh, self.same_col_group,
+                                     self.same_row_group, self.dp_group, self.world_group)
         return got
 
     def _adopt(self, groups: "_Groups") -> None:
         self.mesh, self.same_col_group, self.same_row_group = groups.mesh, groups.same_col, groups.same_row
+        self.full_mesh = groups.full_mesh
         self.dp_group, self.world_group = groups.dp, groups.world
 
     def _grid_ranks(self, d: int) -> list:
@@ -222,6 +227,7 @@ class Grid:
         g = cls.__new__(cls)
         g.shape, g.dp, g.rank, g.dp_index, g.r, g.c = (rows, rows if cols is None else cols), dp, 0, 0, 0, 0
         g.device_type, g.log, g.mesh, g.dp_group, g.timeout, g.world_group = "cpu", CommLog(), None, None, None, None
+        g.full_mesh = None
         g.same_row_group = g.same_col_group = None
         _register(g)
         return g
@@ -250,9 +256,14 @@ class Grid:
                 if self.rank % (R * C) == i:
                     self.dp_group = group
         self.same_row_group, self.same_col_group = mine["row"], mine["col"]
-        ids = torch.arange(dp * R * C).reshape(dp, R, C)[self.dp_index]
-        self.mesh = DeviceMesh.from_group([self.same_col_group, self.same_row_group], self.device_type,
-                                          mesh=ids, mesh_dim_names=AXIS_NAMES)
+        ids = torch.arange(dp * R * C).reshape(dp, R, C)
+        if dp > 1:  # one (dp, r, c) mesh, the grid's a slice of it (FSDP2 needs both from one root)
+            self.full_mesh = DeviceMesh.from_group([self.dp_group, self.same_col_group, self.same_row_group],
+                                                   self.device_type, mesh=ids, mesh_dim_names=("dp",) + AXIS_NAMES)
+            self.mesh = self.full_mesh[AXIS_NAMES]
+        else:
+            self.mesh = DeviceMesh.from_group([self.same_col_group, self.same_row_group], self.device_type,
+                                              mesh=ids[0], mesh_dim_names=AXIS_NAMES)
 
     def _flatten_mesh(self, mesh: DeviceMesh) -> None:
         """Give DTensor the grid's own R*C group as the mesh flattened over both axes, so that a
