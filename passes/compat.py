@@ -41,10 +41,16 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 # TorchDispatchMode: intercepts aten calls (bench's count of functional collectives' bytes, the train
 # checks' op counts). Checked on 2.13.0. If it moves: `autopar.bench` and tests/checks_train.py.
 from torch.utils._python_dispatch import TorchDispatchMode
+# FSDP2's communication interfaces, which `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`
+# take (public methods, private classes). Checked on 2.13.0. If they move: `autopar.parallel.sharded`
+# (data_parallel='shard') fails to import, and with it `autopar.parallelize`.
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
 
 from passes.errors import TorchVersionError
 
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
+           "FSDPAllGather", "FSDPReduceScatter",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
            "exit_autocast", "fake_store", "fake_tensor_mode", "group_timeout", "implicit_replication",
            "in_torch_compile_call", "legacy_reduction", "parse_to",

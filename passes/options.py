@@ -33,7 +33,8 @@ from passes.cost.model import CostModel
 from passes.errors import UsageError
 
 __all__ = ["Options", "Option", "OPTIONS", "OPTION", "DEFAULTS", "BUDGET_S", "STRATEGIES", "RECOMPUTE_MODES",
-           "INDIVISIBLE", "LOWERINGS", "LOWERING_CHOICES", "markdown_table", "parse_bytes", "format_bytes"]
+           "INDIVISIBLE", "DATA_PARALLEL", "LOWERINGS", "LOWERING_CHOICES", "markdown_table", "parse_bytes",
+           "format_bytes"]
 
 LOWERINGS = ("broadcast", "allgather")  # how a SUMMA product moves its panels (passes.ops.summa)
 # the lowering option: one of LOWERINGS for every product, or "auto": each product the one the cost model
@@ -46,6 +47,7 @@ RECOMPUTE_MODES = ("blocks", "selective")  # passes.transforms.recompute.MODES
 # a dim the grid does not divide: split in torch.chunk blocks where a rule can, else run unsplit (the
 # only choice for "replicate"), or raise
 INDIVISIBLE = ("uneven", "replicate", "error")
+DATA_PARALLEL = ("replicate", "shard")  # grid=(dp, R, C): the replicas' copies of a block (autopar.parallel.sharded)
 
 T = TypeVar("T")
 
@@ -208,6 +210,12 @@ class Options:
     moe_dispatch: str = option(
         "auto", "how a mixture of experts' routed tokens reach the rows holding their experts ('auto': "
         "all-to-all on a grid of more than one row, else gather)", choices=("auto", "all_to_all", "gather"))
+    data_parallel: str = option(
+        "replicate", "with grid=(dp, R, C): each replica holds its grid block's parameters, gradients and "
+        "optimizer state whole (gradients all-reduced), or 1/dp of them (FSDP2: parameters all-gathered for "
+        "the step, gradients reduce-scattered)", choices=DATA_PARALLEL,
+        expected="'replicate' (every replica holds its grid block whole) or 'shard' (FSDP2's fully_shard over "
+                 "the replicas: 1/dp of the block each)")
 
     def __post_init__(self) -> None:
         for o in OPTIONS:

@@ -27,6 +27,8 @@ from tests import checks_options as C
     ("check_inputs", 1, "check_inputs=1: expected True (compare every call's inputs"),
     ("timeout", 0, "timeout=0: expected a positive number of seconds, or None"),
     ("optimizer_states", -1, "optimizer_states=-1: expected the number of tensors the optimizer keeps"),
+    ("data_parallel", "zero3", "data_parallel='zero3': expected 'replicate' (every replica holds its grid block "
+                               "whole) or 'shard' (FSDP2's fully_shard over the replicas"),
 ])
 def test_every_bad_option_is_named(option, value, text):
     """Catches an option that goes unchecked until a pass misreads it (propagate used to take any

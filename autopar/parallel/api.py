@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, UsageError
 from autopar.parallel.module import ParallelModule
+from autopar.parallel.sharded import shard_replicas
 from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program, input_device
 from autopar.program.guards import agree_on_options, agree_on_plan
 from passes import Grid
@@ -28,7 +29,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 search_budget: float | None = DEFAULTS.search_budget, check_inputs: bool = DEFAULTS.check_inputs,
                 timeout: float | None = DEFAULTS.timeout, compile: bool = DEFAULTS.compile,
                 recompute: str | bool | None = DEFAULTS.recompute, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
-                moe_dispatch: str = DEFAULTS.moe_dispatch) -> ParallelModule:
+                moe_dispatch: str = DEFAULTS.moe_dispatch,
+                data_parallel: str = DEFAULTS.data_parallel) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -103,12 +105,18 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             grid rows). 'all_to_all': each row keeps its tokens and sends each routed token's hidden
             block to its expert's row and back (expert parallelism); 'gather': every row gathers
             all the routed tokens; 'auto' (default): all-to-all when the grid has more than one row.
+        data_parallel: with grid=(dp, R, C): 'replicate' (default) keeps each grid block's parameters,
+            gradients and optimizer state whole on every replica (gradients all-reduced in buckets);
+            'shard' splits them over the dp replicas with FSDP2's `fully_shard` (ZeRO-3): each rank
+            holds 1/(dp*R*C) of every parameter, gradient and optimizer state between steps, the
+            block's parameters are all-gathered over the replicas for the step and its gradients
+            reduce-scattered after backward (one unit: see `autopar.parallel.sharded`).
     """
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
                       search_budget=search_budget, check_inputs=check_inputs, timeout=timeout,
                       compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
-                      moe_dispatch=moe_dispatch)
+                      moe_dispatch=moe_dispatch, data_parallel=data_parallel)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
         raise UsageError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "
@@ -139,4 +147,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
     comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)
     agree_on_plan(comp, layouts, model)
-    return ParallelModule(model, g, comp, layouts, options)
+    pmodel = ParallelModule(model, g, comp, layouts, options)
+    if options.data_parallel == "shard":
+        shard_replicas(pmodel)
+    return pmodel

@@ -25,6 +25,8 @@ from passes.meta import PARAM
 from passes.options import Options
 from autopar.parallel import hf_compat as hf_compat
 from autopar.parallel.run import Runner
+from autopar.parallel.clip import clip_grad_norm
+from autopar.parallel.sharded import is_sharded, refuse_foreign_sharding
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.program.consensus import all_gather_objects
@@ -279,6 +281,7 @@ class ParallelModule(nn.Module):
                 "or build it with autopar.from_pretrained(path, ...)"
             )
         refuse_kv_cache(kwargs)
+        refuse_foreign_sharding(self)
         kwargs = {**self._cache_off, **kwargs}
         comp, flat = self._get(args, kwargs)
         self._last = comp
@@ -287,7 +290,9 @@ class ParallelModule(nn.Module):
         for role, key in comp.captured.sources:
             if role == "param" and key not in cache:
                 cache[key] = self.get_parameter(key).to_local()
-        step = self._replica_buckets(comp, cache) if self.grid.dp > 1 and torch.is_grad_enabled() else None
+        # sharded replicas: FSDP2 reduce-scatters the gradients over the replicas after backward
+        buckets = self.grid.dp > 1 and torch.is_grad_enabled() and not is_sharded(self)
+        step = self._replica_buckets(comp, cache) if buckets else None
         for role, key in comp.captured.sources:
             if role == "param":
                 locals_.append(cache[key])
@@ -316,8 +321,15 @@ class ParallelModule(nn.Module):
         reused (see `autopar.generate`). `prefill_strategy` / `decode_strategy`: None (follow the
         model: strategy='auto' searches each phase's plan, '2d' and '1d' keep the forward's),
         'forward' (the forward's plan), '2d', '1d' or 'auto' to plan that phase on its own (see
-        `autopar.generate.phases`). Runs under torch.no_grad()."""
-        return generate_tokens(self, input_ids, attention_mask, **kwargs)
+        `autopar.generate.phases`). Runs under torch.no_grad(). With data_parallel='shard' the grid
+        blocks are gathered over the replicas for the call and released after it."""
+        if not is_sharded(self):
+            return generate_tokens(self, input_ids, attention_mask, **kwargs)
+        self.unshard()  # FSDP2's: this rank's grid blocks, gathered over the replicas
+        try:
+            return generate_tokens(self, input_ids, attention_mask, **kwargs)
+        finally:
+            self.reshard()
 
     def check_inputs(self, *args, **kwargs) -> None:
         """What every call checks first, on its own: that these inputs are on this rank's device and that
@@ -380,40 +392,11 @@ class ParallelModule(nn.Module):
         """Clip the gradients of every parameter to a total norm of `max_norm`, as
         torch.nn.utils.clip_grad_norm_ does on one process; returns the total norm (a plain tensor,
         equal on every rank). Each block is counted once: a block replicated over a mesh axis counts on
-        member 0 of that axis only. One all-reduce of one number over the grid, bounded by `timeout`
-        (data-parallel replicas hold the same averaged gradients and compute the same norm). Unlike
-        torch's function on DTensors it does not warn about sequential all-reduces."""
-        norm_type = float(norm_type)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return torch.tensor(0.0)
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        counted = [self._counts_here(g) for g in grads]
-        dev = local[0].device
-        if norm_type == float("inf"):
-            part = torch.stack([t.detach().abs().max().float() if c and t.numel() else torch.zeros((), device=dev)
-                                for t, c in zip(local, counted)]).max()
-            op = dist.ReduceOp.MAX
-        else:
-            part = torch.stack([t.detach().float().abs().pow(norm_type).sum() if c else torch.zeros((), device=dev)
-                                for t, c in zip(local, counted)]).sum().double()
-            op = dist.ReduceOp.SUM
-        with comm.guarded(self.grid, "all-reduce", "grid", "clip_grad_norm_"):
-            dist.all_reduce(part, op=op, group=self.grid.world_group)
-        total = part if norm_type == float("inf") else part.pow(1.0 / norm_type)
-        total = total.float()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for t in local:
-            t.detach().mul_(coef.to(t.dtype))
-        return total
-
-    def _counts_here(self, g) -> bool:
-        if not isinstance(g, DTensor):
-            return self.grid.r == 0 and self.grid.c == 0
-        for axis, p in enumerate(g.placements):
-            if not p.is_shard() and self.grid.index(axis) != 0:
-                return False
-        return True
+        member 0 of that axis only. One all-reduce of one number over the grid (over every rank with
+        data_parallel='shard'), bounded by `timeout` (replicated replicas hold the same averaged
+        gradients and compute the same norm). Unlike torch's function on DTensors it does not warn
+        about sequential all-reduces."""
+        return clip_grad_norm(self, max_norm, norm_type)
 
     def grad_bucket_plan(self, comp=None) -> BucketPlan:
         """With grid=(d, R, C), d > 1: how the gradients of `comp` (default: the latest program) are

@@ -18,6 +18,7 @@ from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
 from passes.kernels.spec import Site, flops
 from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
 from passes.nodes import module_path
+from autopar.parallel.sharded import is_sharded, replica_traffic
 
 
 @dataclass
@@ -115,7 +116,12 @@ def collectives_line(pmodel, every: list) -> str:
     again = sum(r.calls_fwd for r in every if r.recompute_bytes)  # recompute=...: forward calls made again
     line = f"collectives per rank per step: {fwd + bwd + again} (forward {fwd}, backward {bwd}"
     line += f", recomputed {again})" if again else ")"
-    if pmodel.grid.dp > 1:
+    if is_sharded(pmodel):
+        t = replica_traffic(pmodel)
+        line += (f"; plus FSDP2 over the {pmodel.grid.dp} replicas (data_parallel='shard'): {t.calls} calls, an "
+                 f"all-gather of the parameters ({_fmt_bytes(t.gather_bytes)} received) and a reduce-scatter of "
+                 f"the gradients ({_fmt_bytes(t.scatter_bytes)})")
+    elif pmodel.grid.dp > 1:
         plan = pmodel.grad_bucket_plan()
         cap = pmodel.options.grad_bucket_mb
         line += (f"; plus {len(plan.buckets)} data-parallel gradient all-reduces over the {pmodel.grid.dp} "

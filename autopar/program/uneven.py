@@ -70,9 +70,10 @@ def uneven_params(pmodel) -> list:
     """An UnevenSplit for each parameter of a ParallelModule split in blocks of unequal sizes."""
     mesh = tuple(pmodel.grid.shape)
     out = []
+    layouts = pmodel.param_layouts  # the grid's layout (sharded replicas add a replica axis to placements)
     for name, p in pmodel.named_parameters():
-        lay = Layout(tuple(getattr(p, "placements", ())))
-        if len(lay.placements) == 2 and is_uneven(tuple(p.shape), lay, mesh):
+        lay = layouts.get(name)
+        if lay is not None and len(lay.placements) == 2 and is_uneven(tuple(p.shape), lay, mesh):
             out.append(UnevenSplit(name, tuple(p.shape), lay, mesh, p.element_size()))
     return out
 

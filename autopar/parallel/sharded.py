@@ -1,0 +1,160 @@
+"""Sharded replicas: `grid=(dp, R, C), data_parallel="shard"` splits every grid block over the replicas.
+
+With `"replicate"` each of the dp replicas holds its R x C grid block of every parameter, gradient and
+optimizer state whole, and the replicas all-reduce the gradients. With `"shard"`, FSDP2's
+`fully_shard` (ZeRO-3, as torchtitan composes it with tensor parallelism) splits each block once more,
+over the replica axis of the grid's (dp, r, c) mesh: a rank holds 1/(dp*R*C) of every parameter
+between steps, as a DTensor on that mesh (placements `(_StridedShard or Shard over dp, <the grid's
+two>)`), and so do its gradient and the optimizer's state, which torch optimizers, `clip_grad_norm_`
+and torch.distributed.checkpoint read as they are.
+
+FSDP2 does the gathering: before the step's program runs, one all-gather over the replicas restores
+the rank's grid block of every parameter (`ParallelModule.forward` reads the blocks, as without
+sharding); after backward one reduce-scatter sums the block's gradients over the replicas and leaves
+each rank its 1/dp, averaged as the replicated all-reduce averages. autopar runs the whole model as
+one program, so the whole module is one FSDP unit: the block stays gathered from the forward through
+the end of backward (FSDP2 never reshards its root after forward), and there is nothing to prefetch
+between units. Between steps only the shards are held.
+
+Per rank and step the replica axis receives `replica_traffic(pmodel)`: the all-gather brings
+(dp - 1)/dp of the padded grid block of every parameter (FSDP2 pads each block's first dim to a
+multiple of dp), the reduce-scatter the same share of every trained parameter's gradient block, one
+call each (FSDP2 gathers one unit's parameters in one call per step and reduce-scatters its gradients
+in one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from autopar.errors import PlanWarning, UsageError
+from passes.compat import FSDPAllGather, FSDPReduceScatter, all_gather_single, reduce_scatter_single
+from passes.cost.volumes import all_gather_bytes, reduce_scatter_bytes
+from passes.mesh import warn
+from passes.ops.comm import tensor_bytes
+
+__all__ = ["shard_replicas", "is_sharded", "refuse_foreign_sharding", "replica_traffic", "ReplicaTraffic"]
+
+_SHARDED = "_autopar_fsdp"  # set on a ParallelModule that autopar itself wrapped in fully_shard
+_BLOCKS = "_autopar_fsdp_blocks"  # name -> (grid block shape, element size, trained) before sharding
+
+
+def shard_replicas(pmodel) -> None:
+    """Split `pmodel`'s grid blocks over its dp replicas with FSDP2 (`data_parallel="shard"`); on a grid
+    of one replica nothing is split, with a warning."""
+    grid = pmodel.grid
+    if grid.dp == 1:
+        warn(f"data_parallel='shard' on a grid of one replica (grid {grid.shape[0]}x{grid.shape[1]}): there is no "
+             f"replica axis to shard over, so every rank keeps its grid block whole. Pass grid=(dp, R, C) with "
+             f"dp > 1 to shard, or leave data_parallel out.", PlanWarning, stacklevel=3)
+        return
+    blocks = {n: (tuple(p.to_local().shape), p.element_size(), p.requires_grad) for n, p in pmodel.named_parameters()}
+    fully_shard(pmodel, mesh=grid.full_mesh["dp"])
+    pmodel.set_custom_all_gather(_CountedAllGather(grid))
+    pmodel.set_custom_reduce_scatter(_CountedReduceScatter(grid))
+    object.__setattr__(pmodel, _BLOCKS, blocks)
+    object.__setattr__(pmodel, _SHARDED, True)
+
+
+class _CountedAllGather(FSDPAllGather):
+    """FSDP2's all-gather of a unit's parameter shards, counted in the grid's CommLog ("fsdp:" tags)."""
+
+    def __init__(self, grid):
+        self.grid = grid
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.grid.log.launch("fsdp:all-gather", "fwd")
+        self.grid.log.add("fsdp:all-gather", "fwd", all_gather_bytes(tensor_bytes(input_tensor), self.grid.dp))
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CountedReduceScatter(FSDPReduceScatter):
+    """FSDP2's reduce-scatter of a unit's gradients, counted in the grid's CommLog ("fsdp:" tags)."""
+
+    def __init__(self, grid):
+        self.grid = grid
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.grid.log.launch("fsdp:reduce-scatter", "bwd")
+        self.grid.log.add("fsdp:reduce-scatter", "bwd",
+                          reduce_scatter_bytes(tensor_bytes(input_tensor), self.grid.dp))
+        return reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)
+
+
+def is_sharded(pmodel) -> bool:
+    """Whether autopar split `pmodel`'s blocks over its replicas (data_parallel='shard', dp > 1)."""
+    return bool(getattr(pmodel, _SHARDED, False))
+
+
+def refuse_foreign_sharding(pmodel) -> None:
+    """A ParallelModule wrapped in FSDP2's `fully_shard` by its caller (or whose parameters an enclosing
+    module's `fully_shard` took over) has parameters on a mesh autopar did not plan, and its replicas
+    would also all-reduce what FSDP reduce-scatters: refused, on every rank, before the program runs."""
+    if is_sharded(pmodel):
+        return
+    foreign = isinstance(pmodel, FSDPModule)
+    if not foreign:
+        p = next(pmodel.parameters(), None)
+        foreign = isinstance(p, DTensor) and p.device_mesh is not pmodel.grid.mesh and p.device_mesh.ndim != 2
+    if foreign:
+        raise UsageError(
+            "this ParallelModule was wrapped in FSDP2's fully_shard after parallelize: autopar shards the "
+            "replicas of its grid itself. Build it with autopar.parallelize(model, grid=(dp, R, C), "
+            "data_parallel='shard', ...) instead of calling fully_shard on the result")
+
+
+class ReplicaTraffic:
+    """What the replica axis moves per rank and training step with data_parallel='shard'."""
+
+    def __init__(self, calls: int, gather_bytes: int, scatter_bytes: int, shard_bytes: int, block_bytes: int):
+        self.calls = calls  # collective calls: the all-gather and the reduce-scatter
+        self.gather_bytes = gather_bytes  # received by the parameters' all-gather
+        self.scatter_bytes = scatter_bytes  # received by the gradients' reduce-scatter
+        self.shard_bytes = shard_bytes  # parameter bytes this rank holds between steps (padding included)
+        self.block_bytes = block_bytes  # its grid block of every parameter, gathered for the step
+
+    @property
+    def received(self) -> int:
+        return self.gather_bytes + self.scatter_bytes
+
+
+def replica_traffic(pmodel) -> ReplicaTraffic:
+    """The all-gather and reduce-scatter over the replicas of one training step on this rank, from the
+    parameters' grid blocks: (dp - 1)/dp of each block padded to a multiple of dp on its first dim."""
+    dp = pmodel.grid.dp
+    gather = scatter = shard = block = 0
+    for shape, esize, trained in getattr(pmodel, _BLOCKS, {}).values():
+        rows = shape[0] if shape else 1
+        padded = math.ceil(rows / dp) * dp * math.prod(shape[1:])
+        gather += (dp - 1) * padded // dp * esize
+        if trained:
+            scatter += (dp - 1) * padded // dp * esize
+        shard += padded // dp * esize
+        block += math.prod(shape) * esize
+    return ReplicaTraffic((gather > 0) + (scatter > 0), gather, scatter, shard, block)
+
+
+def memory_per_rank(pmodel, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Bytes this rank holds between steps: its parameter, gradient and optimizer-state shards."""
+    params = sum(p.to_local().numel() * p.to_local().element_size() if isinstance(p, DTensor)
+                 else p.numel() * p.element_size() for p in pmodel.parameters())
+    grads = sum(g.to_local().numel() * g.to_local().element_size() if isinstance(g, DTensor)
+                else g.numel() * g.element_size() for g in (p.grad for p in pmodel.parameters()) if g is not None)
+    states = 0
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    t = v.to_local() if isinstance(v, DTensor) else v
+                    states += t.numel() * t.element_size()
+    return {"params": params, "grads": grads, "optimizer": states}

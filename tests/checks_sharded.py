@@ -1,0 +1,124 @@
+"""Rank-side checks of sharded replicas (grid=(dp, R, C), data_parallel='shard': FSDP2 over the replicas).
+Each returns plain data for the test to assert on."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.parallel.sharded import memory_per_rank, replica_traffic
+from models import GPTConfig, TinyGPT
+from tests.checks_engine import _data
+from tests.checks_hf import build
+from tests.compare import group_excess
+
+STEPS = 3
+
+
+def _models(family: str):
+    """(model, batch(step, rows) -> (args, kwargs), loss_of(output))."""
+    if family == "tinygpt":
+        torch.manual_seed(0)
+        cfg = GPTConfig(layers=1)
+        model = TinyGPT(cfg)
+
+        def batch(step, rows):
+            return _data(cfg, rows, 8, seed=step + 1), {}
+
+        return model, batch, lambda out: out[1]
+    torch.manual_seed(0)  # the same weights on every rank, as the reference of each
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if family == "gpt2" else {}
+    model, make = build(family, **no_dropout)  # dropout draws other masks than one process's
+
+    def batch(step, rows):
+        return (), make(rows, 8, step + 1)
+
+    return model, batch, lambda out: out.loss
+
+
+def parity(rank, grid, family="tinygpt", rows=8, data_parallel="shard"):
+    """`STEPS` AdamW steps of `family` on `grid` = (dp, R, C) with sharded replicas, each replica on its
+    own rows of the global batch, against one process on the whole batch: the mean of the replicas'
+    losses every step, every gradient after the first backward (gathered whole) and the clipped
+    norm, and every parameter after the last step. Also: the bytes this rank holds between steps
+    (parameters, gradients, AdamW states), what the replica axis moved against the plan, the
+    explain line, and the placements of one weight."""
+    model, batch, loss_of = _models(family)
+    ref = copy.deepcopy(model)
+    dp = grid[0]
+    replica, mine = dist.get_rank() // (dist.get_world_size() // dp), rows // dp
+    args, kwargs = batch(0, mine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs,
+                                 data_parallel=data_parallel)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    ref_params = dict(ref.named_parameters())
+    out = {"losses": {}}
+    for step in range(STEPS):
+        args, kwargs = batch(step, rows)
+        sl = slice(mine * replica, mine * (replica + 1))
+        my_args = tuple(a[sl] for a in args)
+        my_kwargs = {k: v[sl] for k, v in kwargs.items()}
+        pm.grid.log.reset()
+        loss = loss_of(pm(*my_args, **my_kwargs))
+        loss.backward()
+        want = loss_of(ref(*args, **kwargs))
+        want.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()  # every rank of a replica holds its replica's loss
+        out["losses"].update(group_excess({f"loss step {step}": (mean, want.detach())}))
+        if step == 0:
+            out["grads"] = group_excess({n: (p.grad.full_tensor(), ref_params[n].grad)
+                                         for n, p in pm.named_parameters()}, prefix="grad ")
+            out["counted"] = (pm.grid.log.calls("fsdp:"), pm.grid.log.total("fsdp:"))
+            t = replica_traffic(pm)
+            out["planned"] = (t.calls, t.received)
+            norm = pm.clip_grad_norm_(1e9)
+            want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+            out["norm"] = group_excess({"grad norm": (norm, want_norm)})
+        opt.step()
+        ref_opt.step()
+        if step == 0:
+            out["held"] = memory_per_rank(pm, opt)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out["params"] = group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
+                                 prefix=f"param after {STEPS} steps ")
+    out["total"] = sum(p.numel() * p.element_size() for p in ref.parameters())
+    out["line"] = [ln for ln in autopar.explain(pm).splitlines() if "replicas" in ln]
+    name, p = next(iter(pm.named_parameters()))
+    out["placements"] = (name, [str(x) for x in p.placements], p.device_mesh.mesh_dim_names)
+    return out
+
+
+def refusals(rank) -> dict:
+    """What a user sees: data_parallel='shard' on a grid of one replica (a warning, nothing sharded), and
+    FSDP2's fully_shard called on a ParallelModule by its caller (the next call raises, on every rank)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=1)
+    args = _data(cfg, 4, 8)
+    out = {}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=args, data_parallel="shard")
+    out["warnings"] = [str(w.message) for w in seen if "data_parallel='shard'" in str(w.message)]
+    out["unsharded"] = all(len(p.placements) == 2 for p in pm.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 1, 2), example_inputs=args)
+        fully_shard(pm, mesh=pm.grid.full_mesh["dp"])
+    try:
+        pm(*args)
+        out["foreign"] = "no error"
+    except autopar.UsageError as e:
+        out["foreign"] = str(e)
+    return out

@@ -1,0 +1,46 @@
+"""Sharded replicas (grid=(dp, R, C), data_parallel='shard'): FSDP2 splits every grid block over the
+replicas. Parity with one process on the concatenated replica batches, every rank; what a rank holds
+between steps; the replica axis's calls and bytes against the plan; refusals."""
+
+import pytest
+
+from tests import checks_sharded as C
+from tests.compare import assert_every_rank
+from tests.conftest import get_pool
+
+CASES = [((2, 1, 2), "tinygpt"), ((4, 1, 1), "llama"),  # fast tier: 2D grid x replicas; FSDP alone
+         ((2, 2, 2), "tinygpt"), ((2, 2, 2), "llama"), ((2, 2, 2), "gpt2"),  # slow tier: 8 ranks
+         ((2, 1, 2), "llama"), ((2, 1, 2), "gpt2"), ((4, 1, 1), "tinygpt"), ((4, 1, 1), "gpt2")]
+
+
+@pytest.mark.parametrize("grid, family", CASES, ids=[f"{'x'.join(map(str, g))}-{f}" for g, f in CASES])
+def test_sharded_replicas_match_one_process(grid, family):
+    """Catches a gradient averaged over the wrong ranks or left as one replica's (FSDP2's reduce-scatter
+    against the grid's own reductions), a replica left out of the total norm (FSDP2's _StridedShard
+    says is_shard() False: clip_grad_norm_ counted it as replicated, 0.955 against 0.989), replicas
+    that drift apart over AdamW steps, a rank holding more than its 1/(dp*R*C) share between steps,
+    and FSDP2 bytes that the plan does not count."""
+    world = grid[0] * grid[1] * grid[2]
+    per_rank = get_pool(world).run(C.parity, grid, family)
+    for part in ("losses", "grads", "norm", "params"):
+        assert_every_rank([r[part] for r in per_rank], f"{family} on {grid}, data_parallel='shard': {part}")
+    for rank, r in enumerate(per_rank):
+        assert r["counted"] == r["planned"], f"rank {rank}: FSDP2 (calls, bytes) {r['counted']}, planned {r['planned']}"
+        assert r["counted"][0] == 2, r["counted"]  # one all-gather, one reduce-scatter per step
+        held = r["held"]
+        # parameters, gradients and two AdamW states: 4x the parameters' bytes, 1/world of them each
+        assert held["params"] + held["grads"] + held["optimizer"] <= 1.15 * 4 * r["total"] / world, (rank, held)
+        assert r["placements"][2] == ("dp", "r", "c"), r["placements"]
+        assert r["line"] and "FSDP2 over the" in r["line"][0], r["line"]
+
+
+def test_sharding_refusals(pool4):
+    """data_parallel='shard' with one replica warns that nothing is sharded and keeps the grid's blocks;
+    a user's own fully_shard on a ParallelModule is refused on the next call, on every rank, naming
+    data_parallel='shard' (it would otherwise all-reduce what FSDP2 reduce-scatters)."""
+    for rank, r in enumerate(pool4.run(C.refusals)):
+        if rank == 0:  # warnings are shown by rank 0 only
+            assert len(r["warnings"]) == 1 and "no replica axis to shard over" in r["warnings"][0], r["warnings"]
+        assert r["unsharded"], rank
+        assert "fully_shard after parallelize" in r["foreign"] and "data_parallel='shard'" in r["foreign"], \
+            (rank, r["foreign"])
