@@ -122,3 +122,102 @@ def refusals(rank) -> dict:
     except autopar.UsageError as e:
         out["foreign"] = str(e)
     return out
+
+
+def _llama_step(pm, opt, step, rows=8):
+    """One AdamW step of this rank's replica on its rows of the global batch; the replicas' mean loss."""
+    _, batch, loss_of = _models("llama")
+    dp = pm.grid.dp
+    mine = rows // dp
+    _, kwargs = batch(step, rows)
+    sl = slice(mine * pm.grid.dp_index, mine * (pm.grid.dp_index + 1))
+    loss = loss_of(pm(**{k: v[sl] for k, v in kwargs.items()}))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return float(mean / dist.get_world_size())
+
+
+def _llama(grid, data_parallel, seed=0):
+    model, batch, _ = _models("llama")
+    if seed:  # other initial values: a load must overwrite all of them
+        torch.manual_seed(seed)
+        for p in model.parameters():
+            torch.nn.init.normal_(p)
+    _, kwargs = batch(0, 8 // (grid[0] if len(grid) == 3 else 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.parallelize(model, grid=grid, example_kwargs=kwargs, data_parallel=data_parallel)
+    return pm, torch.optim.AdamW(pm.parameters(), lr=1e-2), model
+
+
+def checkpoints(rank, tmp) -> dict:
+    """HF Llama at grid (2, 1, 2): DCP of sharded replicas and their AdamW state, resumed by a fresh
+    sharded model (the same losses as the uninterrupted run), loaded at another grid with one replica
+    and by replicated replicas (every parameter bit-equal to the saved), a replicated checkpoint loaded
+    by sharded replicas, and save_pretrained's full tensors read by transformers on one process."""
+    import os
+
+    import transformers
+
+    from autopar.checkpoint import load_distributed, save_distributed
+
+    ck, hf, rep_ck = (os.path.join(tmp, n) for n in ("dcp", "hf", "dcp-replicated"))
+    pm, opt, _ = _llama((2, 1, 2), "shard")
+    for step in range(2):
+        _llama_step(pm, opt, step)
+    save_distributed(pm, ck, optimizer=opt)
+    saved = {n: p.full_tensor() for n, p in pm.named_parameters()}
+    autopar.save_pretrained(pm, hf)
+    out = {"uninterrupted": [_llama_step(pm, opt, step) for step in (2, 3)]}
+    pm2, opt2, _ = _llama((2, 1, 2), "shard", seed=5)
+    load_distributed(pm2, ck, optimizer=opt2)
+    out["resumed"] = [_llama_step(pm2, opt2, step) for step in (2, 3)]
+    loaded = {}
+    for grid, mode in (((2, 2), "replicate"), ((2, 1, 2), "replicate")):
+        other, _, _ = _llama(grid, mode, seed=7)
+        load_distributed(other, ck)
+        loaded[f"{grid} {mode}"] = group_excess({n: (p.full_tensor(), saved[n]) for n, p in other.named_parameters()},
+                                                rtol=0.0, frac=0.0)
+        if mode == "replicate" and len(grid) == 3:
+            save_distributed(other, rep_ck)
+    back, _, _ = _llama((2, 1, 2), "shard", seed=9)
+    load_distributed(back, rep_ck)
+    loaded["replicated -> sharded"] = group_excess({n: (p.full_tensor(), saved[n]) for n, p in back.named_parameters()},
+                                                   rtol=0.0, frac=0.0)
+    out["loaded"] = loaded
+    if rank == 0:
+        one = transformers.LlamaForCausalLM.from_pretrained(hf)
+        mine = dict(one.named_parameters())
+        out["transformers"] = group_excess({n: (mine[n], t) for n, t in saved.items()}, rtol=0.0, frac=0.0)
+    return out
+
+
+def accumulation_and_generation(rank) -> dict:
+    """HF Llama at grid (2, 1, 2), sharded: two micro-batches accumulated with FSDP2's
+    set_requires_gradient_sync(False) on the first (one reduce-scatter in all) against one process on
+    both micro-batches' rows; then greedy generation against the unmodified model's."""
+    pm, _, model = _llama((2, 1, 2), "shard")
+    ref = copy.deepcopy(model)
+    _, batch, loss_of = _models("llama")
+    pm.grid.log.reset()
+    for micro in range(2):
+        _, kwargs = batch(micro, 8)
+        sl = slice(4 * pm.grid.dp_index, 4 * (pm.grid.dp_index + 1))
+        pm.set_requires_gradient_sync(micro == 1)
+        (loss_of(pm(**{k: v[sl] for k, v in kwargs.items()})) / 2).backward()
+        (loss_of(ref(**kwargs)) / 2).backward()
+    ref_params = dict(ref.named_parameters())
+    out = {"grads": group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                                 prefix="grad "),
+           "reduce-scatters": pm.grid.log.calls("fsdp:reduce-scatter")}
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(3))  # checks_hf's vocabulary: 64
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    out["generated"] = (pm.generate(ids, **kw).tolist(), ref.generate(ids, **kw).tolist())
+    # released after the call: a rank holds its 1/4 again (the gathered grid block would be 1/2)
+    out["resharded"] = sum(p.to_local().numel() for p in pm.parameters()) <= 1.1 * sum(
+        p.numel() for p in pm.parameters()) / 4
+    return out

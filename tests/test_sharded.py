@@ -44,3 +44,29 @@ def test_sharding_refusals(pool4):
         assert r["unsharded"], rank
         assert "fully_shard after parallelize" in r["foreign"] and "data_parallel='shard'" in r["foreign"], \
             (rank, r["foreign"])
+
+
+def test_sharded_checkpoints_reshard_both_ways(pool4, tmp_path):
+    """Catches a DCP checkpoint of sharded replicas that only the same layout can read, an optimizer
+    state that does not round-trip (a resumed run whose losses leave the uninterrupted run's), and a
+    save_pretrained that writes a rank's shard instead of the full tensors."""
+    per_rank = pool4.run(C.checkpoints, str(tmp_path))
+    for rank, r in enumerate(per_rank):
+        assert r["resumed"] == pytest.approx(r["uninterrupted"], rel=1e-6), (rank, r["resumed"], r["uninterrupted"])
+        for what, errs in r["loaded"].items():
+            assert not {n: e for n, e in errs.items() if e > 0}, (rank, what, errs)
+    assert not {n: e for n, e in per_rank[0]["transformers"].items() if e > 0}, per_rank[0]["transformers"]
+
+
+def test_sharded_accumulation_and_generation(pool4):
+    """Gradient accumulation without a reduce-scatter per micro-batch (FSDP2's
+    set_requires_gradient_sync, called on the parallel model) equals one process on all the rows, with
+    one reduce-scatter in all; generate gathers the blocks for the call and gives the unmodified model's
+    tokens."""
+    per_rank = pool4.run(C.accumulation_and_generation)
+    assert_every_rank([r["grads"] for r in per_rank], "accumulated over 2 micro-batches, sharded replicas")
+    for rank, r in enumerate(per_rank):
+        assert r["reduce-scatters"] == 1, (rank, r["reduce-scatters"])
+        got, want = r["generated"]
+        assert got == want, (rank, got, want)
+        assert r["resharded"], rank
