@@ -21,9 +21,11 @@ STEPS = 3
 
 def _models(family: str):
     """(model, batch(step, rows) -> (args, kwargs), loss_of(output))."""
-    if family == "tinygpt":
+    if family in ("tinygpt", "tinygpt-uneven"):
         torch.manual_seed(0)
-        cfg = GPTConfig(layers=1)
+        # uneven: a vocabulary of 97 and hidden 36 in 3 heads (torch.chunk blocks of unequal sizes on
+        # the grid, then FSDP2's padding of each block's first dim)
+        cfg = GPTConfig(layers=1) if family == "tinygpt" else GPTConfig(layers=1, vocab_size=97, hidden=36, heads=3)
         model = TinyGPT(cfg)
 
         def batch(step, rows):
@@ -40,7 +42,7 @@ def _models(family: str):
     return model, batch, lambda out: out.loss
 
 
-def parity(rank, grid, family="tinygpt", rows=8, data_parallel="shard"):
+def parity(rank, grid, family="tinygpt", rows=8, data_parallel="shard", **options):
     """`STEPS` AdamW steps of `family` on `grid` = (dp, R, C) with sharded replicas, each replica on its
     own rows of the global batch, against one process on the whole batch: the mean of the replicas'
     losses every step, every gradient after the first backward (gathered whole) and the clipped
@@ -55,7 +57,7 @@ def parity(rank, grid, family="tinygpt", rows=8, data_parallel="shard"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs,
-                                 data_parallel=data_parallel)
+                                 data_parallel=data_parallel, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     ref_params = dict(ref.named_parameters())
