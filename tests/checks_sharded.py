@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.parallel.sharded import memory_per_rank, replica_traffic
+from autopar.parallel.sharded import memory_per_rank
 from models import GPTConfig, TinyGPT
 from tests.checks_engine import _data
 from tests.checks_hf import build
@@ -58,10 +58,15 @@ def parity(rank, grid, family="tinygpt", rows=8, data_parallel="shard", **option
         warnings.simplefilter("ignore")
         pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs,
                                  data_parallel=data_parallel, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, data_parallel=data_parallel,
+                          **{k: v for k, v in options.items() if k != "compile"})
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     ref_params = dict(ref.named_parameters())
-    out = {"losses": {}}
+    out = {"losses": {}, "at (0, 0)": pm.grid.r == pm.grid.c == 0,
+           "plan": (pl.replicas.calls, pl.replicas.received_bytes, pl.replicas.param_bytes)}
     for step in range(STEPS):
         args, kwargs = batch(step, rows)
         sl = slice(mine * replica, mine * (replica + 1))
@@ -80,7 +85,7 @@ def parity(rank, grid, family="tinygpt", rows=8, data_parallel="shard", **option
             out["grads"] = group_excess({n: (p.grad.full_tensor(), ref_params[n].grad)
                                          for n, p in pm.named_parameters()}, prefix="grad ")
             out["counted"] = (pm.grid.log.calls("fsdp:"), pm.grid.log.total("fsdp:"))
-            t = replica_traffic(pm)
+            t = pm.replica_traffic()
             out["planned"] = (t.calls, t.received)
             norm = pm.clip_grad_norm_(1e9)
             want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)

@@ -28,6 +28,8 @@ def test_sharded_replicas_match_one_process(grid, family):
     for rank, r in enumerate(per_rank):
         assert r["counted"] == r["planned"], f"rank {rank}: FSDP2 (calls, bytes) {r['counted']}, planned {r['planned']}"
         assert r["counted"][0] == 2, r["counted"]  # one all-gather, one reduce-scatter per step
+        if r["at (0, 0)"]:  # autopar.plan prices grid position (0, 0) on one process
+            assert r["plan"] == (*r["counted"], r["held"]["params"]), (rank, r["plan"], r["counted"], r["held"])
         held = r["held"]
         # parameters, gradients and two AdamW states: 4x the parameters' bytes, 1/world of them each
         assert held["params"] + held["grads"] + held["optimizer"] <= 1.15 * 4 * r["total"] / world, (rank, held)

@@ -26,7 +26,7 @@ from passes.options import Options
 from autopar.parallel import hf_compat as hf_compat
 from autopar.parallel.run import Runner
 from autopar.parallel.clip import clip_grad_norm
-from autopar.parallel.sharded import is_sharded, refuse_foreign_sharding
+from autopar.parallel.sharded import is_sharded, refuse_foreign_sharding, replica_traffic
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.program.consensus import all_gather_objects
@@ -397,6 +397,11 @@ class ParallelModule(nn.Module):
         gradients and compute the same norm). Unlike torch's function on DTensors it does not warn
         about sequential all-reduces."""
         return clip_grad_norm(self, max_norm, norm_type)
+
+    def replica_traffic(self):
+        """With data_parallel='shard': what FSDP2 moves over the replicas per rank and training step
+        (`passes.cost.replicas.FSDPTraffic`); None otherwise."""
+        return replica_traffic(self) if is_sharded(self) else None
 
     def grad_bucket_plan(self, comp=None) -> BucketPlan:
         """With grid=(d, R, C), d > 1: how the gradients of `comp` (default: the latest program) are

@@ -25,19 +25,18 @@ in one).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import PlanWarning, UsageError
 from passes.compat import FSDPAllGather, FSDPReduceScatter, all_gather_single, reduce_scatter_single
+from passes.cost.replicas import FSDPTraffic, fsdp_traffic
 from passes.cost.volumes import all_gather_bytes, reduce_scatter_bytes
 from passes.mesh import warn
 from passes.ops.comm import tensor_bytes
 
-__all__ = ["shard_replicas", "is_sharded", "refuse_foreign_sharding", "replica_traffic", "ReplicaTraffic"]
+__all__ = ["shard_replicas", "is_sharded", "refuse_foreign_sharding", "replica_traffic", "memory_per_rank"]
 
 _SHARDED = "_autopar_fsdp"  # set on a ParallelModule that autopar itself wrapped in fully_shard
 _BLOCKS = "_autopar_fsdp_blocks"  # name -> (grid block shape, element size, trained) before sharding
@@ -113,35 +112,10 @@ def refuse_foreign_sharding(pmodel) -> None:
             "data_parallel='shard', ...) instead of calling fully_shard on the result")
 
 
-class ReplicaTraffic:
-    """What the replica axis moves per rank and training step with data_parallel='shard'."""
-
-    def __init__(self, calls: int, gather_bytes: int, scatter_bytes: int, shard_bytes: int, block_bytes: int):
-        self.calls = calls  # collective calls: the all-gather and the reduce-scatter
-        self.gather_bytes = gather_bytes  # received by the parameters' all-gather
-        self.scatter_bytes = scatter_bytes  # received by the gradients' reduce-scatter
-        self.shard_bytes = shard_bytes  # parameter bytes this rank holds between steps (padding included)
-        self.block_bytes = block_bytes  # its grid block of every parameter, gathered for the step
-
-    @property
-    def received(self) -> int:
-        return self.gather_bytes + self.scatter_bytes
-
-
-def replica_traffic(pmodel) -> ReplicaTraffic:
+def replica_traffic(pmodel) -> FSDPTraffic:
     """The all-gather and reduce-scatter over the replicas of one training step on this rank, from the
     parameters' grid blocks: (dp - 1)/dp of each block padded to a multiple of dp on its first dim."""
-    dp = pmodel.grid.dp
-    gather = scatter = shard = block = 0
-    for shape, esize, trained in getattr(pmodel, _BLOCKS, {}).values():
-        rows = shape[0] if shape else 1
-        padded = math.ceil(rows / dp) * dp * math.prod(shape[1:])
-        gather += (dp - 1) * padded // dp * esize
-        if trained:
-            scatter += (dp - 1) * padded // dp * esize
-        shard += padded // dp * esize
-        block += math.prod(shape) * esize
-    return ReplicaTraffic((gather > 0) + (scatter > 0), gather, scatter, shard, block)
+    return fsdp_traffic(getattr(pmodel, _BLOCKS, {}).values(), pmodel.grid.dp)
 
 
 def memory_per_rank(pmodel, optimizer: torch.optim.Optimizer | None = None) -> dict:

@@ -18,7 +18,6 @@ from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
 from passes.kernels.spec import Site, flops
 from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
 from passes.nodes import module_path
-from autopar.parallel.sharded import is_sharded, replica_traffic
 
 
 @dataclass
@@ -116,8 +115,8 @@ def collectives_line(pmodel, every: list) -> str:
     again = sum(r.calls_fwd for r in every if r.recompute_bytes)  # recompute=...: forward calls made again
     line = f"collectives per rank per step: {fwd + bwd + again} (forward {fwd}, backward {bwd}"
     line += f", recomputed {again})" if again else ")"
-    if is_sharded(pmodel):
-        t = replica_traffic(pmodel)
+    t = pmodel.replica_traffic()
+    if t is not None:
         line += (f"; plus FSDP2 over the {pmodel.grid.dp} replicas (data_parallel='shard'): {t.calls} calls, an "
                  f"all-gather of the parameters ({_fmt_bytes(t.gather_bytes)} received) and a reduce-scatter of "
                  f"the gradients ({_fmt_bytes(t.scatter_bytes)})")
@@ -242,7 +241,19 @@ def summary_lines(pl) -> list:
         f"costly fallbacks: {', '.join(f['node'] for f in j['fallback_nodes'] if f['costly']) or 'none'}",
         *(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'} runs whole: {f.reason}"
           + ("" if f.costly else " [its inputs are already whole: nothing is gathered]") for f in pl.fallbacks),
+        *_replica_lines(pl.replicas),
     ]
+
+
+def _replica_lines(rep) -> list:
+    """grid=(dp, R, C): what the replica axis moves and what a rank holds between steps."""
+    if rep is None:
+        return []
+    how = ("FSDP2's all-gather of the parameters and reduce-scatter of the gradients" if rep.data_parallel == "shard"
+           else "gradient all-reduces in buckets")
+    return [f"replicas: {rep.dp} of the grid, data_parallel={rep.data_parallel!r}: {rep.calls} more calls per rank "
+            f"per step ({how}), {mib(rep.received_bytes)} MiB received; held between steps: parameters "
+            f"{mib(rep.param_bytes)} MiB, with gradients and AdamW states {mib(rep.state_bytes())} MiB"]
 
 
 def _explain_plan(pl, verbose: bool, formulas: bool) -> str:

@@ -37,6 +37,7 @@ from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options, format_bytes
 from autopar.planning.explain import graph_rows
 from autopar.planning.progress import steps
+from autopar.planning.replicas import ReplicaPlan, plan_replicas
 from autopar.generate.cache import kv_cache_bytes_per_rank
 from autopar.program.uneven import most_received
 from passes.compat import fake_store, fake_tensor_mode, pytree
@@ -79,6 +80,8 @@ class Plan:
     # figures above are grid position (0, 0)'s; these the rank that receives the most
     comm_bytes_most: int = 0
     comm_bytes_most_at: tuple = (0, 0)
+    # grid=(dp, R, C): what the replica axis moves and what a rank holds (autopar.planning.replicas)
+    replicas: ReplicaPlan | None = None
 
     def __repr__(self) -> str:
         """A summary (the dataclass's own repr listed every row and parameter: 54,700 characters for a
@@ -145,6 +148,7 @@ class Plan:
             "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
             "comm_bytes_per_rank_per_step_most": self.comm_bytes_most,
             "comm_bytes_most_at": list(self.comm_bytes_most_at),
+            "replicas": self.replicas.to_json() if self.replicas is not None else None,
         }
 
 
@@ -202,20 +206,27 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
          measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
          cost_model: object = DEFAULTS.cost_model, memory_limit: float | str | None = DEFAULTS.memory_limit,
          search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
-         recompute: str | bool | None = DEFAULTS.recompute, moe_dispatch: str = DEFAULTS.moe_dispatch) -> Plan:
+         recompute: str | bool | None = DEFAULTS.recompute, moe_dispatch: str = DEFAULTS.moe_dispatch,
+         grad_bucket_mb: float = DEFAULTS.grad_bucket_mb, data_parallel: str = DEFAULTS.data_parallel) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
     the options are validated as `parallelize` validates them (ops without a split form are planned
     replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
     `Plan.choice` holds the assignment, its estimate, each unit's alternatives and the estimates of
     fixed 2D and fixed 1D. `generation=(batch, max_cache_len)`: also the bytes of KV cache a rank holds
     to generate with that batch and cache length (`Plan.kv_cache_bytes_per_rank`, see
-    `autopar.generate.kv_cache_bytes_per_rank`), in the parameters' dtype."""
+    `autopar.generate.kv_cache_bytes_per_rank`), in the parameters' dtype. `grid=(dp, R, C)`: the
+    R x C grid's plan, and in `Plan.replicas` what its dp replicas move and hold per rank with
+    `data_parallel` ('replicate': gradient all-reduces in buckets of `grad_bucket_mb`; 'shard': FSDP2)."""
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
                       cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
-                      recompute=recompute, moe_dispatch=moe_dispatch)
-    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid)):
-        raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4)")
-    mesh = tuple(grid)
+                      recompute=recompute, moe_dispatch=moe_dispatch, grad_bucket_mb=grad_bucket_mb,
+                      data_parallel=data_parallel)
+    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
+            and all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
+        raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4), or (dp, R, C) for dp "
+                         f"data-parallel replicas of an R x C grid")
+    dp = grid[0] if len(grid) == 3 else 1
+    mesh = tuple(grid[-2:])
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     check_example_inputs(model, example_inputs, example_kwargs, "autopar.plan")
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
@@ -240,6 +251,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
                   collectives_recompute=sum(r.calls_fwd for r in rows if r.recompute_bytes))
     result.comm_bytes_most_at, result.comm_bytes_most = most_received(comp.inspected, mesh,
                                                                       result.comm_bytes_per_rank_per_step)
+    if dp > 1:
+        result.replicas = plan_replicas(model, comp, layouts, mesh, dp, data_parallel, grad_bucket_mb)
     if generation is not None:
         dtype = next(model.parameters()).dtype
         result.kv_cache_bytes_per_rank = kv_cache_bytes_per_rank(model.config, *generation, mesh, dtype)
