@@ -22,3 +22,6 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--moe", action="store_true", help="measure a Mixtral-style mixture of experts instead: one "
                    "process, autopar 2x2 and 1x4, PyTorch 1D TP with the experts' intermediate dim split "
                    "(see autopar.bench.moe)")
+    p.add_argument("--dp", action="store_true", help="measure sharded against replicated replicas instead: the "
+                   "benchmark Llama at grid (2, 2, 2) on 8 ranks with data_parallel='replicate' and 'shard' "
+                   "(see autopar.bench.dp)")

@@ -252,13 +252,17 @@ def main(argv=None) -> int:
 
 def run(ns) -> int:
     """The benchmark for parsed flags (see `autopar bench --help`); --generate runs
-    `autopar.bench.generate` instead, --moe `autopar.bench.moe`."""
+    `autopar.bench.generate` instead, --moe `autopar.bench.moe`, --dp `autopar.bench.dp`."""
     import tempfile
 
     if getattr(ns, "generate", False):
         from autopar.bench import generate as bench_generate
 
         return bench_generate.run(ns)
+    if getattr(ns, "dp", False):
+        from autopar.bench import dp as bench_dp
+
+        return bench_dp.run(ns)
     if getattr(ns, "moe", False):
         from autopar.bench import moe as bench_moe
 
