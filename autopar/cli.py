@@ -100,7 +100,15 @@ def parse_grid(text: str) -> tuple:
 
 
 def _inspect_grid(text: str):
-    return text if text == "auto" else parse_grid(text)
+    """inspect's --grid: RxC, DxRxC (D data-parallel replicas of an RxC grid), or 'auto'."""
+    if text == "auto":
+        return text
+    if text.lower().count("x") == 2:
+        d, rest = text.lower().split("x", 1)
+        if not d.isdigit() or int(d) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected DxRxC with D replicas >= 1, e.g. 2x2x2")
+        return (int(d), *parse_grid(rest))
+    return parse_grid(text)
 
 
 def calibrate_grid(parser, words: list) -> tuple:
@@ -164,7 +172,8 @@ def inspect_cmd(ns) -> int:
     else:
         grid = ns.grid
     pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
-                      cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute)
+                      cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute,
+                      data_parallel=ns.data_parallel)
     layers, hidden = _layers_hidden(model, pl)
     tokens = ns.batch * ns.seq if ":" not in ns.model else _tokens(args, kwargs, hidden)
     report = pl.to_json()
@@ -316,9 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="plan a model on a grid and print its costs")
     p.add_argument("model", help="a transformers model type (gpt2, llama, ...) or module:callable")
     p.add_argument("--grid", default=(2, 2), type=_inspect_grid, metavar="RxC",
-                   help="the grid, e.g. 8x8 or 2x4 (default 2x2); 'auto' picks the shape for --devices")
+                   help="the grid, e.g. 8x8 or 2x4 (default 2x2); DxRxC for D data-parallel replicas of it (8x8x8); "
+                        "'auto' picks the shape for --devices")
     p.add_argument("--devices", type=int, help="with --grid auto: the number of ranks to arrange")
     _option_flag(p, "strategy", "default 2d; auto with --grid auto", default=None)
+    _option_flag(p, "data_parallel", "with a DxRxC grid")
     _option_flag(p, "cost_model", "JSON from `autopar calibrate`; default: published NVLink/InfiniBand figures",
                  metavar="FILE")
     _option_flag(p, "memory_limit", "a size per rank: 80GiB, 500MB, or bytes; also --max-batch's limit",

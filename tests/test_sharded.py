@@ -2,6 +2,8 @@
 replicas. Parity with one process on the concatenated replica batches, every rank; what a rank holds
 between steps; the replica axis's calls and bytes against the plan; refusals."""
 
+import json
+
 import pytest
 
 from tests import checks_sharded as C
@@ -89,3 +91,24 @@ def test_sharded_replicas_compose(pool4, options):
         assert_every_rank([r[part] for r in per_rank], f"TinyGPT at (2, 1, 2), {options}: {part}")
     for rank, r in enumerate(per_rank):
         assert r["counted"] == r["planned"], (rank, r["counted"], r["planned"])
+
+
+def test_planned_replica_axis_on_the_command_line(capsys):
+    """`autopar inspect MODEL --grid DxRxC --data-parallel shard|replicate --json` carries the replica axis
+    (both ways: FSDP2's two calls and 1/D of the block held, against bucketed all-reduces and the whole
+    block), and a grid with no replicas is refused by argparse naming the syntax."""
+    from autopar import cli
+
+    small = ["--set", "num_hidden_layers=1", "--set", "vocab_size=256", "--batch", "2", "--seq", "8", "--json"]
+    reports = {}
+    for mode in ("replicate", "shard"):
+        assert cli.main(["inspect", "llama", "--grid", "2x2x2", "--data-parallel", mode, *small]) == 0
+        reports[mode] = json.loads(capsys.readouterr().out)["replicas"]
+    shard, rep = reports["shard"], reports["replicate"]
+    assert (shard["dp"], shard["data_parallel"], shard["calls_per_rank_per_step"]) == (2, "shard", 2), shard
+    assert rep["param_bytes_held"] == rep["grid_block_bytes"] == shard["grid_block_bytes"], (rep, shard)
+    assert shard["param_bytes_held"] * 2 <= 1.01 * shard["grid_block_bytes"], shard
+    assert 4 * shard["param_bytes_held"] == shard["state_bytes_held_adamw"], shard
+    with pytest.raises(SystemExit):
+        cli.main(["inspect", "llama", "--grid", "0x2x2"])
+    assert "expected DxRxC with D replicas >= 1" in capsys.readouterr().err

@@ -241,11 +241,11 @@ def summary_lines(pl) -> list:
         f"costly fallbacks: {', '.join(f['node'] for f in j['fallback_nodes'] if f['costly']) or 'none'}",
         *(f"  {f.node.name} ({f.node.target}) in {f.path or '<top>'} runs whole: {f.reason}"
           + ("" if f.costly else " [its inputs are already whole: nothing is gathered]") for f in pl.fallbacks),
-        *_replica_lines(pl.replicas),
+        *replica_lines(pl.replicas),
     ]
 
 
-def _replica_lines(rep) -> list:
+def replica_lines(rep) -> list:
     """grid=(dp, R, C): what the replica axis moves and what a rank holds between steps."""
     if rep is None:
         return []
