@@ -33,8 +33,19 @@ def _models(family: str):
 
         return model, batch, lambda out: out[1]
     torch.manual_seed(0)  # the same weights on every rank, as the reference of each
-    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if family == "gpt2" else {}
-    model, make = build(family, **no_dropout)  # dropout draws other masks than one process's
+    if family == "mixtral":  # experts over the grid rows, their routed tokens dispatched
+        import hf_families
+
+        # no router loss: its load-balancing term over a batch is not the mean of its halves' terms, so
+        # replicas (sharded or not) compute another loss than one process on the whole batch
+        model, _ = hf_families.build("mixtral", output_router_logits=False)
+
+        def make(b, s, seed):  # no padding: replicas with unequal token counts average unequal means
+            ids = torch.randint(1, model.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(seed))
+            return dict(input_ids=ids, labels=ids)
+    else:
+        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if family == "gpt2" else {}
+        model, make = build(family, **no_dropout)  # dropout draws other masks than one process's
 
     def batch(step, rows):
         return (), make(rows, 8, step + 1)
@@ -85,8 +96,8 @@ def parity(rank, grid, family="tinygpt", rows=8, data_parallel="shard", **option
             out["grads"] = group_excess({n: (p.grad.full_tensor(), ref_params[n].grad)
                                          for n, p in pm.named_parameters()}, prefix="grad ")
             out["counted"] = (pm.grid.log.calls("fsdp:"), pm.grid.log.total("fsdp:"))
-            t = pm.replica_traffic()
-            out["planned"] = (t.calls, t.received)
+            t = pm.replica_traffic()  # None with data_parallel='replicate'
+            out["planned"] = (t.calls, t.received) if t is not None else (0, 0)
             norm = pm.clip_grad_norm_(1e9)
             want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
             out["norm"] = group_excess({"grad norm": (norm, want_norm)})

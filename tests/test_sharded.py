@@ -13,7 +13,8 @@ from tests.conftest import get_pool
 CASES = [((2, 1, 2), "tinygpt"), ((4, 1, 1), "llama"),  # fast tier: 2D grid x replicas; FSDP alone
          ((2, 2, 2), "tinygpt"), ((2, 2, 2), "llama"), ((2, 2, 2), "gpt2"),  # slow tier: 8 ranks
          ((2, 1, 2), "llama"), ((2, 1, 2), "gpt2"), ((4, 1, 1), "tinygpt"), ((4, 1, 1), "gpt2"),
-         ((2, 2, 2), "tinygpt-uneven")]  # vocabulary 97, 3 heads: unequal blocks, then FSDP2's padding
+         ((2, 2, 2), "tinygpt-uneven"),  # vocabulary 97, 3 heads: unequal blocks, then FSDP2's padding
+         ((2, 2, 2), "mixtral")]  # experts over the grid rows, tokens dispatched, FSDP2 over the replicas
 
 
 @pytest.mark.parametrize("grid, family", CASES, ids=[f"{'x'.join(map(str, g))}-{f}" for g, f in CASES])
