@@ -18,20 +18,20 @@ outputs and the fallbacks it runs. `autopar.program.build` captures a model's ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from passes.capture.export import Captured
 from passes.compat import pytree
 from passes.cost.model import CostModel
-from passes.errors import FallbackWarning
+from passes.errors import FallbackWarning, MemoryLimitError
 from passes.mesh import Grid, warn
 from passes.meta import LAYOUT
 from passes.nodes import arg
 from passes.options import Options
 from passes.search import strategy as strategies
-from passes.search.lowering import pick_lowerings
+from passes.search.lowering import fixed_estimate, pick_lowerings
 from passes.transforms.group_siblings import group_siblings
 from passes.transforms.insert_collectives import insert_collectives
 from passes.transforms.localize import localize
@@ -52,6 +52,7 @@ class Compiled:
     fallbacks: list  # [passes.transforms.propagate.Fallback]
     random: bool = False  # the graph draws random numbers (dropout)
     choice: object = None  # strategy="auto": the passes.search.strategy.Choice made
+    data_parallel: str = "replicate"  # how the grid's replicas hold its blocks (data_parallel='auto' resolved)
     signature: tuple = ()  # the (training, input shapes and dtypes) it was compiled for; see `signature`
     flat: torch.fx.GraphModule | None = None  # recompute=...: `gm` before its regions were grouped
 
@@ -83,23 +84,30 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     """(Compiled, parameter name -> Layout) of a captured graph on `grid`, the passes in their order:
     route experts, the strategy of each matmul unit (options.strategy; with `choice`, a Choice made
     before, which a recompile for new shapes repeats instead of searching again; strategy='auto' calls
-    `search()`, by default `passes.search.strategy.choose` here), each SUMMA product's lowering for a
-    fixed strategy under lowering='auto' (`passes.search.lowering`), propagate, insert collectives,
+    `search(options)`, by default `passes.search.strategy.choose` here), each SUMMA product's lowering for a
+    fixed strategy under lowering='auto' (`passes.search.lowering`), data_parallel='auto' resolved
+    (`Compiled.data_parallel`: 'shard' only where 'replicate' does not fit memory_limit), propagate, insert collectives,
     localize, group sibling products, recompute. `pinned`: the parameter layouts of an earlier compile,
     kept as they are (see `passes.transforms.propagate`). Ops that run gathered whole are named in one
     FallbackWarning. A 1x1 grid runs the captured graph as it is. `key` becomes the signature."""
     chosen = None
+    options = replace(options, replicas=grid.dp)
+    sharding = _data_parallel(options)
+    options = replace(options, data_parallel=sharding or "replicate")
     if grid.world > 1:
         route_experts(cap.gm, grid.shape, options.moe_dispatch)
     if grid.world > 1 and options.strategy == "1d":
         strategies.fixed(cap.gm, "1d")
     elif grid.world > 1 and choice is not None:
         chosen = choice
+        sharding = getattr(choice, "data_parallel", None) or options.data_parallel
         strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,
                          choice.alternatives)
     elif grid.world > 1 and options.strategy == "auto":
-        chosen = search() if search is not None else strategies.choose(
-            cap.gm, grid.shape, CostModel.resolve(options.cost_model), options)
+        chosen, sharding = _search(cap, grid, options, search, sharding)
+    if sharding is None:  # data_parallel='auto' under a fixed strategy: shard only where replicas do not fit
+        est, _ = fixed_estimate(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy, options)
+        sharding = "shard" if est.memory_bytes > options.memory_limit_bytes else "replicate"
     if grid.world > 1 and chosen is None and options.fixed_lowering is None:
         pick_lowerings(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy,
                                   options)
@@ -132,4 +140,40 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
         mode, only = "blocks", set(chosen.recompute_blocks)
     if mode:
         flat, gm = gm, recompute(gm, grid, mode, only)
-    return Compiled(gm, cap, outs, prop.fallbacks, random, chosen, key, flat), prop.param_layouts
+    return Compiled(gm, cap, outs, prop.fallbacks, random, chosen, sharding, key, flat), prop.param_layouts
+
+
+def _data_parallel(options: Options) -> str | None:
+    """How the replicas hold the grid's blocks, or None where data_parallel='auto' asks the estimate
+    (replicas and a memory_limit); 'auto' without either is 'replicate'."""
+    if options.data_parallel != "auto":
+        return options.data_parallel
+    return None if options.replicas > 1 and options.memory_limit_bytes is not None else "replicate"
+
+
+def _search(cap: Captured, grid: Grid, options: Options, search, sharding: str | None) -> tuple:
+    """strategy='auto': (Choice, data_parallel). Under data_parallel='auto' (`sharding` None) the search
+    runs with replicated and with sharded replicas, and the faster estimate that fits memory_limit wins
+    (replicated on a tie: the estimate does not price the replica axis, which moves the same bytes
+    both ways; sharding only lowers the memory)."""
+    def run(opts):
+        return search(opts) if search is not None else strategies.choose(
+            cap.gm, grid.shape, CostModel.resolve(opts.cost_model), opts)
+
+    if sharding is not None:
+        return run(options), sharding
+    found, refused = {}, None
+    for mode in ("replicate", "shard"):
+        try:
+            found[mode] = run(replace(options, data_parallel=mode))
+        except MemoryLimitError as e:
+            refused = e
+    if not found:
+        assert refused is not None, "a search that found nothing raised"
+        raise refused
+    sharding = min(found, key=lambda m: (found[m].estimate.time_s, m != "replicate"))
+    chosen = found[sharding]
+    chosen.data_parallel = sharding
+    strategies.apply(cap.gm, strategies.find_units(cap.gm), chosen.assignment, chosen.lowerings,
+                     chosen.alternatives)  # the last search left its own marks
+    return chosen, sharding

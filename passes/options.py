@@ -47,7 +47,9 @@ RECOMPUTE_MODES = ("blocks", "selective")  # passes.transforms.recompute.MODES
 # a dim the grid does not divide: split in torch.chunk blocks where a rule can, else run unsplit (the
 # only choice for "replicate"), or raise
 INDIVISIBLE = ("uneven", "replicate", "error")
-DATA_PARALLEL = ("replicate", "shard")  # grid=(dp, R, C): the replicas' copies of a block (autopar.parallel.sharded)
+# grid=(dp, R, C): the replicas' copies of a block (autopar.parallel.sharded); "auto": "shard" where only it fits
+# memory_limit (passes.compile)
+DATA_PARALLEL = ("replicate", "shard", "auto")
 
 T = TypeVar("T")
 
@@ -214,8 +216,13 @@ class Options:
         "replicate", "with grid=(dp, R, C): each replica holds its grid block's parameters, gradients and "
         "optimizer state whole (gradients all-reduced), or 1/dp of them (FSDP2: parameters all-gathered for "
         "the step, gradients reduce-scattered)", choices=DATA_PARALLEL,
-        expected="'replicate' (every replica holds its grid block whole) or 'shard' (FSDP2's fully_shard over "
-                 "the replicas: 1/dp of the block each)")
+        expected="'replicate' (every replica holds its grid block whole), 'shard' (FSDP2's fully_shard over "
+                 "the replicas: 1/dp of the block each) or 'auto' ('shard' only where 'replicate' does not fit "
+                 "memory_limit)")
+    replicas: int = option(
+        1, "data-parallel replicas of the grid (grid=(dp, R, C)), which the memory estimate divides sharded "
+        "state by", check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        expected="a positive number of replicas", keyword=False)
 
     def __post_init__(self) -> None:
         for o in OPTIONS:

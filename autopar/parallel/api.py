@@ -110,7 +110,9 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             'shard' splits them over the dp replicas with FSDP2's `fully_shard` (ZeRO-3): each rank
             holds 1/(dp*R*C) of every parameter, gradient and optimizer state between steps, the
             block's parameters are all-gathered over the replicas for the step and its gradients
-            reduce-scattered after backward (one unit: see `autopar.parallel.sharded`).
+            reduce-scattered after backward (one unit: see `autopar.parallel.sharded`); 'auto':
+            'shard' only where the memory estimate with 'replicate' exceeds `memory_limit` and the one
+            with 'shard' does not (without a memory_limit, 'replicate').
     """
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
@@ -148,6 +150,6 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)
     agree_on_plan(comp, layouts, model)
     pmodel = ParallelModule(model, g, comp, layouts, options)
-    if options.data_parallel == "shard":
+    if comp.data_parallel == "shard":  # asked for, or data_parallel='auto' where only it fits memory_limit
         shard_replicas(pmodel)
     return pmodel

@@ -170,8 +170,10 @@ def _measure_activations(gm, cap, mesh):
         saved, largest = {}, [0]
 
         def pack(t):
-            saved[id(t)] = t.numel() * t.element_size()
-            largest[0] = max(largest[0], saved[id(t)])
+            # keyed by the object, kept alive here: an id alone is reused once its tensor is freed, and the
+            # count then depended on when Python freed what (a 128 B drift between runs of one plan)
+            saved[id(t)] = (t, t.numel() * t.element_size())
+            largest[0] = max(largest[0], saved[id(t)][1])
             return t
 
         with fake_tensor_mode():
@@ -196,7 +198,7 @@ def _measure_activations(gm, cap, mesh):
                     largest[0] = max(largest[0], o.numel() * o.element_size())
             if tensors:
                 sum(o.float().sum() for o in tensors).backward()
-        return sum(saved.values()), largest[0]
+        return sum(n for _, n in saved.values()), largest[0]
     finally:
         dist.destroy_process_group()
 
@@ -232,7 +234,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
     bar = steps(f"autopar plan {mesh[0]}x{mesh[1]}", 2)
     bar.set_postfix_str("capture and passes" + (" and strategy search" if strategy == "auto" else ""))
-    comp, layouts = compile_program(model, example_inputs, kwargs, Grid.for_planning(*mesh), options)
+    comp, layouts = compile_program(model, example_inputs, kwargs, Grid.for_planning(*mesh, dp=dp), options)
     bar.update()
     bar.set_postfix_str("costs and memory")
     gm, cap = comp.gm, comp.captured
@@ -252,7 +254,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     result.comm_bytes_most_at, result.comm_bytes_most = most_received(comp.inspected, mesh,
                                                                       result.comm_bytes_per_rank_per_step)
     if dp > 1:
-        result.replicas = plan_replicas(model, comp, layouts, mesh, dp, data_parallel, grad_bucket_mb)
+        result.replicas = plan_replicas(model, comp, layouts, mesh, dp, comp.data_parallel, grad_bucket_mb)
     if generation is not None:
         dtype = next(model.parameters()).dtype
         result.kv_cache_bytes_per_rank = kv_cache_bytes_per_rank(model.config, *generation, mesh, dtype)

@@ -189,4 +189,4 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     """`compile_program` from a graph already captured (and, for generation, marked: `autopar.generate`
     renames its parameters and places its cache before this runs); `key` becomes its signature. The
     passes run in `passes.compile`; strategy='auto' searches on rank 0 and sends its choice to all."""
-    return compile_graph(cap, key, grid, options, choice, pinned, search=lambda: _choose(cap, grid, options))
+    return compile_graph(cap, key, grid, options, choice, pinned, search=lambda opts: _choose(cap, grid, opts))

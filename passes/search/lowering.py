@@ -18,22 +18,30 @@ from passes.meta import CHOICE, LOWERING
 from passes.options import Options
 from passes.search.strategy import Evaluator, block_lowerings, find_units
 
-__all__ = ["pick_lowerings"]
+__all__ = ["fixed_estimate", "pick_lowerings"]
 
 
-def pick_lowerings(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options) -> dict:
-    """Mark every SUMMA node of `gm` under the fixed `strategy` ("2d" or "1d") with the lowering its
-    estimate prices faster and return them, node name -> lowering. The strategy's own marks (`CHOICE`)
-    are left as they were: the estimate sets its own while it prices."""
+def fixed_estimate(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options) -> tuple:
+    """(Estimate, SUMMA node name -> the lowering it prices faster) of the fixed `strategy` ("2d" or
+    "1d") on `gm`. The strategy's own marks (`CHOICE`) are left as they were: the estimate sets its
+    own while it prices."""
     units = find_units(gm)
     before = {n: n.meta.get(CHOICE) for u in units for n in u.nodes}
     ev = Evaluator(gm, mesh, cm, units, options)
-    lowerings = block_lowerings(ev, ev.estimate({u.key: strategy if strategy in u.options else "1d" for u in units}))
+    est = ev.estimate({u.key: strategy if strategy in u.options else "1d" for u in units})
+    lowerings = block_lowerings(ev, est)
     for n, choice in before.items():
         if choice is None:
             n.meta.pop(CHOICE, None)
         else:
             n.meta[CHOICE] = choice
+    return est, lowerings
+
+
+def pick_lowerings(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options) -> dict:
+    """Mark every SUMMA node of `gm` under the fixed `strategy` ("2d" or "1d") with the lowering its
+    estimate prices faster and return them, node name -> lowering."""
+    _, lowerings = fixed_estimate(gm, mesh, cm, strategy, options)
     for node in gm.graph.nodes:
         if node.name in lowerings:
             node.meta[LOWERING] = lowerings[node.name]

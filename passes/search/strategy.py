@@ -45,7 +45,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from passes.cost.planned import nodes_needing_grad
-from passes.search.estimate import MATMULS, CostModel, Estimate, price
+from passes.search.estimate import MATMULS, CostModel, Estimate, price, state_factor
 from passes.layout import mesh_shape
 from passes.nodes import block_of, module_path
 from passes.meta import CHOICE, CHOICE_WHY, LOWERING, ROLE
@@ -162,6 +162,7 @@ class Choice:
     solve_s: float = 0.0  # seconds the search took
     complete: bool = True  # False: the search stopped at its time budget with the best found so far
     recompute_blocks: tuple = ()  # the repeated blocks recomputed in backward to fit memory_limit
+    data_parallel: str = "replicate"  # with replicas: how they hold the grid's blocks (data_parallel='auto')
 
 
 class Evaluator:
@@ -176,8 +177,7 @@ class Evaluator:
         self.lowering = lowering
         self.grads = set() if options.forward_only else nodes_needing_grad(gm)  # no backward: nothing needs one
         self.blocks = repeated_blocks(gm)
-        # parameter + gradient + optimizer states; a forward holds the parameter alone
-        self.state_factor = 1 if options.forward_only else 2 + options.optimizer_states
+        self.state_factor = 1 if options.forward_only else state_factor(options)
         self.cache: dict[tuple, Estimate] = {}  # sorted assignment items -> estimate
         self.rules: dict = {}  # propagate.rule_key -> the rule's Strategy
         self.costs: dict = {}  # propagate.rule_key -> the node's priced costs (estimate.price)
