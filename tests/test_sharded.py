@@ -78,7 +78,8 @@ def test_sharded_accumulation_and_generation(pool4):
         assert r["resharded"], rank
 
 
-COMPOSED = [dict(compile=True), dict(recompute="blocks"), dict(strategy="1d"), dict(strategy="auto")]
+COMPOSED = [dict(compile=True), dict(recompute="blocks"), dict(strategy="1d"), dict(strategy="auto"),
+            dict(data_parallel="auto", memory_limit=1024)]  # replicating exceeds the limit: 'auto' shards
 
 
 @pytest.mark.parametrize("options", COMPOSED, ids=[next(iter(o.items()))[0] + "=" + str(next(iter(o.values())))
@@ -92,6 +93,7 @@ def test_sharded_replicas_compose(pool4, options):
         assert_every_rank([r[part] for r in per_rank], f"TinyGPT at (2, 1, 2), {options}: {part}")
     for rank, r in enumerate(per_rank):
         assert r["counted"] == r["planned"], (rank, r["counted"], r["planned"])
+        assert r["placements"][2] == ("dp", "r", "c"), (rank, r["placements"])  # sharded over the replicas
 
 
 def test_planned_replica_axis_on_the_command_line(capsys):
