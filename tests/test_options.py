@@ -28,7 +28,7 @@ from tests import checks_options as C
     ("timeout", 0, "timeout=0: expected a positive number of seconds, or None"),
     ("optimizer_states", -1, "optimizer_states=-1: expected the number of tensors the optimizer keeps"),
     ("data_parallel", "zero3", "data_parallel='zero3': expected 'replicate' (every replica holds its grid block "
-                               "whole) or 'shard' (FSDP2's fully_shard over the replicas"),
+                               "whole), 'shard' (FSDP2's fully_shard over the replicas"),
 ])
 def test_every_bad_option_is_named(option, value, text):
     """Catches an option that goes unchecked until a pass misreads it (propagate used to take any
