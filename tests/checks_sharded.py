@@ -241,3 +241,30 @@ def accumulation_and_generation(rank) -> dict:
     out["resharded"] = sum(p.to_local().numel() for p in pm.parameters()) <= 1.1 * sum(
         p.numel() for p in pm.parameters()) / 4
     return out
+
+
+def loading(rank, tmp) -> dict:
+    """Full tensors into sharded replicas (HF Llama at grid (2, 1, 2)): from_pretrained of a checkpoint
+    transformers wrote on one process, and load_state_dict of a one-process state_dict; every parameter
+    bit-equal to the model's."""
+    import os
+
+    _, _, model = _llama((2, 1, 2), "replicate")
+    path = os.path.join(tmp, "one-process")
+    if rank == 0:
+        model.save_pretrained(path)
+    dist.barrier()
+    _, batch, _ = _models("llama")
+    _, kwargs = batch(0, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.from_pretrained(path, grid=(2, 1, 2), example_kwargs=kwargs, data_parallel="shard", progress=False)
+    mine = dict(model.named_parameters())
+    out = {"from_pretrained": group_excess({n: (p.full_tensor(), mine[n]) for n, p in pm.named_parameters()},
+                                           rtol=0.0, frac=0.0),
+           "sharded": all(len(p.placements) == 3 for p in pm.parameters())}
+    other, _, _ = _llama((2, 1, 2), "shard", seed=11)
+    other.load_state_dict(model.state_dict())
+    out["load_state_dict"] = group_excess({n: (p.full_tensor(), mine[n]) for n, p in other.named_parameters()},
+                                          rtol=0.0, frac=0.0)
+    return out

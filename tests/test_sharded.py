@@ -155,3 +155,13 @@ def test_auto_shards_only_where_it_is_faster_within_the_limit():
         assert mode == min(forced, key=lambda e: (e[1].time_s, e[0] != "replicate"))[0], (limit, mode, forced)
         # here replicating fits only with a slower assignment (0.72 against 0.69 ms estimated)
         assert mode == "shard", (limit, mode, forced)
+
+
+def test_full_tensors_load_into_sharded_replicas(pool4, tmp_path):
+    """Catches a load that writes a rank's grid block into its 1/dp shard (or the whole block into a
+    shard's place): from_pretrained(..., data_parallel='shard') of a checkpoint transformers wrote, and
+    load_state_dict of a one-process state_dict, each parameter bit-equal afterwards, on every rank."""
+    for rank, r in enumerate(pool4.run(C.loading, str(tmp_path))):
+        assert r["sharded"], rank
+        for what in ("from_pretrained", "load_state_dict"):
+            assert not {n: e for n, e in r[what].items() if e > 0}, (rank, what, r[what])

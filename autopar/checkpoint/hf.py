@@ -21,6 +21,7 @@ import warnings
 import torch
 import torch.nn as nn
 
+from autopar.parallel.sharded import grid_placements, replica_shard
 from autopar.checkpoint import files as F
 from autopar.checkpoint import keys as hf_keys
 from autopar.checkpoint.dcp import load_distributed, save_distributed  # noqa: F401  (part of this API)
@@ -179,7 +180,7 @@ def load_view(pmodel, path: str, source, names: dict | None, progress: bool = Tr
         bar = _progress(len(todo), pmodel.grid.rank == 0 and progress)
         converted: dict = {}  # model name -> whole tensor computed by a conversion, until its block is read
         for _name, tensor, (alias, src) in todo:
-            ranges = block_ranges(tuple(tensor.shape), getattr(tensor, "placements", ()), pmodel.grid)
+            ranges = block_ranges(tuple(tensor.shape), grid_placements(tensor), pmodel.grid)
             if isinstance(src, str):
                 _check_shape(path, src, handle(src).shape(src), tensor)
                 check_dtype(files[src], src, handle(src).dtype(src), tensor.dtype)
@@ -193,8 +194,8 @@ def load_view(pmodel, path: str, source, names: dict | None, progress: bool = Tr
                 check_dtype(path, what, whole.dtype, tensor.dtype)
                 block = _read_block(lambda chosen, whole=whole: whole[tuple(slice(a, b) for a, b in chosen)], ranges)
             local = tensor.to_local() if getattr(tensor, "placements", ()) else tensor
-            with torch.no_grad():
-                local.copy_(block)
+            with torch.no_grad():  # sharded replicas: this rank's part of its grid block
+                local.copy_(replica_shard(tensor, block, pmodel.grid.dp_index, pmodel.grid.dp))
             bar.update(1)
     finally:
         if bar is not None:

@@ -25,6 +25,8 @@ in one).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -36,7 +38,8 @@ from passes.cost.volumes import all_gather_bytes, reduce_scatter_bytes
 from passes.mesh import warn
 from passes.ops.comm import tensor_bytes
 
-__all__ = ["shard_replicas", "is_sharded", "refuse_foreign_sharding", "replica_traffic", "memory_per_rank"]
+__all__ = ["shard_replicas", "is_sharded", "refuse_foreign_sharding", "replica_traffic", "memory_per_rank",
+           "grid_placements", "replica_shard"]
 
 _SHARDED = "_autopar_fsdp"  # set on a ParallelModule that autopar itself wrapped in fully_shard
 _BLOCKS = "_autopar_fsdp_blocks"  # name -> (grid block shape, element size, trained) before sharding
@@ -116,6 +119,28 @@ def replica_traffic(pmodel) -> FSDPTraffic:
     """The all-gather and reduce-scatter over the replicas of one training step on this rank, from the
     parameters' grid blocks: (dp - 1)/dp of each block padded to a multiple of dp on its first dim."""
     return fsdp_traffic(getattr(pmodel, _BLOCKS, {}).values(), pmodel.grid.dp)
+
+
+def grid_placements(tensor) -> tuple:
+    """A parameter's placements over the grid's two axes (a sharded replica's first one, over the
+    replicas, left out); () for a plain tensor."""
+    placements = tuple(getattr(tensor, "placements", ()))
+    return placements[-2:] if len(placements) == 3 else placements
+
+
+def replica_shard(tensor, block: torch.Tensor, dp_index: int, dp: int) -> torch.Tensor:
+    """This rank's part of its grid `block` of parameter `tensor`: the block itself, or for sharded
+    replicas (three placements) the dp_index-th of FSDP2's chunks of its first dim (ceil(rows/dp) rows
+    each, the last shorter), which is what the shard holds."""
+    if len(tuple(getattr(tensor, "placements", ()))) != 3:
+        return block
+    rows = block.shape[0]
+    size = math.ceil(rows / dp)
+    piece = block[min(dp_index * size, rows):min((dp_index + 1) * size, rows)]
+    local = tensor.to_local()
+    assert piece.shape == local.shape, f"replica shard {tuple(piece.shape)} of block {tuple(block.shape)} is not " \
+                                       f"the parameter's local {tuple(local.shape)}"
+    return piece
 
 
 def memory_per_rank(pmodel, optimizer: torch.optim.Optimizer | None = None) -> dict:
