@@ -76,3 +76,18 @@ def plan_vs_run(rank, name, grid=(2, 2), strategy="2d"):
             "planned calls": (pl.collectives_fwd, pl.collectives_bwd),
             "counted calls": (pm.grid.log.calls(phase="fwd"), pm.grid.log.calls(phase="bwd")),
             "rows": [(r.op, r.collectives, r.fwd_bytes, r.bwd_bytes) for r in pl.rows if r.collectives]}
+
+
+def meta_llama(layers: int, vocab: int = 128, intermediate: int = 128, seq: int = 16):
+    """A small HF Llama built on the meta device (hidden 64, 4 heads) and one call's keyword inputs
+    (batch 4 x `seq`), for plans on one process."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=intermediate,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                   max_position_embeddings=max(32, seq), pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                   use_cache=False)
+    with autopar.meta_init():
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(4, seq, dtype=torch.long)
+    return model, dict(input_ids=ids, labels=ids)

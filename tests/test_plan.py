@@ -157,15 +157,8 @@ def test_norm_statistics_take_one_call_each_way():
     over the columns; it was reduce-scattered onto the sequence and the rsqrt gathered back (two
     calls each way per norm, for the bytes of one all-reduce). A per-token statistic is now
     all-reduced: one call forward, one backward, per norm, plus its weight's gradient sum."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                                   pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
-    with autopar.meta_init():
-        model = transformers.LlamaForCausalLM(cfg)
-    ids = torch.zeros(4, 16, dtype=torch.long)
-    pl = autopar.plan(model, grid=(2, 2), example_kwargs=dict(input_ids=ids, labels=ids), measure_activations=False)
+    model, kwargs = C.meta_llama(layers=3)
+    pl = autopar.plan(model, grid=(2, 2), example_kwargs=kwargs, measure_activations=False)
     for layer in (1, 2):  # layer 0's first norm also reduce-scatters the embedding's partial sum
         for norm in ("input_layernorm", "post_attention_layernorm"):
             module = f"model.layers.{layer}.{norm}"
@@ -180,17 +173,10 @@ def test_each_product_takes_the_lowering_its_estimate_prices_faster():
     lowering launched 12 calls per product and step, 2.6x the calls); with launches free and slow
     matmuls, the broadcast lowering that overlaps its transfers with the matmuls. A fixed lowering is
     kept under strategy='auto' too (the search used to override it per product)."""
-    import transformers
-
     from passes.cost.model import CostModel
 
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                                   pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
-    with autopar.meta_init():
-        model = transformers.LlamaForCausalLM(cfg)
-    ids = torch.zeros(4, 16, dtype=torch.long)
-    kw = dict(example_kwargs=dict(input_ids=ids, labels=ids), measure_activations=False)
+    model, kwargs = C.meta_llama(layers=2)
+    kw = dict(example_kwargs=kwargs, measure_activations=False)
 
     def lowerings(pl):
         return sorted({m.lowering for m in pl.gm.modules() if type(m).__name__ == "SummaLinear"})

@@ -123,19 +123,12 @@ def test_auto_shards_only_where_it_is_faster_within_the_limit():
     either way forced under the same limit. The estimate prices one FSDP2 unit: at dp=2 a sharded step
     peaks above a replicated one (the gathered block, its unsharded gradient and the reduce-scatter's
     copy, measured 1.15x by `autopar bench --dp`), at dp=8 below it."""
-    import torch
-    import transformers
-
     import autopar
     from passes.errors import MemoryLimitError
+    from tests.checks_plan import meta_llama
 
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                                   pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
-    with autopar.meta_init():
-        model = transformers.LlamaForCausalLM(cfg)
-    ids = torch.zeros(4, 32, dtype=torch.long)
-    kw = dict(example_kwargs=dict(input_ids=ids, labels=ids), measure_activations=False, strategy="auto")
+    model, kwargs = meta_llama(layers=2, vocab=256, intermediate=256, seq=32)
+    kw = dict(example_kwargs=kwargs, measure_activations=False, strategy="auto")
 
     def estimate(dp, mode, limit=None):
         try:
