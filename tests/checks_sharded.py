@@ -268,3 +268,22 @@ def loading(rank, tmp) -> dict:
     out["load_state_dict"] = group_excess({n: (p.full_tensor(), mine[n]) for n, p in other.named_parameters()},
                                           rtol=0.0, frac=0.0)
     return out
+
+
+def trainer(rank, tmp) -> dict:
+    """ParallelTrainer (4 steps, AdamW, clipping) on HF Llama at grid (2, 1, 2), replicated and sharded:
+    each one's losses and gradient norms, which must be the same run."""
+    import os
+
+    from autopar.hf.trainer import ParallelTrainer
+    from tests import checks_trainer as T
+
+    T._as_launched(rank)
+    out = {}
+    for mode in ("replicate", "shard"):
+        pm, _, _ = _llama((2, 1, 2), mode)
+        args = T.arguments(os.path.join(tmp, mode), save_strategy="no")
+        run = ParallelTrainer(model=pm, args=args, train_dataset=T.Tokens())
+        run.train()
+        out[mode] = T._history(run)
+    return out

@@ -158,3 +158,16 @@ def test_full_tensors_load_into_sharded_replicas(pool4, tmp_path):
         assert r["sharded"], rank
         for what in ("from_pretrained", "load_state_dict"):
             assert not {n: e for n, e in r[what].items() if e > 0}, (rank, what, r[what])
+
+
+def test_parallel_trainer_trains_sharded_replicas(pool4, tmp_path):
+    """transformers' Trainer through ParallelTrainer on sharded replicas: the same losses and gradient
+    norms as on replicated ones, on every rank (replicated replicas are checked against one process
+    without the Trainer in tests/test_training.py, and the Trainer on grids without replicas in
+    tests/test_trainer.py). Catches accelerate taking the FSDP2-wrapped model for one of its own, and a clipped norm
+    that leaves out a replica's shards."""
+    for rank, r in enumerate(pool4.run(C.trainer, str(tmp_path))):
+        rep, shard = r["replicate"], r["shard"]
+        assert len(rep["loss"]) == len(shard["loss"]) == 4, (rank, rep, shard)
+        assert shard["loss"] == pytest.approx(rep["loss"], rel=1e-6), (rank, shard["loss"], rep["loss"])
+        assert shard["grad_norm"] == pytest.approx(rep["grad_norm"], rel=1e-5), (rank, shard, rep)
