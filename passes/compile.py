@@ -109,8 +109,7 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
         est, _ = fixed_estimate(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy, options)
         sharding = "shard" if est.memory_bytes > options.memory_limit_bytes else "replicate"
     if grid.world > 1 and chosen is None and options.fixed_lowering is None:
-        pick_lowerings(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy,
-                                  options)
+        pick_lowerings(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy, options)
     prop = propagate(cap.gm, grid.shape, options, pinned)
     if grid.world > 1:
         # a SUMMA node without a LOWERING mark (none under lowering='auto') runs the broadcast lowering

@@ -38,7 +38,7 @@ __all__ = ["Options", "Option", "OPTIONS", "OPTION", "DEFAULTS", "BUDGET_S", "ST
 
 LOWERINGS = ("broadcast", "allgather")  # how a SUMMA product moves its panels (passes.ops.summa)
 # the lowering option: one of LOWERINGS for every product, or "auto": each product the one the cost model
-# prices faster (passes.search.strategy.pick_lowerings)
+# prices faster (passes.search.lowering.pick_lowerings)
 LOWERING_CHOICES = ("auto",) + LOWERINGS
 BUCKET_MB = 25.0  # default cap per replica gradient bucket, MiB (what DistributedDataParallel uses)
 BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
@@ -215,7 +215,8 @@ class Options:
     data_parallel: str = option(
         "replicate", "with grid=(dp, R, C): each replica holds its grid block's parameters, gradients and "
         "optimizer state whole (gradients all-reduced), or 1/dp of them (FSDP2: parameters all-gathered for "
-        "the step, gradients reduce-scattered)", choices=DATA_PARALLEL,
+        "the step, gradients reduce-scattered), or the faster of the two that fits memory_limit",
+        choices=DATA_PARALLEL,
         expected="'replicate' (every replica holds its grid block whole), 'shard' (FSDP2's fully_shard over "
                  "the replicas: 1/dp of the block each) or 'auto' ('shard' only where 'replicate' does not fit "
                  "memory_limit)")

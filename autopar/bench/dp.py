@@ -33,17 +33,16 @@ GRID = (2, 2, 2)
 MODES = ("replicate", "shard")
 
 
-def _rows(pm, step):
-    b = common.batch(step)
-    mine = common.BATCH // pm.grid.dp
-    sl = slice(mine * pm.grid.dp_index, mine * (pm.grid.dp_index + 1))
-    return {k: v[sl] for k, v in b.items()}
+def _rows(step, dp: int, replica: int) -> dict:
+    """Replica `replica`'s rows of the global batch of `step`."""
+    mine = common.BATCH // dp
+    return {k: v[mine * replica:mine * (replica + 1)] for k, v in common.batch(step).items()}
 
 
 def _step(pm, opt, step, held: dict | None = None) -> float:
     """One training step; `held`, if given, gets what the rank holds after the optimizer's step (before
     the gradients are dropped)."""
-    loss = pm(**_rows(pm, step)).loss
+    loss = pm(**_rows(step, pm.grid.dp, pm.grid.dp_index)).loss
     loss.backward()
     opt.step()
     if held is not None:
@@ -59,7 +58,7 @@ def worker(rank, world, port, rounds, steps, out):
     for mode in MODES:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pm = autopar.parallelize(copy.deepcopy(base), grid=GRID, example_kwargs=_rows_of(0, GRID[0]),
+            pm = autopar.parallelize(copy.deepcopy(base), grid=GRID, example_kwargs=_rows(0, GRID[0], 0),
                                      data_parallel=mode)
         configs[mode], opts[mode] = pm, torch.optim.AdamW(pm.parameters(), lr=1e-4)
         res[mode] = {"times": [], "losses": []}
@@ -91,11 +90,6 @@ def worker(rank, world, port, rounds, steps, out):
         with open(out, "w") as f:
             json.dump(res, f)
     close()
-
-
-def _rows_of(step, dp):
-    b = common.batch(step)
-    return {k: v[:common.BATCH // dp] for k, v in b.items()}
 
 
 def markdown(res: dict) -> str:

@@ -25,15 +25,13 @@ in one).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import PlanWarning, UsageError
 from passes.compat import FSDPAllGather, FSDPReduceScatter, all_gather_single, reduce_scatter_single
-from passes.cost.replicas import FSDPTraffic, fsdp_traffic
+from passes.cost.replicas import FSDPTraffic, fsdp_traffic, shard_rows
 from passes.cost.volumes import all_gather_bytes, reduce_scatter_bytes
 from passes.mesh import warn
 from passes.ops.comm import tensor_bytes
@@ -135,7 +133,7 @@ def replica_shard(tensor, block: torch.Tensor, dp_index: int, dp: int) -> torch.
     if len(tuple(getattr(tensor, "placements", ()))) != 3:
         return block
     rows = block.shape[0]
-    size = math.ceil(rows / dp)
+    size = shard_rows(rows, dp)
     piece = block[min(dp_index * size, rows):min((dp_index + 1) * size, rows)]
     local = tensor.to_local()
     assert piece.shape == local.shape, f"replica shard {tuple(piece.shape)} of block {tuple(block.shape)} is not " \
@@ -145,15 +143,12 @@ def replica_shard(tensor, block: torch.Tensor, dp_index: int, dp: int) -> torch.
 
 def memory_per_rank(pmodel, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Bytes this rank holds between steps: its parameter, gradient and optimizer-state shards."""
-    params = sum(p.to_local().numel() * p.to_local().element_size() if isinstance(p, DTensor)
-                 else p.numel() * p.element_size() for p in pmodel.parameters())
-    grads = sum(g.to_local().numel() * g.to_local().element_size() if isinstance(g, DTensor)
-                else g.numel() * g.element_size() for g in (p.grad for p in pmodel.parameters()) if g is not None)
-    states = 0
-    if optimizer is not None:
-        for st in optimizer.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    t = v.to_local() if isinstance(v, DTensor) else v
-                    states += t.numel() * t.element_size()
-    return {"params": params, "grads": grads, "optimizer": states}
+    def held(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list(pmodel.parameters())
+    states = [] if optimizer is None else [v for st in optimizer.state.values() for v in st.values()
+                                           if isinstance(v, torch.Tensor) and v.dim() > 0]  # not Adam's step
+    return {"params": sum(map(held, params)), "grads": sum(held(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(map(held, states))}

@@ -6,8 +6,8 @@ bucket of gradient blocks (`passes.ops.grad_buckets`, buckets of `grad_bucket_mb
 its grid block of every parameter, gradient and AdamW state. With 'shard' (FSDP2,
 `autopar.parallel.sharded`, priced by `passes.cost.replicas`) it is one all-gather of the parameters
 and one reduce-scatter of the gradients per step, and a rank holds 1/dp of its block (FSDP2 pads each
-block's first dim to a multiple of dp). The figures are those a real run counts (tests/test_sharded.py compares them on
-parallel models; this module prices a grid it has no processes for).
+block's first dim to a multiple of dp). The figures are those a real run counts (tests/test_sharded.py
+compares them on parallel models; this module prices a grid it has no processes for).
 """
 
 from __future__ import annotations
@@ -58,9 +58,7 @@ def plan_replicas(model, comp, layouts: dict, mesh: tuple, dp: int, data_paralle
     block = sum(math.prod(s) * e for s, e, _, _ in blocks.values())
     if data_parallel == "shard":
         t = fsdp_traffic(((s, e, g) for s, e, g, _ in blocks.values()), dp)
-        trained = sum(math.ceil((s[0] if s else 1) / dp) * math.prod(s[1:]) * e
-                      for s, e, g, _ in blocks.values() if g)
-        return ReplicaPlan(dp, data_parallel, t.calls, t.received, t.shard_bytes, trained, block)
+        return ReplicaPlan(dp, data_parallel, t.calls, t.received, t.shard_bytes, t.trained_shard_bytes, block)
     trained = {n: torch.empty(s, dtype=dt, device="meta") for n, (s, _, g, dt) in blocks.items() if g}
     buckets = BucketPlan.build(comp.gm, comp.captured.sources, trained, bucket_mb * 2**20)
     return ReplicaPlan(dp, data_parallel, len(buckets.buckets), buckets.received(dp), block,

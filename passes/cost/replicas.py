@@ -13,7 +13,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["FSDPTraffic", "fsdp_traffic"]
+__all__ = ["FSDPTraffic", "fsdp_traffic", "shard_rows"]
+
+
+def shard_rows(rows: int, dp: int) -> int:
+    """Rows of each of FSDP2's `dp` chunks of a block's first dim (the block padded to a multiple of dp)."""
+    return math.ceil(rows / dp)
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,7 @@ class FSDPTraffic:
     gather_bytes: int  # received by the parameters' all-gather
     scatter_bytes: int  # received by the gradients' reduce-scatter
     shard_bytes: int  # parameter bytes a rank holds between steps (padding included)
+    trained_shard_bytes: int  # of those, the parameters that get a gradient
     block_bytes: int  # its grid block of every parameter, gathered for the step
 
     @property
@@ -36,13 +42,13 @@ def fsdp_traffic(blocks, dp: int) -> FSDPTraffic:
     and training step: the parameters' all-gather receives (dp - 1)/dp of each block padded to a
     multiple of dp on its first dim, the gradients' reduce-scatter the same share of every trained
     block; one call each."""
-    gather = scatter = shard = block = 0
+    gather = scatter = shard = trained_shard = block = 0
     for shape, esize, trained in blocks:
-        rows = shape[0] if shape else 1
-        padded = math.ceil(rows / dp) * dp * math.prod(shape[1:])
-        gather += (dp - 1) * padded // dp * esize
+        piece = shard_rows(shape[0] if shape else 1, dp) * math.prod(shape[1:]) * esize  # one replica's chunk
+        gather += (dp - 1) * piece
+        shard += piece
         if trained:
-            scatter += (dp - 1) * padded // dp * esize
-        shard += padded // dp * esize
+            scatter += (dp - 1) * piece
+            trained_shard += piece
         block += math.prod(shape) * esize
-    return FSDPTraffic((gather > 0) + (scatter > 0), gather, scatter, shard, block)
+    return FSDPTraffic((gather > 0) + (scatter > 0), gather, scatter, shard, trained_shard, block)
