@@ -173,7 +173,7 @@ def inspect_cmd(ns) -> int:
         grid = ns.grid
     pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
                       cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute,
-                      data_parallel=ns.data_parallel)
+                      data_parallel=ns.data_parallel, reshard_after_forward=ns.reshard_after_forward)
     layers, hidden = _layers_hidden(model, pl)
     tokens = ns.batch * ns.seq if ":" not in ns.model else _tokens(args, kwargs, hidden)
     report = pl.to_json()
@@ -330,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="with --grid auto: the number of ranks to arrange")
     _option_flag(p, "strategy", "default 2d; auto with --grid auto", default=None)
     _option_flag(p, "data_parallel", "with a DxRxC grid")
+    p.add_argument("--keep-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="with --data-parallel shard: keep each block's gathered parameters from its forward to its "
+                        "backward (reshard_after_forward=False: one all-gather per block and step, not two)")
     _option_flag(p, "cost_model", "JSON from `autopar calibrate`; default: published NVLink/InfiniBand figures",
                  metavar="FILE")
     _option_flag(p, "memory_limit", "a size per rank: 80GiB, 500MB, or bytes; also --max-batch's limit",

@@ -53,7 +53,7 @@ __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShar
            "FSDPAllGather", "FSDPReduceScatter",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
            "exit_autocast", "fake_store", "fake_tensor_mode", "group_timeout", "implicit_replication",
-           "in_torch_compile_call", "legacy_reduction", "parse_to",
+           "in_backward", "in_torch_compile_call", "legacy_reduction", "parse_to",
            "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
            "set_version_counter", "keep_effect_order_in_inductor", "CACHEABLE_EFFECTS"]
 
@@ -195,6 +195,15 @@ def dynamo_counts() -> tuple:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (`torch._C._current_graph_task_id`
+    is -1 outside one). `autopar.parallel.sharded` counts FSDP2's all-gathers in backward (a block
+    gathered again after `reshard_after_forward`) under the phase "bwd". Checked on 2.13.0. If it
+    moves: every all-gather counts as "fwd" (the totals stay right)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def in_torch_compile_call() -> bool:

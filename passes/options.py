@@ -220,6 +220,18 @@ class Options:
         expected="'replicate' (every replica holds its grid block whole), 'shard' (FSDP2's fully_shard over "
                  "the replicas: 1/dp of the block each) or 'auto' ('shard' only where 'replicate' does not fit "
                  "memory_limit)")
+    reshard_after_forward: bool = option(
+        True, "with data_parallel='shard': release each repeated block's gathered parameters after its forward "
+        "and gather them again for its backward (FSDP2's default), or keep them from forward to backward",
+        choices=(True, False),
+        expected="True (FSDP2's default: each block's parameters gathered twice a step, held one block at a "
+                 "time) or False (gathered once, held from its forward to its backward)")
+    fsdp_prefetch: int | None = option(
+        None, "with data_parallel='shard': how many blocks ahead each block's gather is started (None: "
+        "FSDP2's own, the next block in backward)",
+        check=lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+        expected="None (FSDP2's implicit prefetching) or a number of blocks >= 1 whose gathers each block "
+                 "starts before it runs, in forward and in backward")
     replicas: int = option(
         1, "data-parallel replicas of the grid (grid=(dp, R, C)), which the memory estimate divides sharded "
         "state by", check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,

@@ -8,9 +8,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 import autopar
-from autopar.parallel.sharded import memory_per_rank
+from autopar.parallel.sharded import memory_per_rank, program_for
 from models import GPTConfig, TinyGPT
 from tests.checks_engine import _data
 from tests.checks_hf import build
@@ -100,6 +101,7 @@ def parity(rank, grid, family="tinygpt", rows=8, data_parallel="shard", **option
             out["counted"] = (pm.grid.log.calls("fsdp:"), pm.grid.log.total("fsdp:"))
             t = pm.replica_traffic()  # None with data_parallel='replicate'
             out["planned"] = (t.calls, t.received) if t is not None else (0, 0)
+            out["blocks"] = sum(1 for m in pm.modules() if isinstance(m, FSDPModule) and m is not pm)
             norm = pm.clip_grad_norm_(1e9)
             want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
             out["norm"] = group_excess({"grad norm": (norm, want_norm)})
@@ -217,7 +219,7 @@ def checkpoints(rank, tmp) -> dict:
 
 def accumulation_and_generation(rank) -> dict:
     """HF Llama at grid (2, 1, 2), sharded: two micro-batches accumulated with FSDP2's
-    set_requires_gradient_sync(False) on the first (one reduce-scatter in all) against one process on
+    set_requires_gradient_sync(False) on the first (one reduce-scatter per FSDP2 unit in all) against one process on
     both micro-batches' rows; then greedy generation against the unmodified model's."""
     pm, _, model = _llama((2, 1, 2), "shard")
     ref = copy.deepcopy(model)
@@ -232,7 +234,8 @@ def accumulation_and_generation(rank) -> dict:
     ref_params = dict(ref.named_parameters())
     out = {"grads": group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                                  prefix="grad "),
-           "reduce-scatters": pm.grid.log.calls("fsdp:reduce-scatter")}
+           "reduce-scatters": pm.grid.log.calls("fsdp:reduce-scatter"),
+           "units": sum(1 for m in pm.modules() if isinstance(m, FSDPModule))}
     ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(3))  # checks_hf's vocabulary: 64
     mask = torch.ones_like(ids)
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -286,4 +289,72 @@ def trainer(rank, tmp) -> dict:
         run = ParallelTrainer(model=pm, args=args, train_dataset=T.Tokens())
         run.train()
         out[mode] = T._history(run)
+    return out
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class _ReadsABlockAfter(torch.nn.Module):
+    """Two blocks; in eval mode the output also reads block 0's weight after the blocks, so the eval
+    program cannot run block 0 as one call of its FSDP2 unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.layers = torch.nn.ModuleList([_Layer() for _ in range(2)])
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        if not self.training:
+            x = x + x @ self.layers[0].fc.weight.T
+        return self.head(x)
+
+
+def units_and_fallback(rank) -> dict:
+    """grid (2, 1, 2), sharded: a training step with each block an FSDP2 unit, an eval call whose
+    program reads a block's weight outside the block (every unit gathered for it, the blocks released
+    after),
+    then another training step; each against one process, with the parameters' shards held between."""
+    torch.manual_seed(0)
+    model = _ReadsABlockAfter()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    mine = ids[2 * (rank // 2):2 * (rank // 2) + 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.parallelize(model, grid=(2, 1, 2), example_inputs=(mine,), data_parallel="shard")
+    def blocks_held():  # the root stays gathered after a forward without grad (FSDP2's default for a root)
+        return sum(p.to_local().numel() for n, p in pm.named_parameters() if n.startswith("layers."))
+
+    shards = blocks_held()
+    out: dict = {"units": sorted(n for n, m in pm.named_modules() if isinstance(m, FSDPModule) and n)}
+    ref_params = dict(ref.named_parameters())
+    for step in range(2):
+        pm.train()
+        ref.train()
+        pm(mine).full_tensor().float().pow(2).mean().backward()
+        (ref(ids).pow(2).mean()).backward()
+        out.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                                prefix=f"step {step} grad "))
+        pm.zero_grad()
+        ref.zero_grad()
+        if step == 0:
+            pm.eval()
+            ref.eval()
+            with torch.no_grad():
+                out.update(group_excess({"eval output": (pm(mine).full_tensor(), ref(ids)[2 * (rank // 2):][:2])}))
+            out["released after eval"] = blocks_held() == shards
+            out["eval fetches"] = sorted(program_for(pm, pm.program)[1])  # none: every unit gathered for it
+            first = next(iter(pm.programs.values()))  # the training program: each block's call fetches its own
+            out["train fetches"] = sorted(program_for(pm, first)[1])
     return out

@@ -30,7 +30,9 @@ def test_sharded_replicas_match_one_process(grid, family):
         assert_every_rank([r[part] for r in per_rank], f"{family} on {grid}, data_parallel='shard': {part}")
     for rank, r in enumerate(per_rank):
         assert r["counted"] == r["planned"], f"rank {rank}: FSDP2 (calls, bytes) {r['counted']}, planned {r['planned']}"
-        assert r["counted"][0] == 2, r["counted"]  # one all-gather, one reduce-scatter per step
+        # per FSDP2 unit an all-gather and a reduce-scatter; each repeated block (a unit of its own,
+        # resharded after forward) is gathered again for backward: 2 + 3 per block
+        assert r["counted"][0] == 2 + 3 * r["blocks"], r["counted"]
         if r["at (0, 0)"]:  # autopar.plan prices grid position (0, 0) on one process
             assert r["plan"] == (*r["counted"], r["held"]["params"]), (rank, r["plan"], r["counted"], r["held"])
         held = r["held"]
@@ -67,12 +69,13 @@ def test_sharded_checkpoints_reshard_both_ways(pool4, tmp_path):
 def test_sharded_accumulation_and_generation(pool4):
     """Gradient accumulation without a reduce-scatter per micro-batch (FSDP2's
     set_requires_gradient_sync, called on the parallel model) equals one process on all the rows, with
-    one reduce-scatter in all; generate gathers the blocks for the call and gives the unmodified model's
+    one reduce-scatter per unit in all; generate gathers the blocks for the call and gives the unmodified model's
     tokens."""
     per_rank = pool4.run(C.accumulation_and_generation)
     assert_every_rank([r["grads"] for r in per_rank], "accumulated over 2 micro-batches, sharded replicas")
     for rank, r in enumerate(per_rank):
-        assert r["reduce-scatters"] == 1, (rank, r["reduce-scatters"])
+        # one per FSDP2 unit (the root and the decoder layer), in the last micro-batch only
+        assert r["units"] == 2 and r["reduce-scatters"] == r["units"], (rank, r["units"], r["reduce-scatters"])
         got, want = r["generated"]
         assert got == want, (rank, got, want)
         assert r["resharded"], rank
@@ -98,17 +101,22 @@ def test_sharded_replicas_compose(pool4, options):
 
 def test_planned_replica_axis_on_the_command_line(capsys):
     """`autopar inspect MODEL --grid DxRxC --data-parallel shard|replicate --json` carries the replica axis
-    (both ways: FSDP2's two calls and 1/D of the block held, against bucketed all-reduces and the whole
+    (both ways: FSDP2's calls per unit and 1/D of the block held, against bucketed all-reduces and the whole
     block), and a grid with no replicas is refused by argparse naming the syntax."""
     from autopar import cli
 
     small = ["--set", "num_hidden_layers=1", "--set", "vocab_size=256", "--batch", "2", "--seq", "8", "--json"]
     reports = {}
-    for mode in ("replicate", "shard"):
-        assert cli.main(["inspect", "llama", "--grid", "2x2x2", "--data-parallel", mode, *small]) == 0
+    for mode, extra in (("replicate", []), ("shard", []), ("kept", ["--keep-after-forward"])):
+        flags = ["--data-parallel", "shard" if mode == "kept" else mode, *extra]
+        assert cli.main(["inspect", "llama", "--grid", "2x2x2", *flags, *small]) == 0
         reports[mode] = json.loads(capsys.readouterr().out)["replicas"]
-    shard, rep = reports["shard"], reports["replicate"]
-    assert (shard["dp"], shard["data_parallel"], shard["calls_per_rank_per_step"]) == (2, "shard", 2), shard
+    shard, rep, kept = reports["shard"], reports["replicate"], reports["kept"]
+    # FSDP2 units: the decoder layer (gathered in forward, again in backward, reduce-scattered) and the root
+    assert (shard["dp"], shard["data_parallel"], shard["calls_per_rank_per_step"], shard["fsdp_units"]) == \
+        (2, "shard", 5, 2), shard
+    assert kept["calls_per_rank_per_step"] == 4 and kept["received_bytes_per_rank_per_step"] < \
+        shard["received_bytes_per_rank_per_step"], kept
     assert rep["param_bytes_held"] == rep["grid_block_bytes"] == shard["grid_block_bytes"], (rep, shard)
     assert shard["param_bytes_held"] * 2 <= 1.01 * shard["grid_block_bytes"], shard
     assert 4 * shard["param_bytes_held"] == shard["state_bytes_held_adamw"], shard
@@ -171,3 +179,17 @@ def test_parallel_trainer_trains_sharded_replicas(pool4, tmp_path):
         assert len(rep["loss"]) == len(shard["loss"]) == 4, (rank, rep, shard)
         assert shard["loss"] == pytest.approx(rep["loss"], rel=1e-6), (rank, shard["loss"], rep["loss"])
         assert shard["grad_norm"] == pytest.approx(rep["grad_norm"], rel=1e-5), (rank, shard, rep)
+
+
+def test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all(pool4):
+    """Each repeated block is an FSDP2 unit whose call fetches its own parameters; an eval program that
+    reads block 0's weight outside block 0 cannot, so every unit is gathered for it and released after:
+    its output and the training steps around it equal one process's, on every rank."""
+    per_rank = pool4.run(C.units_and_fallback)
+    assert_every_rank([{k: v for k, v in r.items() if isinstance(v, float)} for r in per_rank],
+                      "blocks as FSDP2 units, an eval program that gathers them all")
+    for rank, r in enumerate(per_rank):
+        assert r["units"] == ["layers.0", "layers.1"], (rank, r["units"])
+        assert r["train fetches"] == ["layers.0.fc.bias", "layers.0.fc.weight", "layers.1.fc.bias",
+                                      "layers.1.fc.weight"], (rank, r["train fetches"])
+        assert r["eval fetches"] == [] and r["released after eval"], (rank, r)

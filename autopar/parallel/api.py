@@ -30,7 +30,9 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 timeout: float | None = DEFAULTS.timeout, compile: bool = DEFAULTS.compile,
                 recompute: str | bool | None = DEFAULTS.recompute, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
                 moe_dispatch: str = DEFAULTS.moe_dispatch,
-                data_parallel: str = DEFAULTS.data_parallel) -> ParallelModule:
+                data_parallel: str = DEFAULTS.data_parallel,
+                reshard_after_forward: bool = DEFAULTS.reshard_after_forward,
+                fsdp_prefetch: int | None = DEFAULTS.fsdp_prefetch) -> ParallelModule:
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -109,16 +111,25 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             gradients and optimizer state whole on every replica (gradients all-reduced in buckets);
             'shard' splits them over the dp replicas with FSDP2's `fully_shard` (ZeRO-3): each rank
             holds 1/(dp*R*C) of every parameter, gradient and optimizer state between steps, the
-            block's parameters are all-gathered over the replicas for the step and its gradients
-            reduce-scattered after backward (one unit: see `autopar.parallel.sharded`); 'auto':
-            'shard' only where the memory estimate with 'replicate' exceeds `memory_limit` and the one
-            with 'shard' does not (without a memory_limit, 'replicate').
+            repeated block (`model.layers.3`) is one FSDP2 unit, whose parameters are all-gathered over
+            the replicas just before it runs and whose gradients are reduce-scattered as soon as its
+            backward is done; the rest of the model is one more unit, gathered for the whole step (see
+            `autopar.parallel.sharded`); 'auto': 'shard' only where the memory estimate with
+            'replicate' exceeds `memory_limit` and the one with 'shard' does not (without a
+            memory_limit, 'replicate').
+        reshard_after_forward: with data_parallel='shard': True (FSDP2's default) releases each
+            block's gathered parameters after its forward and gathers them again for its backward;
+            False keeps them from its forward to its backward (one all-gather a step, more memory).
+        fsdp_prefetch: with data_parallel='shard': None (FSDP2's implicit prefetching: in backward
+            the next block's gather starts before the current block's backward) or k >= 1 (each block
+            starts the gathers of the next k blocks before it runs, in forward and in backward).
     """
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
                       search_budget=search_budget, check_inputs=check_inputs, timeout=timeout,
                       compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
-                      moe_dispatch=moe_dispatch, data_parallel=data_parallel)
+                      moe_dispatch=moe_dispatch, data_parallel=data_parallel,
+                      reshard_after_forward=reshard_after_forward, fsdp_prefetch=fsdp_prefetch)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
         raise UsageError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import types
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from passes.options import Options
 from autopar.parallel import hf_compat as hf_compat
 from autopar.parallel.run import Runner
 from autopar.parallel.clip import clip_grad_norm
-from autopar.parallel.sharded import is_sharded, refuse_foreign_sharding, replica_traffic
+from autopar.parallel.sharded import gathered, is_sharded, program_for, refuse_foreign_sharding, replica_traffic
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.program.consensus import all_gather_objects
@@ -286,10 +287,20 @@ class ParallelModule(nn.Module):
         comp, flat = self._get(args, kwargs)
         self._last = comp
         self._validate_inputs(flat, comp, lambda: input_names(comp, args, kwargs))
+        run, fetched = program_for(self, comp) if is_sharded(self) else (comp, frozenset())
+        # a sharded program whose blocks are not calls of their FSDP2 units: every unit gathered for it
+        with gathered(self, not torch.is_grad_enabled()) if run is comp and is_sharded(self) else nullcontext():
+            outs = self._run(comp, run, fetched, flat)
+        wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
+        return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
+
+    def _run(self, comp: Compiled, run: Compiled, fetched: frozenset, flat: list):
+        """`run` (comp's program, or with sharded replicas its version with block calls, which fetch the
+        parameters in `fetched` themselves) on this rank's blocks and the flat inputs."""
         locals_, cache = [], {}
         for role, key in comp.captured.sources:
             if role == "param" and key not in cache:
-                cache[key] = self.get_parameter(key).to_local()
+                cache[key] = None if key in fetched else self.get_parameter(key).to_local()
         # sharded replicas: FSDP2 reduce-scatters the gradients over the replicas after backward
         buckets = self.grid.dp > 1 and torch.is_grad_enabled() and not is_sharded(self)
         step = self._replica_buckets(comp, cache) if buckets else None
@@ -304,11 +315,8 @@ class ParallelModule(nn.Module):
                 locals_.append(flat[key])
         compile, self._via_torch_compile = self._via_torch_compile, False
         if comp.random and self.training:
-            outs = self._runner.with_rank_rng(comp, locals_, self.grid.rank, step, compile)
-        else:
-            outs = self._runner(comp, locals_, step, compile)
-        wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
-        return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
+            return self._runner.with_rank_rng(run, locals_, self.grid.rank, step, compile)
+        return self._runner(run, locals_, step, compile)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """Generate from a causal LM as transformers' `model.generate` does (greedy or sampling:
@@ -325,11 +333,8 @@ class ParallelModule(nn.Module):
         blocks are gathered over the replicas for the call and released after it."""
         if not is_sharded(self):
             return generate_tokens(self, input_ids, attention_mask, **kwargs)
-        self.unshard()  # FSDP2's: this rank's grid blocks, gathered over the replicas
-        try:
+        with gathered(self, release=True):  # FSDP2's units: this rank's grid blocks, gathered over the replicas
             return generate_tokens(self, input_ids, attention_mask, **kwargs)
-        finally:
-            self.reshard()
 
     def check_inputs(self, *args, **kwargs) -> None:
         """What every call checks first, on its own: that these inputs are on this rank's device and that

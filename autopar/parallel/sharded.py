@@ -25,39 +25,124 @@ in one).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import weakref
+
 import torch
+import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import PlanWarning, UsageError
-from passes.compat import FSDPAllGather, FSDPReduceScatter, all_gather_single, reduce_scatter_single
-from passes.cost.replicas import FSDPTraffic, fsdp_traffic, shard_rows
+from passes.transforms.units import BlockCall, unit_blocks, unit_program
+from passes.compat import FSDPAllGather, FSDPReduceScatter, all_gather_single, in_backward, reduce_scatter_single
+from passes.cost.replicas import FSDPTraffic, fsdp_traffic, shard_rows, unit_groups
 from passes.cost.volumes import all_gather_bytes, reduce_scatter_bytes
 from passes.mesh import warn
 from passes.ops.comm import tensor_bytes
 
-__all__ = ["shard_replicas", "is_sharded", "refuse_foreign_sharding", "replica_traffic", "memory_per_rank",
+__all__ = ["shard_replicas", "program_for", "gathered", "units", "is_sharded",
+           "refuse_foreign_sharding", "replica_traffic", "memory_per_rank",
            "grid_placements", "replica_shard"]
 
 _SHARDED = "_autopar_fsdp"  # set on a ParallelModule that autopar itself wrapped in fully_shard
 _BLOCKS = "_autopar_fsdp_blocks"  # name -> (grid block shape, element size, trained) before sharding
+_UNITS = "_autopar_fsdp_units"  # the repeated blocks that are FSDP2 units, in program order
+_PROGRAMS = "_autopar_fsdp_programs"  # signature -> (program with block calls, names the calls fetch)
 
 
 def shard_replicas(pmodel) -> None:
-    """Split `pmodel`'s grid blocks over its dp replicas with FSDP2 (`data_parallel="shard"`); on a grid
-    of one replica nothing is split, with a warning."""
-    grid = pmodel.grid
+    """Split `pmodel`'s grid blocks over its dp replicas with FSDP2 (`data_parallel="shard"`): one unit per
+    repeated block that its program runs as one call (`passes.transforms.units`), then the root for the
+    rest. On a grid of one replica nothing is split, with a warning."""
+    grid, options = pmodel.grid, pmodel.options
     if grid.dp == 1:
         warn(f"data_parallel='shard' on a grid of one replica (grid {grid.shape[0]}x{grid.shape[1]}): there is no "
              f"replica axis to shard over, so every rank keeps its grid block whole. Pass grid=(dp, R, C) with "
              f"dp > 1 to shard, or leave data_parallel out.", PlanWarning, stacklevel=3)
         return
     blocks = {n: (tuple(p.to_local().shape), p.element_size(), p.requires_grad) for n, p in pmodel.named_parameters()}
-    fully_shard(pmodel, mesh=grid.full_mesh["dp"])
-    pmodel.set_custom_all_gather(_CountedAllGather(grid))
-    pmodel.set_custom_reduce_scatter(_CountedReduceScatter(grid))
+    mesh, comp = grid.full_mesh["dp"], pmodel.program
+    names = []
+    for name in unit_blocks(comp.gm, comp.captured.sources):
+        container = pmodel.get_submodule(name)
+        if type(container) is nn.Module and any(True for _ in container.parameters()):
+            container.__class__ = _Unit  # its forward runs a program's call of the block
+            names.append(name)
+    units = [pmodel.get_submodule(n) for n in names]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
+    fully_shard(pmodel, mesh=mesh)  # FSDP2's default for the root: gathered from its forward to its backward
+    for unit in [*units, pmodel]:
+        unit.set_custom_all_gather(_CountedAllGather(grid))
+        unit.set_custom_reduce_scatter(_CountedReduceScatter(grid))
+    k = options.fsdp_prefetch
+    if k is not None:
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + k])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - k):i][::-1])
     object.__setattr__(pmodel, _BLOCKS, blocks)
+    object.__setattr__(pmodel, _UNITS, tuple(names))
+    object.__setattr__(pmodel, _PROGRAMS, {})
     object.__setattr__(pmodel, _SHARDED, True)
+
+
+class _Unit(nn.Module):
+    """The class of a repeated block's parameter container once it is an FSDP2 unit: called with one of
+    a program's `BlockCall`s, it runs the block's body on its own parameters' grid blocks (FSDP2 has
+    gathered them over the replicas in its pre-forward hook)."""
+
+    def forward(self, call: BlockCall, *inputs):
+        skip = len(call.name) + 1
+        return call.body(*inputs, *(self.get_parameter(k[skip:]).to_local() for k in call.keys))
+
+
+def program_for(pmodel, comp):
+    """(the program to run for `comp` on sharded replicas, the parameter names its block calls fetch
+    themselves). A program whose blocks cannot be calls runs as it is, every unit gathered for it
+    (`gathered`), and fetches nothing itself."""
+    programs = getattr(pmodel, _PROGRAMS)
+    if comp.signature not in programs:
+        units = getattr(pmodel, _UNITS)
+        gm = unit_program(comp.gm, comp.captured.sources, list(units)) if units else None
+        if gm is None:
+            programs[comp.signature] = comp, frozenset()
+        else:
+            ref = weakref.ref(pmodel)
+            calls = [m for m in gm.children() if isinstance(m, BlockCall)]
+            for call in calls:
+                call.enter = functools.partial(_enter, ref)
+            keys = frozenset(k for call in calls for k in call.keys)
+            programs[comp.signature] = dataclasses.replace(comp, gm=gm), keys
+    return programs[comp.signature]
+
+
+def _enter(ref, call: BlockCall, *inputs):
+    """A block call: through its FSDP2 unit's __call__, so that FSDP2's hooks gather and release it."""
+    return ref().get_submodule(call.name)(call, *inputs)
+
+
+def units(pmodel) -> list:
+    """The FSDP2 units of a sharded ParallelModule: each repeated block's, then the root."""
+    return [*(pmodel.get_submodule(n) for n in getattr(pmodel, _UNITS, ())), pmodel]
+
+
+@contextlib.contextmanager
+def gathered(pmodel, release: bool):
+    """Every unit's parameters gathered over the replicas (for generation, and for a program whose
+    blocks are not calls). `release`: reshard them after (without grad; with grad FSDP2 reshards each
+    unit after its gradients are reduce-scattered)."""
+    every = units(pmodel)
+    for unit in every:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        if release:
+            for unit in every:
+                unit.reshard()
 
 
 class _CountedAllGather(FSDPAllGather):
@@ -70,8 +155,9 @@ class _CountedAllGather(FSDPAllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.grid.log.launch("fsdp:all-gather", "fwd")
-        self.grid.log.add("fsdp:all-gather", "fwd", all_gather_bytes(tensor_bytes(input_tensor), self.grid.dp))
+        phase = "bwd" if in_backward() else "fwd"  # a block gathered again for its backward
+        self.grid.log.launch("fsdp:all-gather", phase)
+        self.grid.log.add("fsdp:all-gather", phase, all_gather_bytes(tensor_bytes(input_tensor), self.grid.dp))
         return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
@@ -116,7 +202,8 @@ def refuse_foreign_sharding(pmodel) -> None:
 def replica_traffic(pmodel) -> FSDPTraffic:
     """The all-gather and reduce-scatter over the replicas of one training step on this rank, from the
     parameters' grid blocks: (dp - 1)/dp of each block padded to a multiple of dp on its first dim."""
-    return fsdp_traffic(getattr(pmodel, _BLOCKS, {}).values(), pmodel.grid.dp)
+    blocks, names = getattr(pmodel, _BLOCKS, {}), getattr(pmodel, _UNITS, ())
+    return fsdp_traffic(unit_groups(blocks, names), pmodel.grid.dp, pmodel.options.reshard_after_forward)
 
 
 def grid_placements(tensor) -> tuple:

@@ -209,7 +209,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
          cost_model: object = DEFAULTS.cost_model, memory_limit: float | str | None = DEFAULTS.memory_limit,
          search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
          recompute: str | bool | None = DEFAULTS.recompute, moe_dispatch: str = DEFAULTS.moe_dispatch,
-         grad_bucket_mb: float = DEFAULTS.grad_bucket_mb, data_parallel: str = DEFAULTS.data_parallel) -> Plan:
+         grad_bucket_mb: float = DEFAULTS.grad_bucket_mb, data_parallel: str = DEFAULTS.data_parallel,
+         reshard_after_forward: bool = DEFAULTS.reshard_after_forward) -> Plan:
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
     the options are validated as `parallelize` validates them (ops without a split form are planned
     replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
@@ -218,11 +219,12 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     to generate with that batch and cache length (`Plan.kv_cache_bytes_per_rank`, see
     `autopar.generate.kv_cache_bytes_per_rank`), in the parameters' dtype. `grid=(dp, R, C)`: the
     R x C grid's plan, and in `Plan.replicas` what its dp replicas move and hold per rank with
-    `data_parallel` ('replicate': gradient all-reduces in buckets of `grad_bucket_mb`; 'shard': FSDP2)."""
+    `data_parallel` ('replicate': gradient all-reduces in buckets of `grad_bucket_mb`; 'shard': FSDP2,
+    with `reshard_after_forward`)."""
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
                       cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
                       recompute=recompute, moe_dispatch=moe_dispatch, grad_bucket_mb=grad_bucket_mb,
-                      data_parallel=data_parallel)
+                      data_parallel=data_parallel, reshard_after_forward=reshard_after_forward)
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
         raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4), or (dp, R, C) for dp "
@@ -254,7 +256,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     result.comm_bytes_most_at, result.comm_bytes_most = most_received(comp.inspected, mesh,
                                                                       result.comm_bytes_per_rank_per_step)
     if dp > 1:
-        result.replicas = plan_replicas(model, comp, layouts, mesh, dp, comp.data_parallel, grad_bucket_mb)
+        result.replicas = plan_replicas(model, comp, layouts, mesh, dp, comp.data_parallel, grad_bucket_mb,
+                                        options.reshard_after_forward)
     if generation is not None:
         dtype = next(model.parameters()).dtype
         result.kv_cache_bytes_per_rank = kv_cache_bytes_per_rank(model.config, *generation, mesh, dtype)

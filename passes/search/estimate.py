@@ -25,10 +25,9 @@ from passes.kernels.spec import MATMULS, GradSyncSpec, RedistributeSpec, Site, S
 from passes.layout import Layout, local_shape, mesh_shape
 from passes.cost.model import CostModel
 from passes.meta import ROLE, STRATEGY
-from passes.options import Options
 from passes.transforms.propagate import rule_key
 
-__all__ = ["MATMULS", "CostModel", "Estimate", "price", "state_factor"]
+__all__ = ["MATMULS", "CostModel", "Estimate", "price"]
 
 
 @dataclass
@@ -184,13 +183,3 @@ def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: se
                     est.frozen_param_bytes += nbytes
         est.activation_bytes += nc.activation_bytes
     return est
-
-
-def state_factor(options: Options) -> float:
-    """Bytes held at a training step's peak per byte of trained parameter block: the block, its
-    gradient and the optimizer's states. Sharded replicas (FSDP2, one unit: `autopar.parallel.sharded`)
-    hold the gathered block, its unsharded gradient and the reduce-scatter's copy of it, plus 1/dp of
-    the block, of its gradient and of the states."""
-    if options.data_parallel == "shard" and options.replicas > 1:
-        return 3 + (2 + options.optimizer_states) / options.replicas
-    return 2 + options.optimizer_states

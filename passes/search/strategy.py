@@ -45,7 +45,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from passes.cost.planned import nodes_needing_grad
-from passes.search.estimate import MATMULS, CostModel, Estimate, price, state_factor
+from passes.search.estimate import MATMULS, CostModel, Estimate, price
+from passes.search.replica_cost import ReplicaCost, gathered_share
 from passes.layout import mesh_shape
 from passes.nodes import block_of, module_path
 from passes.meta import CHOICE, CHOICE_WHY, LOWERING, ROLE
@@ -177,7 +178,7 @@ class Evaluator:
         self.lowering = lowering
         self.grads = set() if options.forward_only else nodes_needing_grad(gm)  # no backward: nothing needs one
         self.blocks = repeated_blocks(gm)
-        self.state_factor = 1 if options.forward_only else state_factor(options)
+        self.replicas = ReplicaCost(cm, options, *gathered_share(gm, options.reshard_after_forward))
         self.cache: dict[tuple, Estimate] = {}  # sorted assignment items -> estimate
         self.rules: dict = {}  # propagate.rule_key -> the rule's Strategy
         self.costs: dict = {}  # propagate.rule_key -> the node's priced costs (estimate.price)
@@ -209,7 +210,9 @@ class Evaluator:
                         lowering=self.lowering)
         # a frozen parameter holds no gradient or optimizer state: the parameter alone
         trained = est.param_bytes - est.frozen_param_bytes
-        est.memory_bytes = trained * self.state_factor + est.frozen_param_bytes + est.activation_bytes
+        factor = 1 if self.options.forward_only else self.replicas.factor
+        est.memory_bytes = trained * factor + est.frozen_param_bytes + est.activation_bytes
+        est.time_s += self.replicas.seconds(trained, est.param_bytes, est.time_s)
         self._recompute(est, trade)
         self.cache[key] = est
         return est

@@ -59,7 +59,7 @@ from passes.options import RECOMPUTE_MODES
 from passes.nodes import block_of
 from passes.errors import UsageError
 
-__all__ = ["MODES", "Recompute", "recompute", "regions"]
+__all__ = ["MODES", "Recompute", "recompute", "regions", "boundary", "region_body", "group_runs", "block_runs"]
 
 MODES = RECOMPUTE_MODES
 aten = torch.ops.aten
@@ -112,10 +112,10 @@ def _pays(gm: GraphModule, run: list, mesh, grads: set, at: tuple) -> bool:
     fake blocks: plainly it saves its intermediates (and some inputs); recomputed it keeps all of
     its activation inputs (parameters are held anyway). A run of views saves nothing and would only
     add its input."""
-    inputs, outputs = _boundary(run)
+    inputs, outputs = boundary(run)
     if not outputs or any(not isinstance(a.meta.get("val"), torch.Tensor) for a in inputs):
         return False
-    body, saved = _body(gm, run, inputs, outputs), {}
+    body, saved = region_body(gm, run, inputs, outputs), {}
 
     def pack(t):
         saved[id(t)] = t.numel() * t.element_size()
@@ -132,7 +132,7 @@ def _pays(gm: GraphModule, run: list, mesh, grads: set, at: tuple) -> bool:
     return intermediates > added
 
 
-def _block_runs(gm: GraphModule) -> list:
+def block_runs(gm: GraphModule) -> list:
     """Runs of consecutive call nodes of one block, in graph order."""
     runs: list[list[Node]] = []
     current: list[Node] = []
@@ -188,7 +188,7 @@ def regions(gm: GraphModule, mode: str, mesh=(1, 1), only=None, at: tuple = (0, 
     if mode not in MODES:
         raise UsageError(f"recompute={mode!r}: expected one of {MODES} or None")
     out = []
-    for run in _block_runs(gm) if mode == "blocks" else _selective_runs(gm):
+    for run in block_runs(gm) if mode == "blocks" else _selective_runs(gm):
         if only is not None and run and block_of(run[0]) not in only:
             continue
         inside = set(run)
@@ -202,7 +202,7 @@ def regions(gm: GraphModule, mode: str, mesh=(1, 1), only=None, at: tuple = (0, 
     return sorted(out, key=lambda run: order[run[-1]])
 
 
-def _boundary(run: list) -> tuple:
+def boundary(run: list) -> tuple:
     """(inputs, outputs) of a region: values made outside and read inside, values made inside and read
     outside, each in graph order."""
     inside = set(run)
@@ -211,7 +211,9 @@ def _boundary(run: list) -> tuple:
     return inputs, outputs
 
 
-def _body(gm: GraphModule, run: list, inputs: list, outputs: list) -> GraphModule:
+def region_body(gm: GraphModule, run: list, inputs: list, outputs: list) -> GraphModule:
+    """A GraphModule running `run` on `inputs` (its placeholders, in order), returning `outputs` as a
+    tuple."""
     graph = Graph()
     env: dict[Node, Node] = {}
     for a in inputs:
@@ -232,24 +234,37 @@ def recompute(gm: GraphModule, grid: Grid, mode: str, only=None) -> GraphModule:
     """The program of `gm` with each region of `mode` (in the blocks `only`, None: all) run by a
     `Recompute` module; `gm` itself keeps its nodes (marked with `RECOMPUTE`)."""
     found = regions(gm, mode, grid.shape, only, at=(grid.r, grid.c))
+
+    def wrap(i: int, run: list) -> tuple:
+        inputs, outputs = boundary(run)
+        for n in run:
+            n.meta[RECOMPUTE] = f"autopar_recompute_{i}"
+        body = Recompute(region_body(gm, run, inputs, outputs), grid, block_of(run[0]) or "")
+        return f"autopar_recompute_{i}", body, inputs, outputs
+
+    return group_runs(gm, found, wrap)
+
+
+def group_runs(gm: GraphModule, runs: list, wrap) -> GraphModule:
+    """A new program of `gm` in which each run (a list of nodes, in graph order of their last node)
+    is one call_module node at the run's last node: `wrap(i, run)` gives (name, module, the values
+    the call takes, the values it returns as a tuple, unpacked by getitem nodes that carry the meta of
+    the values they stand for). The other nodes are copied; `gm` is not changed."""
     graph = Graph()
     env: dict[Node, Node] = {}
-    last = {run[-1]: (i, run) for i, run in enumerate(found)}
-    grouped = {n for run in found for n in run}
+    last = {run[-1]: (i, run) for i, run in enumerate(runs)}
+    grouped = {n for run in runs for n in run}
     wrappers = {}
     for node in gm.graph.nodes:
         if node in last:
             i, run = last[node]
-            name = f"autopar_recompute_{i}"
-            inputs, outputs = _boundary(run)
-            wrappers[name] = Recompute(_body(gm, run, inputs, outputs), grid, block_of(run[0]) or "")
+            name, module, inputs, outputs = wrap(i, run)
+            wrappers[name] = module
             call = graph.call_module(name, tuple(env[a] for a in inputs))
             call.meta["nn_module_stack"] = run[0].meta.get("nn_module_stack", {})
             for j, out in enumerate(outputs):
                 env[out] = graph.call_function(operator.getitem, (call, j))
                 env[out].meta = dict(out.meta)
-            for n in run:
-                n.meta[RECOMPUTE] = name
         elif node not in grouped:
             env[node] = graph.node_copy(node, lambda a: env[a])
     owned = {n.target: wrappers.get(n.target) or _attr(gm, n.target) for n in graph.nodes
