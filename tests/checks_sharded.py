@@ -134,6 +134,10 @@ def refusals(rank) -> dict:
         pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=args, data_parallel="shard")
     out["warnings"] = [str(w.message) for w in seen if "data_parallel='shard'" in str(w.message)]
     out["unsharded"] = all(len(p.placements) == 2 for p in pm.parameters())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=args, reshard_after_forward=False)
+    out["ignored"] = [str(w.message) for w in seen if "have no effect" in str(w.message)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 1, 2), example_inputs=args)
@@ -320,7 +324,7 @@ class _ReadsABlockAfter(torch.nn.Module):
         return self.head(x)
 
 
-def units_and_fallback(rank) -> dict:
+def units_and_fallback(rank, **options) -> dict:
     """grid (2, 1, 2), sharded: a training step with each block an FSDP2 unit, an eval call whose
     program reads a block's weight outside the block (every unit gathered for it, the blocks released
     after),
@@ -332,7 +336,8 @@ def units_and_fallback(rank) -> dict:
     mine = ids[2 * (rank // 2):2 * (rank // 2) + 2]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = autopar.parallelize(model, grid=(2, 1, 2), example_inputs=(mine,), data_parallel="shard")
+        pm = autopar.parallelize(model, grid=(2, 1, 2), example_inputs=(mine,), data_parallel="shard", **options)
+
     def blocks_held():  # the root stays gathered after a forward without grad (FSDP2's default for a root)
         return sum(p.to_local().numel() for n, p in pm.named_parameters() if n.startswith("layers."))
 
@@ -342,7 +347,12 @@ def units_and_fallback(rank) -> dict:
     for step in range(2):
         pm.train()
         ref.train()
+        pm.grid.log.reset()
         pm(mine).full_tensor().float().pow(2).mean().backward()
+        if step == 0:
+            t = pm.replica_traffic()
+            out["counted"] = (pm.grid.log.calls("fsdp:"), pm.grid.log.total("fsdp:"))
+            out["planned"] = (t.calls, t.received)
         (ref(ids).pow(2).mean()).backward()
         out.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                                 prefix=f"step {step} grad "))

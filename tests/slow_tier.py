@@ -266,6 +266,12 @@ SLOW = {
         "test_sharded.py::test_sharded_replicas_match_one_process[2x1x2-tinygpt] and test_moe.py",
     # the other options under sharded replicas: FSDP2 only sees parameter blocks and .grad, which every
     # option leaves as it is; each option's own path is tested without replicas (33, 4, 4, 5 s)
+    "tests/test_sharded.py::test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all[fsdp_prefetch=1]":
+        "test_sharded.py::test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all[defaults] (the same "
+        "units; FSDP2's explicit prefetching only starts gathers earlier)",
+    "tests/test_sharded.py::test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all[reshard_after_forward=False]":
+        "test_sharded.py::test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all[defaults] and "
+        "test_planned_replica_axis_on_the_command_line (its calls, planned)",
     "tests/test_sharded.py::test_sharded_replicas_compose[compile=True]":
         "test_sharded.py::test_sharded_replicas_match_one_process[2x1x2-tinygpt] and test_compile.py",
     "tests/test_sharded.py::test_sharded_replicas_compose[recompute=blocks]":

@@ -44,11 +44,13 @@ def test_sharded_replicas_match_one_process(grid, family):
 
 def test_sharding_refusals(pool4):
     """data_parallel='shard' with one replica warns that nothing is sharded and keeps the grid's blocks;
+    FSDP2's options without sharded replicas warn that they have no effect;
     a user's own fully_shard on a ParallelModule is refused on the next call, on every rank, naming
     data_parallel='shard' (it would otherwise all-reduce what FSDP2 reduce-scatters)."""
     for rank, r in enumerate(pool4.run(C.refusals)):
         if rank == 0:  # warnings are shown by rank 0 only
             assert len(r["warnings"]) == 1 and "no replica axis to shard over" in r["warnings"][0], r["warnings"]
+            assert len(r["ignored"]) == 1 and "data_parallel='replicate'" in r["ignored"][0], r["ignored"]
         assert r["unsharded"], rank
         assert "fully_shard after parallelize" in r["foreign"] and "data_parallel='shard'" in r["foreign"], \
             (rank, r["foreign"])
@@ -128,9 +130,10 @@ def test_planned_replica_axis_on_the_command_line(capsys):
 def test_auto_shards_only_where_it_is_faster_within_the_limit():
     """data_parallel='auto' (planned on one process): without a memory_limit the replicas replicate; with
     one, the search runs both ways and keeps the faster estimate that fits, so it is never slower than
-    either way forced under the same limit. The estimate prices one FSDP2 unit: at dp=2 a sharded step
-    peaks above a replicated one (the gathered block, its unsharded gradient and the reduce-scatter's
-    copy, measured 1.15x by `autopar bench --dp`), at dp=8 below it."""
+    either way forced under the same limit. The estimate holds what FSDP2 gathers at once (the root and
+    two blocks: with 2 layers, all of the block) three times (parameters, unsharded gradients, the
+    reduce-scatter's copy): with 2 layers a sharded step peaks above a replicated one at dp=2, below it
+    at dp=8; with 8 layers, below it at dp=2 too."""
     import autopar
     from passes.errors import MemoryLimitError
     from tests.checks_plan import meta_llama
@@ -147,6 +150,13 @@ def test_auto_shards_only_where_it_is_faster_within_the_limit():
 
     free = {(dp, m): estimate(dp, m)[1].memory_bytes for dp in (2, 8) for m in ("replicate", "shard")}
     assert free[(2, "shard")] > free[(2, "replicate")] > free[(8, "shard")], free
+    # replicas priced: the same grid plan is slower with them (time over the replica axis), and
+    # sharding's second gathers make it slower than replicating
+    assert free and estimate(2, "shard")[1].time_s > estimate(2, "replicate")[1].time_s
+    deep, deep_kwargs = meta_llama(layers=8, vocab=256, intermediate=256, seq=32)
+    at = {m: autopar.plan(deep, grid=(2, 2, 2), data_parallel=m, example_kwargs=deep_kwargs, measure_activations=False,
+                          strategy="auto").choice.estimate.memory_bytes for m in ("replicate", "shard")}
+    assert at["shard"] < at["replicate"], at
     assert estimate(8, "auto")[0] == "replicate"
     for limit in (free[(8, "shard")] * 1.001, (free[(8, "shard")] + free[(8, "replicate")]) / 2):
         mode, est = estimate(8, "auto", limit)
@@ -181,15 +191,23 @@ def test_parallel_trainer_trains_sharded_replicas(pool4, tmp_path):
         assert shard["grad_norm"] == pytest.approx(rep["grad_norm"], rel=1e-5), (rank, shard, rep)
 
 
-def test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all(pool4):
+UNIT_OPTIONS = [{}, dict(fsdp_prefetch=1), dict(reshard_after_forward=False)]
+
+
+@pytest.mark.parametrize("options", UNIT_OPTIONS, ids=["defaults", "fsdp_prefetch=1", "reshard_after_forward=False"])
+def test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all(pool4, options):
     """Each repeated block is an FSDP2 unit whose call fetches its own parameters; an eval program that
     reads block 0's weight outside block 0 cannot, so every unit is gathered for it and released after:
-    its output and the training steps around it equal one process's, on every rank."""
-    per_rank = pool4.run(C.units_and_fallback)
+    its output and the training steps around it equal one process's, on every rank. Calls per step:
+    per block a gather (another for backward when resharded after forward) and a reduce-scatter, and
+    the root's two, as planned."""
+    per_rank = pool4.run(C.units_and_fallback, **options)
     assert_every_rank([{k: v for k, v in r.items() if isinstance(v, float)} for r in per_rank],
-                      "blocks as FSDP2 units, an eval program that gathers them all")
+                      f"blocks as FSDP2 units ({options}), an eval program that gathers them all")
+    gathers = 1 if options.get("reshard_after_forward") is False else 2
     for rank, r in enumerate(per_rank):
         assert r["units"] == ["layers.0", "layers.1"], (rank, r["units"])
         assert r["train fetches"] == ["layers.0.fc.bias", "layers.0.fc.weight", "layers.1.fc.bias",
                                       "layers.1.fc.weight"], (rank, r["train fetches"])
         assert r["eval fetches"] == [] and r["released after eval"], (rank, r)
+        assert r["counted"] == r["planned"] and r["counted"][0] == 2 + 2 * (gathers + 1), (rank, r["counted"])

@@ -3,7 +3,8 @@
 The benchmark Llama (`autopar.bench.common`) at grid (2, 2, 2), trained with AdamW on the global batch
 (8 x 128 tokens, each replica its 4 rows), once with data_parallel='replicate' (each replica holds its
 grid block of every parameter, gradient and AdamW state; gradients all-reduced in buckets) and once
-with 'shard' (FSDP2 over the replicas: 1/2 of the block each). Per configuration: the median step
+with 'shard' (FSDP2 over the replicas: 1/2 of the block each; each decoder layer a unit, released after
+its forward, or with reshard_after_forward=False kept until its backward). Per configuration: the median step
 (forward, backward, optimizer; the slowest rank's), bytes received per rank per step and collective
 calls (the grid's and the replica axis's, from the collective layer), what a rank holds between steps
 (parameters, gradients, AdamW states), the peak of live tensors during a step, and the losses, which
@@ -30,7 +31,10 @@ from autopar.parallel.sharded import memory_per_rank
 from passes.compat import peak_tensor_bytes
 
 GRID = (2, 2, 2)
-MODES = ("replicate", "shard")
+# label -> parallelize options; 'shard' makes each decoder layer an FSDP2 unit, released after its
+# forward (FSDP2's default); 'shard, kept' keeps the gathered layers from forward to backward
+MODES = {"replicate": dict(data_parallel="replicate"), "shard": dict(data_parallel="shard"),
+         "shard, kept": dict(data_parallel="shard", reshard_after_forward=False)}
 
 
 def _rows(step, dp: int, replica: int) -> dict:
@@ -55,11 +59,10 @@ def worker(rank, world, port, rounds, steps, out):
     init_local(rank, world, port)
     base = common.model()
     configs, opts, res = {}, {}, {}
-    for mode in MODES:
+    for mode, options in MODES.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pm = autopar.parallelize(copy.deepcopy(base), grid=GRID, example_kwargs=_rows(0, GRID[0], 0),
-                                     data_parallel=mode)
+            pm = autopar.parallelize(copy.deepcopy(base), grid=GRID, example_kwargs=_rows(0, GRID[0], 0), **options)
         configs[mode], opts[mode] = pm, torch.optim.AdamW(pm.parameters(), lr=1e-4)
         res[mode] = {"times": [], "losses": []}
     for mode, pm in configs.items():  # one measured step each: bytes, calls, memory
@@ -104,11 +107,17 @@ def markdown(res: dict) -> str:
         lines.append(f"| {mode} | {r['step_s'] * 1e3:.0f} ms | {r['bytes'] / 2**20:.1f} MiB | {r['calls']} | "
                      f"{r['held']['params'] / 2**20:.2f} MiB | {held / 2**20:.2f} MiB | "
                      f"{held / (4 * total / world):.2f} | {r['peak_tensor_bytes'] / 2**20:.1f} MiB |")
-    a, b = res["shard"], res["replicate"]
-    worst = max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"]))
-    lines += ["", f"shard / replicate: step {a['step_s'] / b['step_s']:.2f}x, received {a['bytes'] / b['bytes']:.2f}x, "
-                  f"held between steps {sum(a['held'].values()) / sum(b['held'].values()):.2f}x, peak tensors "
-                  f"{a['peak_tensor_bytes'] / b['peak_tensor_bytes']:.2f}x; losses agree to {worst:.1e} (relative)"]
+    b = res["replicate"]
+    lines.append("")
+    for mode in MODES:
+        a = res[mode]
+        if a is b:
+            continue
+        worst = max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"]))
+        held = sum(a["held"].values()) / sum(b["held"].values())
+        lines.append(f"{mode} / replicate: step {a['step_s'] / b['step_s']:.2f}x, "
+                     f"received {a['bytes'] / b['bytes']:.2f}x, held between steps {held:.2f}x, peak tensors "
+                     f"{a['peak_tensor_bytes'] / b['peak_tensor_bytes']:.2f}x; losses agree to {worst:.1e} (relative)")
     return "\n".join(lines)
 
 

@@ -8,13 +8,14 @@ import datetime
 import torch
 import torch.nn as nn
 
-from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, UsageError
+from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, PlanWarning, UsageError
 from autopar.parallel.module import ParallelModule
 from autopar.parallel.sharded import shard_replicas
 from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program, input_device
 from autopar.program.guards import agree_on_options, agree_on_plan
 from passes import Grid
 from passes.compat import group_timeout
+from passes.mesh import warn
 from passes.options import DEFAULTS, Options
 
 # ParallelModule, FallbackWarning and CompileWarning: what `autopar.api`, this module's old path, exported
@@ -163,4 +164,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     pmodel = ParallelModule(model, g, comp, layouts, options)
     if comp.data_parallel == "shard":  # asked for, or data_parallel='auto' where only it fits memory_limit
         shard_replicas(pmodel)
+    elif reshard_after_forward is not True or fsdp_prefetch is not None:
+        warn(f"reshard_after_forward={reshard_after_forward!r} / fsdp_prefetch={fsdp_prefetch!r} have no effect: the "
+             f"replicas are not sharded (data_parallel={comp.data_parallel!r} on grid {tuple(grid)}); they apply to "
+             f"data_parallel='shard' on grid=(dp, R, C) with dp > 1", PlanWarning, stacklevel=2)
     return pmodel

@@ -8,19 +8,22 @@ between steps, as a DTensor on that mesh (placements `(_StridedShard or Shard ov
 two>)`), and so do its gradient and the optimizer's state, which torch optimizers, `clip_grad_norm_`
 and torch.distributed.checkpoint read as they are.
 
-FSDP2 does the gathering: before the step's program runs, one all-gather over the replicas restores
-the rank's grid block of every parameter (`ParallelModule.forward` reads the blocks, as without
-sharding); after backward one reduce-scatter sums the block's gradients over the replicas and leaves
-each rank its 1/dp, averaged as the replicated all-reduce averages. autopar runs the whole model as
-one program, so the whole module is one FSDP unit: the block stays gathered from the forward through
-the end of backward (FSDP2 never reshards its root after forward), and there is nothing to prefetch
-between units. Between steps only the shards are held.
+FSDP2 does the gathering, per unit: each repeated block that the program runs as one call
+(`passes.transforms.units`: `model.layers.3`, ...) is a unit of its own, and the root (the
+ParallelModule: embeddings, final norm, LM head, whatever is outside the blocks) one more. A block's
+container module takes the class `_Unit`, whose forward runs the program's call of the block on its own
+parameters' grid blocks, so FSDP2's hooks around that call all-gather them over the replicas just
+before the block runs, release them after its forward (`reshard_after_forward`, True: FSDP2's default),
+gather them again for its backward, and reduce-scatter its gradients when its backward is done. The
+root is gathered from its forward to the end of backward (FSDP2 does not reshard a root after
+forward). `fsdp_prefetch=k` sets each block's explicit forward and backward prefetching to the next k
+blocks. A later program in which a block is not one call (`program_for` says so) runs with every unit
+gathered for it (`gathered`).
 
-Per rank and step the replica axis receives `replica_traffic(pmodel)`: the all-gather brings
-(dp - 1)/dp of the padded grid block of every parameter (FSDP2 pads each block's first dim to a
-multiple of dp), the reduce-scatter the same share of every trained parameter's gradient block, one
-call each (FSDP2 gathers one unit's parameters in one call per step and reduce-scatters its gradients
-in one).
+Per rank and step the replica axis receives `replica_traffic(pmodel)`: each unit's all-gather brings
+(dp - 1)/dp of its padded grid blocks (FSDP2 pads each block's first dim to a multiple of dp), twice
+for a block resharded after forward, and its reduce-scatter the same share of every trained
+parameter's gradient block, one call each.
 """
 
 from __future__ import annotations

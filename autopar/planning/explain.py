@@ -117,9 +117,11 @@ def collectives_line(pmodel, every: list) -> str:
     line += f", recomputed {again})" if again else ")"
     t = pmodel.replica_traffic()
     if t is not None:
-        line += (f"; plus FSDP2 over the {pmodel.grid.dp} replicas (data_parallel='shard'): {t.calls} calls, an "
-                 f"all-gather of the parameters ({_fmt_bytes(t.gather_bytes)} received) and a reduce-scatter of "
-                 f"the gradients ({_fmt_bytes(t.scatter_bytes)})")
+        line += (f"; plus FSDP2 over the {pmodel.grid.dp} replicas (data_parallel='shard'): {t.calls} calls in "
+                 f"{t.units} units (the root and each repeated block), all-gathers of the parameters "
+                 f"({_fmt_bytes(t.gather_bytes)} received) and reduce-scatters of the gradients "
+                 f"({_fmt_bytes(t.scatter_bytes)}); at most {_fmt_bytes(t.gathered_bytes)} of parameters gathered "
+                 f"at once")
     elif pmodel.grid.dp > 1:
         plan = pmodel.grad_bucket_plan()
         cap = pmodel.options.grad_bucket_mb
@@ -249,7 +251,8 @@ def replica_lines(rep) -> list:
     """grid=(dp, R, C): what the replica axis moves and what a rank holds between steps."""
     if rep is None:
         return []
-    how = ("FSDP2's all-gather of the parameters and reduce-scatter of the gradients" if rep.data_parallel == "shard"
+    how = (f"FSDP2's all-gathers of the parameters and reduce-scatters of the gradients in {rep.units} units, "
+           f"at most {mib(rep.gathered_bytes)} MiB gathered at once" if rep.data_parallel == "shard"
            else "gradient all-reduces in buckets")
     return [f"replicas: {rep.dp} of the grid, data_parallel={rep.data_parallel!r}: {rep.calls} more calls per rank "
             f"per step ({how}), {mib(rep.received_bytes)} MiB received; held between steps: parameters "
