@@ -290,11 +290,11 @@ class ParallelModule(nn.Module):
         run, fetched = program_for(self, comp) if is_sharded(self) else (comp, frozenset())
         # a sharded program whose blocks are not calls of their FSDP2 units: every unit gathered for it
         with gathered(self, not torch.is_grad_enabled()) if run is comp and is_sharded(self) else nullcontext():
-            outs = self._run(comp, run, fetched, flat)
+            outs = self._run_program(comp, run, fetched, flat)
         wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
 
-    def _run(self, comp: Compiled, run: Compiled, fetched: frozenset, flat: list):
+    def _run_program(self, comp: Compiled, run: Compiled, fetched: frozenset, flat: list):
         """`run` (comp's program, or with sharded replicas its version with block calls, which fetch the
         parameters in `fetched` themselves) on this rank's blocks and the flat inputs."""
         locals_, cache = [], {}

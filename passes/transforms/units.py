@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.fx import GraphModule
 
+from passes.errors import UsageError
 from passes.nodes import block_of
 from passes.transforms.recompute import block_runs, boundary, group_runs, region_body
 
@@ -48,8 +49,9 @@ class BlockCall(nn.Module):
 
     def forward(self, *inputs):
         if self.enter is None:
-            raise RuntimeError(f"block {self.name!r}: this program's block calls were not given a way to fetch "
-                               f"their parameters (BlockCall.enter)")
+            raise UsageError(f"block {self.name!r}: this program's block calls were not given a way to fetch "
+                             f"their parameters: set BlockCall.enter before running it (autopar.parallel.sharded "
+                             f"does for sharded replicas)")
         return self.enter(self, *inputs)
 
     def extra_repr(self) -> str:
