@@ -306,8 +306,8 @@ class _Layer(torch.nn.Module):
 
 
 class _ReadsABlockAfter(torch.nn.Module):
-    """Two blocks; in eval mode the output also reads block 0's weight after the blocks, so the eval
-    program cannot run block 0 as one call of its FSDP2 unit."""
+    """Two blocks; in eval mode, and on sequences longer than 8, the output also reads block 0's weight
+    after the blocks, so those programs cannot run block 0 as one call of its FSDP2 unit."""
 
     def __init__(self):
         super().__init__()
@@ -319,7 +319,7 @@ class _ReadsABlockAfter(torch.nn.Module):
         x = self.emb(ids)
         for layer in self.layers:
             x = layer(x)
-        if not self.training:
+        if not self.training or ids.shape[1] > 8:  # block 0's weight read outside block 0
             x = x + x @ self.layers[0].fc.weight.T
         return self.head(x)
 
@@ -328,7 +328,9 @@ def units_and_fallback(rank, **options) -> dict:
     """grid (2, 1, 2), sharded: a training step with each block an FSDP2 unit, an eval call whose
     program reads a block's weight outside the block (every unit gathered for it, the blocks released
     after),
-    then another training step; each against one process, with the parameters' shards held between."""
+    then another training step, then a training step on longer sequences whose program reads a block's
+    weight outside it (every unit gathered, reduce-scattered and released by FSDP2 after backward);
+    each against one process, with the parameters' shards held between."""
     torch.manual_seed(0)
     model = _ReadsABlockAfter()
     ref = copy.deepcopy(model)
@@ -367,4 +369,13 @@ def units_and_fallback(rank, **options) -> dict:
             out["eval fetches"] = sorted(program_for(pm, pm.program)[1])  # none: every unit gathered for it
             first = next(iter(pm.programs.values()))  # the training program: each block's call fetches its own
             out["train fetches"] = sorted(program_for(pm, first)[1])
+    longer = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))  # a training program
+    pm.train()  # that gathers every unit: its gradients reduce-scattered at the end of backward
+    ref.train()
+    pm(longer[2 * (rank // 2):2 * (rank // 2) + 2]).full_tensor().float().pow(2).mean().backward()
+    ref(longer).pow(2).mean().backward()
+    out.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                            prefix="gathered training program grad "))
+    out["released after gathered training"] = blocks_held() == shards
+    out["longer fetches"] = sorted(program_for(pm, pm.program)[1])  # none: every unit gathered for it
     return out

@@ -210,4 +210,5 @@ def test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all(pool4, option
         assert r["train fetches"] == ["layers.0.fc.bias", "layers.0.fc.weight", "layers.1.fc.bias",
                                       "layers.1.fc.weight"], (rank, r["train fetches"])
         assert r["eval fetches"] == [] and r["released after eval"], (rank, r)
+        assert r["longer fetches"] == [] and r["released after gathered training"], (rank, r)
         assert r["counted"] == r["planned"] and r["counted"][0] == 2 + 2 * (gathers + 1), (rank, r["counted"])

@@ -74,18 +74,18 @@ def shard_replicas(pmodel) -> None:
         if type(container) is nn.Module and any(True for _ in container.parameters()):
             container.__class__ = _Unit  # its forward runs a program's call of the block
             names.append(name)
-    units = [pmodel.get_submodule(n) for n in names]
-    for unit in units:
+    blocks_ = [pmodel.get_submodule(n) for n in names]
+    for unit in blocks_:
         fully_shard(unit, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
     fully_shard(pmodel, mesh=mesh)  # FSDP2's default for the root: gathered from its forward to its backward
-    for unit in [*units, pmodel]:
+    for unit in [*blocks_, pmodel]:
         unit.set_custom_all_gather(_CountedAllGather(grid))
         unit.set_custom_reduce_scatter(_CountedReduceScatter(grid))
     k = options.fsdp_prefetch
     if k is not None:
-        for i, unit in enumerate(units):
-            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + k])
-            unit.set_modules_to_backward_prefetch(units[max(0, i - k):i][::-1])
+        for i, unit in enumerate(blocks_):
+            unit.set_modules_to_forward_prefetch(blocks_[i + 1:i + 1 + k])
+            unit.set_modules_to_backward_prefetch(blocks_[max(0, i - k):i][::-1])
     object.__setattr__(pmodel, _BLOCKS, blocks)
     object.__setattr__(pmodel, _UNITS, tuple(names))
     object.__setattr__(pmodel, _PROGRAMS, {})
