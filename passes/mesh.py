@@ -127,14 +127,16 @@ class _Groups(NamedTuple):
     same_row: object
     dp: object
     world: object
+    pp: object = None  # stages > 1: this grid position's group over the pipeline stages
 
 
-_GROUPS: dict = {}  # (shape, dp, device type, timeout) -> _Groups
+_GROUPS: dict = {}  # (shape, dp, stages, device type, timeout) -> _Groups
 
 
 class Grid:
     """An R x C grid over the default process group, with counted collectives; with dp > 1, dp such
-    grids side by side (data parallel replicas: global rank = d*R*C + r*C + c). `shape` is (R, C);
+    grids side by side (data parallel replicas: global rank = d*R*C + r*C + c); with stages > 1, that
+    many pipeline stages of them (`autopar.parallel.pipeline`). `shape` is (R, C);
     `size(axis)` is the number of members of a collective over `axis`."""
 
     rank: int  # global rank
@@ -146,27 +148,34 @@ class Grid:
     dp_group: Any  # over the replicas (dp > 1)
     world_group: Any  # this grid's R*C ranks; None: the default group (dp == 1, no timeout)
     full_mesh: Any  # dp > 1: the (dp, r, c) DeviceMesh whose (r, c) slice is `mesh`; else None
+    stages: int  # pipeline stages (each holds dp grids): global rank = ((stage * dp) + d) * R * C + r * C + c
+    stage: int  # which stage holds this rank
+    pp_group: Any  # stages > 1: this grid position's group over the stages (None otherwise)
     key: int  # names this grid to the traceable collectives (`grid_of`)
     # backward launches each SUMMA weight gradient's reduction before the input gradient's product and
     # waits for it after (`passes.ops.overlap`); False: one after the other. A compiled program keeps
     # the value it was traced with.
     overlap_grad_reduce: bool = True
 
-    def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None):
+    def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None, stages: int = 1):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"
-        if min(rows, cols, dp) < 1:
+        if min(rows, cols, dp, stages) < 1:
             raise UsageError(f"grid={shape}: every entry must be a positive int")
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if dp * rows * cols != world:
+        need = stages * dp * rows * cols
+        if need != world:
+            what = f"{stages} pipeline stages of grid={shape}" if stages > 1 else f"grid={shape}"
             raise UsageError(
-                f"grid={shape} needs {dp * rows * cols} processes but the default process group "
-                f"has world size {world}. Start {dp * rows * cols} processes (torchrun --nproc-per-node "
-                f"{dp * rows * cols}) or pick a grid whose size equals the world size."
+                f"{what} needs {need} processes but the default process group has world size {world}. Start "
+                f"{need} processes (torchrun --nproc-per-node {need}) or pick a grid whose size equals the world size."
             )
-        self.shape, self.dp = (rows, cols), dp
+        self.shape, self.dp, self.stages = (rows, cols), dp, stages
         self.rank = dist.get_rank() if dist.is_initialized() else 0  # global
-        self.dp_index, local = divmod(self.rank, rows * cols)
+        self.stage: int = self.rank // (dp * rows * cols)
+        rest = self.rank % (dp * rows * cols)
+        self.dp_index, local = divmod(rest, rows * cols)
         self.r, self.c = divmod(local, cols)
+        self.pp_group: Any = None
         self.device_type = device_type
         _register(self)
         self.log = CommLog()
@@ -184,13 +193,13 @@ class Grid:
         kind. A gloo group keeps two threads per member process alive until the process group is
         destroyed, so a program (or a test pool) that parallelizes many models must not build new
         ones each time."""
-        key = (self.shape, self.dp, self.device_type, self.timeout)
+        key = (self.shape, self.dp, self.stages, self.device_type, self.timeout)
         got = _GROUPS.get(key)
         if got is not None and got.default is dist.group.WORLD:  # not from a destroyed default group
             return got
         self.dp_group = self.world_group = self.full_mesh = None
         rows, cols = self.shape
-        if self.timeout is not None:
+        if self.timeout is not None or self.stages > 1:  # explicit groups: each stage's grids, the stages
             self._build_with_timeout(self.timeout)
         else:
             if self.dp > 1:
@@ -209,16 +218,22 @@ class Grid:
             self.same_row_group = mesh.get_group(1)
         self._flatten_mesh(self.mesh)
         got = _GROUPS[key] = _Groups(dist.group.WORLD, self.mesh, self.full_mesh, self.same_col_group,
-                                     self.same_row_group, self.dp_group, self.world_group)
+                                     self.same_row_group, self.dp_group, self.world_group, self.pp_group)
         return got
 
     def _adopt(self, groups: "_Groups") -> None:
         self.mesh, self.same_col_group, self.same_row_group = groups.mesh, groups.same_col, groups.same_row
         self.full_mesh = groups.full_mesh
-        self.dp_group, self.world_group = groups.dp, groups.world
+        self.dp_group, self.world_group, self.pp_group = groups.dp, groups.world, groups.pp
 
-    def _grid_ranks(self, d: int) -> list:
-        return list(range(d * self.world, (d + 1) * self.world))
+    @property
+    def base(self) -> int:
+        """The global rank of position (0, 0) of this rank's grid."""
+        return (self.stage * self.dp + self.dp_index) * self.world
+
+    def _grid_ranks(self, d: int, stage: int | None = None) -> list:
+        base = ((self.stage if stage is None else stage) * self.dp + d) * self.world
+        return list(range(base, base + self.world))
 
     @classmethod
     def for_planning(cls, rows: int, cols: int | None = None, dp: int = 1) -> "Grid":
@@ -226,6 +241,7 @@ class Grid:
         (0, 0)); its collectives cannot run."""
         g = cls.__new__(cls)
         g.shape, g.dp, g.rank, g.dp_index, g.r, g.c = (rows, rows if cols is None else cols), dp, 0, 0, 0, 0
+        g.stages, g.stage, g.pp_group = 1, 0, None
         g.device_type, g.log, g.mesh, g.dp_group, g.timeout, g.world_group = "cpu", CommLog(), None, None, None, None
         g.full_mesh = None
         g.same_row_group = g.same_col_group = None
@@ -238,25 +254,33 @@ class Grid:
         `clip_grad_norm_`, a checkpoint's gathers) give up after `timeout` too. Every rank creates every
         group, in the same order (torch.distributed requires it)."""
         (R, C), dp, mine = self.shape, self.dp, {}
-        for d in range(dp):
-            base = d * R * C
-            for kind in ("row", "col"):
-                for i in range(R if kind == "row" else C):
-                    others = range(C if kind == "row" else R)
-                    ranks = [base + (i * C + j if kind == "row" else j * C + i) for j in others]
+        for stage in range(self.stages):
+            for d in range(dp):
+                base = (stage * dp + d) * R * C
+                for kind in ("row", "col"):
+                    for i in range(R if kind == "row" else C):
+                        others = range(C if kind == "row" else R)
+                        ranks = [base + (i * C + j if kind == "row" else j * C + i) for j in others]
+                        group = dist.new_group(ranks, timeout=timeout)
+                        if self.rank in ranks:
+                            mine[kind] = group
+                group = dist.new_group(self._grid_ranks(d, stage), timeout=timeout)
+                if (stage, d) == (self.stage, self.dp_index):
+                    self.world_group = group
+            if dp > 1:
+                for i in range(R * C):
+                    ranks = [(stage * dp + d) * R * C + i for d in range(dp)]
                     group = dist.new_group(ranks, timeout=timeout)
                     if self.rank in ranks:
-                        mine[kind] = group
-            group = dist.new_group(self._grid_ranks(d), timeout=timeout)
-            if d == self.dp_index:
-                self.world_group = group
-        if dp > 1:
-            for i in range(R * C):
-                group = dist.new_group([d * R * C + i for d in range(dp)], timeout=timeout)
-                if self.rank % (R * C) == i:
-                    self.dp_group = group
+                        self.dp_group = group
+        if self.stages > 1:
+            for i in range(dp * R * C):
+                ranks = [stage * dp * R * C + i for stage in range(self.stages)]
+                group = dist.new_group(ranks, timeout=timeout)
+                if self.rank in ranks:
+                    self.pp_group = group
         self.same_row_group, self.same_col_group = mine["row"], mine["col"]
-        ids = torch.arange(dp * R * C).reshape(dp, R, C)
+        ids = torch.arange(dp * R * C).reshape(dp, R, C) + self.stage * dp * R * C  # this stage's ranks
         if dp > 1:  # one (dp, r, c) mesh, the grid's a slice of it (FSDP2 needs both from one root)
             self.full_mesh = DeviceMesh.from_group([self.dp_group, self.same_col_group, self.same_row_group],
                                                    self.device_type, mesh=ids, mesh_dim_names=("dp",) + AXIS_NAMES)
@@ -299,7 +323,7 @@ class Grid:
     def global_rank(self, axis: int, i: int) -> int:
         """Global rank of member i of this rank's group over `axis`."""
         C = self.shape[1]
-        return self.dp_index * self.world + (i * C + self.c if axis == 0 else self.r * C + i)
+        return self.base + (i * C + self.c if axis == 0 else self.r * C + i)
 
     def __repr__(self) -> str:
         return f"Grid({self.shape[0]}x{self.shape[1]}, rank={self.rank}, (r, c)=({self.r}, {self.c}))"

@@ -256,7 +256,7 @@ def _next_tokens(gc, processors, sequences, logits, unfinished, grid) -> tuple:
         tokens = torch.multinomial(torch.softmax(chosen, dim=-1), num_samples=1).squeeze(1)
         if grid.world > 1:
             with comm.guarded(grid, "generate sampled-token broadcast", "grid", "generate"):
-                dist.broadcast(tokens, src=grid.dp_index * grid.world, group=grid.world_group)
+                dist.broadcast(tokens, src=grid.base, group=grid.world_group)
     else:
         tokens = torch.argmax(chosen, dim=-1)
     if unfinished is not None:
@@ -305,7 +305,7 @@ def _agree(grid, mine: tuple) -> None:
     collectives, and a rank asking for fewer tokens would return while the others wait. Raises on
     every rank, naming what differs."""
     everyone = all_gather_objects(mine, grid.world_group, comm.guarded(grid, "generate all-gather", "grid", "generate"))
-    base = grid.dp_index * grid.world
+    base = grid.base
     differ = [base + r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
         first = everyone[differ[0] - base]

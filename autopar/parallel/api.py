@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, PlanWarning, UsageError
 from autopar.parallel.module import ParallelModule
+from autopar.parallel.pipeline import Pipeline, pipeline_parallelize
 from autopar.parallel.sharded import shard_replicas
 from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program, input_device
 from autopar.program.guards import agree_on_options, agree_on_plan
@@ -33,7 +34,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 moe_dispatch: str = DEFAULTS.moe_dispatch,
                 data_parallel: str = DEFAULTS.data_parallel,
                 reshard_after_forward: bool = DEFAULTS.reshard_after_forward,
-                fsdp_prefetch: int | None = DEFAULTS.fsdp_prefetch) -> ParallelModule:
+                fsdp_prefetch: int | None = DEFAULTS.fsdp_prefetch, pipeline=None):
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -121,6 +122,11 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         reshard_after_forward: with data_parallel='shard': True (FSDP2's default) releases each
             block's gathered parameters after its forward and gathers them again for its backward;
             False keeps them from its forward to its backward (one all-gather a step, more memory).
+        pipeline: None, or `autopar.Pipeline(stages=S, schedule='1f1b', microbatches=M, split_points=...)`
+            (an int S: Pipeline(stages=S)): cut the model into S pipeline stages, each parallelized on
+            an R x C grid of its own (world size S*R*C, stage s on ranks s*R*C ... (s+1)*R*C - 1),
+            run by torch.distributed.pipelining's schedule; returns a `PipelineModule`, trained with
+            `pmodel.train_step(...)` (see `autopar.parallel.pipeline`).
         fsdp_prefetch: with data_parallel='shard': None (FSDP2's implicit prefetching: in backward
             the next block's gather starts before the current block's backward) or k >= 1 (each block
             starts the gathers of the next k blocks before it runs, in forward and in backward).
@@ -151,9 +157,15 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             "(backend 'gloo' on CPU, 'nccl' on GPUs) on every rank first, or use autopar.launch.spawn"
         )
     device = input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
+    if isinstance(pipeline, int) and not isinstance(pipeline, bool):
+        pipeline = Pipeline(stages=pipeline)
+    if pipeline is not None and not isinstance(pipeline, Pipeline):
+        raise UsageError(f"pipeline={pipeline!r}: expected None, a number of stages, or autopar.Pipeline(stages=...)")
     # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
     # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
-    agree_on_options(tuple(grid), options, device.type)
+    agree_on_options(tuple(grid) if pipeline is None else (tuple(grid), pipeline), options, device.type)
+    if pipeline is not None:
+        return pipeline_parallelize(model, tuple(grid), pipeline, example_inputs, example_kwargs, options, device)
     # timeout=None: the process group's own (the grid's groups would otherwise get torch's default, 30 min)
     delta = datetime.timedelta(seconds=timeout) if timeout is not None else \
         group_timeout(torch.distributed.group.WORLD, device.type)

@@ -34,6 +34,8 @@ def clip_grad_norm(pmodel, max_norm: float, norm_type: float = 2.0) -> torch.Ten
         op = dist.ReduceOp.SUM
     with comm.guarded(grid, "all-reduce", "grid", "clip_grad_norm_"):
         dist.all_reduce(part, op=op, group=group)
+        if getattr(grid, "pp_group", None) is not None:  # pipeline stages: every stage's part of the total
+            dist.all_reduce(part, op=op, group=grid.pp_group)
     total = part if norm_type == float("inf") else part.pow(1.0 / norm_type)
     total = total.float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -119,7 +119,7 @@ def _same_everywhere(grid: Grid, flat: list, device, names, values_too: bool) ->
     agreed = both.tolist()
     if agreed == mine:
         return
-    base = grid.dp_index * grid.world
+    base = grid.base
     if agreed[0] == mine[0] and agreed[2] == mine[2]:  # same shapes: the values differ
         prints = [fingerprint(t) for t in flat]
         everyone = all_gather_objects(prints, grid.world_group,

@@ -384,7 +384,7 @@ class ParallelModule(nn.Module):
         everyone = all_gather_objects(mine, self.grid.world_group,
                                       comm.guarded(self.grid, "load_state_dict checksum all-gather", "grid",
                                                    "load_state_dict"))
-        base = self.grid.dp_index * self.grid.world
+        base = self.grid.base
         for name in sorted(set().union(*everyone)):
             differ = [base + r for r, e in enumerate(everyone) if e.get(name) != everyone[0].get(name)]
             if differ:

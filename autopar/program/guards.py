@@ -52,8 +52,8 @@ def handshake(what: str):
         ) from e
 
 
-def _gather(obj, what: str) -> list:
-    return all_gather_objects(obj, None, handshake(what))
+def _gather(obj, what: str, group=None) -> list:
+    return all_gather_objects(obj, group, handshake(what))
 
 
 def agree_on_options(grid: tuple, options, device_type: str) -> None:
@@ -74,26 +74,28 @@ def agree_on_options(grid: tuple, options, device_type: str) -> None:
             )
 
 
-def agree_on_plan(comp, layouts: dict, model=None) -> None:
+def agree_on_plan(comp, layouts: dict, model=None, group=None) -> None:
     """Every rank must have built the same plan, from the same model; otherwise their collectives would
     not match and the job would hang later. The plan's text holds the shape and dtype of every
     parameter and buffer of `model`, so a model of other sizes on one rank is caught here even where
-    the graph's code reads the same. Raises on every rank, naming the first difference."""
+    the graph's code reads the same. Raises on every rank, naming the first difference. `group`: the
+    ranks that run this plan (None: all; a pipeline stage's ranks run its own)."""
     text = _plan_text(comp, layouts)
     if model is not None:
         text += "".join(f"\ntensor {n}: {tuple(t.shape)} {t.dtype}" for n, t in
                         [*model.named_parameters(remove_duplicate=False), *model.named_buffers()])
     digest = hashlib.sha256(text.encode()).hexdigest()
-    digests = _gather(digest, "comparing plans between ranks")
+    digests = _gather(digest, "comparing plans between ranks", group)
     if len(set(digests)) == 1:
         return
-    texts = _gather(text, "comparing plans between ranks")
-    other = next(r for r, d in enumerate(digests) if d != digests[0])
-    a, b = texts[0].splitlines(), texts[other].splitlines()
+    texts = _gather(text, "comparing plans between ranks", group)
+    index = next(r for r, d in enumerate(digests) if d != digests[0])
+    first, other = (0, index) if group is None else (dist.get_global_rank(group, 0), dist.get_global_rank(group, index))
+    a, b = texts[0].splitlines(), texts[index].splitlines()
     i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
     raise UsageError(
-        f"ranks built different plans: rank {other} differs from rank 0 at plan line {i + 1}:\n"
-        f"  rank 0:       {a[i].strip() if i < len(a) else '<end>'}\n"
+        f"ranks built different plans: rank {other} differs from rank {first} at plan line {i + 1}:\n"
+        f"  rank {first}:       {a[i].strip() if i < len(a) else '<end>'}\n"
         f"  rank {other}: {b[i].strip() if i < len(b) else '<end>'}\n"
         f"Every rank must call parallelize with the same model and example inputs of the same shapes and "
         f"options (the inputs are full tensors, identical on every rank)." + _reordered_hint(a, b)

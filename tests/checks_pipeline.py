@@ -1,0 +1,118 @@
+"""Rank-side checks of pipeline stages (parallelize(..., pipeline=...)). Each returns plain data for the
+test to assert on."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import autopar
+from tests.checks_hf import build
+from tests.compare import group_excess
+
+STEPS = 3
+
+
+def _llama(layers: int = 2):
+    torch.manual_seed(0)
+    model, make = build("llama", num_hidden_layers=layers, use_cache=False)
+    return model, make
+
+
+def _padded(make, rows: int, seed: int) -> dict:
+    """A batch whose rows count different numbers of tokens: row i ignores its last min(i, 6) labels."""
+    kw = make(rows, 8, seed)
+    labels = kw["labels"].clone()
+    for i in range(1, rows):
+        labels[i, 8 - min(i, 6):] = -100
+    return dict(input_ids=kw["input_ids"], labels=labels)
+
+
+def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None) -> dict:
+    """`STEPS` AdamW steps of a 2-layer HF Llama cut into `stages` stages, each on `grid`, against one
+    process on the whole batch (8 rows of unequal counted tokens): the loss every step on every rank,
+    every gradient of this rank's stage after the first step, and its parameters after the last.
+    `labels`: the model's own loss; else its logits with a cross-entropy given as loss_fn."""
+    model, make = _llama()
+    ref = copy.deepcopy(model)
+    batch = _padded(make, 8, 1)
+    pipe = autopar.Pipeline(stages=stages, schedule=schedule, microbatches=microbatches)
+    example = batch if labels else dict(input_ids=batch["input_ids"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.parallelize(model, grid=grid, example_kwargs=example, pipeline=pipe)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)  # eps: rounding noise in a near-zero gradient
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)  # is not blown up to a full step
+    ref_params = dict(ref.named_parameters())
+
+    def ce(logits, target):  # the loss transformers computes, on a micro-batch
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+
+    out: dict = {"stage": pm.grid.stage, "names": sorted(n for n, _ in pm.named_parameters())}
+    for step in range(STEPS):
+        batch = _padded(make, 8, step + 1)
+        if labels:
+            loss = pm.train_step(**batch)
+        else:
+            loss = pm.train_step(input_ids=batch["input_ids"], target=batch["labels"], loss_fn=ce)
+        if labels:  # transformers' loss on the whole batch: the mean over its counted tokens
+            want = ref(**batch).loss
+        else:  # loss_fn's convention (torch.distributed.pipelining's): the mean of the micro-batches' losses
+            logits, m = ref(input_ids=batch["input_ids"]).logits, pipe.n_microbatches
+            want = sum(ce(lg, lb) for lg, lb in zip(logits.chunk(m), batch["labels"].chunk(m))) / m
+        want.backward()
+        out.update(group_excess({f"loss step {step}": (loss, want.detach())}))
+        out[f"losses {step}"] = (float(loss), float(want))
+        if step == 0:
+            out.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                                    prefix="grad "))
+            norm = pm.clip_grad_norm_(1e9)
+            out.update(group_excess({"grad norm": (norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))}))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
+                            prefix=f"param after {STEPS} steps "))
+    total = sum(p.numel() for p in ref.parameters())
+    out["held"] = sum(p.to_local().numel() for p in pm.parameters()) / total
+    return out
+
+
+def refusals(rank) -> dict:
+    """What a user sees for a bad pipeline request, on every rank."""
+    model, make = _llama()
+    batch = make(8, 8, 1)
+    out = {}
+    cases = {
+        "microbatches": dict(pipeline=autopar.Pipeline(stages=2, microbatches=3)),
+        "split point": dict(pipeline=autopar.Pipeline(stages=2, split_points=["model.layer.1"])),
+        "replicas": dict(pipeline=2, grid=(2, 1, 1)),
+        "world": dict(pipeline=4),
+    }
+    for name, kw in cases.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                autopar.parallelize(model, **{"grid": (1, 2), **kw}, example_kwargs=batch)
+            out[name] = "no error"
+        except (autopar.UsageError, autopar.UnsupportedError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    try:
+        autopar.Pipeline(stages=2, schedule="looped_bfs")
+        out["schedule"] = "no error"
+    except autopar.UsageError as e:
+        out["schedule"] = str(e)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.parallelize(model, grid=(1, 2), example_kwargs=batch, pipeline=2)
+    for name, call in (("forward", lambda: pm(**batch)), ("generate", lambda: pm.generate(batch["input_ids"]))):
+        try:
+            call()
+            out[name] = "no error"
+        except (autopar.UsageError, autopar.UnsupportedError) as e:
+            out[name] = str(e)
+    return out

@@ -1,0 +1,47 @@
+"""Pipeline stages (parallelize(..., pipeline=...)): each stage parallelized on its own grid, run by
+torch.distributed.pipelining's schedules. Parity with one process on the whole batch, every rank;
+refusals."""
+
+import pytest
+
+from tests import checks_pipeline as C
+from tests.compare import assert_every_rank
+from tests.conftest import get_pool
+
+CASES = [((1, 2), "1f1b", True), ((1, 2), "gpipe", False),  # fast tier: 2 stages x 1x2 (4 ranks)
+         ((1, 2), "gpipe", True), ((1, 2), "1f1b", False),
+         ((2, 2), "1f1b", True), ((2, 2), "gpipe", True)]  # slow tier: 2 stages x 2x2 (8 ranks)
+
+
+@pytest.mark.parametrize("grid, schedule, labels", CASES,
+                         ids=[f"{'x'.join(map(str, g))}-{s}-{'labels' if lab else 'loss_fn'}" for g, s, lab in CASES])
+def test_pipeline_stages_match_one_process(grid, schedule, labels):
+    """Catches micro-batch losses averaged without their token counts (row i of the batch ignores its
+    last min(i, 6) labels), a stage boundary that loses the gradient of what it sends, a stage's parameters or
+    gradients that differ from one process's, and a clipped norm that leaves a stage out."""
+    per_rank = get_pool(2 * grid[0] * grid[1]).run(C.parity, grid, schedule, labels=labels)
+    for stage in (0, 1):  # each stage's ranks hold (and compare) its own parameters
+        assert_every_rank([{k: v for k, v in r.items() if isinstance(v, float) and k != "held"}
+                           for r in per_rank if r["stage"] == stage],
+                          f"2 stages x {grid}, {schedule}, {'labels' if labels else 'loss_fn'}, stage {stage}")
+    stages = {r["stage"]: r["names"] for r in per_rank}
+    assert sorted(stages) == [0, 1], stages
+    assert any(n.startswith("model.embed_tokens") for n in stages[0]), stages[0]
+    assert "lm_head.weight" in stages[1] and not set(stages[0]) & set(stages[1]), stages
+    world = 2 * grid[0] * grid[1]
+    for rank, r in enumerate(per_rank):  # about 1/(S*R*C) of the parameters per rank
+        assert r["held"] <= 1.15 * 2 / world, (rank, r["held"])
+
+
+def test_pipeline_refusals(pool4):
+    """A batch the micro-batches do not divide, a split point that is not a module path (the error lists
+    the repeated blocks), replicas with a pipeline, a world of the wrong size, a schedule not built, a
+    forward call (names train_step) and generate: each a clear error on every rank."""
+    for r in pool4.run(C.refusals):
+        assert "cannot be cut into 3 micro-batches" in r["microbatches"], r["microbatches"]
+        assert "'model.layer.1'" in r["split point"] and "model.layers.0" in r["split point"], r["split point"]
+        assert "not built" in r["replicas"], r["replicas"]
+        assert "needs 8 processes" in r["world"], r["world"]
+        assert "'looped_bfs' is not built yet" in r["schedule"], r["schedule"]
+        assert "train_step" in r["forward"], r["forward"]
+        assert "generate" in r["generate"], r["generate"]
