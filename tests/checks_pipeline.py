@@ -54,6 +54,7 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None) -> di
     out: dict = {"stage": pm.grid.stage, "names": sorted(n for n, _ in pm.named_parameters())}
     for step in range(STEPS):
         batch = _padded(make, 8, step + 1)
+        pm.grid.log.reset()
         if labels:
             loss = pm.train_step(**batch)
         else:
@@ -67,6 +68,10 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None) -> di
         out.update(group_excess({f"loss step {step}": (loss, want.detach())}))
         out[f"losses {step}"] = (float(loss), float(want))
         if step == 0:
+            log = pm.grid.log
+            out["p2p counted"] = {ph: (log.launches[("pp:send", ph)], log.bytes[("pp:send", ph)])
+                                  for ph in ("fwd", "bwd")}
+            out["p2p planned"] = pm.p2p_traffic()
             out.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                                     prefix="grad "))
             norm = pm.clip_grad_norm_(1e9)

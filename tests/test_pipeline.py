@@ -18,7 +18,8 @@ CASES = [((1, 2), "1f1b", True), ((1, 2), "gpipe", False),  # fast tier: 2 stage
 def test_pipeline_stages_match_one_process(grid, schedule, labels):
     """Catches micro-batch losses averaged without their token counts (row i of the batch ignores its
     last min(i, 6) labels), a stage boundary that loses the gradient of what it sends, a stage's parameters or
-    gradients that differ from one process's, and a clipped norm that leaves a stage out."""
+    gradients that differ from one process's, a clipped norm that leaves a stage out, and point-to-point
+    sends that differ from `p2p_traffic()`."""
     per_rank = get_pool(2 * grid[0] * grid[1]).run(C.parity, grid, schedule, labels=labels)
     for stage in (0, 1):  # each stage's ranks hold (and compare) its own parameters
         assert_every_rank([{k: v for k, v in r.items() if isinstance(v, float) and k != "held"}
@@ -31,6 +32,10 @@ def test_pipeline_stages_match_one_process(grid, schedule, labels):
     world = 2 * grid[0] * grid[1]
     for rank, r in enumerate(per_rank):  # about 1/(S*R*C) of the parameters per rank
         assert r["held"] <= 1.15 * 2 / world, (rank, r["held"])
+        # sends to the neighbouring stage: stage 0 its outputs forward, stage 1 their gradients backward
+        assert r["p2p counted"] == r["p2p planned"], (rank, r["p2p counted"], r["p2p planned"])
+        sending = "fwd" if r["stage"] == 0 else "bwd"
+        assert r["p2p counted"][sending][1] > 0 and r["p2p counted"][{"fwd": "bwd", "bwd": "fwd"}[sending]] == (0, 0), r
 
 
 def test_pipeline_refusals(pool4):

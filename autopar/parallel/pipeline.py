@@ -132,22 +132,35 @@ class _StageRun(nn.Module):
     receives plus the call's own inputs the stage reads (`feeds`, one micro-batch per call), returning
     its outputs whole (gathered over the grid) for the next stage or the loss."""
 
-    def __init__(self, pm: ParallelModule, kinds: list, first: bool, keep):
+    def __init__(self, pm: ParallelModule, kinds: list, first: bool, last: bool, keep):
         super().__init__()
-        self.pm, self.kinds, self.first, self.keep = pm, kinds, first, keep
+        self.pm, self.kinds, self.first, self.last, self.keep = pm, kinds, first, last, keep
         self.feeds: list = []
 
     def forward(self, *received, **given):
+        log = self.pm.grid.log
         if self.first:
             args = tuple(given[name] for _, name in self.kinds)
         else:
             mine = self.feeds.pop(0) if any(k == "input" for k, _ in self.kinds) else {}
             it = iter(received)
             args = tuple(next(it) if k == "p2p" else mine[name] for k, name in self.kinds)
+            for t in received:  # backward sends each one's gradient to the stage before
+                if t.requires_grad:
+                    t.register_hook(lambda g: _count(log, "bwd", g))
         out = self.pm(*args)
         out = out if isinstance(out, tuple) else (out,)
         whole = tuple(o.full_tensor() if hasattr(o, "full_tensor") else o for o in self.keep(out))
+        if not self.last:  # sent to the next stage
+            for t in whole:
+                _count(log, "fwd", t)
         return whole if len(whole) > 1 else whole[0]
+
+
+def _count(log, phase: str, t: torch.Tensor) -> None:
+    """One point-to-point send of `t` to a neighbouring stage, in the grid's CommLog (tag "pp:send")."""
+    log.launch("pp:send", phase)
+    log.add("pp:send", phase, t.numel() * t.element_size())
 
 
 class PipelineModule(nn.Module):
@@ -161,6 +174,16 @@ class PipelineModule(nn.Module):
         for name, value in (("stage_module", pm), ("_run", run), ("_stage", stage)):
             object.__setattr__(self, name, value)  # not children: the parameters keep their own names
         self.train(pm.training)
+
+    def p2p_traffic(self) -> dict:
+        """What this rank sends to its neighbouring stages per training step, {phase: (calls, bytes)}:
+        forward, each output of its stage for every micro-batch (none from the last stage); backward,
+        the gradient of each floating-point value it received (none from the first)."""
+        m = self.pipeline.n_microbatches
+        outs = () if self._run.last else self._sent
+        grads = () if self._run.first else tuple(t for t in self._received if t.requires_grad)
+        return {phase: (m * len(ts), m * sum(t.numel() * t.element_size() for t in ts))
+                for phase, ts in (("fwd", outs), ("bwd", grads))}
 
     def named_parameters(self, *args, **kwargs):
         """This stage's parameters, by their names in the original model."""
@@ -285,10 +308,13 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     outs = outs if isinstance(outs, tuple) else (outs,)
     outs = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in keep(outs))
     received = tuple(a.requires_grad_(a.is_floating_point()) for a, (k, _) in zip(args, kinds) if k == "p2p")
-    run = _StageRun(pm, kinds, s == 0, keep)
+    run = _StageRun(pm, kinds, s == 0, last, keep)
     stage = PipelineStage(run, s, pipe_opts.stages, device, input_args=received if s else args,
                           output_args=outs if len(outs) > 1 else outs[0], group=g.pp_group)
-    return PipelineModule(pm, g, pipe_opts, run, stage, labels)
+    pmodel = PipelineModule(pm, g, pipe_opts, run, stage, labels)
+    object.__setattr__(pmodel, "_received", received if s else ())  # examples: one micro-batch's shapes
+    object.__setattr__(pmodel, "_sent", () if last else outs)
+    return pmodel
 
 
 def _timeout(options):
