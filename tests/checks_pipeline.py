@@ -82,6 +82,7 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None) -> di
         ref_opt.zero_grad()
     out.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
                             prefix=f"param after {STEPS} steps "))
+    out["explain"] = autopar.explain(pm).splitlines()[0]
     total = sum(p.numel() for p in ref.parameters())
     out["held"] = sum(p.to_local().numel() for p in pm.parameters()) / total
     return out

@@ -35,6 +35,7 @@ def test_pipeline_stages_match_one_process(grid, schedule, labels):
         # sends to the neighbouring stage: stage 0 its outputs forward, stage 1 their gradients backward
         assert r["p2p counted"] == r["p2p planned"], (rank, r["p2p counted"], r["p2p planned"])
         sending = "fwd" if r["stage"] == 0 else "bwd"
+        assert r["explain"].startswith(f"pipeline stage {r['stage']} of 2") and f"{sending} " in r["explain"], r
         assert r["p2p counted"][sending][1] > 0 and r["p2p counted"][{"fwd": "bwd", "bwd": "fwd"}[sending]] == (0, 0), r
 
 

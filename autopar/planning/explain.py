@@ -161,9 +161,19 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     """A readable table of the compiled model (see the module docstring): the ops that move bytes or
     fell back, or with `verbose` every op. With `formulas`, each row that moves bytes is followed by
     its cost as a sympy expression and the values it was evaluated at. `pmodel` may also be a Plan
-    (`autopar.plan(...)`, no processes needed): the same table, and its totals and memory."""
+    (`autopar.plan(...)`, no processes needed): the same table, and its totals and memory. For a
+    pipelined model, this rank's stage, under a line naming the stage and its point-to-point sends."""
     if hasattr(pmodel, "rows") and hasattr(pmodel, "to_json"):  # a Plan (plan.py imports this module)
         return _explain_plan(pmodel, verbose, formulas)
+    if hasattr(pmodel, "stage_module") and hasattr(pmodel, "p2p_traffic"):  # a PipelineModule: this rank's stage
+        g, pipe = pmodel.grid, pmodel.pipeline
+        first = g.stage * g.dp * g.world
+        sends = "; ".join(f"{ph} {calls} sends, {_fmt_bytes(nbytes)}" for ph, (calls, nbytes) in
+                          pmodel.p2p_traffic().items() if calls)
+        head = (f"pipeline stage {g.stage} of {pipe.stages} (ranks {first}-{first + g.dp * g.world - 1}), schedule "
+                f"{pipe.schedule!r}, {pipe.n_microbatches} micro-batches; to its neighbouring stages per training "
+                f"step: {sends or 'nothing'}")
+        return head + "\n" + explain(pmodel.stage_module, verbose=verbose, formulas=formulas)
     if not hasattr(pmodel, "program"):
         raise UsageError(f"autopar.explain takes what autopar.parallelize returns (a ParallelModule) or what "
                         f"autopar.plan returns (a Plan), not {type(pmodel).__name__}")
