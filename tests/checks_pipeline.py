@@ -58,7 +58,8 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None) -> di
         if labels:
             loss = pm.train_step(**batch)
         else:
-            loss = pm.train_step(input_ids=batch["input_ids"], target=batch["labels"], loss_fn=ce)
+            loss = pm.train_step(batch["input_ids"], target=batch["labels"], loss_fn=ce)  # positional: named as
+            # the model's forward names it
         if labels:  # transformers' loss on the whole batch: the mean over its counted tokens
             want = ref(**batch).loss
         else:  # loss_fn's convention (torch.distributed.pipelining's): the mean of the micro-batches' losses
@@ -115,7 +116,8 @@ def refusals(rank) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.parallelize(model, grid=(1, 2), example_kwargs=batch, pipeline=2)
-    for name, call in (("forward", lambda: pm(**batch)), ("generate", lambda: pm.generate(batch["input_ids"]))):
+    for name, call in (("forward", lambda: pm(**batch)), ("generate", lambda: pm.generate(batch["input_ids"])),
+                       ("no labels", lambda: pm.train_step(input_ids=batch["input_ids"]))):
         try:
             call()
             out[name] = "no error"

@@ -22,6 +22,7 @@ one process's on the whole batch even where micro-batches count different number
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -132,14 +133,16 @@ class _StageRun(nn.Module):
     receives plus the call's own inputs the stage reads (`feeds`, one micro-batch per call), returning
     its outputs whole (gathered over the grid) for the next stage or the loss."""
 
-    def __init__(self, pm: ParallelModule, kinds: list, first: bool, last: bool, keep):
+    def __init__(self, pm: ParallelModule, kinds: list, first: bool, last: bool, keep, names: list):
         super().__init__()
         self.pm, self.kinds, self.first, self.last, self.keep = pm, kinds, first, last, keep
+        self.names = names  # the model's forward parameters, in order: how positional inputs are named
         self.feeds: list = []
 
     def forward(self, *received, **given):
         log = self.pm.grid.log
         if self.first:
+            given = {**dict(zip(self.names, received)), **given}
             args = tuple(given[name] for _, name in self.kinds)
         else:
             mine = self.feeds.pop(0) if any(k == "input" for k, _ in self.kinds) else {}
@@ -209,6 +212,9 @@ class PipelineModule(nn.Module):
             raise UsageError("train_step: this model's output carries no loss; pass target=... and loss_fn=fn, where "
                              "fn(output, target) is a micro-batch's mean loss (or pass labels= to a transformers "
                              "model)")
+        if self._labels and loss_fn is None and "labels" not in kwargs:
+            raise UsageError("train_step: this pipeline was built from example inputs with labels=, so its last "
+                             "stage computes the model's loss from them; pass labels=... (or target= and loss_fn=)")
         chunks = _chunks(args, kwargs, m)
         if loss_fn is None:
             labels = kwargs["labels"]
@@ -228,7 +234,7 @@ class PipelineModule(nn.Module):
         else:
             def fn(output, tgt):
                 return loss_fn(output, tgt) / m
-        self._run.feeds[:] = [kw for _, kw in chunks]
+        self._run.feeds[:] = [{**dict(zip(self._run.names, a)), **kw} for a, kw in chunks]
         schedule, losses = self._schedule(fn), []
         if s == 0:
             schedule.step(*args, **kwargs, return_outputs=False)
@@ -308,7 +314,8 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     outs = outs if isinstance(outs, tuple) else (outs,)
     outs = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in keep(outs))
     received = tuple(a.requires_grad_(a.is_floating_point()) for a, (k, _) in zip(args, kinds) if k == "p2p")
-    run = _StageRun(pm, kinds, s == 0, last, keep)
+    names = [n for n in inspect.signature(model.forward).parameters]
+    run = _StageRun(pm, kinds, s == 0, last, keep, names)
     stage = PipelineStage(run, s, pipe_opts.stages, device, input_args=received if s else args,
                           output_args=outs if len(outs) > 1 else outs[0], group=g.pp_group)
     pmodel = PipelineModule(pm, g, pipe_opts, run, stage, labels)
