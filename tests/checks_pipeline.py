@@ -108,6 +108,15 @@ def refusals(rank) -> dict:
             out[name] = "no error"
         except (autopar.UsageError, autopar.UnsupportedError) as e:
             out[name] = f"{type(e).__name__}: {e}"
+    torch.manual_seed(0)
+    tied, _ = build("llama", num_hidden_layers=2, use_cache=False, tie_word_embeddings=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            autopar.parallelize(tied, grid=(1, 2), example_kwargs=batch, pipeline=2)
+        out["tied"] = "no error"
+    except (autopar.UsageError, autopar.UnsupportedError, autopar.CaptureError) as e:
+        out["tied"] = f"{type(e).__name__}: {e}"
     try:
         autopar.Pipeline(stages=2, schedule="looped_bfs")
         out["schedule"] = "no error"

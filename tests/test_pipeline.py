@@ -42,8 +42,8 @@ def test_pipeline_stages_match_one_process(grid, schedule, labels):
 def test_pipeline_refusals(pool4):
     """A batch the micro-batches do not divide, a split point that is not a module path (the error lists
     the repeated blocks), replicas with a pipeline, a world of the wrong size, a schedule not built, a
-    forward call (names train_step), generate, and a train_step without the labels the pipeline was built
-    with: each a clear error on every rank."""
+    forward call (names train_step), generate, a train_step without the labels the pipeline was built
+    with, and an embedding tied to the LM head across the stages: each a clear error on every rank."""
     for r in pool4.run(C.refusals):
         assert "cannot be cut into 3 micro-batches" in r["microbatches"], r["microbatches"]
         assert "'model.layer.1'" in r["split point"] and "model.layers.0" in r["split point"], r["split point"]
@@ -53,3 +53,4 @@ def test_pipeline_refusals(pool4):
         assert "train_step" in r["forward"], r["forward"]
         assert "generate" in r["generate"], r["generate"]
         assert "pass labels=" in r["no labels"], r["no labels"]
+        assert "tied across stages are not built" in r["tied"], r["tied"]
