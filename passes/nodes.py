@@ -66,5 +66,11 @@ def source_line(node: Node) -> str:
 def block_of(node: Node) -> str | None:
     """The repeated block a node belongs to: its module path up to the first numbered part
     ('model.layers.3' for 'model.layers.3.mlp.up_proj'), None outside numbered modules."""
-    m = re.match(r"^(.*?\.\d+)(\.|$)", module_path(node))
+    return block_path(module_path(node))
+
+
+def block_path(path: str) -> str | None:
+    """The repeated block of a module or parameter path: up to its first numbered part ('model.layers.3'
+    for 'model.layers.3.mlp.up_proj.weight'), None without one."""
+    m = re.match(r"^(.*?\.\d+)(\.|$)", path)
     return m.group(1) if m else None

@@ -164,11 +164,12 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
     # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
     agree_on_options(tuple(grid) if pipeline is None else (tuple(grid), pipeline), options, device.type)
-    if pipeline is not None:
-        return pipeline_parallelize(model, tuple(grid), pipeline, example_inputs, example_kwargs, options, device)
     # timeout=None: the process group's own (the grid's groups would otherwise get torch's default, 30 min)
     delta = datetime.timedelta(seconds=timeout) if timeout is not None else \
         group_timeout(torch.distributed.group.WORLD, device.type)
+    if pipeline is not None:
+        return pipeline_parallelize(model, tuple(grid), pipeline, example_inputs, example_kwargs, options, device,
+                                    delta)
     g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
     example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
     comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)

@@ -261,8 +261,9 @@ class PipelineModule(nn.Module):
 
 
 def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_inputs: tuple, example_kwargs,
-                         options, device) -> PipelineModule:
-    """`parallelize(..., pipeline=pipe_opts)`: this rank's stage, parallelized on its grid."""
+                         options, device, timeout) -> PipelineModule:
+    """`parallelize(..., pipeline=pipe_opts)`: this rank's stage, parallelized on its grid (its groups built
+    with `timeout`, a timedelta, as parallelize builds a grid's)."""
     if len(grid) == 3:
         raise UnsupportedError("pipeline= with data-parallel replicas (grid=(dp, R, C)) is not built; pass grid=(R, C)")
     refused = {k: v for k, v in (("strategy", options.strategy), ("compile", options.compile),
@@ -298,7 +299,7 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     finally:
         for h in hooks:
             h.remove()
-    g = Grid(grid[0], grid[1], device_type=device.type, timeout=_timeout(options), stages=pipe_opts.stages)
+    g = Grid(grid[0], grid[1], device_type=device.type, timeout=timeout, stages=pipe_opts.stages)
     s = g.stage
     stage_mod = pipe.get_stage_module(s)
     args, outs = seen[s]
@@ -322,11 +323,6 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     object.__setattr__(pmodel, "_received", received if s else ())  # examples: one micro-batch's shapes
     object.__setattr__(pmodel, "_sent", () if last else outs)
     return pmodel
-
-
-def _timeout(options):
-    import datetime
-    return datetime.timedelta(seconds=options.timeout) if options.timeout is not None else None
 
 
 def _refuse_shared_across_stages(model: nn.Module, pipe) -> None:

@@ -34,10 +34,10 @@ True
 from __future__ import annotations
 
 import math
-import re
 
 from passes.cost.model import CostModel
 from passes.meta import PARAM, ROLE
+from passes.nodes import block_path
 from passes.options import Options
 
 __all__ = ["ReplicaCost", "gathered_share"]
@@ -54,8 +54,8 @@ def gathered_share(gm, reshard_after_forward: bool = True) -> tuple:
         v = n.meta.get("val")
         if n.meta.get(ROLE) != "param" or v is None:
             continue
-        m = re.match(r"^(.*?\.\d+)\.", n.meta.get(PARAM, ""))
-        sizes[m.group(1) if m else None] = sizes.get(m.group(1) if m else None, 0) + v.numel() * v.element_size()
+        block = block_path(n.meta.get(PARAM, ""))
+        sizes[block] = sizes.get(block, 0) + v.numel() * v.element_size()
     total = sum(sizes.values())
     blocks = sorted(b for k, b in sizes.items() if k is not None)
     in_blocks = sum(blocks) / total if total else 0.0
