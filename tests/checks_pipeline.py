@@ -31,16 +31,19 @@ def _padded(make, rows: int, seed: int) -> dict:
     return dict(input_ids=kw["input_ids"], labels=labels)
 
 
-def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None) -> dict:
+def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_rank=1) -> dict:
     """`STEPS` AdamW steps of a 2-layer HF Llama cut into `stages` stages, each on `grid`, against one
     process on the whole batch (8 rows of unequal counted tokens): the loss every step on every rank,
     every gradient of this rank's stage after the first step, and its parameters after the last.
-    `labels`: the model's own loss; else its logits with a cross-entropy given as loss_fn."""
-    model, make = _llama()
+    `labels`: the model's own loss; else its logits with a cross-entropy given as loss_fn. `per_rank`:
+    stages per pipeline rank (the model gets one layer per stage). Then an eval forward
+    against one process's."""
+    model, make = _llama(2 * per_rank)
     ref = copy.deepcopy(model)
     batch = _padded(make, 8, 1)
-    pipe = autopar.Pipeline(stages=stages, schedule=schedule, microbatches=microbatches)
+    pipe = autopar.Pipeline(stages=stages, schedule=schedule, microbatches=microbatches, stages_per_rank=per_rank)
     example = batch if labels else dict(input_ids=batch["input_ids"])
+    whole = sum(t.numel() * t.element_size() for t in _whole_boundary(model, example, pipe))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.parallelize(model, grid=grid, example_kwargs=example, pipeline=pipe)
@@ -51,7 +54,8 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None) -> di
     def ce(logits, target):  # the loss transformers computes, on a micro-batch
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
 
-    out: dict = {"stage": pm.grid.stage, "names": sorted(n for n, _ in pm.named_parameters())}
+    out: dict = {"stage": pm.grid.stage, "names": sorted(n for n, _ in pm.named_parameters()),
+                 "whole sent": whole}
     for step in range(STEPS):
         batch = _padded(make, 8, step + 1)
         pm.grid.log.reset()
@@ -84,9 +88,27 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None) -> di
     out.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
                             prefix=f"param after {STEPS} steps "))
     out["explain"] = autopar.explain(pm).splitlines()[0]
+    pm.eval()  # an eval forward through the stages: the last stage's outputs on every rank
+    ref.eval()
+    with torch.no_grad():
+        want = ref(**batch) if labels else ref(input_ids=batch["input_ids"])
+        got = pm(**batch) if labels else pm(batch["input_ids"])
+    got = got if isinstance(got, tuple) else (got,)
+    out.update(group_excess({"eval logits": (got[-1], want.logits)}))
+    if labels:
+        out.update(group_excess({"eval loss": (got[0], want.loss)}))
     total = sum(p.numel() for p in ref.parameters())
     out["held"] = sum(p.to_local().numel() for p in pm.parameters()) / total
     return out
+
+
+def _whole_boundary(model, batch, pipe) -> list:
+    """What stage 0 would send per step if its outputs crossed whole (one micro-batch's, times M)."""
+    from autopar.parallel.stages import cut, split_points
+    m = pipe.n_microbatches
+    mb = {**{k: v[: v.shape[0] // m] for k, v in batch.items()}, "use_cache": False}
+    _, seen, _ = cut(model, split_points(model, None, pipe.total), (), mb, pipe.total)
+    return list(seen[0][1]) * m
 
 
 def refusals(rank) -> dict:
@@ -117,11 +139,13 @@ def refusals(rank) -> dict:
         out["tied"] = "no error"
     except (autopar.UsageError, autopar.UnsupportedError, autopar.CaptureError) as e:
         out["tied"] = f"{type(e).__name__}: {e}"
-    try:
-        autopar.Pipeline(stages=2, schedule="looped_bfs")
-        out["schedule"] = "no error"
-    except autopar.UsageError as e:
-        out["schedule"] = str(e)
+    for name, kw in (("schedule", dict(schedule="chimera")), ("per rank", dict(stages_per_rank=2)),
+                     ("v per rank", dict(schedule="zbv_zero_bubble"))):
+        try:
+            autopar.Pipeline(stages=2, **kw)
+            out[name] = "no error"
+        except autopar.UsageError as e:
+            out[name] = str(e)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.parallelize(model, grid=(1, 2), example_kwargs=batch, pipeline=2)

@@ -272,16 +272,33 @@ SLOW = {
     "tests/test_sharded.py::test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all[reshard_after_forward=False]":
         "test_sharded.py::test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all[defaults] and "
         "test_planned_replica_axis_on_the_command_line (its calls, planned)",
-    # pipeline stages: the fast tier runs 2 stages x 1x2 with 1f1b and the model's labels, and gpipe with
-    # a loss_fn; the other pairings and 2 stages x 2x2 (8 ranks) repeat the same code on more ranks
-    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-gpipe-labels]":
-        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels] and [1x2-gpipe-loss_fn]",
-    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-loss_fn]":
-        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels] and [1x2-gpipe-loss_fn]",
-    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-1f1b-labels]":
-        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels] (2D grids: test_engine_parity.py)",
-    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-gpipe-labels]":
-        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels] (2D grids: test_engine_parity.py)",
+    # pipeline stages: the fast tier runs 2 stages x 1x2 with 1f1b and the model's labels, gpipe with a
+    # loss_fn, and looped_bfs with 2 stages per rank (4 stages, values relayed past a stage); the other
+    # schedules run the same stage code under torch's other orders (4-14 s each), 2x2 on 8 ranks (10-24 s)
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-gpipe-labels-v1]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1] and [1x2-gpipe-loss_fn-v1]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-loss_fn-v1]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1] and [1x2-gpipe-loss_fn-v1]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-interleaved_1f1b-labels-v2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-interleaved_1f1b-loss_fn-v2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-loss_fn-v2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v1]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-interleaved_zero_bubble-labels-v2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-zbv_zero_bubble-labels-v2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-dualpipev-labels-v2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-1f1b-labels-v1]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1] and [1x2-gpipe-loss_fn-v1]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-gpipe-labels-v1]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1] and [1x2-gpipe-loss_fn-v1]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-looped_bfs-labels-v2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v2]",
     "tests/test_sharded.py::test_sharded_replicas_compose[compile=True]":
         "test_sharded.py::test_sharded_replicas_match_one_process[2x1x2-tinygpt] and test_compile.py",
     "tests/test_sharded.py::test_sharded_replicas_compose[recompute=blocks]":

@@ -285,13 +285,22 @@ class ParallelModule(nn.Module):
         refuse_foreign_sharding(self)
         kwargs = {**self._cache_off, **kwargs}
         comp, flat = self._get(args, kwargs)
-        self._last = comp
         self._validate_inputs(flat, comp, lambda: input_names(comp, args, kwargs))
+        return self.outputs_of(comp, self.run_local(comp, flat))
+
+    def run_local(self, comp: Compiled, flat: list) -> list:
+        """comp's program on this rank's blocks and `flat` (its user inputs in placeholder order, each whole,
+        or this rank's block where its placeholder is `PLACED`), unchecked; returns its output leaves as
+        this rank's blocks of `comp.out_layouts`. What a call runs after its checks; a pipeline stage's way in."""
+        self._last = comp
         run, fetched = program_for(self, comp) if is_sharded(self) else (comp, frozenset())
         # a sharded program whose blocks are not calls of their FSDP2 units: every unit gathered for it
         with gathered(self, not torch.is_grad_enabled()) if run is comp and is_sharded(self) else nullcontext():
-            outs = self._run_program(comp, run, fetched, flat)
-        wrapped = [self._wrap(o, lay) for o, lay in zip(pytree.tree_leaves(outs), comp.out_layouts)]
+            return pytree.tree_leaves(self._run_program(comp, run, fetched, flat))
+
+    def outputs_of(self, comp: Compiled, leaves: list):
+        """What a call returns from `run_local`'s leaves: split ones as Output DTensors, in the model's structure."""
+        wrapped = [self._wrap(o, lay) for o, lay in zip(leaves, comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
 
     def _run_program(self, comp: Compiled, run: Compiled, fetched: frozenset, flat: list):

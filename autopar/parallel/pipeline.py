@@ -2,15 +2,14 @@
 
 torch.distributed.pipelining cuts the model at its split points (`pipeline()`, which traces it with
 torch.export; each stage is a module that keeps the original parameter names), and runs the schedule
-(`PipelineStage`, `ScheduleGPipe`, `Schedule1F1B`). Each stage is then parallelized by autopar on an
-R x C grid of its own: stage s holds global ranks s*R*C ... (s+1)*R*C - 1, and its program is planned,
-split and run as any model's is. Between stages the boundary values (the hidden states, and what
-else the next stage reads: rotary tables, masks) travel point to point from rank (r, c) of stage s to
-rank (r, c) of stage s+1, whole: each stage gathers its outputs over its grid before they are sent
-(`full_tensor`), and the next stage's program splits them again.
-
-A model input that a later stage reads (labels) is taken from the call's own inputs, which every rank
-passes whole (as with every autopar call), cut into the same micro-batches.
+(`PipelineStage` and torch's schedules: GPipe, 1F1B, interleaved 1F1B, looped breadth-first, the zero
+bubble ones). Each stage is then parallelized by autopar on an R x C grid of its own: pipeline rank p
+holds global ranks p*R*C ... (p+1)*R*C - 1, and its stages' programs are planned, split and run as any
+model's is. With `stages_per_rank` V > 1 the model is cut into S*V stages and pipeline rank p holds
+stages p, p+S, ... (the 'v' schedules: p and 2S-1-p). Between stages the boundary values (the hidden
+states, and what else the next stage reads: rotary tables, masks) travel point to point from rank
+(r, c) of one stage to rank (r, c) of the next in their 2D layout: each rank sends its own block and
+nothing is gathered (`autopar.parallel.stages`).
 
 `train_step(...)` runs forward and backward of every micro-batch through the schedule and returns the
 whole batch's loss on every rank; the gradients are then in `.grad` of this rank's parameter blocks.
@@ -18,196 +17,198 @@ With `labels` (a transformers model's own loss) each micro-batch's mean loss is 
 of the batch's counted tokens (labels other than -100, after the shift), so the loss and gradients are
 one process's on the whole batch even where micro-batches count different numbers of tokens. With
 `target=` and `loss_fn=`, the loss is the mean of the micro-batches' `loss_fn(output, target)`.
+`pmodel(...)` in eval mode runs the stages forward and returns the last stage's outputs on every rank.
+A call with another micro-batch shape or mode cuts and compiles the stages for it once (cached).
 """
 
 from __future__ import annotations
 
 import inspect
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 
 from autopar.errors import UnsupportedError, UsageError
-from autopar.parallel.module import ParallelModule
-from autopar.program.build import cache_off_kwargs, compile_program
-from autopar.program.guards import agree_on_plan
+from autopar.parallel.clip import clip_grad_norm
+from autopar.parallel.stages import Variant, build, chunks, counted, cut, rank_of, split_points, stage_ids
+from autopar.program.build import cache_off_kwargs, signature
 from passes import Grid
-from passes.errors import CaptureError
+from passes.compat import pytree
 from passes.options import DEFAULTS
 
 __all__ = ["Pipeline", "PipelineModule", "SCHEDULES", "pipeline_parallelize"]
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-LATER = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-IGNORE_INDEX = -100  # transformers' label for a token that is not counted
+# name -> (torch's schedule, stages on each pipeline rank: 'one', 'loop' (p, p+S, ...) or 'v' (p, 2S-1-p))
+SCHEDULES = {"gpipe": (ScheduleGPipe, "one"), "1f1b": (Schedule1F1B, "one"),
+             "interleaved_1f1b": (ScheduleInterleaved1F1B, "loop"), "looped_bfs": (ScheduleLoopedBFS, "loop"),
+             "interleaved_zero_bubble": (ScheduleInterleavedZeroBubble, "loop"),
+             "zbv_zero_bubble": (ScheduleZBVZeroBubble, "v"), "dualpipev": (ScheduleDualPipeV, "v")}
 
 
 @dataclass(frozen=True)
 class Pipeline:
-    """How `parallelize(..., pipeline=...)` cuts the model into stages: `stages` stages (S), run by the
-    `schedule` ('gpipe' or '1f1b') over `microbatches` micro-batches (None: S) of each batch;
-    `split_points`: the module paths where stages 1 .. S-1 begin (None: the repeated blocks in S
-    equal runs)."""
+    """How `parallelize(..., pipeline=...)` cuts the model into stages: `stages` pipeline ranks (S), each
+    holding `stages_per_rank` stages (V; the model is cut into S*V), run by the `schedule` (a name in
+    `SCHEDULES`: 'gpipe' and '1f1b' one stage per rank; 'interleaved_1f1b', 'looped_bfs' (breadth-first)
+    and 'interleaved_zero_bubble' V >= 1 looped stages; 'zbv_zero_bubble' and 'dualpipev' V = 2 in a V)
+    over `microbatches` micro-batches (None: S) of each batch; `split_points`: the module paths where
+    stages 1 .. S*V-1 begin (None: the repeated blocks in S*V equal runs)."""
 
     stages: int
     schedule: str = "1f1b"
     microbatches: int | None = None
     split_points: tuple | None = None
+    stages_per_rank: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 2:
+        def positive(v):
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+        if not positive(self.stages) or self.stages < 2:
             raise UsageError(f"Pipeline(stages={self.stages!r}): expected an int >= 2 (one stage is no pipeline: "
                              f"leave pipeline out)")
         if self.schedule not in SCHEDULES:
-            later = f" ({self.schedule!r} is not built yet)" if self.schedule in LATER else ""
-            raise UsageError(f"Pipeline(schedule={self.schedule!r}): expected one of {tuple(SCHEDULES)}{later}")
+            raise UsageError(f"Pipeline(schedule={self.schedule!r}): expected one of {tuple(SCHEDULES)}")
+        V, style = self.stages_per_rank, SCHEDULES[self.schedule][1]
+        if not positive(V) or (style == "one" and V != 1) or (style == "v" and V != 2):
+            want = {"one": "1 (use 'interleaved_1f1b' or 'looped_bfs' for more)", "v": "2 (its V shape)",
+                    "loop": "a positive int"}[style]
+            raise UsageError(f"Pipeline(stages_per_rank={V!r}) with schedule {self.schedule!r}: expected {want}")
         m = self.microbatches
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+        if m is not None and not positive(m):
             raise UsageError(f"Pipeline(microbatches={m!r}): expected a positive int, or None for one per stage")
         if self.split_points is not None:
-            points = tuple(self.split_points)
-            if len(points) != self.stages - 1 or not all(isinstance(p, str) for p in points):
-                raise UsageError(f"Pipeline(split_points={self.split_points!r}): expected {self.stages - 1} module "
-                                 f"paths (where stages 1 .. {self.stages - 1} begin), e.g. ['model.layers.16']")
+            points, n = tuple(self.split_points), self.total
+            if len(points) != n - 1 or not all(isinstance(p, str) for p in points):
+                raise UsageError(f"Pipeline(split_points={self.split_points!r}): expected {n - 1} module paths (where "
+                                 f"stages 1 .. {n - 1} of {n} begin), e.g. ['model.layers.16']")
             object.__setattr__(self, "split_points", points)
 
     @property
     def n_microbatches(self) -> int:
         return self.microbatches or self.stages
 
+    @property
+    def total(self) -> int:
+        """Stages the model is cut into: stages * stages_per_rank."""
+        return self.stages * self.stages_per_rank
 
-def _blocks(model: nn.Module) -> list:
-    """The module paths of the model's longest run of numbered children (`model.layers.0`, ...)."""
-    runs: dict = {}
-    for name, _ in model.named_modules():
-        m = re.match(r"^(.*)\.(\d+)$", name)
-        if m:
-            runs.setdefault(m.group(1), []).append(name)
-    return max(runs.values(), key=len) if runs else []
-
-
-def _split_points(model: nn.Module, pipe_opts: Pipeline) -> tuple:
-    """The module paths where stages 1 .. S-1 begin: the given ones (checked), or the repeated blocks
-    in S runs of equal length."""
-    blocks, S = _blocks(model), pipe_opts.stages
-    if pipe_opts.split_points is not None:
-        modules = dict(model.named_modules())
-        bad = [p for p in pipe_opts.split_points if p not in modules or p == ""]
-        if bad:
-            raise UsageError(f"Pipeline(split_points=...): {bad} {'is not a' if len(bad) == 1 else 'are not'} module "
-                             f"path{'s' if len(bad) > 1 else ''} of this model; candidates (its repeated blocks): "
-                             f"{blocks or sorted(modules)[:20]}")
-        return pipe_opts.split_points
-    if len(blocks) < S:
-        raise UsageError(f"Pipeline(stages={S}) without split_points: the model has {len(blocks)} repeated blocks "
-                         f"({blocks[:4]}...), fewer than the stages; pass split_points=[module paths]")
-    return tuple(blocks[round(k * len(blocks) / S)] for k in range(1, S))
-
-
-def _chunks(args: tuple, kwargs: dict, m: int) -> list:
-    """The batch's m micro-batches: (args, kwargs) each, every tensor cut along dim 0."""
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    rows = {t.shape[0] for t in tensors}
-    if len(rows) != 1 or next(iter(rows)) % m:
-        raise UsageError(f"pipeline: a batch of {sorted(rows)} rows cannot be cut into {m} micro-batches of equal "
-                         f"size; pass a batch whose size {m} divides, or Pipeline(microbatches=...) that divides it")
-    size = next(iter(rows)) // m
-
-    def cut(v, i):
-        return v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-
-    return [(tuple(cut(a, i) for a in args), {k: cut(v, i) for k, v in kwargs.items()}) for i in range(m)]
-
-
-def _counted(labels: torch.Tensor) -> int:
-    """Tokens a causal LM's loss counts: labels after the one-token shift that are not -100."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
-
-
-class _StageRun(nn.Module):
-    """What `PipelineStage` runs on this rank: the stage's ParallelModule, fed the boundary values it
-    receives plus the call's own inputs the stage reads (`feeds`, one micro-batch per call), returning
-    its outputs whole (gathered over the grid) for the next stage or the loss."""
-
-    def __init__(self, pm: ParallelModule, kinds: list, first: bool, last: bool, keep, names: list):
-        super().__init__()
-        self.pm, self.kinds, self.first, self.last, self.keep = pm, kinds, first, last, keep
-        self.names = names  # the model's forward parameters, in order: how positional inputs are named
-        self.feeds: list = []
-
-    def forward(self, *received, **given):
-        log = self.pm.grid.log
-        if self.first:
-            given = {**dict(zip(self.names, received)), **given}
-            args = tuple(given[name] for _, name in self.kinds)
-        else:
-            mine = self.feeds.pop(0) if any(k == "input" for k, _ in self.kinds) else {}
-            it = iter(received)
-            args = tuple(next(it) if k == "p2p" else mine[name] for k, name in self.kinds)
-            for t in received:  # backward sends each one's gradient to the stage before
-                if t.requires_grad:
-                    t.register_hook(lambda g: _count(log, "bwd", g))
-        out = self.pm(*args)
-        out = out if isinstance(out, tuple) else (out,)
-        whole = tuple(o.full_tensor() if hasattr(o, "full_tensor") else o for o in self.keep(out))
-        if not self.last:  # sent to the next stage
-            for t in whole:
-                _count(log, "fwd", t)
-        return whole if len(whole) > 1 else whole[0]
-
-
-def _count(log, phase: str, t: torch.Tensor) -> None:
-    """One point-to-point send of `t` to a neighbouring stage, in the grid's CommLog (tag "pp:send")."""
-    log.launch("pp:send", phase)
-    log.add("pp:send", phase, t.numel() * t.element_size())
+    @property
+    def style(self) -> str:
+        """How stages sit on the pipeline ranks: 'loop' (p, p+S, ...) or 'v' (p, 2S-1-p)."""
+        return "v" if SCHEDULES[self.schedule][1] == "v" else "loop"
 
 
 class PipelineModule(nn.Module):
-    """This rank's pipeline stage of a model (see the module docstring): `train_step` trains on a batch;
-    `parameters()` are this stage's parameter blocks (DTensors on its grid, original names)."""
+    """This rank's pipeline stages of a model (see the module docstring): `train_step` trains on a batch;
+    `parameters()` are its stages' parameter blocks (DTensors on its grid, original names)."""
 
-    def __init__(self, pm: ParallelModule, grid: Grid, pipe_opts: Pipeline, run: _StageRun, stage: PipelineStage,
-                 labels: bool):
+    def __init__(self, model: nn.Module, grid: Grid, pipe_opts: Pipeline, pms: dict, first: tuple, labels: bool,
+                 setup: tuple):
         super().__init__()
         self.grid, self.pipeline, self._labels = grid, pipe_opts, labels
-        for name, value in (("stage_module", pm), ("_run", run), ("_stage", stage)):
+        self._ids = sorted(pms)
+        self._setup = setup  # (split points, options, device): what a new variant is built with
+        for name, value in (("_source", model), ("_pms", pms), ("_variants", dict([first])), ("_trained", first[1])):
             object.__setattr__(self, name, value)  # not children: the parameters keep their own names
-        self.train(pm.training)
+        self.train(model.training)
+
+    @property
+    def stage_modules(self) -> list:
+        """This rank's stages, each a ParallelModule on its grid, in stage order."""
+        return [self._pms[i] for i in self._ids]
+
+    @property
+    def stage_ids(self) -> list:
+        """The indices (of pipeline.total) of this rank's stages."""
+        return list(self._ids)
+
+    @property
+    def stage_module(self) -> nn.Module:
+        """This rank's first stage."""
+        return self._pms[self._ids[0]]
 
     def p2p_traffic(self) -> dict:
-        """What this rank sends to its neighbouring stages per training step, {phase: (calls, bytes)}:
-        forward, each output of its stage for every micro-batch (none from the last stage); backward,
-        the gradient of each floating-point value it received (none from the first)."""
-        m = self.pipeline.n_microbatches
-        outs = () if self._run.last else self._sent
-        grads = () if self._run.first else tuple(t for t in self._received if t.requires_grad)
+        """What this rank sends to its neighbouring stages per training step (the training variant built
+        first), {phase: (calls, bytes)}: forward, its block of each output of each of its stages for every
+        micro-batch (none from the last stage); backward, the gradient of each floating-point block it
+        received (none from the first)."""
+        m, v = self.pipeline.n_microbatches, self._trained
+        outs = [t for ts in v.sent for t in ts]
+        grads = [t for ts in v.received for t in ts if t.requires_grad]
         return {phase: (m * len(ts), m * sum(t.numel() * t.element_size() for t in ts))
                 for phase, ts in (("fwd", outs), ("bwd", grads))}
 
-    def named_parameters(self, *args, **kwargs):
-        """This stage's parameters, by their names in the original model."""
-        return self.stage_module.named_parameters(*args, **kwargs)
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's stages' parameters, by their names in the original model."""
+        for pm in self.stage_modules:
+            yield from pm.named_parameters(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args, **kwargs):
-        return self.stage_module.state_dict(*args, **kwargs)
+        out: dict = {}
+        for pm in self.stage_modules:
+            out.update(pm.state_dict(*args, **kwargs))
+        return out
 
     def train(self, mode: bool = True):
         super().train(mode)
-        self.stage_module.train(mode)
+        for pm in self.stage_modules:
+            pm.train(mode)
         return self
 
-    def _schedule(self, loss_fn):
-        cls = SCHEDULES[self.pipeline.schedule]
-        return cls(self._stage, self.pipeline.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    def _variant(self, kwargs: dict, training: bool) -> Variant:
+        """This rank's stages for a call of this batch's micro-batch shape and mode (built on first use)."""
+        first_args, first_kwargs = chunks((), kwargs, self.pipeline.n_microbatches)[0]
+        key = signature(first_args, first_kwargs, training)
+        if key not in self._variants:
+            points, options, device = self._setup
+            model, was = self._source, self._source.training
+            model.train(training)
+            try:
+                pipe, seen, ref = cut(model, points, first_args, first_kwargs, self.pipeline.total)
+            finally:
+                model.train(was)
+            self._variants[key] = build(model, pipe, seen, ref, self.grid, self._ids, self.pipeline.style,
+                                        training and self._labels and "labels" in kwargs, options, device,
+                                        training, self._pms)
+        return self._variants[key]
+
+    def _named(self, args: tuple, kwargs: dict) -> dict:
+        """The call's inputs by name (positional ones named as the model's forward names them)."""
+        return named(self._source, args, kwargs)
+
+    def _schedule(self, variant: Variant, loss_fn):
+        cls, style = SCHEDULES[self.pipeline.schedule]
+        stages = variant.stages[0] if style == "one" else variant.stages
+        try:
+            return cls(stages, self.pipeline.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        except ValueError as e:  # torch's own constraint on the micro-batches (interleaved: rounds)
+            raise UsageError(f"Pipeline(schedule={self.pipeline.schedule!r}, microbatches="
+                             f"{self.pipeline.n_microbatches}, stages={self.pipeline.stages}): {e}") from e
+
+    def _run(self, variant: Variant, kwargs, fn, target, losses: list) -> None:
+        """One step of the schedule: forward and backward of every micro-batch."""
+        m, n = self.pipeline.n_microbatches, self.pipeline.total
+        for run in variant.runs:
+            run.feeds[:] = [kw for _, kw in chunks((), kwargs, m)]
+        schedule = self._schedule(variant, fn)
+        has_first, has_last = 0 in self._ids, n - 1 in self._ids
+        with torch.enable_grad():
+            schedule.step(**(kwargs if has_first else {}), target=target if has_last else None,
+                          losses=losses if has_last else None, return_outputs=False)
+
+    def _last_rank(self) -> int:
+        return dist.get_global_rank(self.grid.pp_group, rank_of(self.pipeline.total - 1, self.pipeline.stages,
+                                                                self.pipeline.style))
 
     def train_step(self, *args, target=None, loss_fn=None, **kwargs) -> torch.Tensor:
         """Forward and backward of every micro-batch of this batch through the schedule, on every rank
         with the same whole inputs; returns the batch's loss (a plain tensor, equal on every rank)."""
-        S, m, s = self.pipeline.stages, self.pipeline.n_microbatches, self.grid.stage
+        m = self.pipeline.n_microbatches
         if loss_fn is None and not self._labels:
             raise UsageError("train_step: this model's output carries no loss; pass target=... and loss_fn=fn, where "
                              "fn(output, target) is a micro-batch's mean loss (or pass labels= to a transformers "
@@ -215,41 +216,85 @@ class PipelineModule(nn.Module):
         if self._labels and loss_fn is None and "labels" not in kwargs:
             raise UsageError("train_step: this pipeline was built from example inputs with labels=, so its last "
                              "stage computes the model's loss from them; pass labels=... (or target= and loss_fn=)")
-        chunks = _chunks(args, kwargs, m)
+        if not self.training:
+            raise UsageError("train_step on a model in eval mode: call pmodel.train() first (or pmodel(...) for an "
+                             "eval forward)")
         if loss_fn is None:
-            labels = kwargs["labels"]
-            total = _counted(labels)
-            if total == 0:
-                raise UsageError("train_step: every label is -100, so no token counts toward the loss")
-            counts = [_counted(kw["labels"]) for _, kw in chunks]
-            if 0 in counts:  # its own mean loss is 0/0: NaN in the sum, though one process's loss is defined
-                raise UsageError(f"train_step: micro-batch {counts.index(0)} of {m} has no counted token (every "
-                                 f"label -100 after the shift); order or pad the batch so that each micro-batch "
-                                 f"counts one, or use fewer micro-batches")
-            weights = iter([c / total for c in counts])
+            weights = self._weights(kwargs["labels"])
 
-            def fn(output, _target):
-                return (output[0] if isinstance(output, tuple) else output) * next(weights)
-            target = torch.zeros(m)  # one placeholder per micro-batch: the weights come in order
+            def fn(output, index):  # index: this micro-batch's number (the target is arange(m))
+                return (output[0] if isinstance(output, tuple) else output) * weights[int(index)]
+            target = torch.arange(m)
         else:
             def fn(output, tgt):
                 return loss_fn(output, tgt) / m
-        self._run.feeds[:] = [{**dict(zip(self._run.names, a)), **kw} for a, kw in chunks]
-        schedule, losses = self._schedule(fn), []
-        if s == 0:
-            schedule.step(*args, **kwargs, return_outputs=False)
-        elif s == S - 1:
-            schedule.step(target=target, losses=losses, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
+        losses: list = []
+        kwargs = self._named(args, kwargs)
+        self._run(self._variant(kwargs, True), kwargs, fn, target, losses)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
-        last = dist.get_global_rank(self.grid.pp_group, S - 1)
-        dist.broadcast(loss, src=last, group=self.grid.pp_group)
+        dist.broadcast(loss, src=self._last_rank(), group=self.grid.pp_group)
         return loss
 
+    def _weights(self, labels: torch.Tensor) -> list:
+        """Each micro-batch's share of the batch's counted tokens (its mean loss's weight)."""
+        m = self.pipeline.n_microbatches
+        total = counted(labels)
+        if total == 0:
+            raise UsageError("train_step: every label is -100, so no token counts toward the loss")
+        counts = [counted(lb) for lb in labels.chunk(m)] if labels.shape[0] % m == 0 else []
+        if 0 in counts:  # its own mean loss is 0/0: NaN in the sum, though one process's loss is defined
+            raise UsageError(f"train_step: micro-batch {counts.index(0)} of {m} has no counted token (every "
+                             f"label -100 after the shift); order or pad the batch so that each micro-batch "
+                             f"counts one, or use fewer micro-batches")
+        return [c / total for c in counts]
+
     def forward(self, *args, **kwargs):
-        raise UsageError("a pipelined model runs a whole batch's forward and backward at once: call "
-                         "pmodel.train_step(*args, **kwargs) (forward alone through the stages is not built yet)")
+        """In eval mode: the stages' forward on every micro-batch (each rank runs its stages micro-batch by
+        micro-batch, receiving from the stage before and sending on without waiting), the last stage's
+        outputs (its micro-batches joined along dim 0; a 0-dim loss as the whole batch's) returned on
+        every rank."""
+        if self.training:
+            raise UsageError("a pipelined model in training mode runs a whole batch's forward and backward at once: "
+                             "call pmodel.train_step(*args, **kwargs) (or pmodel.eval() for a forward alone)")
+        m, n, S, style = self.pipeline.n_microbatches, self.pipeline.total, self.pipeline.stages, self.pipeline.style
+        kwargs = self._named(args, kwargs)
+        variant, pp = self._variant(kwargs, False), self.grid.pp_group
+        local, pending, per = {}, [], []
+        with torch.no_grad():
+            for i, (_, kw) in enumerate(chunks((), kwargs, m)):
+                for run, examples in zip(variant.runs, variant.received):
+                    j = run.j
+                    if j == 0:
+                        out = run(**kw)
+                    else:
+                        got = local.pop((i, j - 1), None)
+                        if got is None:
+                            got = [torch.empty_like(e, requires_grad=False) for e in examples]
+                            for t in got:
+                                dist.recv(t, group_src=rank_of(j - 1, S, style), group=pp)
+                        run.feeds[:] = [kw]
+                        out = run(*got)
+                    out = list(out) if isinstance(out, tuple) else [out]
+                    if j == n - 1:
+                        per.append(out)
+                    elif j + 1 in self._ids:
+                        local[(i, j)] = out
+                    else:
+                        pending += [dist.isend(t.contiguous(), group_dst=rank_of(j + 1, S, style), group=pp)
+                                    for t in out]
+            for work in pending:
+                work.wait()
+        ref = pytree.tree_leaves(variant.reference)
+        if per:
+            weights = self._weights(kwargs["labels"]) if "labels" in kwargs else [1 / m] * m
+            leaves = [sum(w * p[j] for w, p in zip(weights, per)) if r.dim() == 0 else torch.cat([p[j] for p in per])
+                      for j, r in enumerate(ref)]
+        else:
+            leaves = [torch.empty((r.shape[0] * m, *r.shape[1:]) if r.dim() else (), dtype=r.dtype,
+                                  device=r.device) for r in ref]
+        for t in leaves:
+            dist.broadcast(t, src=self._last_rank(), group=pp)
+        return pytree.tree_unflatten(leaves, pytree.tree_flatten(variant.reference)[1])
 
     def generate(self, *args, **kwargs):
         raise UnsupportedError("generate on a pipelined model is not built; parallelize the model without "
@@ -257,13 +302,24 @@ class PipelineModule(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """As ParallelModule's, over every stage: the total norm of all the model's gradients."""
-        return self.stage_module.clip_grad_norm_(max_norm, norm_type)
+        return clip_grad_norm(self, max_norm, norm_type)
+
+
+def named(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """A call's inputs by name: positional ones named as `model.forward` names them, its use_cache off."""
+    names = list(inspect.signature(model.forward).parameters)
+    if len(args) > len(names):
+        raise UsageError(f"pipeline: {len(args)} positional inputs, but the model's forward takes {names}")
+    both = sorted(set(names[:len(args)]) & set(kwargs))
+    if both:
+        raise UsageError(f"pipeline: {both} given both by position and by name")
+    return {**cache_off_kwargs(model), **dict(zip(names, args)), **kwargs}
 
 
 def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_inputs: tuple, example_kwargs,
                          options, device, timeout) -> PipelineModule:
-    """`parallelize(..., pipeline=pipe_opts)`: this rank's stage, parallelized on its grid (its groups built
-    with `timeout`, a timedelta, as parallelize builds a grid's)."""
+    """`parallelize(..., pipeline=pipe_opts)`: this rank's stages, parallelized on its grid (its groups
+    built with `timeout`, a timedelta, as parallelize builds a grid's)."""
     if len(grid) == 3:
         raise UnsupportedError("pipeline= with data-parallel replicas (grid=(dp, R, C)) is not built; pass grid=(R, C)")
     refused = {k: v for k, v in (("strategy", options.strategy), ("compile", options.compile),
@@ -276,52 +332,21 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
         raise UsageError(f"{pipe_opts.stages} pipeline stages of grid={tuple(grid)} needs {need} processes but the "
                          f"default process group has world size {world}; start {need} processes, or change the "
                          f"stages or the grid")
-    m = pipe_opts.n_microbatches
-    kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
-    first_args, first_kwargs = _chunks(example_inputs, kwargs, m)[0]
-    points = _split_points(model, pipe_opts)
-    try:
-        pipe = pipeline(model, mb_args=first_args, mb_kwargs=first_kwargs,
-                        split_spec={p: SplitPoint.BEGINNING for p in points})
-    except Exception as e:  # torch.export could not trace the model whole
-        raise CaptureError(f"pipeline=: torch.distributed.pipelining could not split the model at {list(points)} "
-                           f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''})") \
-            from e
-    if pipe.num_stages != pipe_opts.stages:
-        raise UsageError(f"pipeline=: splitting at {list(points)} gave {pipe.num_stages} stages, not "
-                         f"{pipe_opts.stages}; pass split_points in the order the model runs them")
+    m, n = pipe_opts.n_microbatches, pipe_opts.total
+    kwargs = named(model, example_inputs, example_kwargs or {})
+    first_args, first_kwargs = chunks((), kwargs, m)[0]
+    points = split_points(model, pipe_opts.split_points, n)
+    pipe, seen, reference = cut(model, points, first_args, first_kwargs, n)
     _refuse_shared_across_stages(model, pipe)
-    seen: dict = {}
-    subs = [mod for name, mod in pipe.split_gm.named_children() if name.startswith("submod_")]
-    hooks = [mod.register_forward_hook(lambda _m, a, o, i=i: seen.__setitem__(i, (a, o))) for i, mod in enumerate(subs)]
-    try:
-        reference = pipe(*first_args, **first_kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
     g = Grid(grid[0], grid[1], device_type=device.type, timeout=timeout, stages=pipe_opts.stages)
-    s = g.stage
-    stage_mod = pipe.get_stage_module(s)
-    args, outs = seen[s]
-    calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
-    kinds = [("input", a.target) if a.op == "placeholder" else ("p2p", None) for a in calls[s].args]
-    args = tuple(a.detach() for a in args)
-    comp, layouts = compile_program(stage_mod, args, {}, g, options)
-    agree_on_plan(comp, layouts, stage_mod, group=g.world_group)
-    pm = ParallelModule(stage_mod, g, comp, layouts, options)
+    ids = stage_ids(g.stage, pipe_opts.stages, pipe_opts.stages_per_rank, pipe_opts.style)
     labels = "labels" in kwargs and isinstance(reference, tuple) and getattr(reference[0], "dim", lambda: 1)() == 0
-    last = s == pipe_opts.stages - 1
-    keep = (lambda out: out[:1]) if last and labels else (lambda out: out)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    outs = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in keep(outs))
-    received = tuple(a.requires_grad_(a.is_floating_point()) for a, (k, _) in zip(args, kinds) if k == "p2p")
-    names = [n for n in inspect.signature(model.forward).parameters]
-    run = _StageRun(pm, kinds, s == 0, last, keep, names)
-    stage = PipelineStage(run, s, pipe_opts.stages, device, input_args=received if s else args,
-                          output_args=outs if len(outs) > 1 else outs[0], group=g.pp_group)
-    pmodel = PipelineModule(pm, g, pipe_opts, run, stage, labels)
-    object.__setattr__(pmodel, "_received", received if s else ())  # examples: one micro-batch's shapes
-    object.__setattr__(pmodel, "_sent", () if last else outs)
+    pms: dict = {}
+    variant = build(model, pipe, seen, reference, g, ids, pipe_opts.style, labels and model.training, options, device,
+                    model.training, pms)
+    key = signature(first_args, first_kwargs, model.training)
+    pmodel = PipelineModule(model, g, pipe_opts, pms, (key, variant), labels, (points, options, device))
+    pmodel._schedule(variant, None)  # torch's own checks of the micro-batches, here rather than at the first step
     return pmodel
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from autopar.errors import UsageError
 from autopar.program import uneven as uneven
+from passes.cost.pipeline import bubble
 from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
 from passes.kernels.spec import Site, flops
 from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
@@ -165,15 +166,18 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     pipelined model, this rank's stage, under a line naming the stage and its point-to-point sends."""
     if hasattr(pmodel, "rows") and hasattr(pmodel, "to_json"):  # a Plan (plan.py imports this module)
         return _explain_plan(pmodel, verbose, formulas)
-    if hasattr(pmodel, "stage_module") and hasattr(pmodel, "p2p_traffic"):  # a PipelineModule: this rank's stage
+    if hasattr(pmodel, "stage_modules") and hasattr(pmodel, "p2p_traffic"):  # a PipelineModule: its stages
         g, pipe = pmodel.grid, pmodel.pipeline
         first = g.stage * g.dp * g.world
         sends = "; ".join(f"{ph} {calls} sends, {_fmt_bytes(nbytes)}" for ph, (calls, nbytes) in
                           pmodel.p2p_traffic().items() if calls)
-        head = (f"pipeline stage {g.stage} of {pipe.stages} (ranks {first}-{first + g.dp * g.world - 1}), schedule "
-                f"{pipe.schedule!r}, {pipe.n_microbatches} micro-batches; to its neighbouring stages per training "
+        est = bubble(pipe.schedule, pipe.stages, pipe.n_microbatches, pipe.stages_per_rank)
+        head = (f"pipeline rank {g.stage} of {pipe.stages} (ranks {first}-{first + g.dp * g.world - 1}), stages "
+                f"{pmodel.stage_ids} of {pipe.total}, schedule {pipe.schedule!r}, {pipe.n_microbatches} "
+                f"micro-batches, estimated bubble {est:.0%} of the step; to its neighbouring stages per training "
                 f"step: {sends or 'nothing'}")
-        return head + "\n" + explain(pmodel.stage_module, verbose=verbose, formulas=formulas)
+        return "\n".join([head] + [f"\nstage {i}:\n" + explain(pm, verbose=verbose, formulas=formulas)
+                                   for i, pm in zip(pmodel.stage_ids, pmodel.stage_modules)])
     if not hasattr(pmodel, "program"):
         raise UsageError(f"autopar.explain takes what autopar.parallelize returns (a ParallelModule) or what "
                         f"autopar.plan returns (a Plan), not {type(pmodel).__name__}")

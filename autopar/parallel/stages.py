@@ -1,0 +1,277 @@
+"""The stages of a pipelined model (see `autopar.parallel.pipeline`): the model cut with torch's
+`pipeline()`, and each of this rank's stages compiled on its grid and wrapped for torch's
+`PipelineStage`.
+
+A stage's program takes what it receives from the stage before in the layout that stage produced it
+(its placeholders `PLACED`): rank (r, c) of stage i sends its own block of each boundary value to rank
+(r, c) of stage i+1, and nothing is gathered at a boundary. So each stage is compiled after the one
+before it: stage i receives stage i-1's output layouts (a small object sent point to point) before its
+own compile, and sends its own to stage i+1 after.
+
+A model input that a later stage reads (labels) is taken from the call's own inputs, which every rank
+passes whole (as with every autopar call), cut into the same micro-batches (`feeds`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+
+from autopar.errors import UsageError
+from autopar.parallel.module import ParallelModule
+from autopar.program.build import capture, compile_captured, signature
+from autopar.program.guards import agree_on_plan
+from passes import Grid
+from passes.capture.export import flatten_inputs
+from passes.compat import pytree
+from passes.errors import CaptureError
+from passes.layout import REPLICATED, local_shape
+from passes.meta import PLACED
+
+__all__ = ["StageRun", "Variant", "blocks", "build", "chunks", "counted", "crossings", "cut", "rank_of",
+           "split_points", "stage_ids"]
+
+IGNORE_INDEX = -100  # transformers' label for a token that is not counted
+
+
+def blocks(model: nn.Module) -> list:
+    """The module paths of the model's longest run of numbered children (`model.layers.0`, ...)."""
+    runs: dict = {}
+    for name, _ in model.named_modules():
+        m = re.match(r"^(.*)\.(\d+)$", name)
+        if m:
+            runs.setdefault(m.group(1), []).append(name)
+    return max(runs.values(), key=len) if runs else []
+
+
+def split_points(model: nn.Module, given, n: int) -> tuple:
+    """The module paths where stages 1 .. n-1 begin: `given` (checked), or the repeated blocks in n runs
+    of equal length."""
+    runs = blocks(model)
+    if given is not None:
+        modules = dict(model.named_modules())
+        bad = [p for p in given if p not in modules or p == ""]
+        if bad:
+            raise UsageError(f"Pipeline(split_points=...): {bad} {'is not a' if len(bad) == 1 else 'are not'} module "
+                             f"path{'s' if len(bad) > 1 else ''} of this model; candidates (its repeated blocks): "
+                             f"{runs or sorted(modules)[:20]}")
+        return tuple(given)
+    if len(runs) < n:
+        raise UsageError(f"a pipeline of {n} stages without split_points: the model has {len(runs)} repeated blocks "
+                         f"({runs[:4]}...), fewer than the stages; pass split_points=[module paths]")
+    return tuple(runs[round(k * len(runs) / n)] for k in range(1, n))
+
+
+def stage_ids(p: int, S: int, V: int, style: str) -> list:
+    """The stages pipeline rank p of S holds, V each: 'loop' p, p+S, ...; 'v' p and 2S-1-p."""
+    return [p, 2 * S - 1 - p] if style == "v" else [p + k * S for k in range(V)]
+
+
+def chunks(args: tuple, kwargs: dict, m: int) -> list:
+    """The batch's m micro-batches: (args, kwargs) each, every tensor cut along dim 0."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    rows = {t.shape[0] for t in tensors}
+    if len(rows) != 1 or next(iter(rows)) % m:
+        raise UsageError(f"pipeline: a batch of {sorted(rows)} rows cannot be cut into {m} micro-batches of equal "
+                         f"size; pass a batch whose size {m} divides, or Pipeline(microbatches=...) that divides it")
+    size = next(iter(rows)) // m
+
+    def cut(v, i):
+        return v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+
+    return [(tuple(cut(a, i) for a in args), {k: cut(v, i) for k, v in kwargs.items()}) for i in range(m)]
+
+
+def counted(labels: torch.Tensor) -> int:
+    """Tokens a causal LM's loss counts: labels after the one-token shift that are not -100."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def _count(log, phase: str, t: torch.Tensor) -> None:
+    """One point-to-point send of `t` to a neighbouring stage, in the grid's CommLog (tag "pp:send")."""
+    log.launch("pp:send", phase)
+    log.add("pp:send", phase, t.numel() * t.element_size())
+
+
+class StageRun(nn.Module):
+    """What `PipelineStage` runs for stage j on this rank: its program (`comp`, on the stage's
+    ParallelModule), fed from the values crossing into it (`carry_in`, this rank's blocks, received from
+    stage j-1) and the call's own inputs it reads (`feeds`, one micro-batch per call; stage 0 gets them
+    as keywords); returns the values crossing out of it (`carry_out`: its own outputs, and those of
+    earlier stages that later ones read, relayed), or from the last stage its outputs whole (for the
+    loss). A value is (stage that made it, output index), or ("input", name)."""
+
+    def __init__(self, pm: ParallelModule, comp, j: int, needs: list, carry_in: list, carry_out: list,
+                 last: bool, keep: int):
+        super().__init__()
+        self.pm, self.comp, self.j, self.needs, self.last, self.keep = pm, comp, j, needs, last, keep
+        self.carry_in, self.carry_out = carry_in, carry_out
+        self.feeds: list = []
+
+    def forward(self, *received, **given):
+        log = self.pm.grid.log
+        mine = given if self.j == 0 else (self.feeds.pop(0) if any(v[0] == "input" for v in self.needs) else {})
+        for t in received:  # backward sends each one's gradient to the stage before
+            if t.requires_grad:
+                t.register_hook(lambda g: _count(log, "bwd", g))
+        have = dict(zip(self.carry_in, received))
+        args = tuple(mine[v[1]] if v[0] == "input" else have[v] for v in self.needs)
+        leaves = self.pm.run_local(self.comp, flatten_inputs(self.comp.captured, args, {}))
+        if self.last:  # whole, for the loss (or an eval forward's result)
+            out = pytree.tree_leaves(self.pm.outputs_of(self.comp, leaves))[:self.keep]
+            out = [o.full_tensor() if hasattr(o, "full_tensor") else o for o in out]
+        else:
+            out = [leaves[v[1]] if v[0] == self.j else have[v] for v in self.carry_out]
+            for t in out:
+                _count(log, "fwd", t)
+        return tuple(out) if len(out) > 1 else out[0]
+
+
+@dataclass
+class Variant:
+    """This rank's stages for one kind of call (train or eval, one micro-batch shape): a StageRun and a
+    PipelineStage each, in stage order; `reference` is the model's output on the first micro-batch
+    (its structure and shapes, for an eval forward's result)."""
+
+    runs: list
+    stages: list
+    reference: object
+    sent: list = field(default_factory=list)  # per local stage: examples of what it sends, one micro-batch
+    received: list = field(default_factory=list)  # per local stage: examples of what it receives
+
+
+def cut(model: nn.Module, points: tuple, args: tuple, kwargs: dict, n: int):
+    """torch's `pipeline()` of the model split at `points`, and each stage module's (inputs, outputs) on
+    this micro-batch (with the model's output on it)."""
+    # pipeline() replaces each split module's forward in place and leaves it so (torch 2.13): a second cut
+    # would then recurse, and the user's model would keep the wrapper; both restored after it
+    mods = [model.get_submodule(p) for p in points]
+    saved = [{k: m.__dict__[k] for k in ("forward", "_orig_forward") if k in m.__dict__} for m in mods]
+    try:
+        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec={p: SplitPoint.BEGINNING for p in points})
+    except Exception as e:  # torch.export could not trace the model whole
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise CaptureError(f"pipeline=: torch.distributed.pipelining could not split the model at {list(points)} "
+                           f"({type(e).__name__}: {first})") from e
+    finally:
+        for m, own in zip(mods, saved):
+            for k in ("forward", "_orig_forward"):
+                m.__dict__.pop(k, None)
+            m.__dict__.update(own)
+    if pipe.num_stages != n:
+        raise UsageError(f"pipeline=: splitting at {list(points)} gave {pipe.num_stages} stages, not {n}; pass "
+                         f"split_points in the order the model runs them")
+    seen: dict = {}
+    subs = [mod for name, mod in pipe.split_gm.named_children() if name.startswith("submod_")]
+    hooks = [mod.register_forward_hook(lambda _m, a, o, i=i: seen.__setitem__(i, (a, o))) for i, mod in enumerate(subs)]
+    try:
+        with torch.no_grad():
+            reference = pipe(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return pipe, seen, reference
+
+
+def crossings(pipe) -> tuple:
+    """(needs, crossing) of a cut model: needs[j], the values stage j reads, in its argument order;
+    crossing[j], the values that cross from stage j to j+1 (made at or before j, read after it), in a
+    fixed order. A value is (stage that made it, output index) or ("input", name)."""
+    calls = [c for c in pipe.split_gm.graph.nodes if c.op == "call_module" and c.target.startswith("submod_")]
+    index = {c: j for j, c in enumerate(calls)}
+
+    def value(a):
+        if a.op == "placeholder":
+            return ("input", a.target)
+        if a.op == "call_module":
+            return (index[a], 0)
+        return (index[a.args[0]], a.args[1])  # getitem of a stage's outputs
+
+    needs = [[value(a) for a in c.args] for c in calls]
+    crossing = []
+    for j in range(len(calls) - 1):
+        later = [v for need in needs[j + 1:] for v in need if v[0] != "input" and v[0] <= j]
+        crossing.append(list(dict.fromkeys(later)))
+    return needs, crossing
+
+
+def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, style: str, keep_loss: bool, options,
+          device, training: bool, pms: dict) -> Variant:
+    """This rank's stages `ids` of `pipe` (cut by `cut`; placed on the ranks in `style`, see `rank_of`):
+    each compiled on grid `g` (what it receives placed as the stage before sends it), on its
+    ParallelModule in `pms` (stage index -> module; made here when missing, on the first build, whose
+    plan every rank of the grid checks), and wrapped for PipelineStage. `keep_loss`: the last stage
+    returns the loss alone (a model given labels)."""
+    n, at = pipe.num_stages, (g.r, g.c)
+    needs, crossing = crossings(pipe)
+    variant = Variant([], [], reference)
+    mailbox: dict = {}  # stage -> the layouts it sends to the next stage, where that stage is on this rank
+
+    def whole(v):  # the full value (one micro-batch) a value id names
+        out = seen[v[0]][1]
+        return out[v[1]] if isinstance(out, tuple) else out
+
+    for j in ids:
+        stage_mod = pipe.get_stage_module(j)
+        stage_mod.train(training)
+        carry_in = crossing[j - 1] if j else []
+        carry_out = crossing[j] if j < n - 1 else []
+        args = tuple(a.detach() for a in seen[j][0])
+        lay = dict(zip(carry_in, mailbox.pop(j - 1) if j - 1 in mailbox else
+                       _receive(g, rank_of(j - 1, g.stages, style)))) if j else {}
+        cap = capture(stage_mod, args, {})
+        for node, (role, key) in zip(cap.gm.graph.find_nodes(op="placeholder"), cap.sources):
+            if role == "input" and needs[j][key] in lay:
+                node.meta[PLACED] = lay[needs[j][key]]
+        first_build = j not in pms
+        pinned = None if first_build else dict(pms[j].param_layouts)
+        comp, layouts = compile_captured(cap, signature(args, {}, training), g, options, None, pinned)
+        if first_build:
+            agree_on_plan(comp, layouts, stage_mod, group=g.world_group)
+            pms[j] = ParallelModule(stage_mod, g, comp, layouts, options)
+        last = j == n - 1
+        lay.update(((j, k), o[0] if o else REPLICATED) for k, o in enumerate(comp.out_layouts))
+        if j + 1 in ids:  # the next stage is this rank's too ('v' placement)
+            mailbox[j] = [lay[v] for v in carry_out]
+        elif not last:
+            _send(g, [lay[v] for v in carry_out], rank_of(j + 1, g.stages, style))
+
+        sent, received = ([_block(whole(v), lay[v], g, at) for v in vs] for vs in (carry_out, carry_in))
+        outs = seen[j][1] if isinstance(seen[j][1], tuple) else (seen[j][1],)
+        keep = 1 if last and keep_loss else len(outs)
+        out_args = [o.detach().requires_grad_(o.is_floating_point()) for o in outs[:keep]] if last else sent
+        run = StageRun(pms[j], comp, j, needs[j], carry_in, carry_out, last, keep)
+        stage = PipelineStage(run, j, n, device, input_args=tuple(received),
+                              output_args=out_args[0] if len(out_args) == 1 else tuple(out_args), group=g.pp_group)
+        variant.runs.append(run)
+        variant.stages.append(stage)
+        variant.sent.append(sent)
+        variant.received.append(received)
+    return variant
+
+
+def rank_of(i: int, S: int, style: str) -> int:
+    """The pipeline rank (of S) holding stage i: 'loop' i mod S; 'v' i, or 2S-1-i on the way back."""
+    return i % S if style == "loop" else (i if i < S else 2 * S - 1 - i)
+
+
+def _block(t: torch.Tensor, lay, g: Grid, at) -> torch.Tensor:
+    """An example of this rank's block of `t` in layout `lay` (zeros of its block's shape; floating-point
+    ones need a gradient, which PipelineStage reads to know what to send back)."""
+    block = torch.zeros(local_shape(tuple(t.shape), lay, g.shape, at=at), dtype=t.dtype, device=t.device)
+    return block.requires_grad_(t.is_floating_point())
+
+
+def _send(g: Grid, layouts: list, to: int) -> None:
+    dist.send_object_list([layouts], group_dst=to, group=g.pp_group)
+
+
+def _receive(g: Grid, src: int) -> list:
+    box: list = [None]
+    dist.recv_object_list(box, group_src=src, group=g.pp_group)
+    return box[0]
