@@ -31,7 +31,8 @@ def _padded(make, rows: int, seed: int) -> dict:
     return dict(input_ids=kw["input_ids"], labels=labels)
 
 
-def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_rank=1) -> dict:
+def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_rank=1,
+           data_parallel="replicate", **options) -> dict:
     """`STEPS` AdamW steps of a 2-layer HF Llama cut into `stages` stages, each on `grid`, against one
     process on the whole batch (8 rows of unequal counted tokens): the loss every step on every rank,
     every gradient of this rank's stage after the first step, and its parameters after the last.
@@ -46,7 +47,8 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_r
     whole = sum(t.numel() * t.element_size() for t in _whole_boundary(model, example, pipe))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = autopar.parallelize(model, grid=grid, example_kwargs=example, pipeline=pipe)
+        pm = autopar.parallelize(model, grid=grid, example_kwargs=example, pipeline=pipe, data_parallel=data_parallel,
+                                 **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)  # eps: rounding noise in a near-zero gradient
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)  # is not blown up to a full step
     ref_params = dict(ref.named_parameters())
@@ -77,6 +79,7 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_r
             out["p2p counted"] = {ph: (log.launches[("pp:send", ph)], log.bytes[("pp:send", ph)])
                                   for ph in ("fwd", "bwd")}
             out["p2p planned"] = pm.p2p_traffic()
+            out["dp calls"] = log.calls("dp:")  # replicated replicas: gradients averaged once per step
             out.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                                     prefix="grad "))
             norm = pm.clip_grad_norm_(1e9)
@@ -119,7 +122,7 @@ def refusals(rank) -> dict:
     cases = {
         "microbatches": dict(pipeline=autopar.Pipeline(stages=2, microbatches=3)),
         "split point": dict(pipeline=autopar.Pipeline(stages=2, split_points=["model.layer.1"])),
-        "replicas": dict(pipeline=2, grid=(2, 1, 1)),
+        "auto": dict(pipeline=2, strategy="auto"),
         "world": dict(pipeline=4),
     }
     for name, kw in cases.items():

@@ -299,6 +299,16 @@ SLOW = {
         "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1] and [1x2-gpipe-loss_fn-v1]",
     "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-looped_bfs-labels-v2]":
         "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-looped_bfs-labels-v2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x1x2-1f1b-labels-v1]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1], test_sharded.py",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x1x2-interleaved_1f1b-loss_fn-v2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1], test_sharded.py",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x1x2-1f1b-labels-v1-shard]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1], test_sharded.py",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x1x2-looped_bfs-labels-v2-shard]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1], test_sharded.py",
+    "tests/test_pipeline.py::test_pipeline_stages_compose[compile]":
+        "test_pipeline.py::test_pipeline_stages_compose[recompute] and test_compile.py",
     "tests/test_sharded.py::test_sharded_replicas_compose[compile=True]":
         "test_sharded.py::test_sharded_replicas_match_one_process[2x1x2-tinygpt] and test_compile.py",
     "tests/test_sharded.py::test_sharded_replicas_compose[recompute=blocks]":

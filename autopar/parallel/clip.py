@@ -12,8 +12,10 @@ from passes.ops import comm
 __all__ = ["clip_grad_norm"]
 
 
-def clip_grad_norm(pmodel, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip every gradient of `pmodel` to a total norm of `max_norm` (see `ParallelModule.clip_grad_norm_`)."""
+def clip_grad_norm(pmodel, max_norm: float, norm_type: float = 2.0, sharded: bool | None = None) -> torch.Tensor:
+    """Clip every gradient of `pmodel` to a total norm of `max_norm` (see `ParallelModule.clip_grad_norm_`).
+    `sharded`: whether its replicas hold their grid blocks split (default: `is_sharded(pmodel)`); a
+    pipelined model's stages say it for it."""
     norm_type = float(norm_type)
     grid = pmodel.grid
     grads = [p.grad for p in pmodel.parameters() if p.grad is not None]
@@ -22,7 +24,8 @@ def clip_grad_norm(pmodel, max_norm: float, norm_type: float = 2.0) -> torch.Ten
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     counted = [_counts_here(grid, g) for g in grads]
     # sharded replicas hold different pieces of every gradient: the norm sums over all dp*R*C ranks
-    group = None if is_sharded(pmodel) else grid.world_group
+    sharded = is_sharded(pmodel) if sharded is None else sharded
+    group = None if sharded else grid.world_group
     dev = local[0].device
     if norm_type == float("inf"):
         part = torch.stack([t.detach().abs().max().float() if c and t.numel() else torch.zeros((), device=dev)
@@ -34,7 +37,7 @@ def clip_grad_norm(pmodel, max_norm: float, norm_type: float = 2.0) -> torch.Ten
         op = dist.ReduceOp.SUM
     with comm.guarded(grid, "all-reduce", "grid", "clip_grad_norm_"):
         dist.all_reduce(part, op=op, group=group)
-        if getattr(grid, "pp_group", None) is not None:  # pipeline stages: every stage's part of the total
+        if getattr(grid, "pp_group", None) is not None and not sharded:  # every stage's part (sharded: WORLD has)
             dist.all_reduce(part, op=op, group=grid.pp_group)
     total = part if norm_type == float("inf") else part.pow(1.0 / norm_type)
     total = total.float()

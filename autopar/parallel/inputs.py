@@ -12,11 +12,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import CheckpointWarning, UsageError
 from autopar.program.build import Compiled
 from autopar.program.consensus import all_gather_objects
-from autopar.program.guards import fingerprint, position_checksum
+from autopar.program.guards import bit_sum, fingerprint, position_checksum
 from passes import Grid
 from passes.compat import pytree
 from passes.ops import comm
@@ -140,3 +141,25 @@ def _same_everywhere(grid: Grid, flat: list, device, names, values_too: bool) ->
         f"{names()[i]} has shape and dtype {everyone[0][i]} on rank {base} but {differ} on others: every rank "
         f"of a grid must pass the same full inputs (the same batch; check_inputs=False skips comparing "
         f"their values, never their shapes)")
+
+
+def same_state_everywhere(grid: Grid, state_dict, own, tied: dict) -> None:
+    """`ParallelModule.load_state_dict`'s check. Each rank keeps its block of a full tensor, so ranks given
+    different values would load a patchwork of them: one all-gather of a checksum per full tensor (its
+    shape, dtype and the int64 sum of its bits, read at memory speed) refuses that, naming the first
+    tensor and the ranks. `own`: the model's state_dict; `tied`: other name -> registered name."""
+    mine = {}
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and \
+                isinstance(own.get(tied.get(name, name)), DTensor):
+            mine[name] = (tuple(value.shape), str(value.dtype), bit_sum(value))
+    everyone = all_gather_objects(mine, grid.world_group,
+                                  comm.guarded(grid, "load_state_dict checksum all-gather", "grid", "load_state_dict"))
+    base = grid.base
+    for name in sorted(set().union(*everyone)):
+        differ = [base + r for r, e in enumerate(everyone) if e.get(name) != everyone[0].get(name)]
+        if differ:
+            raise UsageError(
+                f"load_state_dict: {name!r} differs between ranks of this grid (rank {base} vs ranks "
+                f"{differ}): each rank keeps its block of the full tensors it is given, so every rank must "
+                f"pass the same state_dict (load it from the same file on every rank)")

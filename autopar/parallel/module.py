@@ -20,7 +20,6 @@ from passes import Grid
 from passes.capture.export import flatten_inputs
 from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
-from passes.ops import comm
 from passes.ops.grad_buckets import BucketPlan, BucketReduce, StepBuckets
 from passes.meta import PARAM
 from passes.options import Options
@@ -30,13 +29,12 @@ from autopar.parallel.clip import clip_grad_norm
 from autopar.parallel.sharded import gathered, is_sharded, program_for, refuse_foreign_sharding, replica_traffic
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
-from autopar.program.consensus import all_gather_objects
-from autopar.parallel.inputs import RankStateDict, check_inputs as check_call_inputs, input_names
-from autopar.program.guards import bit_sum, check_dtypes
+from autopar.parallel.inputs import RankStateDict, check_inputs as check_call_inputs, input_names, same_state_everywhere
+from autopar.program.guards import check_dtypes
 from autopar.program.build import Compiled, cache_off_kwargs, compile_program, refuse_kv_cache, signature
 from autopar.errors import NotMaterializedError, UnsupportedError, UsageError
 
-__all__ = ["ParallelModule"]
+__all__ = ["Local", "ParallelModule"]
 
 
 def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
@@ -65,6 +63,16 @@ def _set_path(root: nn.Module, path: str, value, kind: str, persistent: bool = T
         m.register_buffer(leaf, value, persistent=persistent)
 
 
+class Local:
+    """`pm(Local(comp, flat))` is `pm.run_local(comp, flat)` through the module's call (its hooks: FSDP2's
+    gathering of a sharded root)."""
+
+    __slots__ = ("comp", "flat")
+
+    def __init__(self, comp, flat: list):
+        self.comp, self.flat = comp, flat
+
+
 # methods a layer above adds (autopar.checkpoint: "save_pretrained"), so that this one imports none of it
 EXTENSIONS: dict = {}
 
@@ -85,6 +93,7 @@ class ParallelModule(nn.Module):
         self._runner = Runner(options.compile)
         self._via_torch_compile = False  # this call came through the user's torch.compile(pmodel)
         self._bucket_plans: dict = {}  # signature -> BucketPlan of the replicas' gradients (dp > 1)
+        self.replica_sync = True  # dp > 1: average gradients over the replicas in each backward (a pipeline: after)
         self._last = first
         device = first.captured.device
         for name, p in model.named_parameters():
@@ -281,6 +290,8 @@ class ParallelModule(nn.Module):
                 "yet: load them with autopar.load_safetensors(pmodel, path) or torch.distributed.checkpoint, "
                 "or build it with autopar.from_pretrained(path, ...)"
             )
+        if len(args) == 1 and isinstance(args[0], Local):  # a pipeline stage: through the call, for FSDP2's hooks
+            return self.run_local(args[0].comp, args[0].flat)
         refuse_kv_cache(kwargs)
         refuse_foreign_sharding(self)
         kwargs = {**self._cache_off, **kwargs}
@@ -311,7 +322,7 @@ class ParallelModule(nn.Module):
             if role == "param" and key not in cache:
                 cache[key] = None if key in fetched else self.get_parameter(key).to_local()
         # sharded replicas: FSDP2 reduce-scatters the gradients over the replicas after backward
-        buckets = self.grid.dp > 1 and torch.is_grad_enabled() and not is_sharded(self)
+        buckets = self.grid.dp > 1 and torch.is_grad_enabled() and not is_sharded(self) and self.replica_sync
         step = self._replica_buckets(comp, cache) if buckets else None
         for role, key in comp.captured.sources:
             if role == "param":
@@ -361,7 +372,7 @@ class ParallelModule(nn.Module):
         same on every rank): each rank keeps its block of each. Call it on every rank of the grid: one
         all-gather of a checksum per full tensor checks that the ranks were given the same values."""
         own = self.state_dict()
-        self._same_state_everywhere(state_dict, own)
+        same_state_everywhere(self.grid, state_dict, own, self._tied)
         converted = {}
         for name, value in state_dict.items():
             name = self._tied.get(name, name)  # a tied weight's other name (an LM head) loads once
@@ -380,27 +391,6 @@ class ParallelModule(nn.Module):
         result = super().load_state_dict(converted, strict=strict, assign=assign)
         self._materialized = True
         return result
-
-    def _same_state_everywhere(self, state_dict, own) -> None:
-        """Each rank keeps its block of a full tensor, so ranks given different values would load a
-        patchwork of them: one all-gather of a checksum per full tensor (its shape, dtype and the int64
-        sum of its bits, read at memory speed) refuses that, naming the first tensor and the ranks."""
-        mine = {}
-        for name, value in state_dict.items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and \
-                    isinstance(own.get(self._tied.get(name, name)), DTensor):
-                mine[name] = (tuple(value.shape), str(value.dtype), bit_sum(value))
-        everyone = all_gather_objects(mine, self.grid.world_group,
-                                      comm.guarded(self.grid, "load_state_dict checksum all-gather", "grid",
-                                                   "load_state_dict"))
-        base = self.grid.base
-        for name in sorted(set().union(*everyone)):
-            differ = [base + r for r, e in enumerate(everyone) if e.get(name) != everyone[0].get(name)]
-            if differ:
-                raise UsageError(
-                    f"load_state_dict: {name!r} differs between ranks of this grid (rank {base} vs ranks "
-                    f"{differ}): each rank keeps its block of the full tensors it is given, so every rank must "
-                    f"pass the same state_dict (load it from the same file on every rank)")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter to a total norm of `max_norm`, as

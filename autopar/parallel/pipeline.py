@@ -34,11 +34,12 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, Sched
 
 from autopar.errors import UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
-from autopar.parallel.stages import Variant, build, chunks, counted, cut, rank_of, split_points, stage_ids
+from autopar.parallel.sharded import is_sharded, shard_replicas
+from autopar.parallel.stages import (Variant, average_over_replicas, build, chunks, counted, cut, rank_of,
+                                     split_points, stage_ids)
 from autopar.program.build import cache_off_kwargs, signature
 from passes import Grid
 from passes.compat import pytree
-from passes.options import DEFAULTS
 
 __all__ = ["Pipeline", "PipelineModule", "SCHEDULES", "pipeline_parallelize"]
 
@@ -231,6 +232,8 @@ class PipelineModule(nn.Module):
         losses: list = []
         kwargs = self._named(args, kwargs)
         self._run(self._variant(kwargs, True), kwargs, fn, target, losses)
+        if self.grid.dp > 1 and not self.sharded:
+            average_over_replicas(self.stage_modules, self.grid, self.stage_module.options.grad_bucket_mb)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
         dist.broadcast(loss, src=self._last_rank(), group=self.grid.pp_group)
         return loss
@@ -302,7 +305,12 @@ class PipelineModule(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """As ParallelModule's, over every stage: the total norm of all the model's gradients."""
-        return clip_grad_norm(self, max_norm, norm_type)
+        return clip_grad_norm(self, max_norm, norm_type, sharded=self.sharded)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the stages' grid blocks are split over the replicas (data_parallel='shard', dp > 1)."""
+        return is_sharded(self.stage_module)
 
 
 def named(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -320,14 +328,10 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
                          options, device, timeout) -> PipelineModule:
     """`parallelize(..., pipeline=pipe_opts)`: this rank's stages, parallelized on its grid (its groups
     built with `timeout`, a timedelta, as parallelize builds a grid's)."""
-    if len(grid) == 3:
-        raise UnsupportedError("pipeline= with data-parallel replicas (grid=(dp, R, C)) is not built; pass grid=(R, C)")
-    refused = {k: v for k, v in (("strategy", options.strategy), ("compile", options.compile),
-                                 ("recompute", options.recompute)) if v != getattr(DEFAULTS, k) and v != "1d"}
-    if refused:
-        raise UnsupportedError(f"pipeline= with {refused} is not built; leave them at their defaults "
-                               f"(strategy '2d' or '1d')")
-    need, world = pipe_opts.stages * grid[0] * grid[1], dist.get_world_size()
+    if options.strategy == "auto":
+        raise UnsupportedError("pipeline= with strategy='auto' is not built; pass strategy='2d' or '1d'")
+    dp = grid[0] if len(grid) == 3 else 1
+    need, world = pipe_opts.stages * dp * grid[-2] * grid[-1], dist.get_world_size()
     if need != world:
         raise UsageError(f"{pipe_opts.stages} pipeline stages of grid={tuple(grid)} needs {need} processes but the "
                          f"default process group has world size {world}; start {need} processes, or change the "
@@ -338,12 +342,16 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     points = split_points(model, pipe_opts.split_points, n)
     pipe, seen, reference = cut(model, points, first_args, first_kwargs, n)
     _refuse_shared_across_stages(model, pipe)
-    g = Grid(grid[0], grid[1], device_type=device.type, timeout=timeout, stages=pipe_opts.stages)
+    g = Grid(grid[-2], grid[-1], dp=dp, device_type=device.type, timeout=timeout, stages=pipe_opts.stages)
     ids = stage_ids(g.stage, pipe_opts.stages, pipe_opts.stages_per_rank, pipe_opts.style)
     labels = "labels" in kwargs and isinstance(reference, tuple) and getattr(reference[0], "dim", lambda: 1)() == 0
     pms: dict = {}
     variant = build(model, pipe, seen, reference, g, ids, pipe_opts.style, labels and model.training, options, device,
                     model.training, pms)
+    for pm in pms.values():
+        if pm.program.data_parallel == "shard":  # FSDP2 units over the replicas, each stage on its own
+            shard_replicas(pm)
+        pm.replica_sync = False  # replicated: averaged once per step, after the schedule (train_step)
     key = signature(first_args, first_kwargs, model.training)
     pmodel = PipelineModule(model, g, pipe_opts, pms, (key, variant), labels, (points, options, device))
     pmodel._schedule(variant, None)  # torch's own checks of the micro-batches, here rather than at the first step

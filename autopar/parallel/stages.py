@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 
 from autopar.errors import UsageError
-from autopar.parallel.module import ParallelModule
+from autopar.parallel.module import Local, ParallelModule
 from autopar.program.build import capture, compile_captured, signature
 from autopar.program.guards import agree_on_plan
 from passes import Grid
@@ -32,9 +32,12 @@ from passes.compat import pytree
 from passes.errors import CaptureError
 from passes.layout import REPLICATED, local_shape
 from passes.meta import PLACED
+from passes.cost.volumes import all_reduce_bytes
+from passes.ops.comm import guarded, tensor_bytes
+from passes.ops.grad_buckets import plan_buckets
 
-__all__ = ["StageRun", "Variant", "blocks", "build", "chunks", "counted", "crossings", "cut", "rank_of",
-           "split_points", "stage_ids"]
+__all__ = ["StageRun", "Variant", "average_over_replicas", "blocks", "build", "chunks", "counted", "crossings",
+           "cut", "rank_of", "split_points", "stage_ids"]
 
 IGNORE_INDEX = -100  # transformers' label for a token that is not counted
 
@@ -121,7 +124,7 @@ class StageRun(nn.Module):
                 t.register_hook(lambda g: _count(log, "bwd", g))
         have = dict(zip(self.carry_in, received))
         args = tuple(mine[v[1]] if v[0] == "input" else have[v] for v in self.needs)
-        leaves = self.pm.run_local(self.comp, flatten_inputs(self.comp.captured, args, {}))
+        leaves = self.pm(Local(self.comp, flatten_inputs(self.comp.captured, args, {})))
         if self.last:  # whole, for the loss (or an eval forward's result)
             out = pytree.tree_leaves(self.pm.outputs_of(self.comp, leaves))[:self.keep]
             out = [o.full_tensor() if hasattr(o, "full_tensor") else o for o in out]
@@ -275,3 +278,24 @@ def _receive(g: Grid, src: int) -> list:
     box: list = [None]
     dist.recv_object_list(box, group_src=src, group=g.pp_group)
     return box[0]
+
+
+def average_over_replicas(pms: list, g: Grid, bucket_mb: float) -> None:
+    """After a step's last backward: this rank's accumulated gradients averaged over the dp replicas,
+    one all-reduce per bucket of at most `bucket_mb` MiB of one dtype (counted under "dp:pp<b>"). Once
+    per step, not once per micro-batch, as the stages' own programs would (their replica sync is off)."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+             for pm in pms for p in pm.parameters() if p.grad is not None]
+    for b, slots in enumerate(plan_buckets([(t.element_size(), t.numel(), t.dtype) for t in grads],
+                                           bucket_mb * 2**20)):
+        flat = torch.cat([grads[i].reshape(-1) for i in slots])
+        tag = f"dp:pp{b}"
+        g.log.add(tag, "bwd", all_reduce_bytes(tensor_bytes(flat), g.dp))
+        g.log.launch(tag, "bwd")
+        with guarded(g, "all-reduce", "dp", tag):
+            dist.all_reduce(flat, group=g.dp_group)
+        flat.div_(g.dp)
+        offset = 0
+        for i in slots:
+            grads[i].copy_(flat[offset:offset + grads[i].numel()].view_as(grads[i]))
+            offset += grads[i].numel()
