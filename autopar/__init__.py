@@ -8,7 +8,7 @@ from passes.lazy import lazy_names
 
 _HOME = {
     "parallelize": "autopar.parallel.api", "ParallelModule": "autopar.parallel.module",
-    "Pipeline": "autopar.parallel.pipeline", "PipelineModule": "autopar.parallel.pipeline",
+    "Pipeline": "autopar.program.pipe", "PipelineModule": "autopar.parallel.pipeline",
     "FallbackWarning": "autopar.errors", "explain": "autopar.planning.explain", "CaptureError": "autopar.errors",
     "ShardingError": "autopar.errors", "SearchWarning": "autopar.errors", "from_pretrained": "autopar.checkpoint",
     "save_pretrained": "autopar.checkpoint", "CheckpointWarning": "autopar.errors",

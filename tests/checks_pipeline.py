@@ -107,7 +107,7 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_r
 
 def _whole_boundary(model, batch, pipe) -> list:
     """What stage 0 would send per step if its outputs crossed whole (one micro-batch's, times M)."""
-    from autopar.parallel.stages import cut, split_points
+    from autopar.program.pipe import cut, split_points
     m = pipe.n_microbatches
     mb = {**{k: v[: v.shape[0] // m] for k, v in batch.items()}, "use_cache": False}
     _, seen, _ = cut(model, split_points(model, None, pipe.total), (), mb, pipe.total)

@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, PlanWarning, UsageError
 from autopar.parallel.module import ParallelModule
-from autopar.parallel.pipeline import Pipeline, pipeline_parallelize
+from autopar.parallel.pipeline import pipeline_parallelize
+from autopar.program.pipe import Pipeline
 from autopar.parallel.sharded import shard_replicas
 from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program, input_device
 from autopar.program.guards import agree_on_options, agree_on_plan

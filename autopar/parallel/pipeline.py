@@ -23,86 +23,21 @@ A call with another micro-batch shape or mode cuts and compiles the stages for i
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 
 from autopar.errors import UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
 from autopar.parallel.sharded import is_sharded, shard_replicas
-from autopar.parallel.stages import (Variant, average_over_replicas, build, chunks, counted, cut, rank_of,
-                                     split_points, stage_ids)
-from autopar.program.build import cache_off_kwargs, signature
+from autopar.parallel.stages import Variant, average_over_replicas, build
+from autopar.program.build import signature
+from autopar.program.pipe import (SCHEDULES, Pipeline, chunks, counted, cut, named, rank_of,
+                                  refuse_shared_across_stages, split_points, stage_ids)
 from passes import Grid
 from passes.compat import pytree
 
-__all__ = ["Pipeline", "PipelineModule", "SCHEDULES", "pipeline_parallelize"]
-
-# name -> (torch's schedule, stages on each pipeline rank: 'one', 'loop' (p, p+S, ...) or 'v' (p, 2S-1-p))
-SCHEDULES = {"gpipe": (ScheduleGPipe, "one"), "1f1b": (Schedule1F1B, "one"),
-             "interleaved_1f1b": (ScheduleInterleaved1F1B, "loop"), "looped_bfs": (ScheduleLoopedBFS, "loop"),
-             "interleaved_zero_bubble": (ScheduleInterleavedZeroBubble, "loop"),
-             "zbv_zero_bubble": (ScheduleZBVZeroBubble, "v"), "dualpipev": (ScheduleDualPipeV, "v")}
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """How `parallelize(..., pipeline=...)` cuts the model into stages: `stages` pipeline ranks (S), each
-    holding `stages_per_rank` stages (V; the model is cut into S*V), run by the `schedule` (a name in
-    `SCHEDULES`: 'gpipe' and '1f1b' one stage per rank; 'interleaved_1f1b', 'looped_bfs' (breadth-first)
-    and 'interleaved_zero_bubble' V >= 1 looped stages; 'zbv_zero_bubble' and 'dualpipev' V = 2 in a V)
-    over `microbatches` micro-batches (None: S) of each batch; `split_points`: the module paths where
-    stages 1 .. S*V-1 begin (None: the repeated blocks in S*V equal runs)."""
-
-    stages: int
-    schedule: str = "1f1b"
-    microbatches: int | None = None
-    split_points: tuple | None = None
-    stages_per_rank: int = 1
-
-    def __post_init__(self):
-        def positive(v):
-            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-        if not positive(self.stages) or self.stages < 2:
-            raise UsageError(f"Pipeline(stages={self.stages!r}): expected an int >= 2 (one stage is no pipeline: "
-                             f"leave pipeline out)")
-        if self.schedule not in SCHEDULES:
-            raise UsageError(f"Pipeline(schedule={self.schedule!r}): expected one of {tuple(SCHEDULES)}")
-        V, style = self.stages_per_rank, SCHEDULES[self.schedule][1]
-        if not positive(V) or (style == "one" and V != 1) or (style == "v" and V != 2):
-            want = {"one": "1 (use 'interleaved_1f1b' or 'looped_bfs' for more)", "v": "2 (its V shape)",
-                    "loop": "a positive int"}[style]
-            raise UsageError(f"Pipeline(stages_per_rank={V!r}) with schedule {self.schedule!r}: expected {want}")
-        m = self.microbatches
-        if m is not None and not positive(m):
-            raise UsageError(f"Pipeline(microbatches={m!r}): expected a positive int, or None for one per stage")
-        if self.split_points is not None:
-            points, n = tuple(self.split_points), self.total
-            if len(points) != n - 1 or not all(isinstance(p, str) for p in points):
-                raise UsageError(f"Pipeline(split_points={self.split_points!r}): expected {n - 1} module paths (where "
-                                 f"stages 1 .. {n - 1} of {n} begin), e.g. ['model.layers.16']")
-            object.__setattr__(self, "split_points", points)
-
-    @property
-    def n_microbatches(self) -> int:
-        return self.microbatches or self.stages
-
-    @property
-    def total(self) -> int:
-        """Stages the model is cut into: stages * stages_per_rank."""
-        return self.stages * self.stages_per_rank
-
-    @property
-    def style(self) -> str:
-        """How stages sit on the pipeline ranks: 'loop' (p, p+S, ...) or 'v' (p, 2S-1-p)."""
-        return "v" if SCHEDULES[self.schedule][1] == "v" else "loop"
-
+__all__ = ["PipelineModule", "pipeline_parallelize"]
 
 class PipelineModule(nn.Module):
     """This rank's pipeline stages of a model (see the module docstring): `train_step` trains on a batch;
@@ -313,17 +248,6 @@ class PipelineModule(nn.Module):
         return is_sharded(self.stage_module)
 
 
-def named(model: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """A call's inputs by name: positional ones named as `model.forward` names them, its use_cache off."""
-    names = list(inspect.signature(model.forward).parameters)
-    if len(args) > len(names):
-        raise UsageError(f"pipeline: {len(args)} positional inputs, but the model's forward takes {names}")
-    both = sorted(set(names[:len(args)]) & set(kwargs))
-    if both:
-        raise UsageError(f"pipeline: {both} given both by position and by name")
-    return {**cache_off_kwargs(model), **dict(zip(names, args)), **kwargs}
-
-
 def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_inputs: tuple, example_kwargs,
                          options, device, timeout) -> PipelineModule:
     """`parallelize(..., pipeline=pipe_opts)`: this rank's stages, parallelized on its grid (its groups
@@ -341,7 +265,7 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     first_args, first_kwargs = chunks((), kwargs, m)[0]
     points = split_points(model, pipe_opts.split_points, n)
     pipe, seen, reference = cut(model, points, first_args, first_kwargs, n)
-    _refuse_shared_across_stages(model, pipe)
+    refuse_shared_across_stages(model, pipe)
     g = Grid(grid[-2], grid[-1], dp=dp, device_type=device.type, timeout=timeout, stages=pipe_opts.stages)
     ids = stage_ids(g.stage, pipe_opts.stages, pipe_opts.stages_per_rank, pipe_opts.style)
     labels = "labels" in kwargs and isinstance(reference, tuple) and getattr(reference[0], "dim", lambda: 1)() == 0
@@ -356,21 +280,3 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     pmodel = PipelineModule(model, g, pipe_opts, pms, (key, variant), labels, (points, options, device))
     pmodel._schedule(variant, None)  # torch's own checks of the micro-batches, here rather than at the first step
     return pmodel
-
-
-def _refuse_shared_across_stages(model: nn.Module, pipe) -> None:
-    """A parameter two stages read (an embedding tied to the LM head) would need its gradients summed
-    across the stages: not built, refused by name."""
-    owner: dict = {}
-    for i in range(pipe.num_stages):
-        for name, _ in pipe.get_stage_module(i).named_parameters():
-            owner.setdefault(name, set()).add(i)
-    first: dict = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), []).append(name)
-    for names in first.values():
-        stages = set().union(*(owner.get(n, set()) for n in names))
-        if len(names) > 1 and len(stages) > 1:
-            raise UnsupportedError(f"pipeline=: parameter {names[0]!r} is shared with {names[1:]} and read by stages "
-                                   f"{sorted(stages)}; weights tied across stages are not built yet (untie them, or "
-                                   f"put their users in one stage with split_points)")

@@ -1,5 +1,5 @@
-"""The stages of a pipelined model (see `autopar.parallel.pipeline`): the model cut with torch's
-`pipeline()`, and each of this rank's stages compiled on its grid and wrapped for torch's
+"""The stages of a pipelined model (see `autopar.parallel.pipeline`): the model cut by
+`autopar.program.pipe.cut`, and each of this rank's stages compiled on its grid and wrapped for torch's
 `PipelineStage`.
 
 A stage's program takes what it receives from the stage before in the layout that stage produced it
@@ -14,86 +14,27 @@ passes whole (as with every autopar call), cut into the same micro-batches (`fee
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+from torch.distributed.pipelining import PipelineStage
 
-from autopar.errors import UsageError
 from autopar.parallel.module import Local, ParallelModule
 from autopar.program.build import capture, compile_captured, signature
 from autopar.program.guards import agree_on_plan
+from autopar.program.pipe import crossings, rank_of
 from passes import Grid
 from passes.capture.export import flatten_inputs
 from passes.compat import pytree
-from passes.errors import CaptureError
+from passes.cost.volumes import all_reduce_bytes
 from passes.layout import REPLICATED, local_shape
 from passes.meta import PLACED
-from passes.cost.volumes import all_reduce_bytes
 from passes.ops.comm import guarded, tensor_bytes
 from passes.ops.grad_buckets import plan_buckets
 
-__all__ = ["StageRun", "Variant", "average_over_replicas", "blocks", "build", "chunks", "counted", "crossings",
-           "cut", "rank_of", "split_points", "stage_ids"]
-
-IGNORE_INDEX = -100  # transformers' label for a token that is not counted
-
-
-def blocks(model: nn.Module) -> list:
-    """The module paths of the model's longest run of numbered children (`model.layers.0`, ...)."""
-    runs: dict = {}
-    for name, _ in model.named_modules():
-        m = re.match(r"^(.*)\.(\d+)$", name)
-        if m:
-            runs.setdefault(m.group(1), []).append(name)
-    return max(runs.values(), key=len) if runs else []
-
-
-def split_points(model: nn.Module, given, n: int) -> tuple:
-    """The module paths where stages 1 .. n-1 begin: `given` (checked), or the repeated blocks in n runs
-    of equal length."""
-    runs = blocks(model)
-    if given is not None:
-        modules = dict(model.named_modules())
-        bad = [p for p in given if p not in modules or p == ""]
-        if bad:
-            raise UsageError(f"Pipeline(split_points=...): {bad} {'is not a' if len(bad) == 1 else 'are not'} module "
-                             f"path{'s' if len(bad) > 1 else ''} of this model; candidates (its repeated blocks): "
-                             f"{runs or sorted(modules)[:20]}")
-        return tuple(given)
-    if len(runs) < n:
-        raise UsageError(f"a pipeline of {n} stages without split_points: the model has {len(runs)} repeated blocks "
-                         f"({runs[:4]}...), fewer than the stages; pass split_points=[module paths]")
-    return tuple(runs[round(k * len(runs) / n)] for k in range(1, n))
-
-
-def stage_ids(p: int, S: int, V: int, style: str) -> list:
-    """The stages pipeline rank p of S holds, V each: 'loop' p, p+S, ...; 'v' p and 2S-1-p."""
-    return [p, 2 * S - 1 - p] if style == "v" else [p + k * S for k in range(V)]
-
-
-def chunks(args: tuple, kwargs: dict, m: int) -> list:
-    """The batch's m micro-batches: (args, kwargs) each, every tensor cut along dim 0."""
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    rows = {t.shape[0] for t in tensors}
-    if len(rows) != 1 or next(iter(rows)) % m:
-        raise UsageError(f"pipeline: a batch of {sorted(rows)} rows cannot be cut into {m} micro-batches of equal "
-                         f"size; pass a batch whose size {m} divides, or Pipeline(microbatches=...) that divides it")
-    size = next(iter(rows)) // m
-
-    def cut(v, i):
-        return v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-
-    return [(tuple(cut(a, i) for a in args), {k: cut(v, i) for k, v in kwargs.items()}) for i in range(m)]
-
-
-def counted(labels: torch.Tensor) -> int:
-    """Tokens a causal LM's loss counts: labels after the one-token shift that are not -100."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
-
+__all__ = ["StageRun", "Variant", "average_over_replicas", "build"]
 
 def _count(log, phase: str, t: torch.Tensor) -> None:
     """One point-to-point send of `t` to a neighbouring stage, in the grid's CommLog (tag "pp:send")."""
@@ -146,61 +87,6 @@ class Variant:
     reference: object
     sent: list = field(default_factory=list)  # per local stage: examples of what it sends, one micro-batch
     received: list = field(default_factory=list)  # per local stage: examples of what it receives
-
-
-def cut(model: nn.Module, points: tuple, args: tuple, kwargs: dict, n: int):
-    """torch's `pipeline()` of the model split at `points`, and each stage module's (inputs, outputs) on
-    this micro-batch (with the model's output on it)."""
-    # pipeline() replaces each split module's forward in place and leaves it so (torch 2.13): a second cut
-    # would then recurse, and the user's model would keep the wrapper; both restored after it
-    mods = [model.get_submodule(p) for p in points]
-    saved = [{k: m.__dict__[k] for k in ("forward", "_orig_forward") if k in m.__dict__} for m in mods]
-    try:
-        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec={p: SplitPoint.BEGINNING for p in points})
-    except Exception as e:  # torch.export could not trace the model whole
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        raise CaptureError(f"pipeline=: torch.distributed.pipelining could not split the model at {list(points)} "
-                           f"({type(e).__name__}: {first})") from e
-    finally:
-        for m, own in zip(mods, saved):
-            for k in ("forward", "_orig_forward"):
-                m.__dict__.pop(k, None)
-            m.__dict__.update(own)
-    if pipe.num_stages != n:
-        raise UsageError(f"pipeline=: splitting at {list(points)} gave {pipe.num_stages} stages, not {n}; pass "
-                         f"split_points in the order the model runs them")
-    seen: dict = {}
-    subs = [mod for name, mod in pipe.split_gm.named_children() if name.startswith("submod_")]
-    hooks = [mod.register_forward_hook(lambda _m, a, o, i=i: seen.__setitem__(i, (a, o))) for i, mod in enumerate(subs)]
-    try:
-        with torch.no_grad():
-            reference = pipe(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return pipe, seen, reference
-
-
-def crossings(pipe) -> tuple:
-    """(needs, crossing) of a cut model: needs[j], the values stage j reads, in its argument order;
-    crossing[j], the values that cross from stage j to j+1 (made at or before j, read after it), in a
-    fixed order. A value is (stage that made it, output index) or ("input", name)."""
-    calls = [c for c in pipe.split_gm.graph.nodes if c.op == "call_module" and c.target.startswith("submod_")]
-    index = {c: j for j, c in enumerate(calls)}
-
-    def value(a):
-        if a.op == "placeholder":
-            return ("input", a.target)
-        if a.op == "call_module":
-            return (index[a], 0)
-        return (index[a.args[0]], a.args[1])  # getitem of a stage's outputs
-
-    needs = [[value(a) for a in c.args] for c in calls]
-    crossing = []
-    for j in range(len(calls) - 1):
-        later = [v for need in needs[j + 1:] for v in need if v[0] != "input" and v[0] <= j]
-        crossing.append(list(dict.fromkeys(later)))
-    return needs, crossing
 
 
 def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, style: str, keep_loss: bool, options,
@@ -256,11 +142,6 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
         variant.sent.append(sent)
         variant.received.append(received)
     return variant
-
-
-def rank_of(i: int, S: int, style: str) -> int:
-    """The pipeline rank (of S) holding stage i: 'loop' i mod S; 'v' i, or 2S-1-i on the way back."""
-    return i % S if style == "loop" else (i if i < S else 2 * S - 1 - i)
 
 
 def _block(t: torch.Tensor, lay, g: Grid, at) -> torch.Tensor:
