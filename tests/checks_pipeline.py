@@ -80,6 +80,8 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_r
                                   for ph in ("fwd", "bwd")}
             out["p2p planned"] = pm.p2p_traffic()
             out["dp calls"] = log.calls("dp:")  # replicated replicas: gradients averaged once per step
+            out["grid bytes"] = log.total() - log.total("pp:") - log.total("dp:")
+            out["at"] = (pm.grid.r, pm.grid.c)
             out.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                                     prefix="grad "))
             norm = pm.clip_grad_norm_(1e9)
@@ -160,3 +162,18 @@ def refusals(rank) -> dict:
         except (autopar.UsageError, autopar.UnsupportedError) as e:
             out[name] = str(e)
     return out
+
+
+def planned(grid, schedule, labels=True, per_rank=1, microbatches=None):
+    """autopar.plan(..., pipeline=...) of `parity`'s model and batch, on this process: per pipeline rank,
+    the point-to-point bytes per step and the grid's bytes per step (position (0, 0))."""
+    model, make = _llama(2 * per_rank)
+    batch = _padded(make, 8, 1)
+    example = batch if labels else dict(input_ids=batch["input_ids"])
+    pipe = autopar.Pipeline(stages=2, schedule=schedule, microbatches=microbatches, stages_per_rank=per_rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl = autopar.plan(model, grid=grid, example_kwargs=example, pipeline=pipe)
+    m = pipe.n_microbatches
+    return {r["rank"]: (r["sends_per_step_bytes"], m * sum(pl.stages[j].comm_bytes for j in r["stages"]))
+            for r in pl.ranks}

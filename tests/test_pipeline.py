@@ -4,6 +4,7 @@ refusals."""
 
 import pytest
 
+from passes.cost.pipeline import ZERO_BUBBLE
 from tests import checks_pipeline as C
 from tests.compare import assert_every_rank
 from tests.conftest import get_pool
@@ -31,6 +32,7 @@ def test_pipeline_stages_match_one_process(grid, schedule, labels, per_rank, dat
     gradients that differ from one process's, a clipped norm that leaves a stage out, and point-to-point
     sends that differ from `p2p_traffic()`."""
     m = 4 if schedule == "dualpipev" else None  # DualPipeV: at least as many micro-batches as stages
+    plan = C.planned(grid, schedule, labels, per_rank, m)
     dp, tp = (grid[0] if len(grid) == 3 else 1), grid[-2] * grid[-1]
     results = get_pool(2 * dp * tp).run(C.parity, grid, schedule, labels=labels, per_rank=per_rank,
                                         microbatches=m, data_parallel=data_parallel)
@@ -49,6 +51,14 @@ def test_pipeline_stages_match_one_process(grid, schedule, labels, per_rank, dat
     bound = 1.2 if data_parallel == "shard" else 1.15
     for rank, r in enumerate(results):
         assert r["held"] <= bound / split, (rank, [x["held"] * split for x in results])
+        if data_parallel == "replicate" and r["at"] == (0, 0):  # the plan's bytes, on one process, are the run's
+            sends, grid_bytes = plan[r["stage"]]
+            counted = r["p2p counted"]["fwd"][1] + r["p2p counted"]["bwd"][1]
+            assert counted == sends, (rank, counted, plan)
+            if schedule in ZERO_BUBBLE:  # each product's backward is one autograd node, run by both halves
+                assert r["grid bytes"] > grid_bytes, (rank, r["grid bytes"], plan)
+            else:
+                assert r["grid bytes"] == grid_bytes, (rank, r["grid bytes"], plan)
         if dp > 1 and data_parallel == "replicate":  # one bucket (this model's gradients), once per step, not
             assert r["dp calls"] == 1, (rank, r["dp calls"])  # once per micro-batch
         assert r["p2p counted"] == r["p2p planned"], (rank, r["p2p counted"], r["p2p planned"])

@@ -110,7 +110,7 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
         stage_mod.train(training)
         carry_in = crossing[j - 1] if j else []
         carry_out = crossing[j] if j < n - 1 else []
-        args = tuple(a.detach() for a in seen[j][0])
+        args = seen[j][0]  # a received value that needs a gradient is captured needing one: its backward is built
         lay = dict(zip(carry_in, mailbox.pop(j - 1) if j - 1 in mailbox else
                        _receive(g, rank_of(j - 1, g.stages, style)))) if j else {}
         cap = capture(stage_mod, args, {})
@@ -133,7 +133,7 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
         sent, received = ([_block(whole(v), lay[v], g, at) for v in vs] for vs in (carry_out, carry_in))
         outs = seen[j][1] if isinstance(seen[j][1], tuple) else (seen[j][1],)
         keep = 1 if last and keep_loss else len(outs)
-        out_args = [o.detach().requires_grad_(o.is_floating_point()) for o in outs[:keep]] if last else sent
+        out_args = list(outs[:keep]) if last else sent
         run = StageRun(pms[j], comp, j, needs[j], carry_in, carry_out, last, keep)
         stage = PipelineStage(run, j, n, device, input_args=tuple(received),
                               output_args=out_args[0] if len(out_args) == 1 else tuple(out_args), group=g.pp_group)
@@ -145,10 +145,10 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
 
 
 def _block(t: torch.Tensor, lay, g: Grid, at) -> torch.Tensor:
-    """An example of this rank's block of `t` in layout `lay` (zeros of its block's shape; floating-point
-    ones need a gradient, which PipelineStage reads to know what to send back)."""
+    """An example of this rank's block of `t` in layout `lay` (zeros of its block's shape, needing a
+    gradient where `t` does: PipelineStage reads that to know which gradients cross back)."""
     block = torch.zeros(local_shape(tuple(t.shape), lay, g.shape, at=at), dtype=t.dtype, device=t.device)
-    return block.requires_grad_(t.is_floating_point())
+    return block.requires_grad_(t.requires_grad)
 
 
 def _send(g: Grid, layouts: list, to: int) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -36,6 +36,9 @@ from passes.search import strategy as strategies
 from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options, format_bytes
 from autopar.planning.explain import graph_rows
+from autopar.planning.pipeline_plan import plan_pipeline
+from autopar.program.pipe import Pipeline
+from passes.cost.cluster import resolve_cluster
 from autopar.planning.progress import steps
 from autopar.planning.replicas import ReplicaPlan, plan_replicas
 from autopar.generate.cache import kv_cache_bytes_per_rank
@@ -210,7 +213,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
          search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
          recompute: str | bool | None = DEFAULTS.recompute, moe_dispatch: str = DEFAULTS.moe_dispatch,
          grad_bucket_mb: float = DEFAULTS.grad_bucket_mb, data_parallel: str = DEFAULTS.data_parallel,
-         reshard_after_forward: bool = DEFAULTS.reshard_after_forward) -> Plan:
+         reshard_after_forward: bool = DEFAULTS.reshard_after_forward, pipeline=None, cluster=None):
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
     the options are validated as `parallelize` validates them (ops without a split form are planned
     replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
@@ -220,7 +223,11 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     `autopar.generate.kv_cache_bytes_per_rank`), in the parameters' dtype. `grid=(dp, R, C)`: the
     R x C grid's plan, and in `Plan.replicas` what its dp replicas move and hold per rank with
     `data_parallel` ('replicate': gradient all-reduces in buckets of `grad_bucket_mb`; 'shard': FSDP2,
-    with `reshard_after_forward`)."""
+    with `reshard_after_forward`). `pipeline=` (an `autopar.Pipeline` or a number of stages): the
+    pipeline's plan instead (`autopar.planning.pipeline_plan.PipelinePlan`: per stage and pipeline
+    rank, the bubble and the step estimate); `cluster` (a `passes.cost.cluster.Cluster` or a preset's
+    name, e.g. 'dgx-h100') prices each axis with the link its ranks cross (nodes of 8 GPUs: an axis
+    spanning more than a node crosses InfiniBand)."""
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
                       cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
                       recompute=recompute, moe_dispatch=moe_dispatch, grad_bucket_mb=grad_bucket_mb,
@@ -233,6 +240,15 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     mesh = tuple(grid[-2:])
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     check_example_inputs(model, example_inputs, example_kwargs, "autopar.plan")
+    if pipeline is not None:
+        pipe = Pipeline(stages=pipeline) if isinstance(pipeline, int) and not isinstance(pipeline, bool) else pipeline
+        if not isinstance(pipe, Pipeline):
+            raise UsageError(f"pipeline={pipeline!r}: expected None, a number of stages, or autopar.Pipeline(...)")
+        return plan_pipeline(model, tuple(grid), pipe, example_inputs, example_kwargs, options,
+                             resolve_cost_model(cost_model), resolve_cluster(cluster))
+    if cluster is not None:
+        mesh_cm = resolve_cluster(cluster).cost_model(1, dp, *mesh)
+        options = replace(options, cost_model=mesh_cm)
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
     bar = steps(f"autopar plan {mesh[0]}x{mesh[1]}", 2)
     bar.set_postfix_str("capture and passes" + (" and strategy search" if strategy == "auto" else ""))

@@ -21,6 +21,7 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, Sched
 
 from autopar.errors import UnsupportedError, UsageError
 from autopar.program.build import cache_off_kwargs
+from passes.compat import pytree
 from passes.errors import CaptureError
 
 __all__ = ["IGNORE_INDEX", "Pipeline", "SCHEDULES", "blocks", "chunks", "counted", "crossings", "cut", "named",
@@ -145,7 +146,8 @@ def counted(labels: torch.Tensor) -> int:
 
 def cut(model: nn.Module, points: tuple, args: tuple, kwargs: dict, n: int):
     """torch's `pipeline()` of the model split at `points`, and each stage module's (inputs, outputs) on
-    this micro-batch (with the model's output on it)."""
+    this micro-batch (detached; `requires_grad` where the value depends on a trained parameter), with
+    the model's output on it."""
     # pipeline() replaces each split module's forward in place and leaves it so (torch 2.13): a second cut
     # would then recurse, and the user's model would keep the wrapper; both restored after it
     mods = [model.get_submodule(p) for p in points]
@@ -166,10 +168,13 @@ def cut(model: nn.Module, points: tuple, args: tuple, kwargs: dict, n: int):
                          f"split_points in the order the model runs them")
     seen: dict = {}
     subs = [mod for name, mod in pipe.split_gm.named_children() if name.startswith("submod_")]
-    hooks = [mod.register_forward_hook(lambda _m, a, o, i=i: seen.__setitem__(i, (a, o))) for i, mod in enumerate(subs)]
+    def keep(i, a, o):  # detached, each keeping whether it needs a gradient (what a stage sends back)
+        seen[i] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (a, o))
+
+    hooks = [mod.register_forward_hook(lambda _m, a, o, i=i: keep(i, a, o)) for i, mod in enumerate(subs)]
     try:
-        with torch.no_grad():
-            reference = pipe(*args, **kwargs)
+        with torch.enable_grad():
+            reference = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, pipe(*args, **kwargs))
     finally:
         for h in hooks:
             h.remove()

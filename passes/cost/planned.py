@@ -154,15 +154,19 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, s
 
 
 def nodes_needing_grad(gm: torch.fx.GraphModule) -> set:
-    """Nodes whose value depends on a trained floating-point parameter: only their backward runs. A
+    """Nodes whose value depends on a trained floating-point parameter (or an input that needs a
+    gradient): only their backward runs. A
     frozen parameter (requires_grad=False: peft's base layers) gets no gradient, so neither its weight
     gradient nor its gradient reduction is priced, and what only it feeds saves nothing for backward."""
     out = set()
     for node in gm.graph.nodes:
         v = node.meta.get("val")
         floating = isinstance(v, torch.Tensor) and v.dtype.is_floating_point or isinstance(v, (tuple, list))
-        if node.op == "placeholder":
-            if node.meta.get(ROLE) == "param" and floating and getattr(v, "requires_grad", True):
+        if node.op == "placeholder":  # a trained parameter; or an input that needs a gradient (a pipeline
+            # stage's received hidden states, whose gradient is sent back)
+            role = node.meta.get(ROLE)
+            if floating and (role == "param" and getattr(v, "requires_grad", True)
+                             or role == "input" and getattr(v, "requires_grad", False)):
                 out.add(node)
         elif floating and any(a in out for a in node.all_input_nodes):
             out.add(node)

@@ -1,0 +1,213 @@
+"""`plan(..., pipeline=...)`: what a pipelined model's stages cost, computed on one process.
+
+The model is cut as `parallelize(..., pipeline=...)` cuts it (`autopar.program.pipe.cut`), and each
+stage is compiled on a planning grid in order, its received values placed as the stage before sends
+them, exactly as the ranks compile them. Per stage and micro-batch: the grid's bytes and calls, the
+FLOPs, the parameters a rank holds, the blocks it sends to the next stage (and the gradients it sends
+back), and the estimate (`passes.search.lowering.fixed_estimate`: compute and the grid's collectives,
+one micro-batch's forward and backward, with its activations).
+
+Then per pipeline rank (its stages: p, p+S, ...; or p and 2S-1-p): its work, one micro-batch through
+each of its stages plus its point-to-point sends (priced with the pipeline axis's link), and the
+replica axis's gradient traffic. The step estimate is the slowest rank's work over the M micro-batches
+stretched by the schedule's bubble (`passes.cost.pipeline.bubble`):
+
+    step = (M * max_p work_p) / (1 - bubble) + replicas_p
+
+Memory per rank: its stages' parameters, gradients and optimizer states, and the activations of the
+micro-batches in flight (`passes.cost.pipeline.in_flight`: GPipe all M, 1F1B about S - p).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from autopar.planning.explain import graph_rows
+from autopar.program.build import capture, compile_captured, signature
+from autopar.program.pipe import Pipeline, chunks, crossings, cut, named, rank_of, split_points, stage_ids
+from passes.compat import pytree
+from passes.cost.cluster import Cluster
+from passes.cost.model import CostModel
+from passes.cost.pipeline import bubble, in_flight
+from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+from passes.layout import REPLICATED, local_shape
+from passes.mesh import Grid
+from passes.meta import PLACED
+from passes.options import format_bytes
+from passes.search.lowering import fixed_estimate
+
+__all__ = ["PipelinePlan", "StagePlan", "plan_pipeline"]
+
+
+@dataclass
+class StagePlan:
+    """One stage, per rank of its grid (position (0, 0)) and per micro-batch."""
+
+    index: int
+    rank: int  # the pipeline rank holding it
+    layers: list  # the repeated blocks it runs
+    param_bytes: int  # its parameter blocks on one rank
+    trained_bytes: int  # of which get a gradient
+    comm_bytes: int  # the grid's collectives, forward and backward
+    calls: int
+    flops: int
+    send_fwd_bytes: int  # its blocks of the values it sends to the next stage
+    send_bwd_bytes: int  # the gradients it sends back to the stage before
+    sends: int  # point-to-point sends, both ways
+    time_s: float  # estimated forward and backward of one micro-batch on its grid
+    activation_bytes: float  # saved for its backward, one micro-batch
+    state_bytes: float  # parameters, gradients and AdamW states a rank holds (the estimate's; 1/d sharded)
+
+
+@dataclass
+class PipelinePlan:
+    """The plan of `pipeline` on `grid` ((d, R, C)): per stage (`stages`) and per pipeline rank
+    (`ranks`: stages, work per micro-batch, sends and replica traffic per step, memory), the bubble
+    and the step estimate. Estimates, not measurements."""
+
+    grid: tuple
+    pipeline: Pipeline
+    stages: list
+    ranks: list = field(default_factory=list)
+    bubble: float = 0.0
+    step_s: float = 0.0
+    cost_source: str = ""
+    tokens_per_step: int = 0
+
+    @property
+    def memory_bytes(self) -> float:
+        """The most any rank holds (parameters, gradients, optimizer states, activations in flight)."""
+        return max(r["memory_bytes"] for r in self.ranks)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        world = self.pipeline.stages * math.prod(self.grid)
+        return self.tokens_per_step / self.step_s / world if self.step_s else 0.0
+
+    def to_json(self) -> dict:
+        return {"grid": list(self.grid), "stages": self.pipeline.stages, "schedule": self.pipeline.schedule,
+                "microbatches": self.pipeline.n_microbatches, "stages_per_rank": self.pipeline.stages_per_rank,
+                "bubble": self.bubble, "step_s": self.step_s, "memory_bytes": self.memory_bytes,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "cost_source": self.cost_source,
+                "per_stage": [vars(s) for s in self.stages], "per_rank": self.ranks}
+
+    def __str__(self) -> str:
+        p = self.pipeline
+        lines = [f"pipeline {p.stages} x grid {'x'.join(map(str, self.grid))}, schedule {p.schedule!r}, "
+                 f"{p.n_microbatches} micro-batches, {p.stages_per_rank} stage(s) per rank ({self.cost_source})",
+                 "stage  rank  layers        params/rank  grid bytes/mb  sends/mb (fwd+bwd)  est/mb",
+                 *(f"{s.index:>5}  {s.rank:>4}  {_span(s.layers):<12}  {format_bytes(s.param_bytes):>11}  "
+                   f"{format_bytes(s.comm_bytes):>13}  {format_bytes(s.send_fwd_bytes + s.send_bwd_bytes):>18}  "
+                   f"{s.time_s * 1e3:8.2f} ms" for s in self.stages),
+                 f"estimated bubble {self.bubble:.1%} of the step; step {self.step_s:.3f} s"
+                 + (f", {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU" if self.tokens_per_step else ""),
+                 *(f"pipeline rank {r['rank']}: stages {r['stages']}, work {r['work_s'] * 1e3:.2f} ms per "
+                   f"micro-batch, {r['in_flight']} micro-batch(es) in flight, memory "
+                   f"{format_bytes(r['memory_bytes'])}, replica axis {r['replica_s'] * 1e3:.1f} ms per step"
+                   for r in self.ranks)]
+        return "\n".join(lines)
+
+
+def _span(layers: list) -> str:
+    if not layers:
+        return "-"
+    nums = [int(x.rsplit(".", 1)[1]) for x in layers]
+    return f"{min(nums)}-{max(nums)}" if len(nums) > 1 else str(nums[0])
+
+
+def plan_pipeline(model, grid: tuple, pipe: Pipeline, example_inputs: tuple, example_kwargs, options,
+                  cost_model: CostModel, cluster: Cluster | None = None) -> PipelinePlan:
+    """See the module docstring. `grid`: (R, C) or (d, R, C); `options`: plan's; `cost_model`: the grid
+    axes' figures where `cluster` is None (the pipeline and replica axes then use axis 0's, the slower)."""
+    d = grid[0] if len(grid) == 3 else 1
+    R, C = grid[-2:]
+    S, n, m = pipe.stages, pipe.total, pipe.n_microbatches
+    kwargs = named(model, example_inputs, example_kwargs or {})
+    _, first = chunks((), kwargs, m)[0]
+    if any(p.is_meta for p in model.parameters()):  # trace all on meta, as capture does
+        first = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), first)
+    points = split_points(model, pipe.split_points, n)
+    cut_model, seen, _ = cut(model, points, (), first, n)
+    needs, crossing = crossings(cut_model)
+    options = replace(options, replicas=d)
+    cm = cluster.cost_model(S, d, R, C) if cluster else cost_model
+    g, mesh = Grid.for_planning(R, C, dp=d), (R, C)
+    layouts: dict = {}
+    stages = []
+    for j in range(n):
+        stage_mod = cut_model.get_stage_module(j)
+        args = seen[j][0]
+        comp, params = compile_captured(_placed(stage_mod, args, needs[j], layouts), signature(args, {}, True), g,
+                                        options)
+        layouts.update(((j, k), o[0] if o else REPLICATED) for k, o in enumerate(comp.out_layouts))
+        rows = graph_rows(comp.inspected, mesh)
+        est, _ = fixed_estimate(_placed(stage_mod, args, needs[j], layouts).gm, mesh, cm, options.strategy, options)
+
+        def block_bytes(v):
+            out = seen[v[0]][1]
+            t = out[v[1]] if isinstance(out, tuple) else out
+            return math.prod(local_shape(tuple(t.shape), layouts[v], mesh, at=(0, 0))) * t.element_size(), t
+
+        outs = [block_bytes(v) for v in (crossing[j] if j < n - 1 else [])]
+        ins = [block_bytes(v) for v in (crossing[j - 1] if j else [])]
+        held = trained = 0
+        for name, p in stage_mod.named_parameters():
+            b = math.prod(local_shape(tuple(p.shape), params.get(name, REPLICATED), mesh, at=(0, 0))) * p.element_size()
+            held += b
+            trained += b if p.requires_grad else 0
+        stages.append(StagePlan(
+            j, rank_of(j, S, pipe.style), sorted({_block(nm) for nm, _ in stage_mod.named_parameters()} - {""}),
+            held, trained, sum(r.fwd_bytes + r.bwd_bytes for r in rows), sum(r.calls_fwd + r.calls_bwd for r in rows),
+            sum(r.flops for r in rows), sum(b for b, _ in outs), sum(b for b, t in ins if t.requires_grad),
+            len(outs) + sum(1 for _, t in ins if t.requires_grad), est.time_s, est.activation_bytes,
+            est.memory_bytes - est.activation_bytes))
+    result = PipelinePlan(tuple(grid) if len(grid) == 3 else (1, R, C), pipe, stages,
+                          cost_source=cm.source if hasattr(cm, "source") else "")
+    result.bubble = bubble(pipe.schedule, S, m, pipe.stages_per_rank)
+    pp = cluster.axis_link("pp", S, d, R, C) if cluster else None
+    dp_link = cluster.axis_link("dp", S, d, R, C) if cluster else None
+    alpha_pp, beta_pp = (pp.alpha_s, pp.beta_bytes_per_s) if pp else (cm.alpha[0], cm.beta[0])
+    alpha_dp, beta_dp = (dp_link.alpha_s, dp_link.beta_bytes_per_s) if dp_link else (cm.alpha[0], cm.beta[0])
+    for p in range(S):
+        mine = [stages[j] for j in stage_ids(p, S, pipe.stages_per_rank, pipe.style)]
+        work = sum(s.time_s + s.sends * alpha_pp + (s.send_fwd_bytes + s.send_bwd_bytes) / beta_pp for s in mine)
+        trained_b = sum(s.trained_bytes for s in mine)
+        replica_s = 0.0
+        if d > 1 and options.data_parallel == "shard":  # FSDP2: gathered twice, reduce-scattered once per micro-batch
+            moved = m * (2 * all_gather_bytes(trained_b, d) + reduce_scatter_bytes(trained_b, d))
+            replica_s = moved / beta_dp + m * 3 * len(mine) * alpha_dp
+        elif d > 1:  # averaged once per step after the schedule, one bucket per grad_bucket_mb
+            buckets = max(1, math.ceil(trained_b / (options.grad_bucket_mb * 2**20)))
+            replica_s = all_reduce_bytes(trained_b, d) / beta_dp + buckets * alpha_dp
+        flight = in_flight(pipe.schedule, S, m, pipe.stages_per_rank, p)
+        memory = sum(s.state_bytes + s.activation_bytes * flight for s in mine)
+        result.ranks.append({"rank": p, "stages": [s.index for s in mine], "work_s": work, "in_flight": flight,
+                             "replica_s": replica_s, "memory_bytes": memory,
+                             "sends_per_step_bytes": m * sum(s.send_fwd_bytes + s.send_bwd_bytes for s in mine)})
+    slowest = max(r["work_s"] for r in result.ranks)
+    result.step_s = m * slowest / (1 - result.bubble) + max(r["replica_s"] for r in result.ranks)
+    ids = kwargs.get("input_ids")
+    result.tokens_per_step = int(ids.numel()) * d if isinstance(ids, torch.Tensor) else 0
+    return result
+
+
+def _block(name: str) -> str:
+    """The repeated block a parameter name is in ('model.layers.3'), or ''."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ""
+
+
+def _placed(stage_mod, args: tuple, needs: list, layouts: dict):
+    """The stage captured with its received values `PLACED` as the stage before makes them."""
+    cap = capture(stage_mod, args, {})
+    for node, (role, key) in zip(cap.gm.graph.find_nodes(op="placeholder"), cap.sources):
+        if role == "input" and needs[key] in layouts:
+            node.meta[PLACED] = layouts[needs[key]]
+    return cap
+

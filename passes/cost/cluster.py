@@ -1,0 +1,86 @@
+"""A cluster of GPU nodes as the cost model sees it: GPUs per node, the link inside a node and the link
+between nodes (alpha: seconds per collective or send; beta: bytes received per second per GPU), the
+matmul rate and the memory per GPU. A mesh axis whose group spans more than one node is priced with
+the link between nodes, one inside a node with NVLink.
+
+Global rank = ((pipeline rank * d) + replica) * R * C + r * C + c (`passes.mesh.Grid`), so with nodes
+of G GPUs holding consecutive ranks: the grid's column axis spans C ranks, its row axis R*C, the
+replica axis d*R*C, the pipeline axis S*d*R*C. An axis is inside a node when its span is at most G.
+
+The presets' figures are the vendors' published line rates (NVLink: per GPU, one direction, half the
+bidirectional figure NVIDIA quotes; InfiniBand / RDMA: one NIC per GPU) and a realistic share of the
+dense bf16 matmul peak; achieved collective bandwidth is lower, so these are optimistic, and an
+`autopar calibrate` run on the real cluster replaces them.
+
+- 'dgx-h100': 8 H100 SXM per node, NVLink 4 at 900 GB/s bidirectional (NVIDIA H100 datasheet),
+  8 ConnectX-7 NDR InfiniBand NICs at 400 Gb/s = 50 GB/s per GPU (NVIDIA DGX H100 datasheet);
+  989 TFLOP/s dense bf16 peak, 400 TFLOP/s assumed reached; 80 GB HBM3.
+- 'grand-teton-h100': torchtitan's benchmark platform (torchtitan benchmarks/llama3_h100_202412):
+  8 H100 per host, NVLink, 400 Gb/s RDMA per GPU, 96 GB HBM2e, 500 W power limit (so a lower reached
+  rate, 350 TFLOP/s assumed).
+- 'dgx-a100': 8 A100 SXM 80GB, NVLink 3 at 600 GB/s bidirectional (NVIDIA A100 datasheet), 8 HDR
+  InfiniBand NICs at 200 Gb/s = 25 GB/s per GPU (DGX A100 datasheet); 312 TFLOP/s dense bf16 peak,
+  150 TFLOP/s assumed reached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from passes.cost.model import CostModel
+from passes.errors import UsageError
+
+__all__ = ["Cluster", "Link", "PRESETS", "resolve_cluster"]
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha_s: float  # per collective launch or point-to-point send
+    beta_bytes_per_s: float  # received per GPU
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus_per_node: int
+    intra: Link  # inside a node
+    inter: Link  # between nodes
+    flops_per_s: float
+    memory_bytes: float  # per GPU
+
+    def link(self, span: int) -> Link:
+        """The link an axis whose group spans `span` consecutive ranks uses."""
+        return self.intra if span <= self.gpus_per_node else self.inter
+
+    def spans(self, stages: int, dp: int, rows: int, cols: int) -> dict:
+        """Consecutive ranks each axis's group spans (see the module docstring)."""
+        tp = rows * cols
+        return {"col": cols, "row": tp, "dp": dp * tp, "pp": stages * dp * tp}
+
+    def cost_model(self, stages: int, dp: int, rows: int, cols: int) -> CostModel:
+        """The grid's CostModel (axis 0 rows, axis 1 columns) for this placement of the ranks."""
+        s = self.spans(stages, dp, rows, cols)
+        row, col = self.link(s["row"]), self.link(s["col"])
+        return CostModel((row.alpha_s, col.alpha_s), (row.beta_bytes_per_s, col.beta_bytes_per_s), self.flops_per_s,
+                         f"cluster {self.name} ({self.gpus_per_node} GPUs per node)")
+
+    def axis_link(self, axis: str, stages: int, dp: int, rows: int, cols: int) -> Link:
+        """The link of axis 'col', 'row', 'dp' or 'pp' for this placement."""
+        return self.link(self.spans(stages, dp, rows, cols)[axis])
+
+
+_NVLINK4, _NVLINK3 = Link(1e-5, 450e9), Link(1e-5, 300e9)
+PRESETS = {
+    "dgx-h100": Cluster("dgx-h100", 8, _NVLINK4, Link(2e-5, 50e9), 400e12, 80e9),
+    "grand-teton-h100": Cluster("grand-teton-h100", 8, _NVLINK4, Link(2e-5, 50e9), 350e12, 96e9),
+    "dgx-a100": Cluster("dgx-a100", 8, _NVLINK3, Link(2e-5, 25e9), 150e12, 80e9),
+}
+
+
+def resolve_cluster(spec) -> Cluster | None:
+    """None, a Cluster, or a preset's name (see `PRESETS`)."""
+    if spec is None or isinstance(spec, Cluster):
+        return spec
+    if isinstance(spec, str) and spec in PRESETS:
+        return PRESETS[spec]
+    raise UsageError(f"cluster={spec!r}: expected a Cluster or one of the presets {sorted(PRESETS)}")
