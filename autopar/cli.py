@@ -171,6 +171,8 @@ def inspect_cmd(ns) -> int:
         grid, grids = autopar.choose_grid(model, ns.devices, args, kwargs, cost_model=ns.cost_model, memory_limit=limit)
     else:
         grid = ns.grid
+    if ns.pipeline:
+        return _pipeline_cmd(ns, model, grid, args, kwargs, strategy, limit)
     pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
                       cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute,
                       data_parallel=ns.data_parallel, reshard_after_forward=ns.reshard_after_forward)
@@ -226,6 +228,19 @@ def inspect_cmd(ns) -> int:
               f"{v['ratio_2d_over_1d_comm']:.2f}, parameters {v['ratio_2d_over_1d_params']:.2f}")
     for row in report.get("sweep", []):
         print(row)
+    return 0
+
+
+def _pipeline_cmd(ns, model, grid, args, kwargs, strategy, limit) -> int:
+    """inspect --pipeline S: the pipeline's plan (per stage and pipeline rank, bubble, step estimate)."""
+    import autopar
+
+    pipe = autopar.Pipeline(stages=ns.pipeline, schedule=ns.schedule, microbatches=ns.microbatches,
+                            stages_per_rank=ns.stages_per_rank)
+    pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
+                      cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute,
+                      data_parallel=ns.data_parallel, pipeline=pipe, cluster=ns.cluster)
+    print(json.dumps(pl.to_json(), indent=2, default=str) if ns.json else pl)
     return 0
 
 
@@ -348,6 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", action="store_true",
                    help="the largest batch per scheme (2D, 1D, 1D x data parallel, auto) that fits --memory-limit "
                         "on --grid, without and with recomputation")
+    p.add_argument("--pipeline", type=int, metavar="S", help="plan S pipeline stages of the grid each")
+    p.add_argument("--schedule", default="1f1b", help="with --pipeline: the schedule (default 1f1b)")
+    p.add_argument("--microbatches", type=int, help="with --pipeline: micro-batches per batch (default S)")
+    p.add_argument("--stages-per-rank", type=int, default=1, help="with --pipeline: stages per pipeline rank")
+    p.add_argument("--cluster", help="price axes by the nodes they span: dgx-h100, grand-teton-h100, dgx-a100")
     p.add_argument("--dot", metavar="FILE", help="write the graph (Graphviz DOT, or HTML for *.html)")
     p.add_argument("--plot", metavar="FILE", help="plot bytes and parameters per rank against p, 2D and 1D "
                                                    "(a sweep up to --sweep or 64; needs matplotlib)")

@@ -111,3 +111,18 @@ def test_inspect_says_why_each_op_fell_back(capsys):
     assert "costly fallbacks: diff" in text, text
     assert "  diff (aten.diff.default) in <top> runs whole: fallback: no sharding rule for aten.diff.default" \
         in text, text
+
+
+def test_inspect_plans_pipeline_stages(capsys):
+    """`--pipeline 2 --stages-per-rank 2` on a 4-layer Llama: four stages of one layer, two per pipeline
+    rank, looped; the interleaved bubble (S-1)/(V*M+S-1) with M = 4; `--cluster` names the preset."""
+    argv = ["inspect", "llama", "--set", "num_hidden_layers=4", "--set", "vocab_size=256", "--batch", "8", "--seq",
+            "8", "--grid", "1x2", "--pipeline", "2", "--schedule", "interleaved_1f1b", "--stages-per-rank", "2",
+            "--microbatches", "4", "--cluster", "dgx-h100", "--json"]
+    assert cli.main(argv) == 0
+    import json
+
+    report = json.loads(capsys.readouterr().out)
+    assert [s["layers"] for s in report["per_stage"]] == [[f"model.layers.{i}"] for i in range(4)], report
+    assert [r["stages"] for r in report["per_rank"]] == [[0, 2], [1, 3]], report["per_rank"]
+    assert abs(report["bubble"] - 1 / 9) < 1e-12 and "dgx-h100" in report["cost_source"], report

@@ -1,0 +1,59 @@
+"""autopar.plan(..., pipeline=...) on one process: the bubble of each schedule family, the stages a
+pipeline rank holds, the cluster presets' choice of link per axis, and bad requests."""
+
+import warnings
+
+import pytest
+
+import autopar
+from passes.cost.cluster import PRESETS, resolve_cluster
+from passes.cost.pipeline import bubble, in_flight
+from tests import checks_pipeline as C
+
+
+def test_bubble_and_in_flight_follow_the_schedules():
+    """GPipe and 1F1B idle (S-1)/(M+S-1) of the step; interleaved stages divide the fill by V; the
+    zero-bubble family a third of it. GPipe keeps all M micro-batches, 1F1B at most S - rank."""
+    assert bubble("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert bubble("1f1b", 4, 8) == bubble("gpipe", 4, 8)
+    assert bubble("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble("looped_bfs", 4, 8, 2) == bubble("interleaved_1f1b", 4, 8, 2)
+    assert bubble("zbv_zero_bubble", 4, 8, 2) == pytest.approx(1 / 17)
+    assert [in_flight("1f1b", 4, 8, 1, p) for p in range(4)] == [4, 3, 2, 1]
+    assert in_flight("gpipe", 4, 8) == 8 and in_flight("1f1b", 4, 2) == 2
+
+
+def test_cluster_prices_axes_that_span_nodes_with_the_slower_link():
+    """Nodes of 8: a 2x4 grid stays in a node (NVLink on both axes), an 8x8 grid's rows span 8 nodes
+    (InfiniBand on axis 0); the pipeline axis of 2 stages of a 2x4 grid spans 16 ranks (InfiniBand)."""
+    h100 = resolve_cluster("dgx-h100")
+    small, big = h100.cost_model(1, 1, 2, 4), h100.cost_model(1, 1, 8, 8)
+    assert small.beta == (h100.intra.beta_bytes_per_s,) * 2
+    assert big.beta == (h100.inter.beta_bytes_per_s, h100.intra.beta_bytes_per_s)
+    assert h100.axis_link("pp", 2, 1, 2, 4) == h100.inter and h100.axis_link("pp", 2, 1, 1, 4) == h100.intra
+    assert set(PRESETS) >= {"dgx-h100", "dgx-a100"}
+    with pytest.raises(autopar.UsageError, match="dgx-h100"):
+        resolve_cluster("dgx-h1000")
+
+
+def test_plan_of_a_pipeline_per_stage_and_rank():
+    """Two pipeline ranks of two looped stages each: every stage planned (one layer each), rank 0 holds
+    stages 0 and 2, the step estimate exceeds M times the slowest rank's work by the bubble, and
+    memory counts the micro-batches in flight."""
+    model, make = C._llama(4)
+    batch = make(8, 8, 1)
+    pipe = autopar.Pipeline(stages=2, schedule="looped_bfs", stages_per_rank=2, microbatches=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl = autopar.plan(model, grid=(1, 2), example_kwargs=batch, pipeline=pipe, cluster="dgx-h100")
+    assert [s.index for s in pl.stages] == [0, 1, 2, 3]
+    assert [s.layers for s in pl.stages] == [[f"model.layers.{i}"] for i in range(4)]
+    assert [r["stages"] for r in pl.ranks] == [[0, 2], [1, 3]]
+    assert pl.bubble == pytest.approx(1 / 9)
+    slowest = max(r["work_s"] for r in pl.ranks)
+    assert pl.step_s == pytest.approx(4 * slowest / (1 - pl.bubble))
+    assert all(r["memory_bytes"] > sum(pl.stages[j].state_bytes for j in r["stages"]) for r in pl.ranks)
+    assert pl.stages[-1].send_fwd_bytes == 0 and pl.stages[0].send_bwd_bytes == 0
+    assert "pipeline rank 1: stages [1, 3]" in str(pl) and pl.to_json()["schedule"] == "looped_bfs"
+    with pytest.raises(autopar.UsageError, match="pipeline="):
+        autopar.plan(model, grid=(1, 2), example_kwargs=batch, pipeline="two")
