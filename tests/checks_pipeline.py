@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
+from autopar.program.pipe import cut, named, split_points
 from tests.checks_hf import build
 from tests.compare import group_excess
 
@@ -17,9 +18,25 @@ STEPS = 3
 
 
 def _llama(layers: int = 2):
+    return _model("llama", layers)
+
+
+def _model(family: str, layers: int):
+    """(model, batch maker) of a family: HF Llama or GPT-2 (its LM head tied to the token embedding), or
+    the repo's TinyGPT (tied too; its forward takes `ids` and returns logits)."""
     torch.manual_seed(0)
-    model, make = build("llama", num_hidden_layers=layers, use_cache=False)
-    return model, make
+    if family == "tinygpt":
+        from examples.models import GPTConfig, TinyGPT
+
+        def make(b, s, seed):
+            g = torch.Generator().manual_seed(seed)
+            return dict(input_ids=torch.randint(0, 64, (b, s), generator=g),
+                        labels=torch.randint(0, 64, (b, s), generator=g))
+        return TinyGPT(GPTConfig(layers=layers)), make
+    # GPT-2's dropout off: one process and the ranks would draw different masks
+    over = dict(n_layer=layers, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if family == "gpt2" \
+        else {"num_hidden_layers": layers}
+    return build(family, use_cache=False, **over)
 
 
 def _padded(make, rows: int, seed: int) -> dict:
@@ -32,18 +49,18 @@ def _padded(make, rows: int, seed: int) -> dict:
 
 
 def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_rank=1,
-           data_parallel="replicate", **options) -> dict:
+           data_parallel="replicate", family="llama", **options) -> dict:
     """`STEPS` AdamW steps of a 2-layer HF Llama cut into `stages` stages, each on `grid`, against one
     process on the whole batch (8 rows of unequal counted tokens): the loss every step on every rank,
     every gradient of this rank's stage after the first step, and its parameters after the last.
     `labels`: the model's own loss; else its logits with a cross-entropy given as loss_fn. `per_rank`:
-    stages per pipeline rank (the model gets one layer per stage). Then an eval forward
-    against one process's."""
-    model, make = _llama(2 * per_rank)
+    stages per pipeline rank (the model gets one layer per stage); `family`: see `_model`. Then an eval
+    forward against one process's."""
+    model, make = _model(family, 2 * per_rank)
     ref = copy.deepcopy(model)
     batch = _padded(make, 8, 1)
     pipe = autopar.Pipeline(stages=stages, schedule=schedule, microbatches=microbatches, stages_per_rank=per_rank)
-    example = batch if labels else dict(input_ids=batch["input_ids"])
+    example = named(model, (), batch) if labels else named(model, (batch["input_ids"],), {})
     whole = sum(t.numel() * t.element_size() for t in _whole_boundary(model, example, pipe))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -51,7 +68,7 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_r
                                  **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)  # eps: rounding noise in a near-zero gradient
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)  # is not blown up to a full step
-    ref_params = dict(ref.named_parameters())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
 
     def ce(logits, target):  # the loss transformers computes, on a micro-batch
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
@@ -69,7 +86,7 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_r
         if labels:  # transformers' loss on the whole batch: the mean over its counted tokens
             want = ref(**batch).loss
         else:  # loss_fn's convention (torch.distributed.pipelining's): the mean of the micro-batches' losses
-            logits, m = ref(input_ids=batch["input_ids"]).logits, pipe.n_microbatches
+            logits, m = _logits(ref(batch["input_ids"])), pipe.n_microbatches
             want = sum(ce(lg, lb) for lg, lb in zip(logits.chunk(m), batch["labels"].chunk(m))) / m
         want.backward()
         out.update(group_excess({f"loss step {step}": (loss, want.detach())}))
@@ -96,22 +113,26 @@ def parity(rank, grid, schedule, stages=2, labels=True, microbatches=None, per_r
     pm.eval()  # an eval forward through the stages: the last stage's outputs on every rank
     ref.eval()
     with torch.no_grad():
-        want = ref(**batch) if labels else ref(input_ids=batch["input_ids"])
+        want = ref(**batch) if labels else ref(batch["input_ids"])
         got = pm(**batch) if labels else pm(batch["input_ids"])
     got = got if isinstance(got, tuple) else (got,)
-    out.update(group_excess({"eval logits": (got[-1], want.logits)}))
+    out.update(group_excess({"eval logits": (got[-1], _logits(want))}))
     if labels:
         out.update(group_excess({"eval loss": (got[0], want.loss)}))
-    total = sum(p.numel() for p in ref.parameters())
+    # a weight tied across stages is held once per stage that reads it (each its copy): counted per name
+    total = sum(p.numel() for _, p in ref.named_parameters(remove_duplicate=False))
     out["held"] = sum(p.to_local().numel() for p in pm.parameters()) / total
     return out
 
 
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
 def _whole_boundary(model, batch, pipe) -> list:
     """What stage 0 would send per step if its outputs crossed whole (one micro-batch's, times M)."""
-    from autopar.program.pipe import cut, split_points
     m = pipe.n_microbatches
-    mb = {**{k: v[: v.shape[0] // m] for k, v in batch.items()}, "use_cache": False}
+    mb = {k: v[: v.shape[0] // m] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     _, seen, _ = cut(model, split_points(model, None, pipe.total), (), mb, pipe.total)
     return list(seen[0][1]) * m
 
@@ -135,15 +156,6 @@ def refusals(rank) -> dict:
             out[name] = "no error"
         except (autopar.UsageError, autopar.UnsupportedError) as e:
             out[name] = f"{type(e).__name__}: {e}"
-    torch.manual_seed(0)
-    tied, _ = build("llama", num_hidden_layers=2, use_cache=False, tie_word_embeddings=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            autopar.parallelize(tied, grid=(1, 2), example_kwargs=batch, pipeline=2)
-        out["tied"] = "no error"
-    except (autopar.UsageError, autopar.UnsupportedError, autopar.CaptureError) as e:
-        out["tied"] = f"{type(e).__name__}: {e}"
     for name, kw in (("schedule", dict(schedule="chimera")), ("per rank", dict(stages_per_rank=2)),
                      ("v per rank", dict(schedule="zbv_zero_bubble"))):
         try:
@@ -164,12 +176,12 @@ def refusals(rank) -> dict:
     return out
 
 
-def planned(grid, schedule, labels=True, per_rank=1, microbatches=None):
+def planned(grid, schedule, labels=True, per_rank=1, microbatches=None, family="llama"):
     """autopar.plan(..., pipeline=...) of `parity`'s model and batch, on this process: per pipeline rank,
     the point-to-point bytes per step and the grid's bytes per step (position (0, 0))."""
-    model, make = _llama(2 * per_rank)
+    model, make = _model(family, 2 * per_rank)
     batch = _padded(make, 8, 1)
-    example = batch if labels else dict(input_ids=batch["input_ids"])
+    example = named(model, (), batch) if labels else named(model, (batch["input_ids"],), {})
     pipe = autopar.Pipeline(stages=2, schedule=schedule, microbatches=microbatches, stages_per_rank=per_rank)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -307,6 +307,14 @@ SLOW = {
         "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1], test_sharded.py",
     "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x1x2-looped_bfs-labels-v2-shard]":
         "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1], test_sharded.py",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-gpipe-loss_fn-v1-tinygpt]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1-gpt2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-1f1b-labels-v1-gpt2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1-gpt2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-interleaved_1f1b-loss_fn-v2-tinygpt]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1-gpt2]",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[1x2-zbv_zero_bubble-labels-v2-gpt2]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1-gpt2]",
     "tests/test_pipeline.py::test_pipeline_stages_compose[compile]":
         "test_pipeline.py::test_pipeline_stages_compose[recompute] and test_compile.py",
     "tests/test_sharded.py::test_sharded_replicas_compose[compile=True]":

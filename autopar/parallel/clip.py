@@ -12,17 +12,20 @@ from passes.ops import comm
 __all__ = ["clip_grad_norm"]
 
 
-def clip_grad_norm(pmodel, max_norm: float, norm_type: float = 2.0, sharded: bool | None = None) -> torch.Tensor:
+def clip_grad_norm(pmodel, max_norm: float, norm_type: float = 2.0, sharded: bool | None = None,
+                   uncounted: frozenset = frozenset()) -> torch.Tensor:
     """Clip every gradient of `pmodel` to a total norm of `max_norm` (see `ParallelModule.clip_grad_norm_`).
     `sharded`: whether its replicas hold their grid blocks split (default: `is_sharded(pmodel)`); a
-    pipelined model's stages say it for it."""
+    pipelined model's stages say it for it. `uncounted`: ids of parameters clipped but not counted in the
+    norm (a pipeline's second copy of a weight tied across stages)."""
     norm_type = float(norm_type)
     grid = pmodel.grid
-    grads = [p.grad for p in pmodel.parameters() if p.grad is not None]
+    params = [p for p in pmodel.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     if not grads:
         return torch.tensor(0.0)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    counted = [_counts_here(grid, g) for g in grads]
+    counted = [_counts_here(grid, g) and id(p) not in uncounted for p, g in zip(params, grads)]
     # sharded replicas hold different pieces of every gradient: the norm sums over all dp*R*C ranks
     sharded = is_sharded(pmodel) if sharded is None else sharded
     group = None if sharded else grid.world_group

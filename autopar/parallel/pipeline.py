@@ -30,10 +30,9 @@ import torch.nn as nn
 from autopar.errors import UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
 from autopar.parallel.sharded import is_sharded, shard_replicas
-from autopar.parallel.stages import Variant, average_over_replicas, build
+from autopar.parallel.stages import Tied, Variant, average_over_replicas, build
 from autopar.program.build import signature
-from autopar.program.pipe import (SCHEDULES, Pipeline, chunks, counted, cut, named, rank_of,
-                                  refuse_shared_across_stages, split_points, stage_ids)
+from autopar.program.pipe import SCHEDULES, Pipeline, chunks, counted, cut, named, rank_of, split_points, stage_ids
 from passes import Grid
 from passes.compat import pytree
 
@@ -167,6 +166,7 @@ class PipelineModule(nn.Module):
         losses: list = []
         kwargs = self._named(args, kwargs)
         self._run(self._variant(kwargs, True), kwargs, fn, target, losses)
+        self._tied.sum_gradients(self.stage_modules)  # a weight tied across stages: its copies' gradients add
         if self.grid.dp > 1 and not self.sharded:
             average_over_replicas(self.stage_modules, self.grid, self.stage_module.options.grad_bucket_mb)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
@@ -240,7 +240,8 @@ class PipelineModule(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """As ParallelModule's, over every stage: the total norm of all the model's gradients."""
-        return clip_grad_norm(self, max_norm, norm_type, sharded=self.sharded)
+        second = {id(p) for n, p in self.named_parameters() if n in self._tied.secondary}
+        return clip_grad_norm(self, max_norm, norm_type, sharded=self.sharded, uncounted=frozenset(second))
 
     @property
     def sharded(self) -> bool:
@@ -265,7 +266,6 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     first_args, first_kwargs = chunks((), kwargs, m)[0]
     points = split_points(model, pipe_opts.split_points, n)
     pipe, seen, reference = cut(model, points, first_args, first_kwargs, n)
-    refuse_shared_across_stages(model, pipe)
     g = Grid(grid[-2], grid[-1], dp=dp, device_type=device.type, timeout=timeout, stages=pipe_opts.stages)
     ids = stage_ids(g.stage, pipe_opts.stages, pipe_opts.stages_per_rank, pipe_opts.style)
     labels = "labels" in kwargs and isinstance(reference, tuple) and getattr(reference[0], "dim", lambda: 1)() == 0
@@ -278,5 +278,6 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
         pm.replica_sync = False  # replicated: averaged once per step, after the schedule (train_step)
     key = signature(first_args, first_kwargs, model.training)
     pmodel = PipelineModule(model, g, pipe_opts, pms, (key, variant), labels, (points, options, device))
+    object.__setattr__(pmodel, "_tied", Tied(g, variant.tied, ids, pipe_opts.style, timeout))
     pmodel._schedule(variant, None)  # torch's own checks of the micro-batches, here rather than at the first step
     return pmodel

@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from autopar.parallel.module import Local, ParallelModule
 from autopar.program.build import capture, compile_captured, signature
 from autopar.program.guards import agree_on_plan
-from autopar.program.pipe import crossings, rank_of
+from autopar.program.pipe import crossings, rank_of, tied_names
 from passes import Grid
 from passes.capture.export import flatten_inputs
 from passes.compat import pytree
@@ -34,7 +34,7 @@ from passes.meta import PLACED
 from passes.ops.comm import guarded, tensor_bytes
 from passes.ops.grad_buckets import plan_buckets
 
-__all__ = ["StageRun", "Variant", "average_over_replicas", "build"]
+__all__ = ["StageRun", "Tied", "Variant", "average_over_replicas", "build"]
 
 def _count(log, phase: str, t: torch.Tensor) -> None:
     """One point-to-point send of `t` to a neighbouring stage, in the grid's CommLog (tag "pp:send")."""
@@ -86,6 +86,7 @@ class Variant:
     stages: list
     reference: object
     sent: list = field(default_factory=list)  # per local stage: examples of what it sends, one micro-batch
+    tied: dict = field(default_factory=dict)  # stage -> {name of a tied weight it reads: the weight's first name}
     received: list = field(default_factory=list)  # per local stage: examples of what it receives
 
 
@@ -99,7 +100,8 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
     n, at = pipe.num_stages, (g.r, g.c)
     needs, crossing = crossings(pipe)
     variant = Variant([], [], reference)
-    mailbox: dict = {}  # stage -> the layouts it sends to the next stage, where that stage is on this rank
+    mailbox: dict = {}  # stage -> what it sends to the next stage, where that stage is on this rank
+    tied_to = tied_names(model)  # each name of a tensor the model holds under several -> its first name
 
     def whole(v):  # the full value (one micro-batch) a value id names
         out = seen[v[0]][1]
@@ -111,24 +113,35 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
         carry_in = crossing[j - 1] if j else []
         carry_out = crossing[j] if j < n - 1 else []
         args = seen[j][0]  # a received value that needs a gradient is captured needing one: its backward is built
-        lay = dict(zip(carry_in, mailbox.pop(j - 1) if j - 1 in mailbox else
-                       _receive(g, rank_of(j - 1, g.stages, style)))) if j else {}
-        cap = capture(stage_mod, args, {})
-        for node, (role, key) in zip(cap.gm.graph.find_nodes(op="placeholder"), cap.sources):
-            if role == "input" and needs[j][key] in lay:
-                node.meta[PLACED] = lay[needs[j][key]]
+        # from the stage before: its blocks' layouts, and the layout of each tied weight placed so far
+        boundary, tied = (mailbox.pop(j - 1) if j - 1 in mailbox else _receive(g, rank_of(j - 1, g.stages, style))) \
+            if j else ([], {})
+        lay = dict(zip(carry_in, boundary))
         first_build = j not in pms
-        pinned = None if first_build else dict(pms[j].param_layouts)
+        cap, reads = _capture(stage_mod, args, needs[j], lay)
+        unread = [nm for nm, _ in stage_mod.named_parameters() if nm in tied_to and nm not in reads]
+        if unread:  # a tied copy the stage never reads (torch's cut keeps one): not held
+            for name in unread:
+                parent, _, leaf = name.rpartition(".")
+                delattr(stage_mod.get_submodule(parent), leaf)
+            cap, reads = _capture(stage_mod, args, needs[j], lay)
+        mine = {name: tied_to[name] for name in reads if name in tied_to}  # tied weights this stage reads
+        variant.tied[j] = mine
+        # a tied weight's copy here takes the layout of its first stage's copy (their gradients add up)
+        pinned = {name: tied[first] for name, first in mine.items() if first in tied} if first_build \
+            else dict(pms[j].param_layouts)
         comp, layouts = compile_captured(cap, signature(args, {}, training), g, options, None, pinned)
         if first_build:
             agree_on_plan(comp, layouts, stage_mod, group=g.world_group)
             pms[j] = ParallelModule(stage_mod, g, comp, layouts, options)
+        tied = {**{first: pms[j].param_layouts[name] for name, first in mine.items()}, **tied}
         last = j == n - 1
         lay.update(((j, k), o[0] if o else REPLICATED) for k, o in enumerate(comp.out_layouts))
+        message = ([lay[v] for v in carry_out], tied)
         if j + 1 in ids:  # the next stage is this rank's too ('v' placement)
-            mailbox[j] = [lay[v] for v in carry_out]
+            mailbox[j] = message
         elif not last:
-            _send(g, [lay[v] for v in carry_out], rank_of(j + 1, g.stages, style))
+            _send(g, message, rank_of(j + 1, g.stages, style))
 
         sent, received = ([_block(whole(v), lay[v], g, at) for v in vs] for vs in (carry_out, carry_in))
         outs = seen[j][1] if isinstance(seen[j][1], tuple) else (seen[j][1],)
@@ -144,6 +157,18 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
     return variant
 
 
+def _capture(stage_mod, args: tuple, needs: list, lay: dict) -> tuple:
+    """(the stage captured with its received values `PLACED` in `lay`'s layouts, the parameters it reads)."""
+    cap = capture(stage_mod, args, {})
+    reads = set()
+    for node, (role, key) in zip(cap.gm.graph.find_nodes(op="placeholder"), cap.sources):
+        if role == "input" and needs[key] in lay:
+            node.meta[PLACED] = lay[needs[key]]
+        if role == "param" and node.users:
+            reads.add(key)
+    return cap, reads
+
+
 def _block(t: torch.Tensor, lay, g: Grid, at) -> torch.Tensor:
     """An example of this rank's block of `t` in layout `lay` (zeros of its block's shape, needing a
     gradient where `t` does: PipelineStage reads that to know which gradients cross back)."""
@@ -151,11 +176,11 @@ def _block(t: torch.Tensor, lay, g: Grid, at) -> torch.Tensor:
     return block.requires_grad_(t.requires_grad)
 
 
-def _send(g: Grid, layouts: list, to: int) -> None:
-    dist.send_object_list([layouts], group_dst=to, group=g.pp_group)
+def _send(g: Grid, message, to: int) -> None:
+    dist.send_object_list([message], group_dst=to, group=g.pp_group)
 
 
-def _receive(g: Grid, src: int) -> list:
+def _receive(g: Grid, src: int):
     box: list = [None]
     dist.recv_object_list(box, group_src=src, group=g.pp_group)
     return box[0]
@@ -180,3 +205,52 @@ def average_over_replicas(pms: list, g: Grid, bucket_mb: float) -> None:
         for i in slots:
             grads[i].copy_(flat[offset:offset + grads[i].numel()].view_as(grads[i]))
             offset += grads[i].numel()
+
+
+class Tied:
+    """The weights the model ties across stages (each stage holds its own copy, all in one layout): after
+    a step's backward, each copy's gradient becomes the sum of all copies' (one all-reduce per weight
+    over the pipeline ranks holding them, rank (r, c) with rank (r, c)); the norm counts the first."""
+
+    def __init__(self, grid: Grid, reads: dict, ids: list, style: str, timeout):
+        """`reads`: this rank's stages' {stage: {name read: first name}} (`Variant.tied`), gathered from
+        every pipeline rank here to know where each weight's copies are."""
+        everyone: list = [None] * grid.stages
+        dist.all_gather_object(everyone, reads, group=grid.pp_group)
+        where: dict = {}  # first name -> {stage: name}
+        for r in everyone:
+            for j, names in r.items():
+                for name, first in names.items():
+                    where.setdefault(first, {})[j] = name
+        self.local: dict = {}  # first name -> this rank's copies' names
+        self.groups: dict = {}  # first name -> the process group of the pipeline ranks holding it (None: here)
+        self.secondary: set = set()  # names of copies the norm does not count (not the first stage's)
+        width, pos = grid.dp * grid.world, grid.dp_index * grid.world + grid.r * grid.shape[1] + grid.c
+        for first in sorted(where):
+            stages = where[first]
+            if len(stages) < 2:
+                continue
+            ranks = sorted({rank_of(j, grid.stages, style) for j in stages})
+            self.local[first] = [name for j, name in stages.items() if j in ids]
+            self.secondary |= {name for j, name in stages.items() if j != min(stages)}
+            self.groups[first] = None
+            if len(ranks) > 1:  # every rank creates every group, in the same order
+                for i in range(width):
+                    group = dist.new_group([p * width + i for p in ranks], timeout=timeout)
+                    if i == pos and grid.stage in ranks:
+                        self.groups[first] = group
+
+    def sum_gradients(self, pms: list) -> None:
+        params = {n: p for pm in pms for n, p in pm.named_parameters()}
+        for first, names in self.local.items():
+            grads = [params[n].grad for n in names if n in params]
+            if not grads:
+                continue
+            total = sum(g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None)
+            if not isinstance(total, torch.Tensor):
+                continue
+            if self.groups[first] is not None:
+                dist.all_reduce(total, group=self.groups[first])
+            for g in grads:
+                if g is not None:
+                    (g.to_local() if hasattr(g, "to_local") else g).copy_(total)

@@ -5,7 +5,9 @@ stage is compiled on a planning grid in order, its received values placed as the
 them, exactly as the ranks compile them. Per stage and micro-batch: the grid's bytes and calls, the
 FLOPs, the parameters a rank holds, the blocks it sends to the next stage (and the gradients it sends
 back), and the estimate (`passes.search.lowering.fixed_estimate`: compute and the grid's collectives,
-one micro-batch's forward and backward, with its activations).
+one micro-batch's forward and backward, with its activations). A weight tied across stages (an LM head
+on the token embedding) is compiled in its first stage's layout in every stage, as the ranks do (the
+estimate prices each copy in its own stage's preferred layout).
 
 Then per pipeline rank (its stages: p, p+S, ...; or p and 2S-1-p): its work, one micro-batch through
 each of its stages plus its point-to-point sends (priced with the pipeline axis's link), and the
@@ -27,7 +29,8 @@ import torch
 
 from autopar.planning.explain import graph_rows
 from autopar.program.build import capture, compile_captured, signature
-from autopar.program.pipe import Pipeline, chunks, crossings, cut, named, rank_of, split_points, stage_ids
+from autopar.program.pipe import (Pipeline, chunks, crossings, cut, named, rank_of, split_points, stage_ids,
+                                  tied_names)
 from passes.compat import pytree
 from passes.cost.cluster import Cluster
 from passes.cost.model import CostModel
@@ -136,12 +139,18 @@ def plan_pipeline(model, grid: tuple, pipe: Pipeline, example_inputs: tuple, exa
     cm = cluster.cost_model(S, d, R, C) if cluster else cost_model
     g, mesh = Grid.for_planning(R, C, dp=d), (R, C)
     layouts: dict = {}
+    tied_to, tied = tied_names(model), {}  # a weight tied across stages: each copy in its first stage's layout
     stages = []
     for j in range(n):
         stage_mod = cut_model.get_stage_module(j)
         args = seen[j][0]
-        comp, params = compile_captured(_placed(stage_mod, args, needs[j], layouts), signature(args, {}, True), g,
-                                        options)
+        cap = _placed(stage_mod, args, needs[j], layouts)
+        reads = {key for node, (role, key) in zip(cap.gm.graph.find_nodes(op="placeholder"), cap.sources)
+                 if role == "param" and node.users}
+        mine = {name: tied_to[name] for name in reads if name in tied_to}
+        comp, params = compile_captured(cap, signature(args, {}, True), g, options, None,
+                                        {name: tied[first] for name, first in mine.items() if first in tied})
+        tied = {**{first: params[name] for name, first in mine.items()}, **tied}
         layouts.update(((j, k), o[0] if o else REPLICATED) for k, o in enumerate(comp.out_layouts))
         rows = graph_rows(comp.inspected, mesh)
         est, _ = fixed_estimate(_placed(stage_mod, args, needs[j], layouts).gm, mesh, cm, options.strategy, options)
@@ -155,6 +164,8 @@ def plan_pipeline(model, grid: tuple, pipe: Pipeline, example_inputs: tuple, exa
         ins = [block_bytes(v) for v in (crossing[j - 1] if j else [])]
         held = trained = 0
         for name, p in stage_mod.named_parameters():
+            if name not in reads:  # a tied copy torch's cut left in a stage that does not read it: not held
+                continue
             b = math.prod(local_shape(tuple(p.shape), params.get(name, REPLICATED), mesh, at=(0, 0))) * p.element_size()
             held += b
             trained += b if p.requires_grad else 0

@@ -19,13 +19,13 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, Sched
                                           ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
                                           SplitPoint, pipeline)
 
-from autopar.errors import UnsupportedError, UsageError
+from autopar.errors import UsageError
 from autopar.program.build import cache_off_kwargs
 from passes.compat import pytree
 from passes.errors import CaptureError
 
 __all__ = ["IGNORE_INDEX", "Pipeline", "SCHEDULES", "blocks", "chunks", "counted", "crossings", "cut", "named",
-           "rank_of", "refuse_shared_across_stages", "split_points", "stage_ids"]
+           "rank_of", "split_points", "stage_ids", "tied_names"]
 
 IGNORE_INDEX = -100  # transformers' label for a token that is not counted
 
@@ -219,19 +219,10 @@ def named(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     return {**cache_off_kwargs(model), **dict(zip(names, args)), **kwargs}
 
 
-def refuse_shared_across_stages(model: nn.Module, pipe) -> None:
-    """A parameter two stages read (an embedding tied to the LM head) would need its gradients summed
-    across the stages: not built, refused by name."""
-    owner: dict = {}
-    for i in range(pipe.num_stages):
-        for name, _ in pipe.get_stage_module(i).named_parameters():
-            owner.setdefault(name, set()).add(i)
+def tied_names(model: nn.Module) -> dict:
+    """Each name of a tensor the model holds under several names (an LM head tied to the token
+    embedding) -> its first name."""
     first: dict = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), []).append(name)
-    for names in first.values():
-        stages = set().union(*(owner.get(n, set()) for n in names))
-        if len(names) > 1 and len(stages) > 1:
-            raise UnsupportedError(f"pipeline=: parameter {names[0]!r} is shared with {names[1:]} and read by stages "
-                                   f"{sorted(stages)}; weights tied across stages are not built yet (untie them, or "
-                                   f"put their users in one stage with split_points)")
+    return {name: names[0] for names in first.values() if len(names) > 1 for name in names}
