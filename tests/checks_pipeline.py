@@ -189,3 +189,74 @@ def planned(grid, schedule, labels=True, per_rank=1, microbatches=None, family="
     m = pipe.n_microbatches
     return {r["rank"]: (r["sends_per_step_bytes"], m * sum(pl.stages[j].comm_bytes for j in r["stages"]))
             for r in pl.ranks}
+
+
+def _full(pm) -> dict:
+    """Every parameter of the model, whole, by name, from whichever rank holds it (all ranks)."""
+    import torch.distributed as dist
+
+    mine = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in pm.named_parameters()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict = {}
+    for d in everyone:
+        out.update(d)
+    return out
+
+
+def checkpoints(rank, tmp: str) -> dict:
+    """GPT-2 (LM head tied to the embedding, a copy on each end of the pipeline) trained one step as
+    2 stages x 1x2, saved with torch.distributed.checkpoint (model and AdamW) and with save_pretrained,
+    then read back: into 2x2 without stages, into 2 stages x 2x1, and (the other way) a 2x2
+    checkpoint into 2 stages x 1x2 (its second copy read under the first name). Each compared with the
+    saved values; then one more step of the saved model and of the one loaded at 2 stages x 2x1 (its
+    optimizer state loaded too) must agree; transformers reads the save_pretrained directory."""
+    import transformers
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model, make = _model("gpt2", 2)
+        return model, make
+
+    def wrap(model, make, grid, pipeline):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.parallelize(model, grid=grid, example_kwargs=make(4, 8, 1), pipeline=pipeline)
+
+    model, make = fresh(0)
+    pm = wrap(model, make, (1, 2), 2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    batch = make(4, 8, 5)
+    pm.train_step(**batch)
+    opt.step()
+    opt.zero_grad()
+    want = _full(pm)
+    autopar.save_distributed(pm, f"{tmp}/dcp", optimizer=opt)
+    autopar.save_pretrained(pm, f"{tmp}/hf")
+    out: dict = {}
+    flat = wrap(*fresh(1), (2, 2), None)  # no stages: one copy of the tied weight
+    autopar.load_distributed(flat, f"{tmp}/dcp")
+    got = _full(flat)
+    out.update(group_excess({n: (got[n], want[n]) for n in got}, prefix="dcp into 2x2 "))
+    other = wrap(*fresh(2), (2, 1), 2)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    autopar.load_distributed(other, f"{tmp}/dcp", optimizer=other_opt)
+    got = _full(other)
+    out.update(group_excess({n: (got[n], want[n]) for n in got}, prefix="dcp into 2 x 2x1 "))
+    for p, o in ((pm, opt), (other, other_opt)):
+        p.train_step(**make(4, 8, 6))
+        o.step()
+    after, other_after = _full(pm), _full(other)
+    out.update(group_excess({n: (other_after[n], after[n]) for n in after}, prefix="a step after loading "))
+    autopar.save_distributed(flat, f"{tmp}/dcp-flat")
+    back = wrap(*fresh(3), (1, 2), 2)
+    autopar.load_distributed(back, f"{tmp}/dcp-flat")
+    got = _full(back)
+    tied = {"lm_head.weight": "transformer.wte.weight"}
+    out.update(group_excess({n: (got[n], want[tied.get(n, n)]) for n in got}, prefix="2x2 dcp into 2 x 1x2 "))
+    out["names"] = sorted(got)
+    if rank == 0:
+        hf = transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/hf")
+        loaded = dict(hf.named_parameters(remove_duplicate=False))
+        out["hf"] = group_excess({n: (loaded[n], want[tied.get(n, n)]) for n in loaded})
+    return out

@@ -107,3 +107,16 @@ def test_pipeline_stages_compose(options):
     for stage in (0, 1):
         assert_every_rank([{k: v for k, v in r.items() if isinstance(v, float) and k != "held"}
                            for r in results if r["stage"] == stage], f"2 stages x 1x2, {options}, stage {stage}")
+
+
+def test_pipeline_checkpoints_reshard(pool4, tmp_path):
+    """A pipelined GPT-2's DCP checkpoint (model and AdamW state) loads into 2x2 without stages and into
+    2 stages of 2x1, a checkpoint without stages loads into stages (the LM head's copy read under the
+    embedding's name), a step after loading matches the saved model's, and save_pretrained writes a
+    directory transformers loads, on every rank."""
+    results = pool4.run(C.checkpoints, str(tmp_path))
+    assert_every_rank([{k: v for k, v in r.items() if isinstance(v, float)} for r in results], "pipeline checkpoints")
+    hf = results[0]["hf"]  # rank 0 reads what save_pretrained wrote
+    assert "lm_head.weight" in hf and "transformer.wte.weight" in hf, sorted(hf)
+    assert_every_rank([hf], "save_pretrained of a pipelined GPT-2, read by transformers")
+    assert "lm_head.weight" in results[-1]["names"], results[-1]["names"]

@@ -22,7 +22,8 @@ import shutil
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from autopar.checkpoint import files as F
 from autopar.program.consensus import AXES, agree, grid_group, on_rank0
@@ -30,17 +31,22 @@ from passes.ops.comm import guarded
 from autopar.errors import CheckpointFileError, CheckpointNotFoundError, UsageError
 
 
-def _state(pmodel, optimizer) -> dict:
+def _state(pmodel, optimizer, flat: bool = True) -> dict:
+    """The model's state_dict, and the optimizer's with `flat` in torch's flattened form ('state.<name>.
+    exp_avg', 'param_groups.<name>.lr': keys per parameter, so that pipeline stages, each with its own
+    parameters, never save one key with different values; `flat=False` reads checkpoints written
+    before, whose param_groups are lists)."""
     if optimizer is None:
         return {"model": get_model_state_dict(pmodel)}
-    msd, osd = get_state_dict(pmodel, optimizer)
+    msd, osd = get_state_dict(pmodel, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
     return {"model": msd, "optim": osd}
 
 
 def _dcp_group(grid):
-    """DCP deduplicates replicated tensors across the ranks it is given: with data-parallel replicas
-    that is every process (the default group), otherwise the grid's group (bounded by its timeout)."""
-    return None if getattr(grid, "dp", 1) > 1 else grid_group(grid)
+    """DCP deduplicates replicated tensors across the ranks it is given: with data-parallel replicas or
+    pipeline stages that is every process (the default group), otherwise the grid's group (bounded by
+    its timeout)."""
+    return None if getattr(grid, "dp", 1) > 1 or getattr(grid, "stages", 1) > 1 else grid_group(grid)
 
 
 def prepare_staging(path: str, staging: str) -> None:
@@ -118,9 +124,44 @@ def load_distributed(pmodel, path, optimizer=None) -> None:
         missing = CheckpointNotFoundError(f"{path}/.metadata not found: expected a directory written by "
                                           f"save_distributed or torch.distributed.checkpoint.save")
     agree(grid, missing, f"{what}: checking the checkpoint")
-    state = _state(pmodel, optimizer)
+    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    flat = "optim.param_groups.0.params" not in saved  # written before optimizer states were saved flat
+    state = _state(pmodel, optimizer, flat)
+    request, copies = _tied_request(pmodel, state, saved)
     with guarded(grid, "torch.distributed.checkpoint.load", AXES, path), _dcp_errors(what):
-        dcp.load(state, checkpoint_id=path, process_group=_dcp_group(grid))
+        dcp.load(request, checkpoint_id=path, process_group=_dcp_group(grid))
+    for fill in copies:
+        fill()
     set_state_dict(pmodel, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))
+                   optim_state_dict=state.get("optim", {}),
+                   options=StateDictOptions(flatten_optimizer_state_dict=flat))
     pmodel.materialized = True
+
+
+def _tied_request(pmodel, state: dict, saved: set) -> tuple:
+    """(what to ask DCP for, what to copy after it) where a pipelined model holds a second copy of a
+    weight tied across stages (`PipelineModule.tied_copies`) that the checkpoint `saved` (its keys)
+    lacks, as one saved without stages does: that copy and its optimizer state are read under the first
+    name (or, where this rank holds the first too, copied from it after the load)."""
+    copies = getattr(pmodel, "tied_copies", {})
+    if not copies or any(f"model.{copy}" in saved for copy in copies):
+        return state, []
+    request = {k: dict(v) for k, v in state.items()}  # the same tensors, under the names asked for
+    after: list = []
+    for copy, first in copies.items():
+        for part, where in request.items():
+            for key in [k for k in where if k == copy or f".{copy}." in f".{k}"]:
+                if part == "optim" and not (key.startswith("state.") or key.startswith("param_groups.")):
+                    continue
+                theirs = key.replace(copy, first, 1) if part == "model" else key.replace(f".{copy}.", f".{first}.", 1)
+                mine = where.pop(key)
+                if theirs in where:  # this rank holds the first copy too: filled from it after the load
+                    after.append(lambda dst=mine, src=where, k=theirs: _copy_into(dst, src[k]))
+                else:
+                    where[theirs] = mine
+    return request, after
+
+
+def _copy_into(dst, src) -> None:
+    if hasattr(dst, "copy_"):
+        dst.copy_(src)

@@ -10,8 +10,8 @@ import os
 from autopar.checkpoint import adapters
 from autopar.checkpoint import keys as hf_keys
 from autopar.checkpoint.hf import load_safetensors, meta_init, restore_buffers
-from autopar.checkpoint.save import own_tensors, save_view
-from autopar.errors import UsageError
+from autopar.checkpoint.save import own_tensors, pipeline_tensors, save_view
+from autopar.errors import UnsupportedError, UsageError
 
 __all__ = ["from_pretrained", "save_pretrained"]
 
@@ -62,10 +62,16 @@ def save_pretrained(pmodel, path, max_shard_bytes: int = 2 * 2**30, merged: bool
     model with the adapter merged into its weights in `path` (what `merge_and_unload()` saves). See
     `autopar.checkpoint.adapters`."""
     path = os.fspath(path)
+    if hf_keys.is_peft_model(pmodel.source_model) and hasattr(pmodel, "stage_modules"):
+        raise UnsupportedError("save_pretrained of a pipelined peft model is not built; save it with "
+                               "autopar.checkpoint.save_distributed, or parallelize it without pipeline=")
     if hf_keys.is_peft_model(pmodel.source_model):
         adapters.save(pmodel, path, max_shard_bytes, merged)
         return
     if merged:
         raise UsageError(f"save_pretrained(merged=True) merges a peft adapter into its base model; "
                          f"{type(pmodel.source_model).__name__} is not a peft model: leave merged out")
+    if hasattr(pmodel, "stage_modules"):  # pipelined: each stage's tensors, sent to rank 0 by their stage
+        save_view(pmodel, path, pmodel.source_model, pipeline_tensors(pmodel), max_shard_bytes)
+        return
     save_view(pmodel, path, pmodel.source_model, own_tensors(pmodel), max_shard_bytes)

@@ -9,7 +9,11 @@ raises on all ranks instead of leaving them waiting in a gather. `save_pretraine
 from __future__ import annotations
 
 import json
+import math
 import os
+
+import torch
+import torch.distributed as dist
 
 from autopar.checkpoint import files as F
 from autopar.checkpoint import keys as hf_keys
@@ -19,7 +23,7 @@ from passes.ops.comm import guarded
 
 INDEX = F.INDEX
 
-__all__ = ["own_tensors", "save_view"]
+__all__ = ["Remote", "own_tensors", "pipeline_tensors", "save_view"]
 
 
 def own_tensors(pmodel) -> dict:
@@ -102,7 +106,11 @@ def _save(pmodel, grid, path: str, what: str, max_shard_bytes: int, lock, source
                 for n in group:
                     t = tensors[n]
                     with guarded(grid, "full_tensor gather", AXES, f"save_pretrained: {n}"):
-                        whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # every rank calls it
+                        if isinstance(t, Remote):  # another pipeline rank's: rank 0 receives it whole
+                            whole = t.receive() if grid.rank == 0 else None
+                        else:
+                            whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # every rank calls it
+                            _send_to_rank0(grid, whole)
                     if grid.rank == 0:
                         full[n] = whole.detach().cpu().contiguous()
                     if merge is not None:
@@ -119,6 +127,62 @@ def _save(pmodel, grid, path: str, what: str, max_shard_bytes: int, lock, source
     finally:  # a failed collective: nothing was agreed, rank 0 still cleans up
         if grid.rank == 0:
             F.remove_quietly(written)
+
+
+class Remote:
+    """A tensor another pipeline rank holds (`pipeline_tensors`): gathered there over its grid and sent
+    whole to rank 0 by that rank's first process."""
+
+    def __init__(self, owner: int, shape: tuple, dtype):
+        self.owner, self.shape, self.dtype = owner, shape, dtype
+        self.numel_ = math.prod(shape)
+
+    def numel(self) -> int:
+        return self.numel_
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def receive(self):
+        out = torch.empty(self.shape, dtype=self.dtype)
+        dist.recv(out, src=self.owner)
+        return out
+
+
+def _send_to_rank0(grid, whole) -> None:
+    """A pipeline stage's first process sends what its grid gathered to rank 0 (which writes)."""
+    stage = getattr(grid, "stage", 0)
+    if stage and grid.rank == stage * grid.dp * grid.world:
+        dist.send(whole.detach().cpu().contiguous(), dst=0)
+
+
+def pipeline_tensors(pmodel) -> dict:
+    """`own_tensors` of a pipelined model: each name's tensor where this rank holds it, else a `Remote`
+    naming the pipeline rank that does (the first holding any of its names)."""
+    grid, source = pmodel.grid, pmodel.source_model
+    mine = dict(pmodel.named_parameters())
+    mine.update(pmodel.named_buffers())
+    held: list = [None] * grid.stages
+    dist.all_gather_object(held, sorted(mine), group=grid.pp_group)
+    full = dict(source.named_parameters(remove_duplicate=False))
+    full.update(source.named_buffers())
+    if hf_keys.is_transformers_model(source):
+        names = hf_keys.save_names(source)
+    else:
+        names = list(source.state_dict(keep_vars=True))
+    groups = hf_keys.aliases(pmodel)
+    out = {}
+    for n in names:
+        holders = [(p, a) for p, have in enumerate(held) for a in groups.get(n, [n]) if a in have]
+        if not holders:
+            continue  # a buffer no stage keeps (not persistent)
+        p, found = holders[0]
+        if p == grid.stage:
+            out[n] = mine[found]
+        else:
+            t = full[n]
+            out[n] = Remote(p * grid.dp * grid.world, tuple(t.shape), t.dtype)
+    return out
 
 
 def _write_shard(tmp: str, fname: str, gathered: list, source, index: dict) -> None:

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from autopar.errors import UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
+from autopar.parallel.module import EXTENSIONS
 from autopar.parallel.sharded import is_sharded, shard_replicas
 from autopar.parallel.stages import Tied, Variant, average_over_replicas, build
 from autopar.program.build import signature
@@ -49,7 +50,14 @@ class PipelineModule(nn.Module):
         self._ids = sorted(pms)
         self._setup = setup  # (split points, options, device): what a new variant is built with
         for name, value in (("_source", model), ("_pms", pms), ("_variants", dict([first])), ("_trained", first[1])):
-            object.__setattr__(self, name, value)  # not children: the parameters keep their own names
+            object.__setattr__(self, name, value)  # not children: their modules' names are the stages'
+        # the stages' parameters and buffers (the same tensors) under their names in the original model, so
+        # that optimizers, state_dict and torch.distributed.checkpoint see one model with its own names
+        for pm in self.stage_modules:
+            persistent = pm.persistent_buffer_names
+            for kind, items in (("param", pm.named_parameters()), ("buffer", pm.named_buffers())):
+                for name, value in items:
+                    _place(self, name, value, kind, name in persistent)
         self.train(model.training)
 
     @property
@@ -78,16 +86,28 @@ class PipelineModule(nn.Module):
         return {phase: (m * len(ts), m * sum(t.numel() * t.element_size() for t in ts))
                 for phase, ts in (("fwd", outs), ("bwd", grads))}
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's stages' parameters, by their names in the original model."""
-        for pm in self.stage_modules:
-            yield from pm.named_parameters(prefix, recurse, remove_duplicate)
+    @property
+    def source_model(self) -> nn.Module:
+        """The model this was built from (unchanged, not a child module)."""
+        return self._source
 
-    def state_dict(self, *args, **kwargs):
-        out: dict = {}
-        for pm in self.stage_modules:
-            out.update(pm.state_dict(*args, **kwargs))
-        return out
+    @property
+    def persistent_buffer_names(self) -> frozenset:
+        return frozenset().union(*(pm.persistent_buffer_names for pm in self.stage_modules))
+
+    def save_pretrained(self, path, **kwargs) -> None:
+        """`autopar.save_pretrained(self, path, **kwargs)`: call it on every rank."""
+        save = EXTENSIONS.get("save_pretrained")
+        if save is None:
+            raise UsageError("pmodel.save_pretrained(path) is autopar.save_pretrained(pmodel, path), which is not "
+                             "loaded yet: call autopar.save_pretrained(pmodel, path) (on every rank)")
+        save(self, path, **kwargs)
+
+    @property
+    def tied_copies(self) -> dict:
+        """Each copy this rank holds of a weight tied across stages, other than the first stage's -> the
+        first stage's name (GPT-2: {'lm_head.weight': 'transformer.wte.weight'} on the last stage)."""
+        return self._tied.copies
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -247,6 +267,23 @@ class PipelineModule(nn.Module):
     def sharded(self) -> bool:
         """Whether the stages' grid blocks are split over the replicas (data_parallel='shard', dp > 1)."""
         return is_sharded(self.stage_module)
+
+
+def _place(root: nn.Module, path: str, value, kind: str, persistent: bool) -> None:
+    """`value` registered in `root` at `path` (a parameter or buffer), with plain modules on the way."""
+    *mods, leaf = path.split(".")
+    m = root
+    for name in mods:
+        if name not in dict(m.named_children()):
+            if hasattr(m, name):
+                raise UsageError(f"pipeline=: the model's {path!r} starts with {name!r}, which autopar's "
+                                 f"PipelineModule uses as an attribute; rename that module of the model")
+            m.add_module(name, nn.Module())
+        m = getattr(m, name)
+    if kind == "param":
+        m.register_parameter(leaf, value)
+    else:
+        m.register_buffer(leaf, value, persistent=persistent)
 
 
 def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_inputs: tuple, example_kwargs,

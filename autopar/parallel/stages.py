@@ -225,6 +225,7 @@ class Tied:
         self.local: dict = {}  # first name -> this rank's copies' names
         self.groups: dict = {}  # first name -> the process group of the pipeline ranks holding it (None: here)
         self.secondary: set = set()  # names of copies the norm does not count (not the first stage's)
+        self.copies: dict = {}  # this rank's secondary copies -> their first stage's name
         width, pos = grid.dp * grid.world, grid.dp_index * grid.world + grid.r * grid.shape[1] + grid.c
         for first in sorted(where):
             stages = where[first]
@@ -232,7 +233,9 @@ class Tied:
                 continue
             ranks = sorted({rank_of(j, grid.stages, style) for j in stages})
             self.local[first] = [name for j, name in stages.items() if j in ids]
-            self.secondary |= {name for j, name in stages.items() if j != min(stages)}
+            head = min(stages)  # the first stage holding a copy
+            self.secondary |= {name for j, name in stages.items() if j != head}
+            self.copies.update({name: stages[head] for j, name in stages.items() if j != head and j in ids})
             self.groups[first] = None
             if len(ranks) > 1:  # every rank creates every group, in the same order
                 for i in range(width):

@@ -48,6 +48,8 @@ def agree(grid, failure: BaseException | None, what: str) -> None:
         first = _lowest(_outcomes(grid, mine, grid_group(grid), what))
         if getattr(grid, "dp", 1) > 1:  # the replicas learn each other's outcome
             first = _lowest(_outcomes(grid, first, grid.dp_group, what))
+        if getattr(grid, "pp_group", None) is not None:  # and the pipeline stages
+            first = _lowest(_outcomes(grid, first, grid.pp_group, what))
     if first is None:
         return
     rank, kind, text = first
