@@ -25,3 +25,6 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--dp", action="store_true", help="measure sharded against replicated replicas instead: the "
                    "benchmark Llama at grid (2, 2, 2) on 8 ranks with data_parallel='replicate' and 'shard' "
                    "(see autopar.bench.dp)")
+    p.add_argument("--pipeline", action="store_true", help="measure pipeline stages instead: the benchmark Llama on "
+                   "8 ranks as 2 stages of 2x2 (1F1B, breadth-first) against 2x4 (2D) and 1x8 (1D) at the same "
+                   "batch (see autopar.bench.pipeline)")

@@ -252,7 +252,8 @@ def main(argv=None) -> int:
 
 def run(ns) -> int:
     """The benchmark for parsed flags (see `autopar bench --help`); --generate runs
-    `autopar.bench.generate` instead, --moe `autopar.bench.moe`, --dp `autopar.bench.dp`."""
+    `autopar.bench.generate` instead, --moe `autopar.bench.moe`, --dp `autopar.bench.dp`,
+    --pipeline `autopar.bench.pipeline`."""
     import tempfile
 
     if getattr(ns, "generate", False):
@@ -263,6 +264,10 @@ def run(ns) -> int:
         from autopar.bench import dp as bench_dp
 
         return bench_dp.run(ns)
+    if getattr(ns, "pipeline", False):
+        from autopar.bench import pipeline as bench_pipeline
+
+        return bench_pipeline.run(ns)
     if getattr(ns, "moe", False):
         from autopar.bench import moe as bench_moe
 

@@ -87,6 +87,12 @@ class PipelineModule(nn.Module):
                 for phase, ts in (("fwd", outs), ("bwd", grads))}
 
     @property
+    def schedule_stages(self) -> list:
+        """torch's PipelineStage objects this rank's stages run under in training (the training variant
+        built first), in stage order: for instrumentation, as `autopar bench --pipeline` times them."""
+        return list(self._trained.stages)
+
+    @property
     def source_model(self) -> nn.Module:
         """The model this was built from (unchanged, not a child module)."""
         return self._source
