@@ -16,7 +16,8 @@ _HOME = {
     "load_full_state_dict": "autopar.checkpoint",
     "save_distributed": "autopar.checkpoint", "load_distributed": "autopar.checkpoint",
     "plan": "autopar.planning.plan", "Plan": "autopar.planning.plan", "compare_1d": "autopar.planning.plan",
-    "choose_grid": "autopar.planning.plan", "CompileWarning": "autopar.errors",
+    "choose_grid": "autopar.planning.plan", "choose_pipeline": "autopar.planning.pipeline_plan",
+    "CompileWarning": "autopar.errors",
     "max_batch": "autopar.planning.capacity", "AutoparError": "autopar.errors", "AutoparWarning": "autopar.errors",
     "UsageError": "autopar.errors", "CollectiveError": "autopar.errors", "RoutingWarning": "autopar.errors",
     **{name: "autopar.errors" for name in (

@@ -57,3 +57,22 @@ def test_plan_of_a_pipeline_per_stage_and_rank():
     assert "pipeline rank 1: stages [1, 3]" in str(pl) and pl.to_json()["schedule"] == "looped_bfs"
     with pytest.raises(autopar.UsageError, match="pipeline="):
         autopar.plan(model, grid=(1, 2), example_kwargs=batch, pipeline="two")
+
+
+def test_choose_pipeline_picks_the_fastest_layout_that_fits():
+    """16 devices, a 4-layer Llama, a batch of 16 rows: every (S, R, C, d, schedule, replica mode) tried
+    is a row; the choice is the fastest that fits, no row that fits is faster, and a limit nothing fits
+    under is refused by name. Stages of one cut and grid are compiled once for all d and M."""
+    model, make = C._llama(4)
+    batch = make(16, 8, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        best, table = autopar.choose_pipeline(model, 16, batch, stages=[2, 4], grids=[(1, 2), (2, 2)])
+    assert {(r["stages"], r["grid"], r["d"]) for r in table} == {(2, (1, 2), 4), (2, (2, 2), 2), (4, (1, 2), 2),
+                                                                  (4, (2, 2), 1)}
+    assert all(r["stages"] * r["d"] * r["grid"][0] * r["grid"][1] == 16 for r in table)
+    fitting = [r for r in table if r["fits"]]
+    assert best.step_s == min(r["step_s"] for r in fitting)
+    assert best.pipeline.n_microbatches * best.grid[0] == 16
+    with pytest.raises(autopar.MemoryLimitError, match="no pipeline layout of 16 devices fits"):
+        autopar.choose_pipeline(model, 16, batch, stages=[2], grids=[(2, 2)], memory_limit=1024)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from autopar.errors import MemoryLimitError
 from autopar.planning.explain import graph_rows
 from autopar.program.build import capture, compile_captured, signature
 from autopar.program.pipe import (Pipeline, chunks, crossings, cut, named, rank_of, split_points, stage_ids,
@@ -42,7 +43,7 @@ from passes.meta import PLACED
 from passes.options import format_bytes
 from passes.search.lowering import fixed_estimate
 
-__all__ = ["PipelinePlan", "StagePlan", "plan_pipeline"]
+__all__ = ["PipelinePlan", "StagePlan", "choose_pipeline", "combine", "plan_pipeline", "stage_plans"]
 
 
 @dataclass
@@ -127,17 +128,26 @@ def plan_pipeline(model, grid: tuple, pipe: Pipeline, example_inputs: tuple, exa
     axes' figures where `cluster` is None (the pipeline and replica axes then use axis 0's, the slower)."""
     d = grid[0] if len(grid) == 3 else 1
     R, C = grid[-2:]
-    S, n, m = pipe.stages, pipe.total, pipe.n_microbatches
     kwargs = named(model, example_inputs, example_kwargs or {})
-    _, first = chunks((), kwargs, m)[0]
+    _, first = chunks((), kwargs, pipe.n_microbatches)[0]
+    cm = cluster.cost_model(pipe.stages, d, R, C) if cluster else cost_model
+    stages = stage_plans(model, first, split_points(model, pipe.split_points, pipe.total), (R, C), options, cm)
+    ids = kwargs.get("input_ids")
+    tokens = int(ids.numel()) * d if isinstance(ids, torch.Tensor) else 0
+    return combine(stages, pipe, (d, R, C), options, cm, cluster, tokens)
+
+
+def stage_plans(model, first: dict, points: tuple, mesh: tuple, options, cm) -> list:
+    """Every stage of the model cut at `points`, compiled on an R x C planning grid in order (what it
+    receives placed as the stage before sends it) and priced with `cm`, for one micro-batch `first` (its
+    inputs by name): `StagePlan`s with `rank` unset (it depends on the schedule's placement)."""
     if any(p.is_meta for p in model.parameters()):  # trace all on meta, as capture does
         first = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), first)
-    points = split_points(model, pipe.split_points, n)
+    n = len(points) + 1
     cut_model, seen, _ = cut(model, points, (), first, n)
     needs, crossing = crossings(cut_model)
-    options = replace(options, replicas=d)
-    cm = cluster.cost_model(S, d, R, C) if cluster else cost_model
-    g, mesh = Grid.for_planning(R, C, dp=d), (R, C)
+    options = replace(options, replicas=1, data_parallel="replicate")
+    g = Grid.for_planning(*mesh)
     layouts: dict = {}
     tied_to, tied = tied_names(model), {}  # a weight tied across stages: each copy in its first stage's layout
     stages = []
@@ -170,13 +180,26 @@ def plan_pipeline(model, grid: tuple, pipe: Pipeline, example_inputs: tuple, exa
             held += b
             trained += b if p.requires_grad else 0
         stages.append(StagePlan(
-            j, rank_of(j, S, pipe.style), sorted({_block(nm) for nm, _ in stage_mod.named_parameters()} - {""}),
+            j, -1, sorted({_block(nm) for nm in reads} - {""}),
             held, trained, sum(r.fwd_bytes + r.bwd_bytes for r in rows), sum(r.calls_fwd + r.calls_bwd for r in rows),
             sum(r.flops for r in rows), sum(b for b, _ in outs), sum(b for b, t in ins if t.requires_grad),
             len(outs) + sum(1 for _, t in ins if t.requires_grad), est.time_s, est.activation_bytes,
             est.memory_bytes - est.activation_bytes))
-    result = PipelinePlan(tuple(grid) if len(grid) == 3 else (1, R, C), pipe, stages,
-                          cost_source=cm.source if hasattr(cm, "source") else "")
+    return stages
+
+
+def combine(stages: list, pipe: Pipeline, grid: tuple, options, cm, cluster: Cluster | None,
+            tokens: int = 0) -> PipelinePlan:
+    """The plan of `pipe` on (d, R, C) from its `stage_plans`: each pipeline rank's work, sends, replica
+    traffic and memory, the bubble and the step estimate. With options.data_parallel 'shard' the
+    replicas split each stage's parameters, gradients and optimizer states d ways (FSDP2, gathered and
+    reduce-scattered once per micro-batch)."""
+    d, R, C = grid
+    S, m = pipe.stages, pipe.n_microbatches
+    shard = d > 1 and options.data_parallel == "shard"
+    stages = [replace(st, rank=rank_of(st.index, S, pipe.style), state_bytes=st.state_bytes / (d if shard else 1))
+              for st in stages]
+    result = PipelinePlan((d, R, C), pipe, stages, cost_source=getattr(cm, "source", ""), tokens_per_step=tokens)
     result.bubble = bubble(pipe.schedule, S, m, pipe.stages_per_rank)
     pp = cluster.axis_link("pp", S, d, R, C) if cluster else None
     dp_link = cluster.axis_link("dp", S, d, R, C) if cluster else None
@@ -187,7 +210,7 @@ def plan_pipeline(model, grid: tuple, pipe: Pipeline, example_inputs: tuple, exa
         work = sum(s.time_s + s.sends * alpha_pp + (s.send_fwd_bytes + s.send_bwd_bytes) / beta_pp for s in mine)
         trained_b = sum(s.trained_bytes for s in mine)
         replica_s = 0.0
-        if d > 1 and options.data_parallel == "shard":  # FSDP2: gathered twice, reduce-scattered once per micro-batch
+        if shard:  # FSDP2: gathered twice, reduce-scattered once per micro-batch
             moved = m * (2 * all_gather_bytes(trained_b, d) + reduce_scatter_bytes(trained_b, d))
             replica_s = moved / beta_dp + m * 3 * len(mine) * alpha_dp
         elif d > 1:  # averaged once per step after the schedule, one bucket per grad_bucket_mb
@@ -200,8 +223,6 @@ def plan_pipeline(model, grid: tuple, pipe: Pipeline, example_inputs: tuple, exa
                              "sends_per_step_bytes": m * sum(s.send_fwd_bytes + s.send_bwd_bytes for s in mine)})
     slowest = max(r["work_s"] for r in result.ranks)
     result.step_s = m * slowest / (1 - result.bubble) + max(r["replica_s"] for r in result.ranks)
-    ids = kwargs.get("input_ids")
-    result.tokens_per_step = int(ids.numel()) * d if isinstance(ids, torch.Tensor) else 0
     return result
 
 
@@ -222,3 +243,65 @@ def _placed(stage_mod, args: tuple, needs: list, layouts: dict):
             node.meta[PLACED] = layouts[needs[key]]
     return cap
 
+
+
+def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h100", memory_limit=None,
+                    stages=None, grids=None, schedules=("1f1b", "interleaved_1f1b"), microbatch_rows: int = 1,
+                    data_parallel=("replicate", "shard")) -> tuple:
+    """(the PipelinePlan with the smallest estimated step that fits `memory_limit` (None: the cluster's
+    memory per GPU), a row per layout tried) for `devices` ranks and the global batch `example_kwargs`
+    (its rows split over the replicas, each replica's rows into micro-batches of `microbatch_rows`).
+
+    Tried: every S in `stages` (default: the divisors of `devices` from 2 to 16 that the model's
+    repeated blocks allow), every R x C in `grids` (default: R*C dividing devices/S and at most one node,
+    so the grid's collectives stay on NVLink), d = devices/(S*R*C), each schedule (interleaved with 2
+    stages per rank), each data_parallel mode where d > 1; 1 x C grids run the 1D strategy, others 2D.
+    The stages of one (S*V, R, C) are compiled and priced once (`stage_plans`) and combined per d, M,
+    schedule and replica mode (`combine`). Estimates (see the module docstring), not measurements."""
+    from autopar.program.pipe import blocks
+    from passes.cost.cluster import resolve_cluster
+    from passes.options import DEFAULTS, Options
+
+    cl = resolve_cluster(cluster)
+    limit = Options(memory_limit=memory_limit).memory_limit_bytes if memory_limit is not None else \
+        (cl.memory_bytes if cl else None)
+    kwargs = named(model, (), dict(example_kwargs))
+    rows = next(t.shape[0] for t in kwargs.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    layers = len(blocks(model))
+    stages = stages or [s for s in range(2, 17) if devices % s == 0 and s <= layers]
+    node = cl.gpus_per_node if cl else devices
+    cache: dict = {}
+    table, best = [], None
+    for S in stages:
+        for R, C in grids or [(r, t // r) for t in range(1, node + 1) if (devices // S) % t == 0
+                              for r in range(1, t + 1) if t % r == 0]:
+            d = devices // (S * R * C)
+            if S * d * R * C != devices or rows % (d * microbatch_rows):
+                continue
+            M = rows // (d * microbatch_rows)
+            for schedule in schedules:
+                V = 1 if schedule in ("gpipe", "1f1b") else 2
+                if S * V > layers:
+                    continue
+                pipe = Pipeline(stages=S, schedule=schedule, microbatches=M, stages_per_rank=V)
+                strategy = "1d" if R == 1 and C > 1 else "2d"
+                options = replace(DEFAULTS, strategy=strategy)
+                cm = cl.cost_model(S, d, R, C) if cl else CostModel.resolve(None)
+                key = (S * V, R, C)
+                if key not in cache:
+                    _, first = chunks((), kwargs, rows // microbatch_rows)[0]
+                    cache[key] = stage_plans(model, first, split_points(model, None, S * V), (R, C), options, cm)
+                for mode in (data_parallel if d > 1 else ("replicate",)):
+                    pl = combine(cache[key], pipe, (d, R, C), replace(options, data_parallel=mode), cm, cl,
+                                 int(kwargs["input_ids"].numel()) if "input_ids" in kwargs else 0)
+                    fits = limit is None or pl.memory_bytes <= limit
+                    table.append({"stages": S, "d": d, "grid": (R, C), "schedule": schedule, "stages_per_rank": V,
+                                  "microbatches": M, "data_parallel": mode, "step_s": pl.step_s,
+                                  "tokens_per_s_per_gpu": pl.tokens_per_s_per_gpu, "bubble": pl.bubble,
+                                  "memory_bytes": pl.memory_bytes, "fits": fits})
+                    if fits and (best is None or pl.step_s < best.step_s):
+                        best = pl
+    if best is None:
+        raise MemoryLimitError(f"no pipeline layout of {devices} devices fits {format_bytes(limit)} per rank "
+                               f"({len(table)} tried); pass more devices, smaller micro-batches or memory_limit")
+    return best, table
