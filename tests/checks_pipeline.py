@@ -33,6 +33,9 @@ def _model(family: str, layers: int):
             return dict(input_ids=torch.randint(0, 64, (b, s), generator=g),
                         labels=torch.randint(0, 64, (b, s), generator=g))
         return TinyGPT(GPTConfig(layers=layers)), make
+    if family == "llama-uneven":  # a vocabulary of 97 rows and 3 heads: blocks of unequal sizes on the grid
+        return build("llama", use_cache=False, num_hidden_layers=layers, vocab_size=97, hidden_size=48,
+                     num_attention_heads=3, num_key_value_heads=3)
     # GPT-2's dropout off: one process and the ranks would draw different masks
     over = dict(n_layer=layers, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if family == "gpt2" \
         else {"num_hidden_layers": layers}

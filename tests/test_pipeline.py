@@ -24,10 +24,12 @@ CASES += [((1, 2), "1f1b", True, 1, "replicate", "gpt2"),  # fast: GPT-2's LM he
           ((1, 2), "gpipe", False, 1, "replicate", "tinygpt"),  # the repo's GPT (tied too), logits and a loss_fn
           ((2, 2), "1f1b", True, 1, "replicate", "gpt2"),
           ((2, 2), "interleaved_1f1b", False, 2, "replicate", "tinygpt"),
-          ((1, 2), "zbv_zero_bubble", True, 2, "replicate", "gpt2")]  # V placement: both copies on rank 0
+          ((1, 2), "zbv_zero_bubble", True, 2, "replicate", "gpt2"),  # V placement: both copies on rank 0
+          ((2, 2), "1f1b", True, 1, "replicate", "llama-uneven")]  # vocabulary 97, 3 heads: uneven blocks
 CASES = [(*c, *("replicate", "llama")[len(c) - 4:]) for c in CASES]  # data_parallel and family, where not given
-FIRST = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight", "tinygpt": "tok.weight"}
-HEAD = {"llama": "lm_head.weight", "gpt2": "lm_head.weight", "tinygpt": "head.weight"}
+FIRST = {"llama": "model.embed_tokens.weight", "llama-uneven": "model.embed_tokens.weight",
+         "gpt2": "transformer.wte.weight", "tinygpt": "tok.weight"}
+HEAD = {"llama": "lm_head.weight", "llama-uneven": "lm_head.weight", "gpt2": "lm_head.weight", "tinygpt": "head.weight"}
 
 
 @pytest.mark.parametrize("grid, schedule, labels, per_rank, data_parallel, family", CASES,

@@ -247,7 +247,7 @@ def _placed(stage_mod, args: tuple, needs: list, layouts: dict):
 
 def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h100", memory_limit=None,
                     stages=None, grids=None, schedules=("1f1b", "interleaved_1f1b"), microbatch_rows: int = 1,
-                    data_parallel=("replicate", "shard")) -> tuple:
+                    data_parallel=("replicate", "shard"), cache: dict | None = None) -> tuple:
     """(the PipelinePlan with the smallest estimated step that fits `memory_limit` (None: the cluster's
     memory per GPU), a row per layout tried) for `devices` ranks and the global batch `example_kwargs`
     (its rows split over the replicas, each replica's rows into micro-batches of `microbatch_rows`).
@@ -257,7 +257,8 @@ def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h
     so the grid's collectives stay on NVLink), d = devices/(S*R*C), each schedule (interleaved with 2
     stages per rank), each data_parallel mode where d > 1; 1 x C grids run the 1D strategy, others 2D.
     The stages of one (S*V, R, C) are compiled and priced once (`stage_plans`) and combined per d, M,
-    schedule and replica mode (`combine`). Estimates (see the module docstring), not measurements."""
+    schedule and replica mode (`combine`); pass a dict as `cache` to keep them across calls (other device
+    counts, same model and micro-batch). Estimates (see the module docstring), not measurements."""
     from autopar.program.pipe import blocks
     from passes.cost.cluster import resolve_cluster
     from passes.options import DEFAULTS, Options
@@ -270,7 +271,7 @@ def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h
     layers = len(blocks(model))
     stages = stages or [s for s in range(2, 17) if devices % s == 0 and s <= layers]
     node = cl.gpus_per_node if cl else devices
-    cache: dict = {}
+    cache = {} if cache is None else cache
     table, best = [], None
     for S in stages:
         for R, C in grids or [(r, t // r) for t in range(1, node + 1) if (devices // S) % t == 0
