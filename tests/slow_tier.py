@@ -317,6 +317,8 @@ SLOW = {
         "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1-gpt2]",
     "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-1f1b-labels-v1-llama-uneven]":
         "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1] and test_uneven.py",
+    "tests/test_pipeline.py::test_pipeline_stages_match_one_process[2x2-1f1b-labels-v1-mixtral]":
+        "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1] and test_moe.py",
     "tests/test_pipeline.py::test_pipeline_stages_compose[compile]":
         "test_pipeline.py::test_pipeline_stages_compose[recompute] and test_compile.py",
     "tests/test_sharded.py::test_sharded_replicas_compose[compile=True]":

@@ -25,11 +25,13 @@ CASES += [((1, 2), "1f1b", True, 1, "replicate", "gpt2"),  # fast: GPT-2's LM he
           ((2, 2), "1f1b", True, 1, "replicate", "gpt2"),
           ((2, 2), "interleaved_1f1b", False, 2, "replicate", "tinygpt"),
           ((1, 2), "zbv_zero_bubble", True, 2, "replicate", "gpt2"),  # V placement: both copies on rank 0
-          ((2, 2), "1f1b", True, 1, "replicate", "llama-uneven")]  # vocabulary 97, 3 heads: uneven blocks
+          ((2, 2), "1f1b", True, 1, "replicate", "llama-uneven"),  # vocabulary 97, 3 heads: uneven blocks
+          ((2, 2), "1f1b", True, 1, "replicate", "mixtral")]  # MoE: experts routed in each stage
 CASES = [(*c, *("replicate", "llama")[len(c) - 4:]) for c in CASES]  # data_parallel and family, where not given
 FIRST = {"llama": "model.embed_tokens.weight", "llama-uneven": "model.embed_tokens.weight",
+         "mixtral": "model.embed_tokens.weight",
          "gpt2": "transformer.wte.weight", "tinygpt": "tok.weight"}
-HEAD = {"llama": "lm_head.weight", "llama-uneven": "lm_head.weight", "gpt2": "lm_head.weight", "tinygpt": "head.weight"}
+HEAD = {"tinygpt": "head.weight", **{f: "lm_head.weight" for f in ("llama", "llama-uneven", "mixtral", "gpt2")}}
 
 
 @pytest.mark.parametrize("grid, schedule, labels, per_rank, data_parallel, family", CASES,
@@ -66,7 +68,9 @@ def test_pipeline_stages_match_one_process(grid, schedule, labels, per_rank, dat
             sends, grid_bytes = plan[r["stage"]]
             counted = r["p2p counted"]["fwd"][1] + r["p2p counted"]["bwd"][1]
             assert counted == sends, (rank, counted, plan)
-            if schedule in ZERO_BUBBLE:  # each product's backward is one autograd node, run by both halves
+            if family == "mixtral":  # what the expert dispatch moves depends on where the router sends tokens
+                pass
+            elif schedule in ZERO_BUBBLE:  # each product's backward is one autograd node, run by both halves
                 assert r["grid bytes"] > grid_bytes, (rank, r["grid bytes"], plan)
             else:
                 assert r["grid bytes"] == grid_bytes, (rank, r["grid bytes"], plan)
