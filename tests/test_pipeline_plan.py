@@ -60,19 +60,26 @@ def test_plan_of_a_pipeline_per_stage_and_rank():
 
 
 def test_choose_pipeline_picks_the_fastest_layout_that_fits():
-    """16 devices, a 4-layer Llama, a batch of 16 rows: every (S, R, C, d, schedule, replica mode) tried
-    is a row; the choice is the fastest that fits, no row that fits is faster, and a limit nothing fits
-    under is refused by name. Stages of one cut and grid are compiled once for all d and M."""
-    model, make = C._llama(4)
+    """16 devices, an 8-layer Llama, a batch of 16 rows: every (S, R, C, d, schedule, replica mode) tried
+    is a row (with and without recomputing the blocks); the choice is the fastest that fits, no row that
+    fits is faster, and a limit nothing fits under is refused by name."""
+    model, make = C._llama(8)  # 4 blocks per stage: the estimate prices recomputation on 4 or more alike
     batch = make(16, 8, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        best, table = autopar.choose_pipeline(model, 16, batch, stages=[2, 4], grids=[(1, 2), (2, 2)])
-    assert {(r["stages"], r["grid"], r["d"]) for r in table} == {(2, (1, 2), 4), (2, (2, 2), 2), (4, (1, 2), 2),
-                                                                  (4, (2, 2), 1)}
+        best, table = autopar.choose_pipeline(model, 16, batch, stages=[2], grids=[(2, 2)],
+                                              schedules=("1f1b", "gpipe"))
+    assert {(r["stages"], r["grid"], r["d"], r["schedule"], r["data_parallel"], r["recompute"]) for r in table} == {
+        (2, (2, 2), 2, sched, mode, again) for sched in ("1f1b", "gpipe") for mode in ("replicate", "shard")
+        for again in (False, "blocks")}
+    for row in table:  # recomputing every block holds less and takes longer
+        twin = next(r for r in table if r["recompute"] != row["recompute"] and all(
+            r[k] == row[k] for k in ("grid", "schedule", "data_parallel")))
+        if row["recompute"] == "blocks":
+            assert row["memory_bytes"] < twin["memory_bytes"] and row["step_s"] > twin["step_s"], (row, twin)
     assert all(r["stages"] * r["d"] * r["grid"][0] * r["grid"][1] == 16 for r in table)
     fitting = [r for r in table if r["fits"]]
     assert best.step_s == min(r["step_s"] for r in fitting)
     assert best.pipeline.n_microbatches * best.grid[0] == 16
     with pytest.raises(autopar.MemoryLimitError, match="no pipeline layout of 16 devices fits"):
-        autopar.choose_pipeline(model, 16, batch, stages=[2], grids=[(2, 2)], memory_limit=1024)
+        autopar.choose_pipeline(model, 16, batch, stages=[2], grids=[(2, 2)], memory_limit=1024, recompute=(False,))

@@ -247,7 +247,8 @@ def _placed(stage_mod, args: tuple, needs: list, layouts: dict):
 
 def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h100", memory_limit=None,
                     stages=None, grids=None, schedules=("1f1b", "interleaved_1f1b"), microbatch_rows: int = 1,
-                    data_parallel=("replicate", "shard"), cache: dict | None = None) -> tuple:
+                    data_parallel=("replicate", "shard"), recompute=(False, "blocks"),
+                    cache: dict | None = None) -> tuple:
     """(the PipelinePlan with the smallest estimated step that fits `memory_limit` (None: the cluster's
     memory per GPU), a row per layout tried) for `devices` ranks and the global batch `example_kwargs`
     (its rows split over the replicas, each replica's rows into micro-batches of `microbatch_rows`).
@@ -255,7 +256,8 @@ def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h
     Tried: every S in `stages` (default: the divisors of `devices` from 2 to 16 that the model's
     repeated blocks allow), every R x C in `grids` (default: R*C dividing devices/S and at most one node,
     so the grid's collectives stay on NVLink), d = devices/(S*R*C), each schedule (interleaved with 2
-    stages per rank), each data_parallel mode where d > 1; 1 x C grids run the 1D strategy, others 2D.
+    stages per rank), each data_parallel mode where d > 1, each `recompute` (False, or 'blocks': every
+    repeated block recomputed in backward); 1 x C grids run the 1D strategy, others 2D.
     The stages of one (S*V, R, C) are compiled and priced once (`stage_plans`) and combined per d, M,
     schedule and replica mode (`combine`); pass a dict as `cache` to keep them across calls (other device
     counts, same model and micro-batch). Estimates (see the module docstring), not measurements."""
@@ -286,22 +288,24 @@ def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h
                     continue
                 pipe = Pipeline(stages=S, schedule=schedule, microbatches=M, stages_per_rank=V)
                 strategy = "1d" if R == 1 and C > 1 else "2d"
-                options = replace(DEFAULTS, strategy=strategy)
                 cm = cl.cost_model(S, d, R, C) if cl else CostModel.resolve(None)
-                key = (S * V, R, C)
-                if key not in cache:
-                    _, first = chunks((), kwargs, rows // microbatch_rows)[0]
-                    cache[key] = stage_plans(model, first, split_points(model, None, S * V), (R, C), options, cm)
-                for mode in (data_parallel if d > 1 else ("replicate",)):
-                    pl = combine(cache[key], pipe, (d, R, C), replace(options, data_parallel=mode), cm, cl,
-                                 int(kwargs["input_ids"].numel()) if "input_ids" in kwargs else 0)
-                    fits = limit is None or pl.memory_bytes <= limit
-                    table.append({"stages": S, "d": d, "grid": (R, C), "schedule": schedule, "stages_per_rank": V,
-                                  "microbatches": M, "data_parallel": mode, "step_s": pl.step_s,
-                                  "tokens_per_s_per_gpu": pl.tokens_per_s_per_gpu, "bubble": pl.bubble,
-                                  "memory_bytes": pl.memory_bytes, "fits": fits})
-                    if fits and (best is None or pl.step_s < best.step_s):
-                        best = pl
+                for again in recompute:
+                    options = replace(DEFAULTS, strategy=strategy, recompute=again)
+                    key = (S * V, R, C, again)
+                    if key not in cache:
+                        _, first = chunks((), kwargs, rows // microbatch_rows)[0]
+                        cache[key] = stage_plans(model, first, split_points(model, None, S * V), (R, C), options, cm)
+                    for mode in (data_parallel if d > 1 else ("replicate",)):
+                        pl = combine(cache[key], pipe, (d, R, C), replace(options, data_parallel=mode), cm, cl,
+                                     int(kwargs["input_ids"].numel()) if "input_ids" in kwargs else 0)
+                        fits = limit is None or pl.memory_bytes <= limit
+                        table.append({"stages": S, "d": d, "grid": (R, C), "schedule": schedule,
+                                      "stages_per_rank": V, "microbatches": M, "data_parallel": mode,
+                                      "recompute": again, "step_s": pl.step_s, "bubble": pl.bubble,
+                                      "tokens_per_s_per_gpu": pl.tokens_per_s_per_gpu,
+                                      "memory_bytes": pl.memory_bytes, "fits": fits})
+                        if fits and (best is None or pl.step_s < best.step_s):
+                            best = pl
     if best is None:
         raise MemoryLimitError(f"no pipeline layout of {devices} devices fits {format_bytes(limit)} per rank "
                                f"({len(table)} tried); pass more devices, smaller micro-batches or memory_limit")
