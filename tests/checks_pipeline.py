@@ -154,7 +154,6 @@ def refusals(rank) -> dict:
     cases = {
         "microbatches": dict(pipeline=autopar.Pipeline(stages=2, microbatches=3)),
         "split point": dict(pipeline=autopar.Pipeline(stages=2, split_points=["model.layer.1"])),
-        "auto": dict(pipeline=2, strategy="auto"),
         "world": dict(pipeline=4),
     }
     for name, kw in cases.items():

@@ -89,13 +89,12 @@ def test_pipeline_stages_match_one_process(grid, schedule, labels, per_rank, dat
 
 def test_pipeline_refusals(pool4):
     """A batch the micro-batches do not divide, a split point that is not a module path (the error lists
-    the repeated blocks), strategy='auto' with a pipeline, a world of the wrong size, a schedule not built, a
+    the repeated blocks), a world of the wrong size, a schedule not built, a
     forward call (names train_step), generate, a train_step without the labels the pipeline was built
     with: each a clear error on every rank."""
     for r in pool4.run(C.refusals):
         assert "cannot be cut into 3 micro-batches" in r["microbatches"], r["microbatches"]
         assert "'model.layer.1'" in r["split point"] and "model.layers.0" in r["split point"], r["split point"]
-        assert "strategy='auto' is not built" in r["auto"], r["auto"]
         assert "needs 8 processes" in r["world"], r["world"]
         assert "'chimera'" in r["schedule"] and "looped_bfs" in r["schedule"], r["schedule"]
         assert "stages_per_rank=2" in r["per rank"] and "interleaved_1f1b" in r["per rank"], r["per rank"]
@@ -105,14 +104,17 @@ def test_pipeline_refusals(pool4):
         assert "pass labels=" in r["no labels"], r["no labels"]
 
 
-@pytest.mark.parametrize("options", [dict(recompute="blocks"), dict(compile=True)], ids=["recompute", "compile"])
-def test_pipeline_stages_compose(options):
-    """Each stage's program recomputes its blocks, or runs compiled with inductor, and the loss, every
-    gradient and the parameters after 3 steps still match one process's on every rank."""
-    results = get_pool(4).run(C.parity, (1, 2), "1f1b", labels=True, **options)
+@pytest.mark.parametrize("grid, options", [((1, 2), dict(recompute="blocks")), ((1, 2), dict(compile=True)),
+                                           ((1, 2), dict(strategy="auto")), ((2, 2), dict(strategy="auto"))],
+                         ids=["recompute", "compile", "auto", "auto-2x2"])
+def test_pipeline_stages_compose(grid, options):
+    """Each stage's program recomputes its blocks, runs compiled with inductor, or takes the strategy
+    search's plan (one search per stage, on its first rank, sent to the stage's ranks), and the loss,
+    every gradient and the parameters after 3 steps still match one process's on every rank."""
+    results = get_pool(2 * grid[0] * grid[1]).run(C.parity, grid, "1f1b", labels=True, **options)
     for stage in (0, 1):
         assert_every_rank([{k: v for k, v in r.items() if isinstance(v, float) and k != "held"}
-                           for r in results if r["stage"] == stage], f"2 stages x 1x2, {options}, stage {stage}")
+                           for r in results if r["stage"] == stage], f"2 stages x {grid}, {options}, stage {stage}")
 
 
 def test_pipeline_checkpoints_reshard(pool4, tmp_path):

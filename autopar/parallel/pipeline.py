@@ -296,8 +296,6 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
                          options, device, timeout) -> PipelineModule:
     """`parallelize(..., pipeline=pipe_opts)`: this rank's stages, parallelized on its grid (its groups
     built with `timeout`, a timedelta, as parallelize builds a grid's)."""
-    if options.strategy == "auto":
-        raise UnsupportedError("pipeline= with strategy='auto' is not built; pass strategy='2d' or '1d'")
     dp = grid[0] if len(grid) == 3 else 1
     need, world = pipe_opts.stages * dp * grid[-2] * grid[-1], dist.get_world_size()
     if need != world:

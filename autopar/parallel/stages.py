@@ -130,7 +130,8 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
         # a tied weight's copy here takes the layout of its first stage's copy (their gradients add up)
         pinned = {name: tied[first] for name, first in mine.items() if first in tied} if first_build \
             else dict(pms[j].param_layouts)
-        comp, layouts = compile_captured(cap, signature(args, {}, training), g, options, None, pinned)
+        choice = None if first_build else pms[j].choice  # strategy='auto': later builds repeat the first's
+        comp, layouts = compile_captured(cap, signature(args, {}, training), g, options, choice, pinned)
         if first_build:
             agree_on_plan(comp, layouts, stage_mod, group=g.world_group)
             pms[j] = ParallelModule(stage_mod, g, comp, layouts, options)

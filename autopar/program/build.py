@@ -153,18 +153,25 @@ def _choose(cap: Captured, grid: Grid, options: Options):
 
     if grid.mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return search()
+    # one searcher: global rank 0, or with pipeline stages each stage's first rank (its program is its own)
+    first = (grid.stage * grid.dp * grid.world) if getattr(grid, "stages", 1) > 1 else 0
     box = [None]
-    if dist.get_rank() == 0:
+    if dist.get_rank() == first:
         try:
             box[0] = ("ok", search())
         except (MemoryError, ValueError) as e:  # raised on every rank below, with rank 0's text
             box[0] = ("error", type(e).__name__, str(e))
     with handshake("sending rank 0's strategy choice"):
-        dist.broadcast_object_list(box, src=0)
+        if first == 0 and getattr(grid, "stages", 1) == 1:
+            dist.broadcast_object_list(box, src=0)
+        else:  # to the stage's replicas (their grid position (0, 0)), then within each replica's grid
+            if grid.dp > 1 and grid.r == grid.c == 0:
+                dist.broadcast_object_list(box, src=first, group=grid.dp_group)
+            dist.broadcast_object_list(box, src=grid.base, group=grid.world_group)
     if box[0][0] == "error":
         raise rebuilt(box[0][1], box[0][2])
     choice = box[0][1]
-    if dist.get_rank() != 0:  # rank 0's search marked its graph; mark this rank's the same way
+    if dist.get_rank() != first:  # the searcher's search marked its graph; mark this rank's the same way
         strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,
                          choice.alternatives)
     return choice
