@@ -321,6 +321,8 @@ SLOW = {
         "test_pipeline.py::test_pipeline_stages_match_one_process[1x2-1f1b-labels-v1] and test_moe.py",
     "tests/test_pipeline.py::test_pipeline_stages_compose[compile]":
         "test_pipeline.py::test_pipeline_stages_compose[recompute] and test_compile.py",
+    "tests/test_pipeline_plan.py::test_choose_pipeline_picks_the_fastest_layout_that_fits[recompute]":
+        "test_pipeline_plan.py::test_choose_pipeline_picks_the_fastest_layout_that_fits[plain] and test_recompute.py",
     "tests/test_pipeline.py::test_pipeline_stages_compose[auto-2x2]":
         "test_pipeline.py::test_pipeline_stages_compose[auto] and test_strategy.py",
     "tests/test_sharded.py::test_sharded_replicas_compose[compile=True]":
