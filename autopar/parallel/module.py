@@ -34,7 +34,7 @@ from autopar.program.guards import check_dtypes
 from autopar.program.build import Compiled, cache_off_kwargs, compile_program, refuse_kv_cache, signature
 from autopar.errors import NotMaterializedError, UnsupportedError, UsageError
 
-__all__ = ["Local", "ParallelModule"]
+__all__ = ["Local", "ParallelModule", "save_pretrained_extension", "set_path"]
 
 
 def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
@@ -50,11 +50,16 @@ def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
-def _set_path(root: nn.Module, path: str, value, kind: str, persistent: bool = True) -> None:
+def set_path(root: nn.Module, path: str, value, kind: str, persistent: bool = True) -> None:
+    """`value` registered in `root` at `path` as a parameter (`kind` 'param') or buffer, with plain
+    modules made on the way; a path through an attribute of `root` that is not a module is refused."""
     *mods, leaf = path.split(".")
     m = root
     for name in mods:
-        if not hasattr(m, name):
+        if name not in dict(m.named_children()):
+            if hasattr(m, name):
+                raise UsageError(f"the model's {path!r} starts with {name!r}, which autopar's {type(root).__name__} "
+                                 f"uses as an attribute; rename that module of the model")
             m.add_module(name, nn.Module())
         m = getattr(m, name)
     if kind == "param":
@@ -77,6 +82,16 @@ class Local:
 EXTENSIONS: dict = {}
 
 
+def save_pretrained_extension(model, path, **kwargs) -> None:
+    """`autopar.save_pretrained(model, path, **kwargs)` as registered in EXTENSIONS (the method of
+    ParallelModule and PipelineModule)."""
+    save = EXTENSIONS.get("save_pretrained")
+    if save is None:
+        raise UsageError("pmodel.save_pretrained(path) is autopar.save_pretrained(pmodel, path), which is not "
+                         "loaded yet: call autopar.save_pretrained(pmodel, path) (on every rank)")
+    save(model, path, **kwargs)
+
+
 class ParallelModule(nn.Module):
     """The 2D-parallel model on one rank. Call it like the original, on every rank, with the same
     full inputs. A call with new input shapes or a new train/eval mode is compiled once and cached."""
@@ -97,14 +112,14 @@ class ParallelModule(nn.Module):
         self._last = first
         device = first.captured.device
         for name, p in model.named_parameters():
-            _set_path(self, name, _shard(p, param_layouts.get(name, REPLICATED), grid, device), "param")
+            set_path(self, name, _shard(p, param_layouts.get(name, REPLICATED), grid, device), "param")
         for name, b in first.captured.buffers.items():
             if b.is_meta:
                 raise UsageError(
                     f"buffer {name!r} is on the meta device, so its values are unknown; build the model "
                     f"inside autopar.meta_init(), which puts only parameters on meta"
                 )
-            _set_path(self, name, b.detach().clone(), "buffer", name in first.captured.persistent)
+            set_path(self, name, b.detach().clone(), "buffer", name in first.captured.persistent)
         self._persistent_buffers = set(first.captured.persistent)
         self._cache_off = cache_off_kwargs(model)  # use_cache=False for forwards that take it
         if grid.dp > 1:  # replicas start from replica 0's values, whatever each rank built
@@ -149,11 +164,7 @@ class ParallelModule(nn.Module):
     def save_pretrained(self, path, **kwargs) -> None:
         """`autopar.save_pretrained(self, path, **kwargs)` (registered in `EXTENSIONS` by autopar.checkpoint),
         under the name transformers and peft models give it: call it on every rank."""
-        save = EXTENSIONS.get("save_pretrained")
-        if save is None:
-            raise UsageError("pmodel.save_pretrained(path) is autopar.save_pretrained(pmodel, path), which is not "
-                             "loaded yet: call autopar.save_pretrained(pmodel, path) (on every rank)")
-        save(self, path, **kwargs)
+        save_pretrained_extension(self, path, **kwargs)
 
     @property
     def tied_names(self) -> dict:

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from autopar.errors import UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
-from autopar.parallel.module import EXTENSIONS
+from autopar.parallel.module import save_pretrained_extension, set_path
 from autopar.parallel.sharded import is_sharded, shard_replicas
 from autopar.parallel.stages import Tied, Variant, average_over_replicas, build
 from autopar.program.build import signature
@@ -57,7 +57,7 @@ class PipelineModule(nn.Module):
             persistent = pm.persistent_buffer_names
             for kind, items in (("param", pm.named_parameters()), ("buffer", pm.named_buffers())):
                 for name, value in items:
-                    _place(self, name, value, kind, name in persistent)
+                    set_path(self, name, value, kind, name in persistent)
         self.train(model.training)
 
     @property
@@ -103,11 +103,7 @@ class PipelineModule(nn.Module):
 
     def save_pretrained(self, path, **kwargs) -> None:
         """`autopar.save_pretrained(self, path, **kwargs)`: call it on every rank."""
-        save = EXTENSIONS.get("save_pretrained")
-        if save is None:
-            raise UsageError("pmodel.save_pretrained(path) is autopar.save_pretrained(pmodel, path), which is not "
-                             "loaded yet: call autopar.save_pretrained(pmodel, path) (on every rank)")
-        save(self, path, **kwargs)
+        save_pretrained_extension(self, path, **kwargs)
 
     @property
     def tied_copies(self) -> dict:
@@ -273,23 +269,6 @@ class PipelineModule(nn.Module):
     def sharded(self) -> bool:
         """Whether the stages' grid blocks are split over the replicas (data_parallel='shard', dp > 1)."""
         return is_sharded(self.stage_module)
-
-
-def _place(root: nn.Module, path: str, value, kind: str, persistent: bool) -> None:
-    """`value` registered in `root` at `path` (a parameter or buffer), with plain modules on the way."""
-    *mods, leaf = path.split(".")
-    m = root
-    for name in mods:
-        if name not in dict(m.named_children()):
-            if hasattr(m, name):
-                raise UsageError(f"pipeline=: the model's {path!r} starts with {name!r}, which autopar's "
-                                 f"PipelineModule uses as an attribute; rename that module of the model")
-            m.add_module(name, nn.Module())
-        m = getattr(m, name)
-    if kind == "param":
-        m.register_parameter(leaf, value)
-    else:
-        m.register_buffer(leaf, value, persistent=persistent)
 
 
 def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_inputs: tuple, example_kwargs,
