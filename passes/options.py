@@ -36,7 +36,7 @@ __all__ = ["Options", "Option", "OPTIONS", "OPTION", "DEFAULTS", "BUDGET_S", "ST
            "INDIVISIBLE", "DATA_PARALLEL", "LOWERINGS", "LOWERING_CHOICES", "markdown_table", "parse_bytes",
            "format_bytes"]
 
-LOWERINGS = ("broadcast", "allgather")  # how a SUMMA product moves its panels (passes.ops.summa)
+LOWERINGS = ("broadcast", "allgather", "ring")  # how a SUMMA product moves its panels (passes.ops.summa, .ring)
 # the lowering option: one of LOWERINGS for every product, or "auto": each product the one the cost model
 # prices faster (passes.search.lowering.pick_lowerings)
 LOWERING_CHOICES = ("auto",) + LOWERINGS

@@ -226,3 +226,32 @@ def overlap_events(rank, lowering):
         same[name] = torch.equal(gx, hx) and all(map(torch.equal, gws, hws)) and (nb, nl) == (mb, ml)
     g.overlap_grad_reduce = True
     return {"in flight": out, "same": same}
+
+
+def ring_against_broadcast(rank, grid, M, K, N):
+    """AB, ABT and ATB of [M, K] blocks (torch.chunk blocks where the grid does not divide a dim) in
+    the ring and the broadcast lowering: {product: excess of each against torch, bytes each received,
+    point-to-point batches the ring launched, and what the schedule plans for this rank}."""
+    from passes.cost.rotation import product_calls
+    from passes.cost.summa_blocks import product_elems
+
+    g = _grid(grid)
+    torch.manual_seed(0)
+    at = (g.r, g.c)
+    A, B, Bt, Cm = torch.randn(M, K), torch.randn(K, N), torch.randn(N, K), torch.randn(M, N)
+    split = Layout((Shard(0), Shard(1)))
+    blk = lambda t: block_of(t, split, g)  # noqa: E731
+    out = {}
+    for name, fn, other, want, full in (("ab", summa.ab, B, A @ B, K), ("abt", summa.abt, Bt, A @ Bt.t(), N),
+                                        ("atb", summa.atb, Cm, A.t() @ Cm, K)):
+        row = {}
+        for lowering in ("broadcast", "ring"):
+            g.log.reset()
+            got = fn(g, blk(A), blk(other), "t", lowering=lowering, full=full)
+            row[lowering] = {"excess": excess(got, blk(want), RTOL, scaled_atol([want])), "bytes": g.log.total(),
+                             "calls": g.log.calls()}
+        m = blk(A).shape[0]
+        row["planned bytes"] = 4 * sum(e for _, e in product_elems(name, "ring", g.shape, at, m, K, N))
+        row["planned calls"] = product_calls(name, g.shape, at, K, N)
+        out[name] = row
+    return out

@@ -33,7 +33,7 @@ def test_group_mapping_2x2(pool4):
         assert r["same_col"] == [i * 2 + col for i in range(2)], r
 
 
-@pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
+@pytest.mark.parametrize("lowering", ["broadcast", "allgather", "ring"])
 def test_summa_products_2x2(pool4, lowering):
     """Catches a wrong broadcast source, a reduce onto the wrong member or a transposed block."""
     _check_products(pool4.run(C.summa_products, 2, lowering), (2, 2))
@@ -52,7 +52,7 @@ def test_group_mapping_and_products_3x3(pool9):
         row, col = divmod(rank, 3)
         assert r["same_row"] == [row * 3 + i for i in range(3)]
         assert r["same_col"] == [i * 3 + col for i in range(3)]
-    for lowering in ("broadcast", "allgather"):
+    for lowering in ("broadcast", "allgather", "ring"):
         _check_products(pool9.run(C.summa_products, 3, lowering), (3, 3))
     assert_every_rank(pool9.run(C.redistributions, 3), "redistributions on 3x3")
 
@@ -72,9 +72,31 @@ def test_rectangular_groups_products_redistributions(grid):
         assert r["r, c"] == (row, col)
         assert r["same_row"] == [row * C_ + i for i in range(C_)], r
         assert r["same_col"] == [i * C_ + col for i in range(R)], r
-    for lowering in ("broadcast", "allgather"):
+    for lowering in ("broadcast", "allgather", "ring"):
         _check_products(pool.run(C.summa_products, grid, lowering), grid)
     assert_every_rank(pool.run(C.redistributions, grid), f"redistributions on {R}x{C_}")
+
+
+@pytest.mark.parametrize("grid,dims", [((2, 2), (8, 12, 8)), ((2, 3), (7, 10, 11)), ((1, 4), (4, 10, 7))],
+                         ids=["2x2", "2x3-uneven", "1x4-uneven"])
+def test_ring_lowering_moves_the_broadcast_bytes(grid, dims):
+    """The ring lowering against torch and against the broadcast lowering, on every rank: equal values
+    (element-wise), the same bytes received (it moves the same pieces, point to point), and as many
+    batches as the rotation's schedule plans for that rank's grid position, which on a q x q grid with
+    even blocks is q - 1 per axis. Uneven sizes (torch.chunk blocks) on 2x3 and 1x4. Catches a piece
+    sent to the wrong member, a step that receives twice, and a schedule the planner counts differently."""
+    from tests.conftest import get_pool
+
+    R, C_ = grid
+    res = get_pool(R * C_).run(C.ring_against_broadcast, grid, *dims)
+    assert_every_rank([{f"{k} {lo}": v[lo]["excess"] for k, v in r.items() for lo in ("broadcast", "ring")}
+                       for r in res], f"ring lowering on {grid}")
+    for rank, r in enumerate(res):
+        for kind, v in r.items():
+            assert v["ring"]["bytes"] == v["broadcast"]["bytes"] == v["planned bytes"], (rank, kind, v)
+            assert v["ring"]["calls"] == v["planned calls"], (rank, kind, v)
+            if grid == (2, 2):
+                assert v["ring"]["calls"] == 2, (rank, kind, v)  # one batch per axis: q - 1 steps with traffic
 
 
 def test_grids_share_process_groups(pool4):

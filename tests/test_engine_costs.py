@@ -14,7 +14,7 @@ def summa_volume(q, tokens, h_in, h_out, x_moves=True):
     return 3 * (q - 1) * (tokens * h_in * x_moves + h_in * h_out) * ELT // (q * q)
 
 
-@pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
+@pytest.mark.parametrize("lowering", ["broadcast", "allgather", "ring"])
 def test_summa_bytes_equal_analytic_volume(pool4, lowering):
     """Catches an extra or missing broadcast/reduce in AB/ABT/ATB, a block sent at the wrong size,
     or a lowering that moves more than the other. In the all-gather lowering q, k and v read one x and
@@ -54,7 +54,7 @@ def test_memory_per_rank(pool4):
 
 
 @pytest.mark.parametrize("grid,lowering", [((2, 2), "broadcast"), ((2, 2), "allgather"), ((1, 4), "broadcast"),
-                                           ((4, 1), "allgather")])
+                                           ((4, 1), "allgather"), ((2, 2), "ring"), ((1, 4), "ring")])
 def test_collective_calls_planned_equal_launched(pool4, grid, lowering):
     """Catches a spec whose launch count drifts from its kernel: a SUMMA step count off by the gcd, a
     broadcast root or reduce sender not counted, a collective over a one-member axis counted, an

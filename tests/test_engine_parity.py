@@ -22,6 +22,7 @@ def _assert_all_small(per_rank, what):
     ("layernorm", "gelu", "broadcast"),
     ("rmsnorm", "swiglu", "broadcast"),
     ("layernorm", "gelu", "allgather"),
+    ("rmsnorm", "swiglu", "ring"),
 ])
 def test_gpt_parity_2x2(pool4, norm, mlp, lowering):
     """Catches any wrong forward value, gradient or optimizer state on a 2x2 grid: a SUMMA block
@@ -31,18 +32,20 @@ def test_gpt_parity_2x2(pool4, norm, mlp, lowering):
     _assert_all_small(results, f"2x2 {norm} {mlp} {lowering}")
 
 
-@pytest.mark.parametrize("norm,mlp", [("layernorm", "gelu"), ("rmsnorm", "swiglu")])
-def test_gpt_parity_3x3(pool9, norm, mlp):
+@pytest.mark.parametrize("norm,mlp,lowering", [("layernorm", "gelu", "broadcast"), ("rmsnorm", "swiglu", "broadcast"),
+                                               ("rmsnorm", "swiglu", "ring")])
+def test_gpt_parity_3x3(pool9, norm, mlp, lowering):
     """The same at q=3, where row and column groups have 3 members: catches index arithmetic that
-    only happens to work for q=2 (e.g. source rank = 1 - r)."""
-    _assert_all_small(pool9.run(C.gpt_parity, 3, dict(SMALL3, norm=norm, mlp=mlp), "broadcast", 6, 8, 3),
-                      f"3x3 {norm} {mlp}")
+    only happens to work for q=2 (e.g. source rank = 1 - r), and a ring step that is not a rotation."""
+    _assert_all_small(pool9.run(C.gpt_parity, 3, dict(SMALL3, norm=norm, mlp=mlp), lowering, 6, 8, 3),
+                      f"3x3 {norm} {mlp} {lowering}")
 
 
 RECT = [  # (grid, config, batch, lowering): every split dim divisible by the axis that splits it
     ((1, 2), SMALL, 4, "broadcast"), ((2, 1), SMALL, 4, "broadcast"),
     ((1, 4), SMALL, 4, "allgather"), ((4, 1), SMALL, 4, "broadcast"),
     ((2, 3), SMALL3, 6, "broadcast"), ((2, 3), SMALL3, 6, "allgather"), ((3, 2), SMALL3, 6, "broadcast"),
+    ((2, 3), SMALL3, 6, "ring"),
 ]
 
 

@@ -96,8 +96,9 @@ SLOW_LINKS = {  # links slow against compute: the search then keeps some matmuls
     ("llama", (1, 4), dict(strategy="1d")),
     ("llama", (4, 1), dict(strategy="2d")),
     ("llama", (2, 2), dict(strategy="2d", lowering="allgather")),
+    ("llama", (2, 2), dict(strategy="2d", lowering="ring")),
 ], ids=["gpt2-auto", "gpt2-auto-slow-links", "llama-auto", "gpt2-1d", "llama-1d-1x4", "llama-2d-4x1",
-        "llama-2d-allgather-grouped"])
+        "llama-2d-allgather-grouped", "llama-2d-ring"])
 def test_strategies_parity(pool4, family, grid, options):
     """Every strategy, and the mixed plans strategy='auto' builds (1D column/row splits next to 2D
     SUMMA and replicated weights, with the all-reduces between them), against the unmodified model:

@@ -23,7 +23,8 @@ def _assert_parity(per_rank, what):
 # grids of 9 and 6 ranks in this file are ordered so that tests on one world size follow each other
 # (conftest keeps a 4-rank pool and one other; each switch between 6 and 9 ranks starts a pool)
 @pytest.mark.parametrize("grid,lowering", [((2, 2), "broadcast"), ((2, 2), "allgather"), ((3, 3), "broadcast"),
-                                           ((2, 3), "broadcast"), ((3, 2), "allgather")])
+                                           ((2, 3), "broadcast"), ((3, 2), "allgather"), ((2, 2), "ring"),
+                                           ((3, 3), "ring"), ((2, 3), "ring")])
 def test_prime_vocabulary_tied_parity(grid, lowering):
     """A vocabulary of 97 on 2 and 3 rows/columns: the tied table is split in torch.chunk blocks over
     the rows, the logits over the columns (blocks of other sizes: 2x3 cuts V at 49 and at 33, 66).
@@ -113,7 +114,7 @@ def test_reblocking_moves_only_the_overlaps(pool4):
         assert (fwd, bwd) == ((3 * 256, 256) if r["at"][1] == 0 else (256, 3 * 256)), (r["at"], fwd, bwd)
 
 
-@pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
+@pytest.mark.parametrize("lowering", ["broadcast", "allgather", "ring"])
 def test_planned_bytes_are_each_ranks_own(pool4, lowering):
     """GPT-2 with a vocabulary of 97 and 3 heads at 2x2: for every inserted module (SUMMA products,
     the LM head's over vocabulary blocks of 49 and 48, reblocking views, norms, redistributions), the
@@ -133,7 +134,7 @@ def test_planned_bytes_are_each_ranks_own(pool4, lowering):
     at, most = res[0]["most"]  # the plan's rank that receives the most, and how much
     assert (most, totals[at]) == (max(totals.values()), most), (res[0]["most"], totals)
     head = [r["modules"]["linear"]["counted"] for r in res]  # the LM head's SUMMA ABT
-    if lowering == "broadcast":  # the ranks' shares differ: the check above compared unequal figures
+    if lowering in ("broadcast", "ring"):  # the ranks' shares differ (ring: the broadcast pieces, point to point)
         assert len(set(head)) > 1, head
     else:  # every vocabulary block padded to 49 rows: (49 x 12 + 16 x 49) x 4 B forward, twice backward
         assert head == [(5488, 10976)] * 4, head

@@ -35,6 +35,7 @@ from passes.mesh import Grid
 from passes.meta import LAYOUT, LOWERING
 from passes.ops import reblock
 from passes.ops import modules as kernels
+from passes.cost.rotation import product_calls
 from passes.cost.summa_blocks import product_elems, step_products
 
 
@@ -205,6 +206,9 @@ class SummaSpec(KernelSpec):
         if self.lowering(site.node) == "allgather":
             return ("SUMMA ABT: gather W (col), scatter-sum Y (row); bwd AB+ATB" if self.transposed
                     else "SUMMA AB: gather X (row), W (col); bwd ABT + ATB")
+        if self.lowering(site.node) == "ring":
+            return ("SUMMA ABT ring: W pieces p2p (col), partial Y p2p (row); bwd AB + ATB" if self.transposed
+                    else "SUMMA AB ring: X pieces p2p (row), W pieces p2p (col); bwd ABT + ATB")
         return ("SUMMA ABT: bcast W (col), reduce Y (row); bwd AB + ATB" if self.transposed
                 else "SUMMA AB: bcast X (row), W (col); bwd ABT + ATB")
 
@@ -263,19 +267,38 @@ class SummaSpec(KernelSpec):
         return [(a, phase, b) for phase, k in (("fwd", 1), ("bwd", self.products(site) - 1))
                 for _ in range(k) for a, b in one]
 
-    def launches(self, site: Site, lowering: str) -> int:
+    def launches(self, site: Site, lowering: str) -> float:
         """Collective calls per product on each mesh axis with more than one member: the broadcast
-        lowering sends one panel per step of its R + C - gcd(R, C) steps, the all-gather one call."""
+        lowering sends one panel per step of its R + C - gcd(R, C) steps, the all-gather one call, the
+        ring one point-to-point batch per step with traffic (`_ring_calls`, averaged over the axes)."""
         R_, C_ = site.mesh
+        if lowering == "ring":
+            calls, products = self._ring_calls(site), self.products(site)
+            return sum(calls) / products / sum(1 for a in range(2) if site.mesh[a] > 1)
         return R_ + C_ - math.gcd(R_, C_) if lowering == "broadcast" else 1
+
+    def _ring_calls(self, site: Site) -> tuple:
+        """(forward, backward) point-to-point batches of the ring lowering for the rank at `site.at`
+        (`passes.cost.rotation.product_calls`); ATB with `rows_whole` runs the broadcast lowering."""
+        v = self.values(site)
+        roles = {"KN": (v["K"], v["N"]), "NK": (v["N"], v["K"])}
+        per_phase: dict = {"fwd": 0, "bwd": 0}
+        for phase, kind, dims in step_products(self.transposed, *site.grads[:2]):
+            if kind == "atb" and self.rows_whole:
+                per_phase[phase] += sum(self.launches(site, "broadcast") for a in range(2) if site.mesh[a] > 1)
+            else:
+                per_phase[phase] += product_calls(kind, site.mesh, site.at, *roles[dims])
+        return per_phase["fwd"], per_phase["bwd"]
 
     def calls(self, site, lowering="broadcast"):
         """`launches` per product and axis: the forward product, then the backward ones that run. With
         `rows_whole` an upper bound, as the bytes (the weight gradient's product sends fewer pieces).
         In a group of siblings (`passes.transforms.group_siblings`) the lead launches the group's calls, as many
-        as one product's, and the others none."""
+        as one product's, and the others none. The ring lowering: this rank's exact count."""
         if self.grouped == "follow":
             return 0, 0
+        if lowering == "ring":
+            return self._ring_calls(site)
         per_product = sum(self.launches(site, lowering) for a in range(2) if site.mesh[a] > 1)
         return per_product, per_product * (self.products(site) - 1)
 

@@ -98,6 +98,25 @@ def reduce(grid: Grid, axis: int, t: torch.Tensor, dst: int, tag: str, phase: st
         return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
 
 
+def exchange(grid: Grid, axis: int, sends: list, recvs: list, tag: str, phase: str) -> Posted | None:
+    """Point-to-point traffic of one step over mesh `axis` (`passes.ops.ring`), launched as one batch:
+    `sends` and `recvs`, (group member, tensor) pairs; the received buffers' bytes count as received.
+    One launch per batch; None when there is nothing to move. Wait for the `Posted` before reading a
+    buffer (its `finish` gives nothing)."""
+    if not sends and not recvs:
+        return None
+    group = grid.group(axis)
+    ops = [dist.P2POp(dist.isend, t, grid.global_rank(axis, m), group) for m, t in sends]
+    for m, buf in recvs:
+        grid.log.add(tag, phase, tensor_bytes(buf))
+        ops.append(dist.P2POp(dist.irecv, buf, grid.global_rank(axis, m), group))
+    grid.log.launch(tag, phase)
+    with guarded(grid, "send/recv", axis, tag):
+        works = dist.batch_isend_irecv(ops)
+    return Posted(grid, tag, [(w, "send/recv", axis) for w in works], lambda: torch.empty(0),
+                  tuple(op.tensor for op in ops))
+
+
 def all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
                full: int | None = None) -> torch.Tensor:
     """Concatenate the group members' blocks along `dim` (traceable: `passes.ops.library`). `full`: the

@@ -1,4 +1,4 @@
-"""SUMMA products on an R x C grid: AB, ABT and ATB, in two lowerings, with autograd.
+"""SUMMA products on an R x C grid: AB, ABT and ATB, in three lowerings, with autograd.
 
 Operands are the local 2-D blocks of global matrices (row blocks over the R mesh rows, column blocks
 over the C mesh columns). Rank (r, c) holds, for the product named:
@@ -13,7 +13,9 @@ current matmul. On a square grid the pieces are the q blocks; on an R x C grid t
 split C ways in one operand and R ways in the other, so it is cut at both sets of block boundaries
 (R + C - gcd(R, C) pieces, see `segments`) and each piece is broadcast by the member that holds it.
 The all-gather lowering gathers the whole row/column panel first and runs one matmul; it moves the
-same bytes with fewer, larger calls and more temporary memory.
+same bytes with fewer, larger calls and more temporary memory. The rotating (ring) lowering
+(`passes.ops.ring`) moves the broadcast lowering's pieces point to point, in Cannon's rotated order:
+the same bytes, no collective.
 """
 
 from __future__ import annotations
@@ -22,23 +24,15 @@ import math
 
 import torch
 
+from passes.cost.rotation import segments
 from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.options import LOWERINGS
-from passes.ops import comm
+from passes.ops import comm, ring
 from passes.ops.comm import Posted
 from passes.errors import UsageError
 
 AXIS_SAME_ROW, AXIS_SAME_COL = 1, 0  # mesh axis whose group shares the row / the column index
-
-
-def segments(D: int, src_parts: int, dst_parts: int) -> list:
-    """Cut a dim of size D at the block boundaries of both a `src_parts`-way and a `dst_parts`-way
-    split (torch.chunk blocks, see `chunk_range`): [(start, stop, src block, dst block)]. Square grids
-    give the q blocks themselves; an R x C grid gives R + C - gcd(R, C) pieces when both divide D."""
-    a, b = -(-D // src_parts), -(-D // dst_parts)
-    cuts = sorted({min(i * a, D) for i in range(src_parts)} | {min(j * b, D) for j in range(dst_parts)} | {D})
-    return [(s, e, s // a, s // b) for s, e in zip(cuts, cuts[1:])]
 
 
 def _piece(grid: Grid, t: torch.Tensor, axis: int, owner: int, dim: int, lo: int, hi: int) -> torch.Tensor:
@@ -113,6 +107,8 @@ def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcas
         a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase, K)  # [m, K]
         b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase, K)  # [K, n]
         return a_panel @ b_panel
+    if lowering == "ring":
+        return ring.ab(grid, a, b, tag, phase, K)
     ka, kb = -(-K // C), -(-K // R)
     steps = [[(_piece(grid, a, AXIS_SAME_ROW, i, 1, s - i * ka, e - i * ka), AXIS_SAME_ROW, i),
               (_piece(grid, b, AXIS_SAME_COL, j, 0, s - j * kb, e - j * kb), AXIS_SAME_COL, j)]
@@ -135,6 +131,8 @@ def abt(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadca
     if lowering == "allgather":
         b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase, N)  # [N, K/C]
         return comm.reduce_scatter(grid, AXIS_SAME_ROW, a @ b_panel.t(), 1, tag, phase)  # [m, N/C]
+    if lowering == "ring":
+        return ring.abt(grid, a, b, tag, phase, N)
     nb = -(-N // R)
     segs = segments(N, R, C)
     steps = [[(_piece(grid, b, AXIS_SAME_COL, j, 0, s - j * nb, e - j * nb), AXIS_SAME_COL, j)] for s, e, j, _ in segs]
@@ -164,6 +162,9 @@ def post_atb(grid: Grid, a, b, tag: str, phase: str, lowering: str, rows_whole: 
             out = a_panel[:, lo:hi].t() @ b  # [K/R, n]
             return Posted(grid, tag, [], lambda: out)
         return comm.post_reduce_scatter(grid, AXIS_SAME_COL, a_panel.t() @ b, 0, tag, phase)  # [K/R, n]
+    if lowering == "ring" and not rows_whole:  # rows_whole sums nothing: its pieces are broadcast as below
+        out = ring.atb(grid, a, b, tag, phase, K)
+        return Posted(grid, tag, [], lambda: out)
     ka = -(-K // C)
     segs = segments(K, C, R)
     if rows_whole:  # only the pieces of this row's block; the whole row group skips the same steps

@@ -9,7 +9,8 @@ model per mesh axis turns them into time: a collective costs alpha + bytes/beta,
 SUMMA's broadcast lowering overlaps its next broadcast with the current matmul, so it is charged
 calls*alpha + max(bytes/beta, flops/F), the all-gather lowering calls*alpha + bytes/beta + flops/F
 less what the weight gradient's reduction hides behind the input gradient's matmul in backward
-(`hidden_dw_reduction`; calls: the spec's launches). Memory: the parameter blocks held, and every
+(`hidden_dw_reduction`; calls: the spec's launches). The ring lowering, priced only where asked for,
+as the broadcast lowering with its point-to-point batches as the calls. Memory: the parameter blocks held, and every
 intermediate that needs a gradient (an upper bound on what autograd saves).
 """
 
@@ -79,13 +80,15 @@ def _summa(spec: SummaSpec, site: Site, cm: CostModel, fixed: str | None = None)
     mesh = site.mesh
     per_axis, products = spec.axis_bytes(site), spec.products(site)
     compute = spec.flops(site) / cm.flops
-    k = {"broadcast": 1, "allgather": siblings(site.node, mesh)}
+    k = {"broadcast": 1, "allgather": siblings(site.node, mesh)} | ({"ring": 1} if fixed == "ring" else {})
     bw = {lo: sum(per_axis[a] / cm.beta[a] / (k[lo] if a == 1 else 1) for a in range(2) if mesh[a] > 1) * products
           for lo in k}
     lat = {lo: sum(cm.alpha[a] * spec.launches(site, lo) for a in range(2) if mesh[a] > 1) * products / k[lo]
            for lo in k}
     times = {"broadcast": lat["broadcast"] + max(bw["broadcast"], compute),
              "allgather": lat["allgather"] + bw["allgather"] + compute - hidden_dw_reduction(spec, site, cm)}
+    if fixed == "ring":  # priced as the broadcast lowering, with its point-to-point batches as the calls
+        times["ring"] = lat["ring"] + max(bw["ring"], compute)
     lowering = fixed or min(times, key=times.__getitem__)
     return Estimate(time_s=times[lowering], bytes_per_axis=[b * products / (k[lowering] if a == 1 else 1)
                                                             for a, b in enumerate(per_axis)],

@@ -1,0 +1,156 @@
+"""SUMMA products in the rotating (ring) lowering: the broadcast lowering's pieces, sent point to point in
+Cannon's rotated order (the schedule: `passes.cost.rotation`).
+
+Operands and results are the blocks of `passes.ops.summa` (AB, ABT, ATB on an R x C grid). The rank at
+(r, c) runs the pieces of the shared dim starting at piece (r + c) mod S. At each step it receives the
+operand piece it needs from the member that holds it and sends its own piece to the members that need
+it; a product whose result is summed over a group (ABT over the columns, ATB over the rows) sends each
+step's partial sum to the piece's owner, which adds it to its block. The next step's pieces are posted
+before the current matmul, and a step's partial sums are waited for after the next matmul, so
+transfers overlap the compute.
+
+Cannon's algorithm reaches this alignment with an initial skew and then shifts every block to the
+neighbour at each step. Here each piece goes straight from its owner to the rank that needs it, so
+nothing is skewed and a rank receives exactly the pieces (and partial sums) the broadcast lowering
+gives it: the same bytes. A rank holds its own blocks, the piece it computes with and the next one in
+flight. On a q x q grid with even blocks each step is a permutation of every row and column: one send
+and one receive per rank and axis, q - 1 steps with traffic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from passes.cost.rotation import DEST, OWNER, exchange, piece_at, product_segments
+from passes.layout import chunk_range
+from passes.mesh import Grid
+from passes.ops import comm
+
+__all__ = ["ab", "abt", "atb"]
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype  # sum the steps in fp32
+
+
+class _Schedule:
+    """One product's pieces (`segs`) and this rank's view of who moves what at each step."""
+
+    def __init__(self, grid: Grid, kind: str, K: int, N: int):
+        self.grid, self.at = grid, (grid.r, grid.c)
+        self.segs, axes = product_segments(kind, grid.shape, K, N)
+        self.operand_axis, self.other_axis = axes[0][0], axes[1][0]
+
+    def piece(self, t: int, member: int | None = None, axis: int = 0) -> tuple:
+        """The piece this rank (or `member` of its group over `axis`) works on at step t."""
+        r, c = self.at
+        if member is not None:
+            r, c = (member, c) if axis == 0 else (r, member)
+        return self.segs[piece_at(len(self.segs), t, (r, c))]
+
+    def moves(self, role: int, axis: int, t: int):
+        return exchange(self.segs, role, self.grid.shape, self.at, axis, t)
+
+    def operand(self, t: int, role: int, axis: int, cut, buffer, tag: str, phase: str) -> tuple:
+        """Post step t's operand exchange over `axis`: (Posted or None, the piece to compute with).
+        `cut(seg)`: this rank's part of piece `seg` (it owns it); `buffer(seg)`: an empty one to receive."""
+        x = self.moves(role, axis, t)
+        sends = [(m, cut(self.piece(t, m, axis)).contiguous()) for m in x.dsts]
+        mine = self.piece(t)
+        value = cut(mine) if x.src is None else buffer(mine)
+        return comm.exchange(self.grid, axis, sends, [] if x.src is None else [(x.src, value)], tag, phase), value
+
+    def operands(self, role: int, axis: int, cut, buffer, tag: str, phase: str):
+        """Yield (t, piece) for every step, step t + 1's exchange posted before step t is yielded."""
+        pending = self.operand(0, role, axis, cut, buffer, tag, phase)
+        for t in range(len(self.segs)):
+            posted, value = pending
+            if posted is not None:
+                posted.wait()
+            if t + 1 < len(self.segs):
+                pending = self.operand(t + 1, role, axis, cut, buffer, tag, phase)
+            yield t, value
+
+
+def _sum_partials(sched: _Schedule, out: torch.Tensor, dim: int, start: int, compute, cut, buffer,
+                  tag: str, phase: str) -> torch.Tensor:
+    """Run the steps of a product whose result is summed over `sched.other_axis`: `compute(t, piece)`
+    gives step t's partial sum of its piece (of the shared dim `dim` of `out`); it goes to the piece's
+    owner, and the partials this rank owns are added into `out` (its block starts at `start`)."""
+    axis, waiting = sched.other_axis, None
+
+    def add(seg, p):
+        out.narrow(dim, seg[0] - start, seg[1] - seg[0]).add_(p)
+
+    def settle(w):
+        if w is not None:
+            posted, received = w
+            posted.wait()
+            for seg, buf in received:
+                add(seg, buf)
+
+    for t, piece in sched.operands(OWNER, sched.operand_axis, cut, buffer, tag, phase):
+        p = compute(t, piece)
+        x = sched.moves(DEST, axis, t)
+        if x.src is None:
+            add(sched.piece(t), p)
+        segs = [sched.piece(t, m, axis) for m in x.dsts]
+        bufs = [p.new_empty(_shape(p, dim, seg)) for seg in segs]
+        posted = comm.exchange(sched.grid, axis, [] if x.src is None else [(x.src, p.contiguous())],
+                               list(zip(x.dsts, bufs)), tag, phase)
+        settle(waiting)
+        waiting = None if posted is None else (posted, list(zip(segs, bufs)))
+    settle(waiting)
+    return out
+
+
+def _shape(p: torch.Tensor, dim: int, seg: tuple) -> list:
+    shape = list(p.shape)
+    shape[dim] = seg[1] - seg[0]
+    return shape
+
+
+def ab(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str, phase: str, K: int) -> torch.Tensor:
+    """a [m, K/C] block (r, c), b [K/R, n] block (r, c) -> a b [m, n] block (r, c)."""
+    R, C = grid.shape
+    ka, kb = -(-K // C), -(-K // R)
+    sched = _Schedule(grid, "ab", K, 0)
+    m, n = a.shape[0], b.shape[1]
+    cut_a = lambda seg: a.narrow(1, seg[0] - seg[OWNER] * ka, seg[1] - seg[0])  # noqa: E731
+    cut_b = lambda seg: b.narrow(0, seg[0] - seg[DEST] * kb, seg[1] - seg[0])  # noqa: E731
+    a_steps = sched.operands(OWNER, 1, cut_a, lambda seg: a.new_empty(m, seg[1] - seg[0]), tag, phase)
+    b_steps = sched.operands(DEST, 0, cut_b, lambda seg: b.new_empty(seg[1] - seg[0], n), tag, phase)
+    acc = _acc_dtype(a)
+    out = a.new_zeros(m, n, dtype=acc)
+    for (_, a_t), (_, b_t) in zip(a_steps, b_steps):
+        if acc == a.dtype:
+            out.addmm_(a_t, b_t)
+        else:
+            out += a_t @ b_t
+    return out.to(a.dtype)
+
+
+def abt(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str, phase: str, N: int) -> torch.Tensor:
+    """a [m, K/C] block (r, c), b [N/R, K/C] block (r, c) -> a b^T [m, N/C] block (r, c)."""
+    R, C = grid.shape
+    nb, nc = -(-N // R), -(-N // C)
+    sched = _Schedule(grid, "abt", 0, N)
+    lo, hi = chunk_range(N, C, grid.c)
+    out = a.new_zeros(a.shape[0], hi - lo, dtype=_acc_dtype(a))
+    cut_b = lambda seg: b.narrow(0, seg[0] - seg[OWNER] * nb, seg[1] - seg[0])  # noqa: E731
+    buf_b = lambda seg: b.new_empty(seg[1] - seg[0], b.shape[1])  # noqa: E731
+    _sum_partials(sched, out, 1, grid.c * nc, lambda t, b_t: a @ b_t.t(), cut_b, buf_b, tag, phase)
+    return out.to(a.dtype)
+
+
+def atb(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str, phase: str, K: int) -> torch.Tensor:
+    """a [m, K/C] block (r, c), b [m, n] block (r, c) -> a^T b [K/R, n] block (r, c), summed over the rows."""
+    R, C = grid.shape
+    ka, kb = -(-K // C), -(-K // R)
+    sched = _Schedule(grid, "atb", K, 0)
+    lo, hi = chunk_range(K, R, grid.r)
+    out = b.new_zeros(hi - lo, b.shape[1], dtype=_acc_dtype(b))
+    cut_a = lambda seg: a.narrow(1, seg[0] - seg[OWNER] * ka, seg[1] - seg[0])  # noqa: E731
+    buf_a = lambda seg: a.new_empty(a.shape[0], seg[1] - seg[0])  # noqa: E731
+    _sum_partials(sched, out, 0, grid.r * kb, lambda t, a_t: a_t.t() @ b, cut_a, buf_a, tag, phase)
+    return out.to(b.dtype)
