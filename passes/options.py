@@ -14,10 +14,10 @@ the values expected and what to pass instead, before anything is captured.
 
 >>> Options().indivisible
 'uneven'
->>> Options(lowering="ring")  # doctest: +ELLIPSIS
+>>> Options(lowering="cannon")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-passes.errors.UsageError: lowering='ring': expected one of ('auto', 'broadcast', 'allgather'); pass one of these, ...
+passes.errors.UsageError: lowering='cannon': expected one of ('auto', 'broadcast', 'allgather', 'ring'); pass one of these, ...
 >>> OPTION["search_budget"].unit, OPTION["search_budget"].default
 ('s', 30.0)
 """
@@ -147,8 +147,9 @@ class Options:
 
     lowering: str = option(
         "auto", "how a SUMMA product moves its panels: each product the way the cost model prices faster, "
-        "stepwise broadcasts (the paper's; one block in flight), or all-gathered panels and one matmul (fewer "
-        "calls, q x the temporary panel)", choices=LOWERING_CHOICES)
+        "stepwise broadcasts (the paper's; one block in flight), all-gathered panels and one matmul (fewer "
+        "calls, q x the temporary panel), or the broadcasts' pieces point to point in Cannon's rotated order "
+        "(no collectives; only when asked)", choices=LOWERING_CHOICES)
     indivisible: str = option(
         "uneven", "a dim the grid does not divide: split in torch.chunk blocks where a rule can, run its matmuls "
         "unsplit, or raise a ShardingError", choices=INDIVISIBLE)

@@ -135,7 +135,7 @@ def expect_error(rank, kind):
         elif kind == "capture":
             autopar.parallelize(DataDependent(), grid=(2, 2), example_inputs=(torch.randn(4, 8),))
         elif kind == "lowering":
-            autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids,), lowering="ring")
+            autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids,), lowering="cannon")
     except Exception as e:
         return type(e).__name__, str(e)
     return None, ""

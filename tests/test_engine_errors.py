@@ -61,7 +61,7 @@ def test_capture_failure_points_at_user_line(pool4):
 
 def test_unknown_lowering(pool4):
     kind, msg = _first(pool4, "lowering")
-    assert kind == "UsageError" and "lowering='ring'" in msg and "'broadcast'" in msg
+    assert kind == "UsageError" and "lowering='cannon'" in msg and "'broadcast'" in msg
 
 
 def test_needs_process_group():

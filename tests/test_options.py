@@ -15,7 +15,7 @@ from tests import checks_options as C
 
 
 @pytest.mark.parametrize("option, value, text", [
-    ("lowering", "ring", "lowering='ring': expected one of ('auto', 'broadcast', 'allgather'); pass one of "
+    ("lowering", "cannon", "lowering='cannon': expected one of ('auto', 'broadcast', 'allgather', 'ring'); pass one of "
                          "these, or leave lowering out for the default 'auto'"),
     ("indivisible", "pad", "indivisible='pad': expected one of ('uneven', 'replicate', 'error')"),
     ("fused", "concat", "fused='concat': expected one of ('regroup', 'interleave')"),
@@ -105,8 +105,8 @@ def test_every_option_keyword_reaches_options(fn, home, monkeypatch):
 
 def test_plan_validates_like_parallelize():
     """plan used to accept any lowering, indivisible or fused value and fail (or not) deep inside."""
-    with pytest.raises(ValueError, match=r"lowering='ring': expected one of \('auto', 'broadcast', 'allgather'\)"):
-        autopar.plan(nn.Linear(8, 8), grid=(2, 2), example_inputs=(torch.randn(4, 8),), lowering="ring")
+    with pytest.raises(ValueError, match=r"lowering='cannon': expected one of \('auto', 'broadcast', 'allgather', 'ring'\)"):
+        autopar.plan(nn.Linear(8, 8), grid=(2, 2), example_inputs=(torch.randn(4, 8),), lowering="cannon")
     with pytest.raises(ValueError, match="memory_limit=-1: expected a positive number"):
         autopar.choose_grid(nn.Linear(8, 8), 4, (torch.randn(4, 8),), memory_limit=-1)
 

@@ -61,7 +61,10 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         lowering: 'auto' (default: each SUMMA product the lowering `cost_model` prices faster),
             'broadcast' (the paper's stepwise SUMMA, one block in flight) or 'allgather' (gather panels,
             one matmul, one call per axis; linears that read the same activation, q|k|v and gate|up,
-            then share one set of calls and x's panel: `passes.transforms.group_siblings`).
+            then share one set of calls and x's panel: `passes.transforms.group_siblings`), or 'ring'
+            (the broadcast lowering's pieces sent point to point in Cannon's rotated order, each rank
+            starting at piece (r + c) mod S: the same bytes, no collective, `passes.ops.ring`; 'auto'
+            never picks it).
         indivisible: a dim the grid does not divide (a vocabulary of 50257, 25 heads on 8 columns).
             'uneven' (default) splits it in torch.chunk blocks, as DTensor's Shard does (ceil(n/q)
             per member, the last shorter; nothing padded, state_dict and checkpoints keep the true
