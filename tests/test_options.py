@@ -105,7 +105,8 @@ def test_every_option_keyword_reaches_options(fn, home, monkeypatch):
 
 def test_plan_validates_like_parallelize():
     """plan used to accept any lowering, indivisible or fused value and fail (or not) deep inside."""
-    with pytest.raises(ValueError, match=r"lowering='cannon': expected one of \('auto', 'broadcast', 'allgather', 'ring'\)"):
+    expected = r"lowering='cannon': expected one of \('auto', 'broadcast', 'allgather', 'ring'\)"
+    with pytest.raises(ValueError, match=expected):
         autopar.plan(nn.Linear(8, 8), grid=(2, 2), example_inputs=(torch.randn(4, 8),), lowering="cannon")
     with pytest.raises(ValueError, match="memory_limit=-1: expected a positive number"):
         autopar.choose_grid(nn.Linear(8, 8), 4, (torch.randn(4, 8),), memory_limit=-1)

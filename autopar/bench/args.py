@@ -28,3 +28,6 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--pipeline", action="store_true", help="measure pipeline stages instead: the benchmark Llama on "
                    "8 ranks as 2 stages of 2x2 (1F1B, breadth-first) against 2x4 (2D) and 1x8 (1D) at the same "
                    "batch (see autopar.bench.pipeline)")
+    p.add_argument("--lowerings", action="store_true", help="measure one SUMMA product in each lowering instead "
+                   "(broadcast, all-gather, ring) on 2x2 and 3x3: peak temporary memory, bytes, calls, time "
+                   "(see autopar.bench.lowerings)")

@@ -253,7 +253,7 @@ def main(argv=None) -> int:
 def run(ns) -> int:
     """The benchmark for parsed flags (see `autopar bench --help`); --generate runs
     `autopar.bench.generate` instead, --moe `autopar.bench.moe`, --dp `autopar.bench.dp`,
-    --pipeline `autopar.bench.pipeline`."""
+    --pipeline `autopar.bench.pipeline`, --lowerings `autopar.bench.lowerings`."""
     import tempfile
 
     if getattr(ns, "generate", False):
@@ -268,6 +268,10 @@ def run(ns) -> int:
         from autopar.bench import pipeline as bench_pipeline
 
         return bench_pipeline.run(ns)
+    if getattr(ns, "lowerings", False):
+        from autopar.bench import lowerings as bench_lowerings
+
+        return bench_lowerings.run(ns)
     if getattr(ns, "moe", False):
         from autopar.bench import moe as bench_moe
 

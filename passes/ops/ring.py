@@ -6,15 +6,18 @@ Operands and results are the blocks of `passes.ops.summa` (AB, ABT, ATB on an R 
 operand piece it needs from the member that holds it and sends its own piece to the members that need
 it; a product whose result is summed over a group (ABT over the columns, ATB over the rows) sends each
 step's partial sum to the piece's owner, which adds it to its block. The next step's pieces are posted
-before the current matmul, and a step's partial sums are waited for after the next matmul, so
-transfers overlap the compute.
+before the current matmul, so their transfer overlaps it; a step's partial sums are sent and waited
+for before the next step's are formed, so a rank holds one partial and one received buffer at a time.
 
 Cannon's algorithm reaches this alignment with an initial skew and then shifts every block to the
 neighbour at each step. Here each piece goes straight from its owner to the rank that needs it, so
 nothing is skewed and a rank receives exactly the pieces (and partial sums) the broadcast lowering
 gives it: the same bytes. A rank holds its own blocks, the piece it computes with and the next one in
-flight. On a q x q grid with even blocks each step is a permutation of every row and column: one send
-and one receive per rank and axis, q - 1 steps with traffic.
+flight, and (ABT, ATB) one partial sum going out and one coming in; the broadcast lowering holds all
+of a product's partial sums until it reduces them, so for ABT and ATB the ring holds less from q = 4
+on (docs/benchmarks.md, "SUMMA lowerings"). On a q x q grid with even blocks each step is a
+permutation of every row and column: one send and one receive per rank and axis, q - 1 steps with
+traffic.
 """
 
 from __future__ import annotations
@@ -72,40 +75,44 @@ class _Schedule:
             yield t, value
 
 
-def _sum_partials(sched: _Schedule, out: torch.Tensor, dim: int, start: int, compute, cut, buffer,
+def _sum_partials(sched: _Schedule, out: torch.Tensor, dim: int, start: int, factors, cut, buffer,
                   tag: str, phase: str) -> torch.Tensor:
-    """Run the steps of a product whose result is summed over `sched.other_axis`: `compute(t, piece)`
-    gives step t's partial sum of its piece (of the shared dim `dim` of `out`); it goes to the piece's
-    owner, and the partials this rank owns are added into `out` (its block starts at `start`)."""
-    axis, waiting = sched.other_axis, None
+    """Run the steps of a product whose result is summed over `sched.other_axis`: step t's partial sum
+    of its piece (along the shared dim `dim` of `out`) is x @ y for (x, y) = `factors(piece)`. A piece
+    this rank owns is accumulated into `out` (its block starts at `start`) in place; any other goes to
+    its owner, and the partials of the members that need this rank's piece are received and added.
+    Each step's partial sums are waited for before the next is formed: one partial and one received
+    buffer at a time (the operands' next pieces are still in flight during the matmul)."""
+    axis = sched.other_axis
 
-    def add(seg, p):
-        out.narrow(dim, seg[0] - start, seg[1] - seg[0]).add_(p)
-
-    def settle(w):
-        if w is not None:
-            posted, received = w
-            posted.wait()
-            for seg, buf in received:
-                add(seg, buf)
+    def block(seg: tuple) -> torch.Tensor:
+        return out.narrow(dim, seg[0] - start, seg[1] - seg[0])
 
     for t, piece in sched.operands(OWNER, sched.operand_axis, cut, buffer, tag, phase):
-        p = compute(t, piece)
-        x = sched.moves(DEST, axis, t)
-        if x.src is None:
-            add(sched.piece(t), p)
-        segs = [sched.piece(t, m, axis) for m in x.dsts]
-        bufs = [p.new_empty(_shape(p, dim, seg)) for seg in segs]
-        posted = comm.exchange(sched.grid, axis, [] if x.src is None else [(x.src, p.contiguous())],
-                               list(zip(x.dsts, bufs)), tag, phase)
-        settle(waiting)
-        waiting = None if posted is None else (posted, list(zip(segs, bufs)))
-    settle(waiting)
+        x, y = factors(piece)
+        moves = sched.moves(DEST, axis, t)
+        sends = []
+        if moves.src is None:
+            mine = block(sched.piece(t))
+            if mine.dtype == x.dtype:
+                mine.addmm_(x, y)
+            else:
+                mine += x @ y
+        else:
+            sends = [(moves.src, x @ y)]
+        segs = [sched.piece(t, m, axis) for m in moves.dsts]
+        bufs = [x.new_empty(_shape(out, dim, seg)) for seg in segs]
+        posted = comm.exchange(sched.grid, axis, sends, list(zip(moves.dsts, bufs)), tag, phase)
+        if posted is not None:
+            posted.wait()
+        for seg, buf in zip(segs, bufs):
+            block(seg).add_(buf)
+        del sends, bufs
     return out
 
 
-def _shape(p: torch.Tensor, dim: int, seg: tuple) -> list:
-    shape = list(p.shape)
+def _shape(t: torch.Tensor, dim: int, seg: tuple) -> list:
+    shape = list(t.shape)
     shape[dim] = seg[1] - seg[0]
     return shape
 
@@ -139,7 +146,7 @@ def abt(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str, phase: str, N: i
     out = a.new_zeros(a.shape[0], hi - lo, dtype=_acc_dtype(a))
     cut_b = lambda seg: b.narrow(0, seg[0] - seg[OWNER] * nb, seg[1] - seg[0])  # noqa: E731
     buf_b = lambda seg: b.new_empty(seg[1] - seg[0], b.shape[1])  # noqa: E731
-    _sum_partials(sched, out, 1, grid.c * nc, lambda t, b_t: a @ b_t.t(), cut_b, buf_b, tag, phase)
+    _sum_partials(sched, out, 1, grid.c * nc, lambda b_t: (a, b_t.t()), cut_b, buf_b, tag, phase)
     return out.to(a.dtype)
 
 
@@ -152,5 +159,5 @@ def atb(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str, phase: str, K: i
     out = b.new_zeros(hi - lo, b.shape[1], dtype=_acc_dtype(b))
     cut_a = lambda seg: a.narrow(1, seg[0] - seg[OWNER] * ka, seg[1] - seg[0])  # noqa: E731
     buf_a = lambda seg: a.new_empty(a.shape[0], seg[1] - seg[0])  # noqa: E731
-    _sum_partials(sched, out, 0, grid.r * kb, lambda t, a_t: a_t.t() @ b, cut_a, buf_a, tag, phase)
+    _sum_partials(sched, out, 0, grid.r * kb, lambda a_t: (a_t.t(), b), cut_a, buf_a, tag, phase)
     return out.to(b.dtype)
