@@ -70,3 +70,23 @@ def test_bench_torchtitan_baseline_matches_one_process(pool4):
     for rank, r in enumerate(per_rank):
         assert r["2d calls"] == r["2d planned calls"], (rank, r["2d calls"], r["2d planned calls"])
         assert r["2d calls"] <= 2 * r["tp_sp calls"], (rank, r["2d calls"], r["tp_sp calls"], r["2d lowerings"])
+
+
+def test_lowering_benchmark_counts_what_is_alive_at_once():
+    """`autopar bench --lowerings` reads a product's temporary memory from the storages its ops create:
+    two 4 KiB tensors alive together, then one freed before a third: an 8 KiB peak. Views and in-place
+    ops of an input add nothing."""
+    import torch
+
+    from autopar.bench.lowerings import _Allocations
+
+    x = torch.zeros(1024)
+    track = _Allocations()
+    with track:
+        a = x + 1  # 4 KiB
+        b = a * 2  # 4 KiB: 8 alive
+        del a
+        c = b.narrow(0, 0, 512).add_(1)  # a view of b, in place: nothing new
+        d = b - 1  # 4 KiB: 8 alive again
+    assert track.peak == 8192, track.peak
+    assert c.numel() == 512 and d.numel() == 1024

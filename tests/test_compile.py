@@ -8,13 +8,14 @@ from tests import checks_compile as C
 from tests.compare import assert_every_rank
 
 # compile is slow on 2 cores (each case compiles forward and backward on 4 ranks): the cases cover
-# each model, each way of asking for compile, each grid shape, both optimizers and both lowerings
+# each model, each way of asking for compile, each grid shape, both optimizers and every lowering
 # (all-gather: Llama's q|k|v and gate|up run as grouped SUMMA products) once
 CASES = [
     ("tinygpt", (2, 2), "torch.compile", "adamw", "broadcast"),
     ("tinygpt", (1, 4), "option", "sgd", "broadcast"),
     ("llama", (2, 2), "option", "adamw", "allgather"),
     ("gpt2", (1, 4), "torch.compile", "adamw", "broadcast"),
+    ("tinygpt", (2, 2), "option", "adamw", "ring"),
 ]
 
 

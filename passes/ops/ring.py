@@ -107,7 +107,7 @@ def _sum_partials(sched: _Schedule, out: torch.Tensor, dim: int, start: int, fac
             posted.wait()
         for seg, buf in zip(segs, bufs):
             block(seg).add_(buf)
-        del sends, bufs
+        del sends, bufs, posted  # the partial sent and the buffers received: free before the next step's
     return out
 
 
