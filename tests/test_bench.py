@@ -78,10 +78,10 @@ def test_lowering_benchmark_counts_what_is_alive_at_once():
     ops of an input add nothing."""
     import torch
 
-    from autopar.bench.lowerings import _Allocations
+    from autopar.bench.lowerings import LiveAllocations
 
     x = torch.zeros(1024)
-    track = _Allocations()
+    track = LiveAllocations()
     with track:
         a = x + 1  # 4 KiB
         b = a * 2  # 4 KiB: 8 alive

@@ -6,7 +6,7 @@ M = 2304 tokens, K = N = 1152 (divisible by 2, 3, 4 and 6), fp32. For each lower
 all-gather, ring) and each of the three products a training step runs (AB forward; ABT and ATB
 backward), on every rank: the peak of the bytes the product allocates beyond its operands while it
 runs (its received pieces or panels, partial sums, and its result; counted from the storages each op
-creates, freed when they die: `_Allocations`), the result's bytes, the bytes received and the calls
+creates, freed when they die: `LiveAllocations`), the result's bytes, the bytes received and the calls
 launched (the collective log), and the median time of 5 runs. Each figure is the largest over the
 ranks. Gloo on two shared cores: the times measure contention as much as the lowerings.
 """
@@ -33,7 +33,7 @@ M, K, N = 2304, 1152, 1152
 RUNS = 5
 
 
-class _Allocations(TorchDispatchMode):
+class LiveAllocations(TorchDispatchMode):
     """The bytes of the storages that the ops run inside create and that are still alive, after each op,
     and their peak. A storage an op's input already uses (a view, an in-place op) is not new."""
 
@@ -78,7 +78,7 @@ def worker(rank, world, port, grid_shape, out):
             a, b = _operands(grid, kind)
             fn = {"ab": summa.ab, "abt": summa.abt, "atb": summa.atb}[kind]
             grid.log.reset()
-            track = _Allocations()
+            track = LiveAllocations()
             with track:
                 result = fn(grid, a, b, "bench", lowering=lowering)
             row = {"peak": track.peak, "result": result.numel() * result.element_size(),
