@@ -274,7 +274,7 @@ class SummaSpec(KernelSpec):
         R_, C_ = site.mesh
         if lowering == "ring":
             calls, products = self._ring_calls(site), self.products(site)
-            return sum(calls) / products / sum(1 for a in range(2) if site.mesh[a] > 1)
+            return sum(calls) / products / max(1, sum(1 for a in range(2) if site.mesh[a] > 1))
         return R_ + C_ - math.gcd(R_, C_) if lowering == "broadcast" else 1
 
     def _ring_calls(self, site: Site) -> tuple:
