@@ -327,3 +327,63 @@ class Grid:
 
     def __repr__(self) -> str:
         return f"Grid({self.shape[0]}x{self.shape[1]}, rank={self.rank}, (r, c)=({self.r}, {self.c}))"
+
+
+_CUBE_GROUPS: dict = {}  # (q, device type) -> (default group, {("row" | "depth", fixed index pair): group})
+
+
+class Cube:
+    """A q x q x q grid for 3D tensor parallelism (`passes.ops.cube`): device (r, c, l) has global rank
+    r*q*q + c*q + l. `grid` is the same devices as the 2D grid (q, q*q) whose column index j = c*q + l
+    names (c, l), c outer: what holds an activation split over the columns holds it split over c, then
+    over l. `depth` is the q x q grid of the devices at this rank's depth l: its rows are (r, 0..q-1, l),
+    its columns (0..q-1, c, l) (the 2D grid's column groups). `depth_group` holds (r, c, 0..q-1)."""
+
+    def __init__(self, q: int, device_type: str = "cpu"):
+        if q < 1:
+            raise UsageError(f"a cube of side {q}: the side must be a positive int")
+        self.q = q
+        self.grid = Grid(q, q * q, device_type=device_type)
+        self.r, self.c, self.l = self.grid.r, self.grid.c // q, self.grid.c % q
+        key = (q, device_type)
+        got = _CUBE_GROUPS.get(key)
+        if got is None or got[0] is not dist.group.WORLD:
+            groups = {}
+            for a in range(q):  # every rank creates every group, in the same order
+                for b in range(q):
+                    groups["row", a, b] = dist.new_group([a * q * q + i * q + b for i in range(q)])  # (a, ., b)
+                    groups["depth", a, b] = dist.new_group([a * q * q + b * q + i for i in range(q)])  # (a, b, .)
+            got = _CUBE_GROUPS[key] = (dist.group.WORLD, groups)
+        groups = got[1]
+        self.depth_group = groups["depth", self.r, self.c]
+        self.depth = _DepthGrid(self, groups["row", self.r, self.l])
+
+    @property
+    def log(self) -> CommLog:
+        return self.grid.log
+
+    def depth_rank(self, i: int) -> int:
+        """Global rank of member i of this rank's depth group: (r, c, i)."""
+        return (self.r * self.q + self.c) * self.q + i
+
+    def __repr__(self) -> str:
+        q = self.q
+        return f"Cube({q}x{q}x{q}, rank={self.grid.rank}, (r, c, l)=({self.r}, {self.c}, {self.l}))"
+
+
+class _DepthGrid(Grid):
+    """The q x q grid of a cube's devices at one depth l, for the SUMMA products (`passes.ops.summa`):
+    position (r, c), rows over (r, ., l), columns over (., c, l); its collectives count in the cube's log."""
+
+    def __init__(self, cube: Cube, row_group):
+        q, parent = cube.q, cube.grid
+        self.shape, self.dp, self.stages, self.stage, self.dp_index = (q, q), 1, 1, 0, 0
+        self.rank, self.r, self.c, self.depth = parent.rank, cube.r, cube.c, cube.l
+        self.log, self.device_type, self.timeout = parent.log, parent.device_type, None
+        self.mesh = self.full_mesh = self.world_group = self.dp_group = self.pp_group = None
+        self.same_col_group, self.same_row_group = parent.same_col_group, row_group
+        _register(self)
+
+    def global_rank(self, axis: int, i: int) -> int:
+        q = self.shape[0]
+        return (i * q + self.c) * q + self.depth if axis == 0 else (self.r * q + i) * q + self.depth

@@ -1,0 +1,58 @@
+"""Rank-side checks of 3D tensor parallelism's linear (`passes.ops.cube`) against torch on whole
+tensors (identical on every rank: same seed)."""
+
+from __future__ import annotations
+
+import torch
+
+from passes.cost.cube import cube_linear_bytes
+from passes.mesh import Cube
+from passes.ops.cube import activation_block, cube_linear, weight_block
+from tests.compare import RTOL, excess, scaled_atol
+
+
+def two_linears(rank, q, lowering):
+    """Z = (X W1) W2 on a q x q x q cube, the second linear reading the first's output as it is: the
+    values of Y and Z, the gradients of X, W1 and W2 (loss sum(G * Z)), each rank's block against the
+    same block of torch's; the bytes each linear received forward and backward, with the formula's;
+    the weight elements held."""
+    cube = Cube(q)
+    torch.manual_seed(0)
+    M, K, N, P = 4 * q, 4 * q * q, 6 * q * q, 2 * q * q
+    X, W1, W2 = torch.randn(M, K), torch.randn(K, N), torch.randn(N, P)
+    G = torch.randn(M, P)
+    x = activation_block(cube, X).requires_grad_()
+    w1, w2 = weight_block(cube, W1).requires_grad_(), weight_block(cube, W2).requires_grad_()
+    cube.log.reset()
+    y = cube_linear(cube, x, w1, "l1", lowering)
+    z = cube_linear(cube, y, w2, "l2", lowering)
+    (z * activation_block(cube, G)).sum().backward()
+    Xf, W1f, W2f = (t.clone().requires_grad_() for t in (X, W1, W2))
+    Yf = Xf @ W1f
+    Zf = Yf @ W2f
+    (Zf * G).sum().backward()
+    errs = {"Y": excess(y, activation_block(cube, Yf.detach()), RTOL, scaled_atol([Yf])),
+            "Z": excess(z, activation_block(cube, Zf.detach()), RTOL, scaled_atol([Zf])),
+            "dX": excess(x.grad, activation_block(cube, Xf.grad), RTOL, scaled_atol([Xf.grad])),
+            "dW1": excess(w1.grad, weight_block(cube, W1f.grad), RTOL, scaled_atol([W1f.grad])),
+            "dW2": excess(w2.grad, weight_block(cube, W2f.grad), RTOL, scaled_atol([W2f.grad]))}
+    counted = {tag: (cube.log.bytes[(tag, "fwd")], cube.log.bytes[(tag, "bwd")]) for tag in ("l1", "l2")}
+    formula = {"l1": cube_linear_bytes(M, K, N, q, 4), "l2": cube_linear_bytes(M, N, P, q, 4)}
+    return {"excess": errs, "counted": counted, "formula": formula, "at": (cube.r, cube.c, cube.l),
+            "held": (w1.numel(), w2.numel()), "whole": (W1.numel(), W2.numel())}
+
+
+def refusals(rank):
+    """The 3D linear's errors for blocks that do not fit the cube: (type name, message)."""
+    from passes.errors import UsageError
+
+    cube = Cube(2)
+    out = {}
+    for name, x, w in (("mismatch", torch.randn(4, 3), torch.randn(2, 3)),
+                       ("uneven N", torch.randn(4, 2), torch.randn(2, 3))):
+        try:
+            cube_linear(cube, x, w, name)
+            out[name] = ("none", "")
+        except UsageError as e:
+            out[name] = (type(e).__name__, str(e))
+    return out
