@@ -34,3 +34,19 @@ def test_blocks_that_do_not_fit_are_refused():
         assert kind == "UsageError" and "K/4" in msg and "weight_block" in msg, (rank, msg)
         kind, msg = r["uneven N"]
         assert kind == "UsageError" and "N=6" in msg and "divisible by 4" in msg, (rank, msg)
+
+
+def test_dimension_table_orders_the_volumes():
+    """`autopar bench --dimensions`: every layout of a row holds the same parameter bytes (1/p of the
+    linears'), 2D and 3D hold the same inputs, and at 512 ranks 3D receives less than 2D, which
+    receives less than 1D, above the lower bound; at 64 ranks 3D (4x4x4) receives less than 2D (8x8).
+    Catches a formula with p in place of q^3 or a layout priced at another rank count."""
+    from autopar.bench.dimensions import table
+
+    for name, per_p in table().items():
+        for p, rows in per_p.items():
+            one, two, three = rows.values()
+            assert one["params"] == two["params"] == three["params"], (name, p)
+            assert two["inputs"] == three["inputs"] < one["inputs"], (name, p)
+            assert 1 < three["over_bound"] < two["over_bound"] < one["over_bound"], (name, p, rows)
+            assert three["received"] < two["received"] < one["received"], (name, p, rows)

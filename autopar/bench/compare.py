@@ -253,7 +253,8 @@ def main(argv=None) -> int:
 def run(ns) -> int:
     """The benchmark for parsed flags (see `autopar bench --help`); --generate runs
     `autopar.bench.generate` instead, --moe `autopar.bench.moe`, --dp `autopar.bench.dp`,
-    --pipeline `autopar.bench.pipeline`, --lowerings `autopar.bench.lowerings`."""
+    --pipeline `autopar.bench.pipeline`, --lowerings `autopar.bench.lowerings`, --dimensions
+    `autopar.bench.dimensions`."""
     import tempfile
 
     if getattr(ns, "generate", False):
@@ -268,6 +269,10 @@ def run(ns) -> int:
         from autopar.bench import pipeline as bench_pipeline
 
         return bench_pipeline.run(ns)
+    if getattr(ns, "dimensions", False):
+        from autopar.bench import dimensions as bench_dimensions
+
+        return bench_dimensions.run(ns)
     if getattr(ns, "lowerings", False):
         from autopar.bench import lowerings as bench_lowerings
 

@@ -17,7 +17,7 @@ the planner's comparison (docs/benchmarks.md, "1D, 2D and 3D per linear").
 
 from __future__ import annotations
 
-__all__ = ["cube_linear_bytes", "summa_linear_bytes", "megatron_linear_bytes"]
+__all__ = ["cube_linear_bytes", "summa_linear_bytes", "megatron_linear_bytes", "matmul_lower_bound"]
 
 
 def cube_linear_bytes(M: int, K: int, N: int, q: int, e: int) -> tuple:
@@ -36,3 +36,11 @@ def megatron_linear_bytes(M: int, K: int, N: int, p: int, e: int) -> tuple:
     gradient (a column-parallel and a row-parallel linear share a forward and a backward all-reduce
     of [M, K] or [M, N]; half of each is charged to each)."""
     return e * (p - 1) * M * K // p, e * (p - 1) * M * K // p
+
+
+def matmul_lower_bound(M: int, K: int, N: int, p: int) -> float:
+    """Elements a rank must send or receive in one product of M x K by K x N on p ranks that start
+    with 1/p of each operand and end with 1/p of the result, computing 1/p of the MKN products
+    (Loomis-Whitney: the products it computes touch at least 3(MKN/p)^(2/3) elements of the three
+    matrices, of which it holds (MK + KN + MN)/p); 0 where that is negative."""
+    return max(0.0, 3 * (M * K * N / p) ** (2 / 3) - (M * K + K * N + M * N) / p)
