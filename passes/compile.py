@@ -96,8 +96,8 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     options = replace(options, data_parallel=sharding or "replicate")
     if grid.world > 1:
         route_experts(cap.gm, grid.shape, options.moe_dispatch)
-    if grid.world > 1 and options.strategy == "1d":
-        strategies.fixed(cap.gm, "1d")
+    if grid.world > 1 and options.strategy in ("1d", "3d"):
+        strategies.fixed(cap.gm, options.strategy)
     elif grid.world > 1 and choice is not None:
         chosen = choice
         sharding = getattr(choice, "data_parallel", None) or options.data_parallel
@@ -108,7 +108,7 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     if sharding is None:  # data_parallel='auto' under a fixed strategy: shard only where replicas do not fit
         est, _ = fixed_estimate(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy, options)
         sharding = "shard" if est.memory_bytes > options.memory_limit_bytes else "replicate"
-    if grid.world > 1 and chosen is None and options.fixed_lowering is None:
+    if grid.world > 1 and chosen is None and options.fixed_lowering is None and options.strategy != "3d":
         pick_lowerings(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy, options)
     prop = propagate(cap.gm, grid.shape, options, pinned)
     if grid.world > 1:

@@ -25,7 +25,8 @@ from passes.compat import StridedShard
 from passes.errors import ShardingError
 
 __all__ = ["Layout", "Partial", "Replicate", "Shard", "Strided", "REPLICATED", "local_shape", "ShardingError",
-           "split_dim", "parts", "moved", "mesh_shape", "chunk_range", "GridShape", "uneven_ok", "is_uneven"]
+           "split_dim", "parts", "moved", "mesh_shape", "chunk_range", "GridShape", "uneven_ok", "is_uneven",
+           "cube_sizes"]
 Strided = StridedShard
 
 
@@ -57,10 +58,10 @@ def _short(p: Placement) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    placements: tuple  # (axis 0, axis 1)
+    placements: tuple  # (axis 0, axis 1); a cube weight's: (r, c, l), see `cube_sizes`
 
     def __post_init__(self):
-        dims = [split_dim(p) for p in self.placements if split_dim(p) is not None]
+        dims = [split_dim(p) for p in self.placements[:2] if split_dim(p) is not None]
         assert len(dims) == len(set(dims)), f"two mesh axes shard the same dim: {self}"
 
     def __repr__(self) -> str:
@@ -130,11 +131,34 @@ def chunk_range(size: int, n: int, index: int) -> tuple:
     return min(index * block, size), min((index + 1) * block, size)
 
 
+def cube_sizes(layout: Layout, mesh) -> tuple:
+    """The members of each mesh axis `layout` places over: (R, C) for a grid layout; for a cube weight's
+    layout (three placements over the axes r, c, l of a q x q x q cube, whose grid is (q, q*q):
+    `passes.mesh.Cube`), (q, q, q). Two of a cube layout's axes may split one dim: r's blocks, then l's
+    within each (DTensor's order for mesh dims that shard the same tensor dim).
+
+    >>> cube_sizes(Layout((Shard(1), Shard(0), Shard(1))), (2, 4))
+    (2, 2, 2)
+    """
+    R, C = mesh_shape(mesh)
+    if len(layout.placements) == 2:
+        return R, C
+    assert C == R * R, f"a cube layout {layout} on a grid {(R, C)} that is not (q, q*q)"
+    return R, R, R
+
+
+def _cube_at(layout: Layout, at: tuple | None, mesh) -> tuple | None:
+    """A grid position (r, j) as the cube's (r, c, l) for a cube layout; else as it is."""
+    if at is None or len(layout.placements) == 2:
+        return at
+    q = mesh_shape(mesh)[0]
+    return at[0], at[1] // q, at[1] % q
+
+
 def is_uneven(shape, layout: Layout, mesh) -> bool:
     """Whether `layout` splits a dim of `shape` that its mesh axis does not divide."""
-    mesh = mesh_shape(mesh)
-    return any(split_dim(p) is not None and shape[p.dim] % (mesh[a] * parts(p))
-               for a, p in enumerate(layout.normalized(len(shape)).placements))
+    return any(split_dim(p) is not None and shape[p.dim] % (n * parts(p))
+               for n, p in zip(cube_sizes(layout, mesh), layout.normalized(len(shape)).placements))
 
 
 def local_shape(shape, layout: Layout, mesh, what: str = "tensor", at: tuple | None = None) -> tuple:
@@ -146,11 +170,11 @@ def local_shape(shape, layout: Layout, mesh, what: str = "tensor", at: tuple | N
     >>> local_shape((7, 4), Layout((Shard(0), Replicate())), (2, 2), at=(1, 0))
     (3, 4)
     """
-    mesh = mesh_shape(mesh)
+    sizes, at = cube_sizes(layout, mesh), _cube_at(layout, at, mesh)
     out = list(shape)
     for axis, p in enumerate(layout.placements):
         if split_dim(p) is not None:
-            n = mesh[axis]
+            n = sizes[axis]
             if out[p.dim] % (n * parts(p)) and at is not None and parts(p) == 1:
                 lo, hi = chunk_range(out[p.dim], n, at[axis])
                 out[p.dim] = hi - lo

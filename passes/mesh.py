@@ -152,6 +152,7 @@ class Grid:
     stage: int  # which stage holds this rank
     pp_group: Any  # stages > 1: this grid position's group over the stages (None otherwise)
     key: int  # names this grid to the traceable collectives (`grid_of`)
+    cube: "Cube | None" = None  # strategy='3d': the q x q x q cube this (q, q*q) grid is a view of
     # backward launches each SUMMA weight gradient's reduction before the input gradient's product and
     # waits for it after (`passes.ops.overlap`); False: one after the other. A compiled program keeps
     # the value it was traced with.
@@ -339,24 +340,30 @@ class Cube:
     over l. `depth` is the q x q grid of the devices at this rank's depth l: its rows are (r, 0..q-1, l),
     its columns (0..q-1, c, l) (the 2D grid's column groups). `depth_group` holds (r, c, 0..q-1)."""
 
-    def __init__(self, q: int, device_type: str = "cpu"):
+    def __init__(self, q: int, device_type: str = "cpu", grid: "Grid | None" = None):
+        """`grid`: the (q, q*q) grid to build on (default: a new one); the cube is attached to it as
+        `grid.cube`, so the kernels built for that grid find it."""
         if q < 1:
             raise UsageError(f"a cube of side {q}: the side must be a positive int")
         self.q = q
-        self.grid = Grid(q, q * q, device_type=device_type)
+        self.grid = Grid(q, q * q, device_type=device_type) if grid is None else grid
+        assert self.grid.shape == (q, q * q) and self.grid.dp == 1 and self.grid.stages == 1, self.grid
         self.r, self.c, self.l = self.grid.r, self.grid.c // q, self.grid.c % q
         key = (q, device_type)
         got = _CUBE_GROUPS.get(key)
         if got is None or got[0] is not dist.group.WORLD:
-            groups = {}
+            groups: dict = {}
             for a in range(q):  # every rank creates every group, in the same order
                 for b in range(q):
                     groups["row", a, b] = dist.new_group([a * q * q + i * q + b for i in range(q)])  # (a, ., b)
                     groups["depth", a, b] = dist.new_group([a * q * q + b * q + i for i in range(q)])  # (a, b, .)
+            groups["mesh"] = init_device_mesh(device_type, (q, q, q), mesh_dim_names=("r", "c", "l"))
             got = _CUBE_GROUPS[key] = (dist.group.WORLD, groups)
         groups = got[1]
         self.depth_group = groups["depth", self.r, self.c]
+        self.mesh = groups["mesh"]  # the (r, c, l) DeviceMesh a cube weight's DTensor lives on
         self.depth = _DepthGrid(self, groups["row", self.r, self.l])
+        self.grid.cube = self
 
     @property
     def log(self) -> CommLog:

@@ -42,7 +42,7 @@ LOWERINGS = ("broadcast", "allgather", "ring")  # how a SUMMA product moves its 
 LOWERING_CHOICES = ("auto",) + LOWERINGS
 BUCKET_MB = 25.0  # default cap per replica gradient bucket, MiB (what DistributedDataParallel uses)
 BUDGET_S = 30.0  # default search_budget: seconds before the search stops with the best found so far
-STRATEGIES = ("2d", "1d", "auto")
+STRATEGIES = ("2d", "1d", "auto", "3d")
 RECOMPUTE_MODES = ("blocks", "selective")  # passes.transforms.recompute.MODES
 # a dim the grid does not divide: split in torch.chunk blocks where a rule can, else run unsplit (the
 # only choice for "replicate"), or raise
@@ -161,9 +161,10 @@ class Options:
         choices=("replicate", "error"))
     strategy: str = option(
         "2d", "how each weight matmul is split: SUMMA on the grid, Megatron 1D with sequence parallelism over its "
-        "columns, or the fastest estimate per matmul group", choices=STRATEGIES,
-        expected="'2d' (SUMMA), '1d' (Megatron column/row splits over the grid's columns) or 'auto' (chosen per "
-                 "matmul from estimated step time)")
+        "columns, the fastest estimate per matmul group, or 3D on a q x q x q cube (grid=(q, q, q))",
+        choices=STRATEGIES,
+        expected="'2d' (SUMMA), '1d' (Megatron column/row splits over the grid's columns), 'auto' (chosen per "
+                 "matmul from estimated step time) or '3d' (grid=(q, q, q))")
     cost_model: object = option(
         None, "for strategy='auto' and lowering='auto': what collectives and matmuls cost on this machine",
         check=lambda v: v is None or isinstance(v, (CostModel, dict, str, os.PathLike)),

@@ -56,3 +56,74 @@ def refusals(rank):
         except UsageError as e:
             out[name] = (type(e).__name__, str(e))
     return out
+
+
+def _counted_and_planned(pm) -> dict:
+    """{node: (module op, bytes counted in the last step, bytes the plan prices)} for every SUMMA or
+    3D linear of `pm`'s program."""
+    from autopar.planning.explain import rows
+
+    log = pm.grid.log
+    return {r.node: (r.op.split("(")[0], sum(v for (tag, _), v in log.bytes.items() if tag == r.node),
+                     r.fwd_bytes + r.bwd_bytes) for r in rows(pm) if r.op.startswith(("CubeLinear", "SummaLinear"))}
+
+
+def model_steps(rank, family, over=None, steps=3, batch=4, seq=8):
+    """A model on a 2x2x2 cube (strategy='3d') against one process: loss, logits and every gradient
+    after the first step, parameters after `steps` AdamW steps; per linear, the bytes counted in the
+    first step next to the plan's. `family`: 'tinygpt' (the repo's GPT, `over` its config) or a
+    transformers family of tests/checks_hf.py."""
+    import copy
+    import warnings
+
+    import autopar
+    from tests.compare import group_excess
+
+    torch.manual_seed(0)
+    if family == "tinygpt":
+        from models import GPTConfig, TinyGPT
+
+        cfg = GPTConfig(**over)
+        model = TinyGPT(cfg)
+
+        def make(b, s, seed):
+            g = torch.Generator().manual_seed(seed)
+            return dict(ids=torch.randint(0, cfg.vocab_size, (b, s), generator=g),
+                        targets=torch.randint(0, cfg.vocab_size, (b, s), generator=g))
+    else:
+        from tests.checks_hf import build
+
+        model, make = build(family, **(over or {}))
+    model.eval()  # dropout off: one process and the cube compute the same function
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.parallelize(model, grid=(2, 2, 2), example_kwargs=make(batch, seq, 1), strategy="3d")
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    ref_params = dict(ref.named_parameters())
+    errs, linears = {}, {}
+    for step in range(steps):
+        kw = make(batch, seq, step + 1)
+        pm.grid.log.reset()
+        out, want = pm(**kw), ref(**kw)
+        loss, ref_loss = (out[1], want[1]) if family == "tinygpt" else (out.loss, want.loss)
+        logits, ref_logits = (out[0], want[0]) if family == "tinygpt" else (out.logits, want.logits)
+        loss.backward()
+        ref_loss.backward()
+        if step == 0:
+            full = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)  # noqa: E731
+            errs.update(group_excess({"logits": (full(logits), ref_logits.detach())}))
+            errs.update(group_excess({"loss": (full(loss), ref_loss.detach())}))
+            errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                                     prefix="grad "))
+            linears = _counted_and_planned(pm)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    errs.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
+                             prefix=f"param after {steps} steps "))
+    held = {n: (p.to_local().numel(), p.numel(), len(p.placements)) for n, p in pm.named_parameters() if p.dim() == 2}
+    return {"excess": errs, "linears": linears, "held": held,
+            "names match": sorted(n for n, _ in pm.named_parameters()) == sorted(ref_params)}

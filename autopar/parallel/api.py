@@ -16,12 +16,21 @@ from autopar.parallel.sharded import shard_replicas
 from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program, input_device
 from autopar.program.guards import agree_on_options, agree_on_plan
 from passes import Grid
+from passes.mesh import Cube
 from passes.compat import group_timeout
 from passes.mesh import warn
 from passes.options import DEFAULTS, Options
 
 # ParallelModule, FallbackWarning and CompileWarning: what `autopar.api`, this module's old path, exported
 __all__ = ["parallelize", "ParallelModule", "FallbackWarning", "CompileWarning"]
+
+
+def _cube_grid(grid: tuple, device_type: str, timeout) -> Grid:
+    """strategy='3d': the (q, q*q) grid of a q x q x q cube, with the cube's groups attached (`Grid.cube`)."""
+    q = grid[0]
+    g = Grid(q, q * q, device_type=device_type, timeout=timeout)
+    Cube(q, device_type, g)
+    return g
 
 
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
@@ -171,10 +180,16 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     # timeout=None: the process group's own (the grid's groups would otherwise get torch's default, 30 min)
     delta = datetime.timedelta(seconds=timeout) if timeout is not None else \
         group_timeout(torch.distributed.group.WORLD, device.type)
+    if strategy == "3d" and (pipeline is not None or len(grid) != 3 or len(set(grid)) != 1):
+        raise UsageError(f"strategy='3d' with grid={tuple(grid)}" + (" and pipeline stages" if pipeline else "")
+                         + ": 3D tensor parallelism runs on a cube, grid=(q, q, q) on q**3 ranks (e.g. (2, 2, 2) on "
+                         "8), without pipeline stages or replicas; for (dp, R, C) replicas of a 2D grid use "
+                         "strategy='2d'")
     if pipeline is not None:
         return pipeline_parallelize(model, tuple(grid), pipeline, example_inputs, example_kwargs, options, device,
                                     delta)
-    g = Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
+    g = _cube_grid(grid, device.type, delta) if strategy == "3d" else \
+        Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
     example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
     comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)
     agree_on_plan(comp, layouts, model)

@@ -40,13 +40,13 @@ __all__ = ["Local", "ParallelModule", "save_pretrained_extension", "set_path"]
 def _shard(p: torch.Tensor, lay: Layout, grid: Grid, device) -> nn.Parameter:
     """The parameter as a DTensor holding this rank's block. A meta parameter gets an uninitialized
     block (to be filled by a checkpoint load); a real one is scattered from rank 0."""
-    placements = list(lay.placements)
+    placements, mesh = list(lay.placements), grid.cube.mesh if len(lay.placements) == 3 else grid.mesh  # 3D: cube's
     if p.is_meta:
         block = local_shape(tuple(p.shape), lay, grid.shape, at=(grid.r, grid.c))  # torch.chunk block, as DTensor's
         local = torch.empty(block, dtype=p.dtype, device=device)
-        dt = DTensor.from_local(local, grid.mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
     else:
-        dt = distribute_tensor(p.detach().clone(), grid.mesh, placements, src_data_rank=0)
+        dt = distribute_tensor(p.detach().clone(), mesh, placements, src_data_rank=0)
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 

@@ -194,7 +194,8 @@ def refuse_foreign_sharding(pmodel) -> None:
     foreign = isinstance(pmodel, FSDPModule)
     if not foreign:
         p = next(pmodel.parameters(), None)
-        foreign = isinstance(p, DTensor) and p.device_mesh is not pmodel.grid.mesh and p.device_mesh.ndim != 2
+        cube = getattr(pmodel.grid.cube, "mesh", None)  # strategy='3d': a 3D linear's weight is on the cube's mesh
+        foreign = isinstance(p, DTensor) and p.device_mesh not in (pmodel.grid.mesh, cube) and p.device_mesh.ndim != 2
     if foreign:
         raise UsageError(
             "this ParallelModule was wrapped in FSDP2's fully_shard after parallelize: autopar shards the "

@@ -28,7 +28,7 @@ from passes.mesh import Cube
 from passes.ops.comm import guarded, tensor_bytes
 from passes.ops.summa import SummaAB
 
-__all__ = ["cube_linear", "activation_block", "weight_block", "DepthScatter"]
+__all__ = ["cube_linear", "activation_block", "weight_block", "DepthScatter", "CubeLinear"]
 
 
 def _depth_reduce_scatter(cube: Cube, t: torch.Tensor, tag: str) -> torch.Tensor:
@@ -101,3 +101,23 @@ def weight_block(cube: Cube, w: torch.Tensor) -> torch.Tensor:
     block c of q."""
     q = cube.q
     return w.chunk(q * q, 0)[cube.r * q + cube.l].chunk(q, 1)[cube.c].contiguous()
+
+
+class CubeLinear(torch.nn.Module):
+    """y = x W (+ b) by `cube_linear` on the grid's cube (`Grid.cube`); `flip`: the stored block is
+    [N/q, K/q^2] (an nn.Linear's [N, K] weight) and is transposed first."""
+
+    def __init__(self, grid, flip: bool, tag: str, lowering: str):
+        super().__init__()
+        self.grid, self.flip, self.tag, self.lowering = grid, flip, tag, lowering
+
+    def forward(self, x, w, b=None):
+        cube = self.grid.cube
+        if cube is None:
+            raise UsageError(f"{self.tag}: a 3D linear runs on a cube's grid (strategy='3d', grid=(q, q, q)); "
+                             f"this grid {self.grid} has none")
+        y = cube_linear(cube, x, w.t() if self.flip else w, self.tag, self.lowering)
+        return y if b is None else y + b.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"3D, lowering={self.lowering}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from passes.kernels.cube import CubeSpec
 from passes.kernels.spec import SummaSpec
 from passes.layout import REPLICATED, Layout, ShardingError, Strided, split_dim, uneven_ok
 from passes.meta import CHOICE, PARAM
@@ -89,6 +90,33 @@ def summa_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
     )
 
 
+def cube_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
+    """strategy='3d' on a q x q x q cube, whose grid is (q, q*q) (`passes.mesh.Cube`): x [..., K] split
+    rows over r and K over (c, l), the weight's K over (r, l) and its N over c (a cube layout of three
+    placements, `passes.layout.cube_sizes`), the output in x's layout (`passes.ops.cube`). Sizes the
+    cube does not divide (K or N by q*q), and a batch its rows do not split, run 2D SUMMA on the
+    (q, q*q) grid instead, as the note says."""
+    ws = shape(w)
+    kd, nd = (1, 0) if n_first else (0, 1)
+    K, N = ws[kd], ws[nd]
+    q = mesh[0]
+    rows, out_rows = _rows(node, x, layouts, mesh)
+    xs = shape(x)
+    whole = isinstance(rows, Replicate) or xs[rows.dim] % q
+    if K % (q * q) or N % (q * q) or whole or mesh[1] != q * q:
+        strat = summa_strategy(node, layouts, mesh, x, w, bias, n_first)
+        why = (f"in-features {K} or out-features {N} not divisible by {q * q}" if K % (q * q) or N % (q * q)
+               else f"a batch of {xs[0]} the {q} rows do not split")
+        strat.note = f"{strat.note} (3D: {why}; 2D SUMMA on the {q}x{q * q} grid)"
+        return strat
+    last, out_last = len(xs) - 1, len(val(node).shape) - 1
+    need = {x: Layout((rows, Shard(last))), w: Layout((Shard(kd), Shard(nd), Shard(kd)))}
+    if bias is not None:
+        need[bias] = Layout((Replicate(), Shard(0)))
+    return Strategy(need, Layout((out_rows, Shard(out_last))), kernel=CubeSpec(x=x, w=w, bias=bias, flip=n_first),
+                    note="3D: SUMMA over the depth's K/q, reduce-scatter over the depth")
+
+
 def _is_weight(w, layouts) -> bool:
     """A 2-D operand that is an unplaced parameter (or a view of one), a parameter (or transpose of
     one) placed by an earlier use or by an earlier compile, or already split 2D."""
@@ -153,6 +181,8 @@ def _placed_kind(lay: Layout, n_first: bool, choice: str) -> str:
     earlier compile) runs under: a 1D layout its 1D split, anything else SUMMA (which redistributes a
     layout it cannot use); a whole weight stays whole where the strategy chose that."""
     kd, nd = (1, 0) if n_first else (0, 1)
+    if len(lay.placements) == 3:  # a cube layout (strategy='3d')
+        return "3d"
     rows, cols = lay.normalized(2).placements
     if isinstance(rows, Replicate) and split_dim(cols) == nd:
         return "col"
@@ -169,6 +199,8 @@ def weight_strategy(node, layouts, mesh, x, w, bias, n_first: bool) -> Strategy:
         choice = _placed_kind(layouts[w], n_first, choice)
     if choice == "2d":
         return summa_strategy(node, layouts, mesh, x, w, bias, n_first)
+    if choice == "3d":
+        return cube_strategy(node, layouts, mesh, x, w, bias, n_first)
     return one_d_strategy(node, layouts, mesh, x, w, bias, n_first, choice)
 
 
