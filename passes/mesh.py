@@ -369,6 +369,13 @@ class Cube:
     def log(self) -> CommLog:
         return self.grid.log
 
+    def index(self, axis: int) -> int:
+        """This rank's position along cube axis 0 (r), 1 (c) or 2 (l)."""
+        return (self.r, self.c, self.l)[axis]
+
+    def size(self, axis: int) -> int:
+        return self.q
+
     def depth_rank(self, i: int) -> int:
         """Global rank of member i of this rank's depth group: (r, c, i)."""
         return (self.r * self.q + self.c) * self.q + i

@@ -43,11 +43,21 @@ def two_linears(rank, q, lowering):
 
 
 def refusals(rank):
-    """The 3D linear's errors for blocks that do not fit the cube: (type name, message)."""
+    """The 3D linear's errors for blocks that do not fit the cube, and parallelize's for a grid that is
+    not a cube or a cube with pipeline stages: (type name, message)."""
+    import autopar
     from passes.errors import UsageError
 
     cube = Cube(2)
     out = {}
+    model, x = torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.randn(4, 16)
+    for name, kw in (("grid 2x4", dict(grid=(2, 4))), ("grid 2x2x1", dict(grid=(2, 2, 1))),
+                     ("pipeline", dict(grid=(2, 2, 2), pipeline=2)), ("compile", dict(grid=(2, 2, 2), compile=True))):
+        try:
+            autopar.parallelize(model, example_inputs=(x,), strategy="3d", **kw)
+            out[name] = ("none", "")
+        except UsageError as e:
+            out[name] = (type(e).__name__, str(e))
     for name, x, w in (("mismatch", torch.randn(4, 3), torch.randn(2, 3)),
                        ("uneven N", torch.randn(4, 2), torch.randn(2, 3))):
         try:
@@ -96,13 +106,14 @@ def model_steps(rank, family, over=None, steps=3, batch=4, seq=8):
         model, make = build(family, **(over or {}))
     model.eval()  # dropout off: one process and the cube compute the same function
     ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         pm = autopar.parallelize(model, grid=(2, 2, 2), example_kwargs=make(batch, seq, 1), strategy="3d")
+    warned = [str(w.message) for w in caught if issubclass(w.category, autopar.PlanWarning)]
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     ref_params = dict(ref.named_parameters())
-    errs, linears = {}, {}
+    errs, linears, totals = {}, {}, (0, 0)
     for step in range(steps):
         kw = make(batch, seq, step + 1)
         pm.grid.log.reset()
@@ -118,6 +129,9 @@ def model_steps(rank, family, over=None, steps=3, batch=4, seq=8):
             errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                                      prefix="grad "))
             linears = _counted_and_planned(pm)
+            from autopar.planning.explain import rows
+
+            totals = (sum(r.fwd_bytes + r.bwd_bytes for r in rows(pm)), pm.grid.log.total())
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -125,5 +139,57 @@ def model_steps(rank, family, over=None, steps=3, batch=4, seq=8):
     errs.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
                              prefix=f"param after {steps} steps "))
     held = {n: (p.to_local().numel(), p.numel(), len(p.placements)) for n, p in pm.named_parameters() if p.dim() == 2}
-    return {"excess": errs, "linears": linears, "held": held,
+    return {"excess": errs, "linears": linears, "held": held, "warned": warned, "totals": totals,
             "names match": sorted(n for n, _ in pm.named_parameters()) == sorted(ref_params)}
+
+
+def checkpoints(rank, tmp):
+    """A Llama on a 2x2x2 cube after one AdamW step, saved with torch.distributed.checkpoint (model
+    and optimizer) and with save_pretrained: each read back by a fresh cube model, by a 2x4 grid and
+    (save_pretrained) by autopar.from_pretrained on the cube; every parameter, whole, against the
+    saved model's (bit equality: nothing is computed), and AdamW's states after the cube reload."""
+    import copy
+    import warnings
+
+    import autopar
+    from tests.checks_hf import build
+
+    torch.manual_seed(0)
+    model, make = build("llama")
+    kw = make(4, 8, 1)
+
+    def par(m, **options):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.parallelize(copy.deepcopy(m), example_kwargs=kw, **options)
+
+    pm = par(model, grid=(2, 2, 2), strategy="3d")
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm(**kw).loss.backward()
+    opt.step()
+    want = {n: p.full_tensor() for n, p in pm.named_parameters()}
+    states = {n: {k: v.full_tensor() for k, v in opt.state[p].items() if hasattr(v, "full_tensor")}
+              for n, p in pm.named_parameters()}
+    autopar.save_distributed(pm, f"{tmp}/dcp", optimizer=opt)
+    autopar.save_pretrained(pm, f"{tmp}/hf")
+    errs = {}
+
+    def same(tag, other):
+        for n, p in other.named_parameters():
+            errs[f"{tag} {n}"] = excess(p.full_tensor(), want[n], 0.0, 0.0)
+
+    cube = par(model, grid=(2, 2, 2), strategy="3d")
+    cube_opt = torch.optim.AdamW(cube.parameters(), lr=1e-3)
+    autopar.load_distributed(cube, f"{tmp}/dcp", optimizer=cube_opt)
+    same("dcp -> cube", cube)
+    for n, p in cube.named_parameters():
+        for k, v in states[n].items():
+            errs[f"dcp -> cube adamw {k} {n}"] = excess(cube_opt.state[p][k].full_tensor(), v, 0.0, 0.0)
+    flat = par(model, grid=(2, 4))
+    autopar.load_distributed(flat, f"{tmp}/dcp")
+    same("dcp -> 2x4", flat)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        read = autopar.from_pretrained(f"{tmp}/hf", grid=(2, 2, 2), example_kwargs=kw, strategy="3d", progress=False)
+    same("save_pretrained -> from_pretrained cube", read)
+    return errs

@@ -180,7 +180,8 @@ def load_view(pmodel, path: str, source, names: dict | None, progress: bool = Tr
         bar = _progress(len(todo), pmodel.grid.rank == 0 and progress)
         converted: dict = {}  # model name -> whole tensor computed by a conversion, until its block is read
         for _name, tensor, (alias, src) in todo:
-            ranges = block_ranges(tuple(tensor.shape), grid_placements(tensor), pmodel.grid)
+            placed = grid_placements(tensor)  # over the grid, or a 3D linear's weight over its cube
+            ranges = block_ranges(tuple(tensor.shape), placed, pmodel.grid.cube if len(placed) == 3 else pmodel.grid)
             if isinstance(src, str):
                 _check_shape(path, src, handle(src).shape(src), tensor)
                 check_dtype(files[src], src, handle(src).dtype(src), tensor.dtype)

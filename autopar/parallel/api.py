@@ -33,6 +33,17 @@ def _cube_grid(grid: tuple, device_type: str, timeout) -> Grid:
     return g
 
 
+def _name_2d_linears(pmodel: ParallelModule, q: int) -> None:
+    """strategy='3d': a PlanWarning naming the linears that run 2D SUMMA on the cube's (q, q*q) grid
+    instead (a tied LM head whose table the embedding placed first, sizes the cube does not divide)."""
+    from autopar.planning.explain import rows
+
+    two_d = [f"{r.module or r.node} ({r.note})" for r in rows(pmodel) if r.op.startswith("SummaLinear")]
+    if two_d:
+        warn(f"strategy='3d': {len(two_d)} linear(s) run 2D SUMMA on the {q}x{q * q} grid, not 3D: "
+             + "; ".join(two_d), PlanWarning, stacklevel=3)
+
+
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
                 lowering: str = DEFAULTS.lowering, indivisible: str = DEFAULTS.indivisible,
                 fused: str = DEFAULTS.fused, on_unsupported: str = DEFAULTS.on_unsupported,
@@ -180,6 +191,9 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     # timeout=None: the process group's own (the grid's groups would otherwise get torch's default, 30 min)
     delta = datetime.timedelta(seconds=timeout) if timeout is not None else \
         group_timeout(torch.distributed.group.WORLD, device.type)
+    if strategy == "3d" and compile:
+        raise UsageError("strategy='3d' with compile=True: the 3D linear's depth collectives are not torch.library "
+                         "ops yet, so torch.compile would break its graph at each; leave compile out with '3d'")
     if strategy == "3d" and (pipeline is not None or len(grid) != 3 or len(set(grid)) != 1):
         raise UsageError(f"strategy='3d' with grid={tuple(grid)}" + (" and pipeline stages" if pipeline else "")
                          + ": 3D tensor parallelism runs on a cube, grid=(q, q, q) on q**3 ranks (e.g. (2, 2, 2) on "
@@ -194,6 +208,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)
     agree_on_plan(comp, layouts, model)
     pmodel = ParallelModule(model, g, comp, layouts, options)
+    if strategy == "3d":
+        _name_2d_linears(pmodel, grid[0])
     if comp.data_parallel == "shard":  # asked for, or data_parallel='auto' where only it fits memory_limit
         shard_replicas(pmodel)
     elif reshard_after_forward is not True or fsdp_prefetch is not None:

@@ -48,7 +48,7 @@ from passes.ops.comm import tensor_bytes
 
 __all__ = ["shard_replicas", "program_for", "gathered", "units", "is_sharded",
            "refuse_foreign_sharding", "replica_traffic", "memory_per_rank",
-           "grid_placements", "replica_shard"]
+           "grid_placements", "replica_shard", "is_cube_weight"]
 
 _SHARDED = "_autopar_fsdp"  # set on a ParallelModule that autopar itself wrapped in fully_shard
 _BLOCKS = "_autopar_fsdp_blocks"  # name -> (grid block shape, element size, trained) before sharding
@@ -210,18 +210,24 @@ def replica_traffic(pmodel) -> FSDPTraffic:
     return fsdp_traffic(unit_groups(blocks, names), pmodel.grid.dp, pmodel.options.reshard_after_forward)
 
 
+def is_cube_weight(tensor) -> bool:
+    """Whether a parameter is a 3D linear's weight, a DTensor on a cube's (r, c, l) mesh (strategy='3d')."""
+    mesh = getattr(tensor, "device_mesh", None)
+    return mesh is not None and tuple(mesh.mesh_dim_names or ()) == ("r", "c", "l")
+
+
 def grid_placements(tensor) -> tuple:
     """A parameter's placements over the grid's two axes (a sharded replica's first one, over the
-    replicas, left out); () for a plain tensor."""
+    replicas, left out), or a 3D linear's weight's over the cube's three; () for a plain tensor."""
     placements = tuple(getattr(tensor, "placements", ()))
-    return placements[-2:] if len(placements) == 3 else placements
+    return placements[-2:] if len(placements) == 3 and not is_cube_weight(tensor) else placements
 
 
 def replica_shard(tensor, block: torch.Tensor, dp_index: int, dp: int) -> torch.Tensor:
     """This rank's part of its grid `block` of parameter `tensor`: the block itself, or for sharded
     replicas (three placements) the dp_index-th of FSDP2's chunks of its first dim (ceil(rows/dp) rows
     each, the last shorter), which is what the shard holds."""
-    if len(tuple(getattr(tensor, "placements", ()))) != 3:
+    if len(tuple(getattr(tensor, "placements", ()))) != 3 or is_cube_weight(tensor):
         return block
     rows = block.shape[0]
     size = shard_rows(rows, dp)

@@ -46,7 +46,8 @@ from autopar.program.uneven import most_received
 from passes.compat import fake_store, fake_tensor_mode, pytree
 from passes.cost.volumes import all_reduce_bytes
 from passes.layout import REPLICATED, local_shape
-from passes.mesh import Grid
+from passes.mesh import Cube, Grid
+from passes.ops.cube import CubeLinear
 from autopar.errors import MemoryLimitError, PlanWarning, UsageError
 
 
@@ -167,6 +168,8 @@ def _measure_activations(gm, cap, mesh):
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=mesh[0] * mesh[1])
     try:
         grid = Grid(*mesh)
+        if any(isinstance(mod, CubeLinear) for mod in gm.modules()):  # strategy='3d': the cube's groups too
+            Cube(mesh[0], grid=grid)
         for mod in gm.modules():  # point the planning modules at the fake groups
             if hasattr(mod, "grid"):
                 mod.grid = grid
@@ -236,8 +239,11 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
             and all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
         raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4), or (dp, R, C) for dp "
                          f"data-parallel replicas of an R x C grid")
-    dp = grid[0] if len(grid) == 3 else 1
-    mesh = tuple(grid[-2:])
+    if strategy == "3d" and (pipeline is not None or len(grid) != 3 or len(set(grid)) != 1):
+        raise UsageError(f"strategy='3d' with grid={tuple(grid)}: 3D tensor parallelism plans a cube, grid=(q, q, q), "
+                         f"without pipeline stages or replicas")
+    dp = grid[0] if len(grid) == 3 and strategy != "3d" else 1
+    mesh = (grid[0], grid[0] ** 2) if strategy == "3d" else tuple(grid[-2:])  # a cube's (q, q*q) grid
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     check_example_inputs(model, example_inputs, example_kwargs, "autopar.plan")
     if pipeline is not None:
