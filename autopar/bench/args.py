@@ -31,6 +31,8 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--lowerings", action="store_true", help="measure one SUMMA product in each lowering instead "
                    "(broadcast, all-gather, ring) on 2x2 and 3x3: peak temporary memory, bytes, calls, time "
                    "(see autopar.bench.lowerings)")
+    p.add_argument("--cube", action="store_true", help="measure 3D tensor parallelism instead: the benchmark Llama "
+                   "on 8 ranks as a 2x2x2 cube against 2x4, 4x2 (2D) and 1x8 (1D) (see autopar.bench.cube)")
     p.add_argument("--dimensions", action="store_true", help="print 1D, 2D and 3D side by side for the linears of "
                    "Llama-7B and -70B shapes at 64 and 512 ranks, from the formulas: bytes, parameters and inputs "
                    "held per rank, ratio to the lower bound (see autopar.bench.dimensions)")

@@ -254,7 +254,7 @@ def run(ns) -> int:
     """The benchmark for parsed flags (see `autopar bench --help`); --generate runs
     `autopar.bench.generate` instead, --moe `autopar.bench.moe`, --dp `autopar.bench.dp`,
     --pipeline `autopar.bench.pipeline`, --lowerings `autopar.bench.lowerings`, --dimensions
-    `autopar.bench.dimensions`."""
+    `autopar.bench.dimensions`, --cube `autopar.bench.cube`."""
     import tempfile
 
     if getattr(ns, "generate", False):
@@ -269,6 +269,10 @@ def run(ns) -> int:
         from autopar.bench import pipeline as bench_pipeline
 
         return bench_pipeline.run(ns)
+    if getattr(ns, "cube", False):
+        from autopar.bench import cube as bench_cube
+
+        return bench_cube.run(ns)
     if getattr(ns, "dimensions", False):
         from autopar.bench import dimensions as bench_dimensions
 

@@ -96,14 +96,14 @@ class _Held:
         self.saved.release(self.key)
 
 
-def _peak_saved(fn) -> int:
+def peak_saved(fn) -> int:
     saved = _Saved()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda packed: packed[1]):
         fn()
     return saved.peak
 
 
-def _step(pm, opt, step: int) -> float:
+def one_step(pm, opt, step: int) -> float:
     batch = common.batch(step)
     if hasattr(pm, "train_step"):
         loss = pm.train_step(**batch)
@@ -129,18 +129,18 @@ def worker(rank, world, port, rounds, steps, out):
             busy[label] = _Busy(pm.schedule_stages)
     for label, pm in pms.items():  # one measured step each: bytes, calls, memory
         pm.grid.log.reset()
-        res[label]["losses"].append(_step(pm, opts[label], 0))
+        res[label]["losses"].append(one_step(pm, opts[label], 0))
         log = pm.grid.log
         res[label].update(bytes=log.total(), calls=log.calls(), p2p_bytes=log.total("pp:"),
                           params=sum(p.to_local().numel() * p.element_size() for p in pm.parameters()))
-        res[label]["peak_saved_bytes"] = _peak_saved(functools.partial(_step, pm, opts[label], 1))
+        res[label]["peak_saved_bytes"] = peak_saved(functools.partial(one_step, pm, opts[label], 1))
     for r in range(rounds):
         for label, pm in pms.items():
             for s in range(steps):
                 dist.barrier()
                 before = busy[label].s if label in busy else 0.0
                 t0 = time.perf_counter()
-                res[label]["losses"].append(_step(pm, opts[label], 2 + r * steps + s))
+                res[label]["losses"].append(one_step(pm, opts[label], 2 + r * steps + s))
                 took = time.perf_counter() - t0
                 res[label]["times"].append(took)
                 if label in busy:
