@@ -20,7 +20,7 @@ from tests import checks_options as C
     ("indivisible", "pad", "indivisible='pad': expected one of ('uneven', 'replicate', 'error')"),
     ("fused", "concat", "fused='concat': expected one of ('regroup', 'interleave')"),
     ("on_unsupported", "skip", "on_unsupported='skip': expected one of ('replicate', 'error')"),
-    ("strategy", "3d", "strategy='3d': expected '2d' (SUMMA), '1d'"),
+    ("strategy", "2.5d", "strategy='2.5d': expected '2d' (SUMMA), '1d'"),
     ("cost_model", 3, "cost_model=3: expected None (published GPU-cluster figures), the path or dict"),
     ("memory_limit", 0, "memory_limit=0: expected a positive number of bytes per rank"),
     ("search_budget", -1, "search_budget=-1: expected seconds >= 0 (e.g. 30) or None for no time limit"),
