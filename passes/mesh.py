@@ -330,7 +330,7 @@ class Grid:
         return f"Grid({self.shape[0]}x{self.shape[1]}, rank={self.rank}, (r, c)=({self.r}, {self.c}))"
 
 
-_CUBE_GROUPS: dict = {}  # (q, device type) -> (default group, {("row" | "depth", fixed index pair): group})
+_CUBE_GROUPS: dict = {}  # (q, device type, timeout) -> (default group, {("row" | "depth", a, b): group, "mesh": ...})
 
 
 class Cube:
@@ -349,14 +349,17 @@ class Cube:
         self.grid = Grid(q, q * q, device_type=device_type) if grid is None else grid
         assert self.grid.shape == (q, q * q) and self.grid.dp == 1 and self.grid.stages == 1, self.grid
         self.r, self.c, self.l = self.grid.r, self.grid.c // q, self.grid.c % q
-        key = (q, device_type)
+        timeout = self.grid.timeout  # the depth collectives give up when the grid's do
+        key = (q, device_type, timeout)
         got = _CUBE_GROUPS.get(key)
         if got is None or got[0] is not dist.group.WORLD:
             groups: dict = {}
             for a in range(q):  # every rank creates every group, in the same order
                 for b in range(q):
-                    groups["row", a, b] = dist.new_group([a * q * q + i * q + b for i in range(q)])  # (a, ., b)
-                    groups["depth", a, b] = dist.new_group([a * q * q + b * q + i for i in range(q)])  # (a, b, .)
+                    groups["row", a, b] = dist.new_group([a * q * q + i * q + b for i in range(q)],  # (a, ., b)
+                                                         timeout=timeout)
+                    groups["depth", a, b] = dist.new_group([a * q * q + b * q + i for i in range(q)],  # (a, b, .)
+                                                           timeout=timeout)
             groups["mesh"] = init_device_mesh(device_type, (q, q, q), mesh_dim_names=("r", "c", "l"))
             got = _CUBE_GROUPS[key] = (dist.group.WORLD, groups)
         groups = got[1]
@@ -375,10 +378,6 @@ class Cube:
 
     def size(self, axis: int) -> int:
         return self.q
-
-    def depth_rank(self, i: int) -> int:
-        """Global rank of member i of this rank's depth group: (r, c, i)."""
-        return (self.r * self.q + self.c) * self.q + i
 
     def __repr__(self) -> str:
         q = self.q
