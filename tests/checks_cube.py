@@ -68,14 +68,17 @@ def refusals(rank):
     return out
 
 
-def _counted_and_planned(pm) -> dict:
-    """{node: (module op, bytes counted in the last step, bytes the plan prices)} for every SUMMA or
-    3D linear of `pm`'s program."""
-    from autopar.planning.explain import rows
+def _counted_and_planned(pm) -> tuple:
+    """({node: (module op, bytes counted in the last step, bytes the plan prices)} for every SUMMA or 3D
+    linear of `pm`'s program, (the plan's total, the step's)), the plan priced at this rank's grid
+    position."""
+    from autopar.planning.explain import graph_rows
 
     log = pm.grid.log
-    return {r.node: (r.op.split("(")[0], sum(v for (tag, _), v in log.bytes.items() if tag == r.node),
-                     r.fwd_bytes + r.bwd_bytes) for r in rows(pm) if r.op.startswith(("CubeLinear", "SummaLinear"))}
+    table = graph_rows(pm.program.inspected, pm.grid.shape, at=(pm.grid.r, pm.grid.c))
+    linears = {r.node: (r.op.split("(")[0], sum(v for (tag, _), v in log.bytes.items() if tag == r.node),
+                        r.fwd_bytes + r.bwd_bytes) for r in table if r.op.startswith(("CubeLinear", "SummaLinear"))}
+    return linears, (sum(r.fwd_bytes + r.bwd_bytes for r in table), log.total())
 
 
 def model_steps(rank, family, over=None, steps=3, batch=4, seq=8):
@@ -128,10 +131,7 @@ def model_steps(rank, family, over=None, steps=3, batch=4, seq=8):
             errs.update(group_excess({"loss": (full(loss), ref_loss.detach())}))
             errs.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
                                      prefix="grad "))
-            linears = _counted_and_planned(pm)
-            from autopar.planning.explain import rows
-
-            totals = (sum(r.fwd_bytes + r.bwd_bytes for r in rows(pm)), pm.grid.log.total())
+            linears, totals = _counted_and_planned(pm)
         opt.step()
         ref_opt.step()
         opt.zero_grad()

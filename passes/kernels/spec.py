@@ -393,7 +393,8 @@ class ReblockSpec(KernelSpec):
     def values(self, site):
         xl = site.local(0)
         i = site.at[self.axis]
-        rest = math.prod(xl) // max(1, math.prod(xl[self.group[0]:self.group[-1] + 1]))
+        lo, hi = self.group[0], self.group[-1] + 1
+        rest = math.prod(xl[:lo]) * math.prod(xl[hi:])  # not prod(xl) / the group's: a block may hold none of it
         return {"e": site.val(0).element_size(), "t": rest,  # t: elements of the other dims this rank holds
                 "f": reblock.received(self.src, self.dst, i), "b": reblock.received(self.dst, self.src, i)}
 
