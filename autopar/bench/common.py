@@ -181,3 +181,27 @@ def spawn(target, world, *args):
         p.join()
         if p.exitcode:
             raise SystemExit(f"autopar bench: a worker exited with code {p.exitcode}")
+
+
+def spawn_json(target, world, *args) -> dict:
+    """`spawn` target(rank, world, port, *args, out) and return the JSON its rank 0 wrote to `out`."""
+    import json
+    import os
+    import tempfile
+
+    out = os.path.join(tempfile.mkdtemp(), "bench.json")
+    spawn(target, world, *args, out)
+    with open(out) as f:
+        return json.load(f)
+
+
+def against(res: dict, labels, ref: str, ref_name: str, fields) -> list:
+    """One line per configuration of `labels`: its `fields` ((name, result key) pairs) as ratios to
+    configuration `ref`'s, and how far its losses are from `ref`'s (relative)."""
+    b, lines = res[ref], []
+    for label in labels:
+        a = res[label]
+        worst = max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"]))
+        ratios = ", ".join(f"{name} {a[key] / b[key]:.2f}x" for name, key in fields)
+        lines.append(f"{label} / {ref_name}: {ratios}; losses agree to {worst:.1e}")
+    return lines

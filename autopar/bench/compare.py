@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import importlib
 import json
 import os
 import statistics
@@ -257,34 +258,9 @@ def run(ns) -> int:
     `autopar.bench.dimensions`, --cube `autopar.bench.cube`."""
     import tempfile
 
-    if getattr(ns, "generate", False):
-        from autopar.bench import generate as bench_generate
-
-        return bench_generate.run(ns)
-    if getattr(ns, "dp", False):
-        from autopar.bench import dp as bench_dp
-
-        return bench_dp.run(ns)
-    if getattr(ns, "pipeline", False):
-        from autopar.bench import pipeline as bench_pipeline
-
-        return bench_pipeline.run(ns)
-    if getattr(ns, "cube", False):
-        from autopar.bench import cube as bench_cube
-
-        return bench_cube.run(ns)
-    if getattr(ns, "dimensions", False):
-        from autopar.bench import dimensions as bench_dimensions
-
-        return bench_dimensions.run(ns)
-    if getattr(ns, "lowerings", False):
-        from autopar.bench import lowerings as bench_lowerings
-
-        return bench_lowerings.run(ns)
-    if getattr(ns, "moe", False):
-        from autopar.bench import moe as bench_moe
-
-        return bench_moe.run(ns)
+    for flag in ("generate", "dp", "pipeline", "cube", "dimensions", "lowerings", "moe"):  # one benchmark each
+        if getattr(ns, flag, False):
+            return importlib.import_module(f"autopar.bench.{flag}").run(ns)
 
     from autopar.planning.report import require_matplotlib
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import statistics
 import time
 import warnings
@@ -123,12 +122,7 @@ def markdown(res: dict) -> str:
 
 def run(ns) -> int:
     """The sharded-replica benchmark for `autopar bench`'s parsed flags (--rounds, --steps, --json)."""
-    import tempfile
-
-    out = os.path.join(tempfile.mkdtemp(), "bench_dp.json")
-    common.spawn(worker, GRID[0] * GRID[1] * GRID[2], ns.rounds, ns.steps, out)
-    with open(out) as f:
-        res = json.load(f)
+    res = common.spawn_json(worker, GRID[0] * GRID[1] * GRID[2], ns.rounds, ns.steps)
     if ns.json:
         print(json.dumps({"model": common.CONFIG, "grid": GRID, "batch": common.BATCH, "seq": common.SEQ,
                           "results": res}, indent=2))

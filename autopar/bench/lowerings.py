@@ -14,7 +14,6 @@ ranks. Gloo on two shared cores: the times measure contention as much as the low
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 
@@ -126,14 +125,7 @@ def _over(r: dict) -> int:
 
 def run(ns) -> int:
     """The lowering benchmark for `autopar bench`'s parsed flags (--json)."""
-    import tempfile
-
-    results = {}
-    for R, C in GRIDS:
-        out = os.path.join(tempfile.mkdtemp(), "bench_lowerings.json")
-        common.spawn(worker, R * C, (R, C), out)
-        with open(out) as f:
-            results[f"{R}x{C}"] = json.load(f)
+    results = {f"{R}x{C}": common.spawn_json(worker, R * C, (R, C)) for R, C in GRIDS}
     if ns.json:
         print(json.dumps({"M": M, "K": K, "N": N, "results": results}, indent=2))
     else:

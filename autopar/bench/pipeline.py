@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import statistics
 import time
 import warnings
@@ -115,11 +114,13 @@ def one_step(pm, opt, step: int) -> float:
     return float(loss.detach())
 
 
-def worker(rank, world, port, rounds, steps, out):
+def worker(rank, world, port, rounds, steps, configs, out):
+    """Train the benchmark Llama under each of `configs` (label -> parallelize keywords) and write the
+    figures of the module docstring to `out` (rank 0). `autopar.bench.cube` runs it with its own."""
     init_local(rank, world, port)
     base = common.model()
     pms, opts, res, busy = {}, {}, {}, {}
-    for label, kw in CONFIGS.items():
+    for label, kw in configs.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pm = autopar.parallelize(copy.deepcopy(base), example_kwargs=common.batch(0), **kw)
@@ -176,25 +177,13 @@ def markdown(res: dict) -> str:
         lines.append(f"| {label} | {r['step_s'] * 1e3:.0f} ms | {r['bytes'] / 2**20:.2f} MiB | "
                      f"{r['p2p_bytes'] / 2**20:.2f} MiB | {r['calls']} | {r['params'] / 2**20:.2f} MiB "
                      f"({r['params'] / (total / WORLD):.2f}) | {r['peak_saved_bytes'] / 2**20:.1f} MiB | {bub} |")
-    ref = res["2x4 (2D)"]
-    lines.append("")
-    for label in CONFIGS:
-        a = res[label]
-        worst = max(abs(x - y) / abs(y) for x, y in zip(a["losses"], ref["losses"]))
-        lines.append(f"{label} / 2x4: step {a['step_s'] / ref['step_s']:.2f}x, received "
-                     f"{a['bytes'] / ref['bytes']:.2f}x, peak saved "
-                     f"{a['peak_saved_bytes'] / ref['peak_saved_bytes']:.2f}x; losses agree to {worst:.1e}")
-    return "\n".join(lines)
+    fields = (("step", "step_s"), ("received", "bytes"), ("peak saved", "peak_saved_bytes"))
+    return "\n".join(lines + [""] + common.against(res, CONFIGS, "2x4 (2D)", "2x4", fields))
 
 
 def run(ns) -> int:
     """The pipeline benchmark for `autopar bench`'s parsed flags (--rounds, --steps, --json)."""
-    import tempfile
-
-    out = os.path.join(tempfile.mkdtemp(), "bench_pipeline.json")
-    common.spawn(worker, WORLD, ns.rounds, ns.steps, out)
-    with open(out) as f:
-        res = json.load(f)
+    res = common.spawn_json(worker, WORLD, ns.rounds, ns.steps, CONFIGS)
     if ns.json:
         print(json.dumps({"model": common.CONFIG, "batch": common.BATCH, "seq": common.SEQ, "results": res},
                          indent=2))

@@ -21,7 +21,7 @@ from torch.fx import Node
 from passes.cost.planned import Cost
 from passes.cost.summa_blocks import product_elems, step_products
 from passes.cost.volumes import all_gather_bytes, reduce_scatter_bytes
-from passes.kernels.spec import KernelSpec, Site, products_per_step
+from passes.kernels.spec import KernelSpec, Site, SummaSpec, products_per_step
 from passes.meta import LOWERING
 from passes.ops.cube import CubeLinear
 
@@ -52,19 +52,13 @@ class CubeSpec(KernelSpec):
     def describe(self, site: Site) -> str:
         return "3D: SUMMA on the depth's K/q, reduce-scatter Y over depth; bwd all-gather dY, ABT + ATB"
 
-    def lowering(self, site: Site) -> str:
-        node = site.node
-        if node.op == "call_module":
-            return getattr(node.graph.owning_module.get_submodule(node.target), "lowering", "broadcast")
-        return node.meta.get(LOWERING, "broadcast")
-
     def steps(self, site, v, exact):
         """Per collective call: (grid axis, phase, bytes), for the depth grid's products one call per
         step and axis (the broadcast lowering: q; ring: q - 1 with traffic; all-gather: 1), the first
         carrying the product's bytes on that axis."""
         q, e, M, K, N = (v[k] for k in ("q", "e", "M", "K", "N"))
         m, k_depth = M // q, K // q
-        lowering = self.lowering(site)
+        lowering = SummaSpec.lowering(site.node)  # the depth products' lowering
         calls = {"broadcast": q, "ring": q - 1, "allgather": 1}[lowering]
         roles = {"KN": (k_depth, N), "NK": (N, k_depth)}
         out = []
