@@ -148,6 +148,7 @@ def _tokens(args, kwargs, hidden: int) -> int:
 
 
 def inspect_cmd(ns) -> int:
+    from autopar.planning.grids import describe, replica_inputs
     from autopar.planning.report import dot, group_by_module, html, plot, require_matplotlib, sweep_table
 
     if ns.plot:  # before torch loads and the minutes of planning
@@ -168,7 +169,10 @@ def inspect_cmd(ns) -> int:
     if ns.grid == "auto":
         if not ns.devices:
             raise SystemExit("autopar inspect: --grid auto needs --devices N (how many ranks to arrange)")
-        grid, grids = autopar.choose_grid(model, ns.devices, args, kwargs, cost_model=ns.cost_model, memory_limit=limit)
+        arranged = autopar.choose_grid(model, ns.devices, args, kwargs, cost_model=ns.cost_model, memory_limit=limit)
+        grid, grids = arranged.kwargs["grid"], arranged.to_json()  # the cube's per-unit mix: by the device count
+        if arranged.layout == "replicas":  # each replica computes its share of the batch
+            args, kwargs = replica_inputs(args, kwargs, arranged.grid[0])
     else:
         grid = ns.grid
     if ns.pipeline:
@@ -208,12 +212,13 @@ def inspect_cmd(ns) -> int:
               f"(0, 0), {pl.comm_bytes_per_rank_per_step / 2**30:.2f} GiB per step; the most, "
               f"{pl.comm_bytes_most / 2**30:.2f} GiB, at {pl.comm_bytes_most_at}")
     for row in grids or []:
-        if row["fits"]:
-            print(f"grid {row['grid'][0]}x{row['grid'][1]}: estimated step auto {row['auto_s'] * 1e3:.1f} ms, fixed 2d "
-                  f"{row['2d_s'] * 1e3:.1f} ms, fixed 1d {row['1d_s'] * 1e3:.1f} ms, memory "
-                  f"{row['memory_bytes'] / 2**30:.2f} GiB/rank" + ("   <- chosen" if row["grid"] == grid else ""))
+        where = describe(row["layout"], tuple(row["grid"]))
+        fixed = ", ".join(f"fixed {k} {t * 1e3:.1f} ms" for k, t in row["fixed_s"].items())
+        if row["searched"] and row["fits"]:
+            print(f"{where}: estimated step auto {row['auto_s'] * 1e3:.1f} ms, {fixed}, memory "
+                  f"{row['memory_bytes'] / 2**30:.2f} GiB/rank" + ("   <- chosen" if row["picked"] else ""))
         else:
-            print(f"grid {row['grid'][0]}x{row['grid'][1]}: does not fit ({row['why']})")
+            print(f"{where}: {fixed}; {row['why']}")
     if ns.recompute or pl.recompute_bytes:
         print(f"recomputation: {pl.recompute_bytes / 2**20:.1f} MiB received again per rank per step; saved for "
               f"backward {(pl.activation_bytes or 0) / 2**20:.1f} MiB per rank")

@@ -108,7 +108,7 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     if sharding is None:  # data_parallel='auto' under a fixed strategy: shard only where replicas do not fit
         est, _ = fixed_estimate(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy, options)
         sharding = "shard" if est.memory_bytes > options.memory_limit_bytes else "replicate"
-    if grid.world > 1 and chosen is None and options.fixed_lowering is None and options.strategy != "3d":
+    if grid.world > 1 and chosen is None and options.fixed_lowering is None:
         pick_lowerings(cap.gm, grid.shape, CostModel.resolve(options.cost_model), options.strategy, options)
     prop = propagate(cap.gm, grid.shape, options, pinned)
     if grid.world > 1:

@@ -58,6 +58,13 @@ def refusals(rank):
             out[name] = ("none", "")
         except UsageError as e:
             out[name] = (type(e).__name__, str(e))
+    for name, kw in (("count 4", dict(grid=4, strategy="auto")), ("count 2d", dict(grid=8, strategy="2d")),
+                     ("count pipeline", dict(grid=8, strategy="auto", pipeline=2))):
+        try:
+            autopar.parallelize(model, example_inputs=(x,), **kw)
+            out[name] = ("none", "")
+        except UsageError as e:
+            out[name] = (type(e).__name__, str(e))
     for name, x, w in (("mismatch", torch.randn(4, 3), torch.randn(2, 3)),
                        ("uneven N", torch.randn(4, 2), torch.randn(2, 3))):
         try:
@@ -81,11 +88,27 @@ def _counted_and_planned(pm) -> tuple:
     return linears, (sum(r.fwd_bytes + r.bwd_bytes for r in table), log.total())
 
 
-def model_steps(rank, family, over=None, steps=3, batch=4, seq=8):
+def _searched_cube(model, kwargs, mix: dict):
+    """A stand-in for the arrangement search that returns the 2x2x2 cube with each unit under the
+    option `mix` names for the end of its key (a Choice as `passes.search.strategy.choose` makes)."""
+    from autopar.planning.grids import GridChoice
+    from autopar.program.build import capture
+    from passes.search import strategy as strategies
+
+    units = strategies.find_units(capture(model, (), kwargs).gm)
+    assignment = {u.key: next(o for end, o in mix.items() if u.key.endswith(end)) for u in units}
+    alternatives = {k: {o: 0.0} for k, o in assignment.items()}
+    choice = strategies.Choice(assignment, strategies.Estimate(), alternatives, {}, 0, {})
+    return GridChoice((2, 2, 2), [{"grid": (2, 2, 2), "layout": "3d", "picked": True, "choice": choice}])
+
+
+def model_steps(rank, family, over=None, steps=3, batch=4, seq=8, mix=None):
     """A model on a 2x2x2 cube (strategy='3d') against one process: loss, logits and every gradient
     after the first step, parameters after `steps` AdamW steps; per linear, the bytes counted in the
     first step next to the plan's. `family`: 'tinygpt' (the repo's GPT, `over` its config) or a
-    transformers family of tests/checks_hf.py."""
+    transformers family of tests/checks_hf.py. `mix` (unit key ending -> option): parallelize(grid=8,
+    strategy='auto') instead, its arrangement search answering the cube with that per-unit mix;
+    mix='search': parallelize(grid=8, strategy='auto') with the search as it is."""
     import copy
     import warnings
 
@@ -111,7 +134,19 @@ def model_steps(rank, family, over=None, steps=3, batch=4, seq=8):
     ref = copy.deepcopy(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = autopar.parallelize(model, grid=(2, 2, 2), example_kwargs=make(batch, seq, 1), strategy="3d")
+        if mix == "search":  # the arrangement search itself
+            pm = autopar.parallelize(model, grid=8, example_kwargs=make(batch, seq, 1), strategy="auto")
+        elif mix is None:
+            pm = autopar.parallelize(model, grid=(2, 2, 2), example_kwargs=make(batch, seq, 1), strategy="3d")
+        else:
+            import autopar.parallel.arrange as arrange
+
+            search = arrange.search_grids
+            arrange.search_grids = lambda m, p, args, kw, *a, **k: _searched_cube(m, kw, mix)
+            try:
+                pm = autopar.parallelize(model, grid=8, example_kwargs=make(batch, seq, 1), strategy="auto")
+            finally:
+                arrange.search_grids = search
     warned = [str(w.message) for w in caught if issubclass(w.category, autopar.PlanWarning)]
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
@@ -140,6 +175,7 @@ def model_steps(rank, family, over=None, steps=3, batch=4, seq=8):
                              prefix=f"param after {steps} steps "))
     held = {n: (p.to_local().numel(), p.numel(), len(p.placements)) for n, p in pm.named_parameters() if p.dim() == 2}
     return {"excess": errs, "linears": linears, "held": held, "warned": warned, "totals": totals,
+            "grid": (pm.grid.shape, pm.grid.cube is not None),
             "names match": sorted(n for n, _ in pm.named_parameters()) == sorted(ref_params)}
 
 

@@ -6,7 +6,7 @@ from tests import checks_cube as C
 from tests.compare import assert_every_rank
 
 
-@pytest.mark.parametrize("lowering", ["broadcast", "ring"])
+@pytest.mark.parametrize("lowering", ["broadcast", "ring", "allgather"])
 def test_two_linears_match_torch_and_move_the_3d_volume(lowering):
     """Y = X W1 then Z = Y W2 on 2x2x2, the second linear reading the first's output without any
     redistribution: values and the gradients of X, W1, W2 on every rank, element-wise; each rank holds
@@ -27,7 +27,8 @@ def test_two_linears_match_torch_and_move_the_3d_volume(lowering):
 def test_blocks_that_do_not_fit_are_refused():
     """A block whose contracted dim does not match the weight's, and an output dim the cube's q^2
     columns do not divide, raise a UsageError naming the sizes, on every rank alike; so do
-    strategy='3d' on a grid that is not a cube, on a cube with pipeline stages, and with compile=True."""
+    strategy='3d' on a grid that is not a cube, on a cube with pipeline stages, and with compile=True,
+    and a device count (grid=p) that is not the world size, with a fixed strategy or with stages."""
     from tests.conftest import get_pool
 
     for rank, r in enumerate(get_pool(8).run(C.refusals)):
@@ -35,6 +36,9 @@ def test_blocks_that_do_not_fit_are_refused():
             kind, msg = r[name]
             assert kind == "UsageError" and "grid=(q, q, q)" in msg, (rank, name, msg)
         assert r["compile"][0] == "UsageError" and "compile=True" in r["compile"][1], (rank, r["compile"])
+        assert r["count 4"][0] == "UsageError" and "grid=4 but the process group has 8 ranks" in r["count 4"][1], r
+        assert r["count 2d"][0] == "UsageError" and "needs strategy='auto' (got '2d')" in r["count 2d"][1], r
+        assert r["count pipeline"][0] == "UsageError" and "with pipeline stages" in r["count pipeline"][1], r
         kind, msg = r["mismatch"]
         assert kind == "UsageError" and "K/4" in msg and "weight_block" in msg, (rank, msg)
         kind, msg = r["uneven N"]
@@ -96,6 +100,48 @@ def test_model_matches_one_process_on_a_cube(case):
         if rank == 0:  # warnings show on rank 0 only (passes.mesh.warn)
             assert (len(r["warned"]) == 1 and "run 2D SUMMA on the 2x4 grid" in r["warned"][0]) == (two_d > 0), \
                 r["warned"]
+
+
+MIX = {"q_proj|model.layers.*.self_attn.k_proj|model.layers.*.self_attn.v_proj": "3d", "o_proj": "1d",
+       "gate_proj|model.layers.*.mlp.up_proj": "rep", "down_proj": "3d", "lm_head": "2d", "embed_tokens": "1d"}
+
+
+def test_a_searched_mix_on_the_cube_matches_one_process():
+    """parallelize(grid=8, strategy='auto') where the arrangement search answers the cube with a
+    per-unit mix (q|k|v and down_proj 3D, o_proj 1D, gate|up replicated, the LM head 2D SUMMA on the
+    2x4 grid, the embedding 1D): HF Llama against one process on every rank, as above (logits, loss,
+    every gradient, parameters after 3 AdamW steps); the ranks build the cube; the 3D linears hold
+    1/8 of their weights and move what the plan prices. Catches a layout change between a 3D linear
+    and its 1D or replicated neighbour that is not redistributed, and a cube not built for a searched
+    arrangement."""
+    from tests.conftest import get_pool
+
+    res = get_pool(8).run(C.model_steps, "llama", None, mix=MIX)
+    assert_every_rank([r["excess"] for r in res], "a searched mix on a 2x2x2 cube")
+    for rank, r in enumerate(res):
+        assert r["grid"] == ((2, 4), True), (rank, r["grid"])
+        kinds = [op for op, _, _ in r["linears"].values()]
+        assert kinds.count("CubeLinear") == 4 and kinds.count("SummaLinear") == 1, (rank, r["linears"])
+        assert all(counted == planned for _, counted, planned in r["linears"].values()), (rank, r["linears"])
+        assert r["totals"][0] == r["totals"][1], (rank, r["totals"])
+        assert r["warned"] == [], (rank, r["warned"])
+
+
+def test_the_search_arranges_the_ranks_and_matches_one_process():
+    """parallelize(grid=8, strategy='auto') with the search as it is: rank 0 arranges the 8 ranks, every
+    rank builds the grid `autopar.choose_grid` (without replicas) picks for the same model and inputs on
+    this process, and HF Llama trains as on one process, on every rank (as above)."""
+    import autopar
+    from tests.checks_hf import build
+    from tests.conftest import get_pool
+
+    model, make = build("llama")
+    gc = autopar.choose_grid(model, 8, (), make(4, 8, 1), replica_layouts=False)
+    res = get_pool(8).run(C.model_steps, "llama", None, mix="search")
+    assert_every_rank([r["excess"] for r in res], "the searched arrangement of 8 ranks")
+    mesh = (2, 4) if gc.layout == "3d" else gc.grid
+    assert all(r["grid"] == (mesh, gc.layout == "3d") for r in res), ([r["grid"] for r in res], gc.grid)
+    assert all(r["totals"][0] == r["totals"][1] for r in res), [r["totals"] for r in res]
 
 
 def test_cube_linear_bytes_are_the_formula_in_a_model():

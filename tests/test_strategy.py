@@ -113,20 +113,20 @@ def _bench_llama():
     return model, dict(input_ids=ids, labels=ids)
 
 
-def test_auto_never_slower_than_fixed_2d_or_1d():
+def test_auto_never_slower_than_any_fixed_scheme():
     """The benchmark model at 4, 16 and 64 ranks, with published GPU figures and with slow (gloo-like)
-    links. Fixed 2D is SUMMA on the square grid, fixed 1D is Megatron on (1, p); auto picks the grid
-    shape and the strategy per unit. Its estimate is never above the better fixed scheme's, and
-    strictly below it somewhere."""
+    links. Fixed schemes: 2D SUMMA, 1D and (on 64 = 4^3) 3D on every arrangement (each R x C grid,
+    the cube, replicas of a grid); auto picks the arrangement and the strategy per unit. Its estimate
+    is never above any fixed scheme's anywhere, and strictly below the best somewhere."""
     model, kw = _bench_llama()
     gaps = []
-    for p, q in ((4, 2), (16, 4), (64, 8)):
+    for p in (4, 16, 64):
         for cm in (None, CPU):
-            _grid, table = autopar.choose_grid(model, p, (), kw, cost_model=cm)
-            rows = {row["grid"]: row for row in table}
-            best_fixed = min(rows[(q, q)]["2d_s"], rows[(1, p)]["1d_s"])
-            auto = min(row["auto_s"] for row in table)
+            gc = autopar.choose_grid(model, p, (), kw, cost_model=cm)
+            best_fixed = min(t for row in gc.table for t in row["fixed_s"].values())
+            auto = gc.best["auto_s"]
             assert auto <= best_fixed * (1 + 1e-12), (p, cm, auto, best_fixed)
+            assert auto == min(row["auto_s"] for row in gc.table if row["searched"] and row["fits"])
             gaps.append((best_fixed - auto) / best_fixed)
     assert max(gaps) > 0.01, gaps
 
@@ -145,14 +145,24 @@ def test_memory_limit_is_respected_and_an_impossible_one_is_refused():
 
 
 def test_choose_grid_covers_every_shape_and_picks_the_fastest():
-    """--grid auto: every R x C of 8 devices is searched (1x8 includes plain 1D tensor parallelism);
-    the chosen shape's auto estimate is the smallest, and no fixed scheme on any shape beats it."""
+    """--grid auto: every arrangement of 8 devices is priced (1x8 includes plain 1D tensor parallelism,
+    2x2x2 the cube, d x R x C replicas where d divides the batch of 4); the SEARCHED fastest by their
+    fixed schemes are searched per unit, and the pick is the searched one with the smallest estimate."""
+    from autopar.planning.grids import SEARCHED
+
     model, kw = _llama()
-    grid, table = autopar.choose_grid(model, 8, (), kw, cost_model=CPU)
-    assert [row["grid"] for row in table] == [(1, 8), (2, 4), (4, 2), (8, 1)]
-    best = min(row["auto_s"] for row in table)
-    assert next(row for row in table if row["grid"] == grid)["auto_s"] == best
-    assert best <= min(min(row["2d_s"], row["1d_s"]) for row in table)
+    gc = autopar.choose_grid(model, 8, (), kw, cost_model=CPU)
+    grid, table = gc
+    assert [(row["layout"], row["grid"]) for row in table] == [
+        ("2d", (1, 8)), ("2d", (2, 4)), ("2d", (4, 2)), ("2d", (8, 1)), ("3d", (2, 2, 2)),
+        ("replicas", (2, 1, 4)), ("replicas", (2, 2, 2)), ("replicas", (2, 4, 1)),
+        ("replicas", (4, 1, 2)), ("replicas", (4, 2, 1))]
+    searched = [row for row in table if row["searched"]]
+    assert len(searched) == SEARCHED
+    assert max(r["screen_s"] for r in searched) <= min(r["screen_s"] for r in table if not r["searched"])
+    best = min(row["auto_s"] for row in searched if row["fits"])
+    assert gc.best["auto_s"] == best and gc.best["grid"] == grid and sum(r["picked"] for r in table) == 1
+    assert gc.kwargs == ({"grid": 8, "strategy": "auto"} if gc.layout == "3d" else {"grid": grid, "strategy": "auto"})
 
 
 def test_bad_strategy_options_are_refused():

@@ -9,7 +9,9 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, PlanWarning, UsageError
+from autopar.parallel.arrange import arrange
 from autopar.parallel.module import ParallelModule
+from autopar.planning.grids import check_device_count
 from autopar.parallel.pipeline import pipeline_parallelize
 from autopar.program.pipe import Pipeline
 from autopar.parallel.sharded import shard_replicas
@@ -62,7 +64,10 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         model: an unmodified nn.Module (it is not changed; its weights are copied into shards).
         grid: (R, C), e.g. (2, 2) or (2, 4); R*C must equal the world size of the default process
             group. Activations split batch over the R rows and hidden over the C columns. (dp, R, C)
-            runs dp data-parallel replicas of the grid.
+            runs dp data-parallel replicas of the grid. A device count p (the world size) with
+            strategy='auto': rank 0's search arranges the ranks as the R x C grid or, where p = q**3,
+            the q x q x q cube (each matmul unit 3d, 2d, 1d or replicated) estimated fastest within
+            `memory_limit` (`autopar.choose_grid` shows the table); `pmodel.grid` is the one it built.
         strategy: how each weight matmul is split. '2d' (default): SUMMA on the grid. '1d':
             Megatron-style column/row splits over the C columns (batch over the R rows; on a (1, p)
             grid this is plain 1D tensor parallelism). 'auto': per matmul group (q|k|v, gate|up, one
@@ -161,10 +166,14 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                       compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
                       moe_dispatch=moe_dispatch, data_parallel=data_parallel,
                       reshard_after_forward=reshard_after_forward, fsdp_prefetch=fsdp_prefetch)
-    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
-            and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
-        raise UsageError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), or "
-                         f"(dp, R, C) for dp data-parallel replicas of an R x C grid")
+    count = isinstance(grid, int) and not isinstance(grid, bool)  # a device count: the search arranges them
+    if count:
+        check_device_count(grid, strategy, pipeline, "autopar.parallelize")
+    elif not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
+              and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
+        raise UsageError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), "
+                         f"(dp, R, C) for dp data-parallel replicas of an R x C grid, or a device count p with "
+                         f"strategy='auto' (the search arranges them)")
     nested = next((n for n, m in model.named_modules() if isinstance(m, ParallelModule)), None) \
         if isinstance(model, nn.Module) else None
     if nested is not None:
@@ -187,10 +196,16 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         raise UsageError(f"pipeline={pipeline!r}: expected None, a number of stages, or autopar.Pipeline(stages=...)")
     # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
     # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
-    agree_on_options(tuple(grid) if pipeline is None else (tuple(grid), pipeline), options, device.type)
+    agree_on_options(grid if count else tuple(grid) if pipeline is None else (tuple(grid), pipeline), options,
+                     device.type)
     # timeout=None: the process group's own (the grid's groups would otherwise get torch's default, 30 min)
     delta = datetime.timedelta(seconds=timeout) if timeout is not None else \
         group_timeout(torch.distributed.group.WORLD, device.type)
+    arranged = None
+    if count:
+        check_device_count(grid, strategy, pipeline, "autopar.parallelize", torch.distributed.get_world_size())
+        grid, layout, arranged = arrange(model, grid, example_inputs, example_kwargs, options)
+    cube = strategy == "3d" or (arranged is not None and layout == "3d")
     if strategy == "3d" and compile:
         raise UsageError("strategy='3d' with compile=True: the 3D linear's depth collectives are not torch.library "
                          "ops yet, so torch.compile would break its graph at each; leave compile out with '3d'")
@@ -202,10 +217,10 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     if pipeline is not None:
         return pipeline_parallelize(model, tuple(grid), pipeline, example_inputs, example_kwargs, options, device,
                                     delta)
-    g = _cube_grid(grid, device.type, delta) if strategy == "3d" else \
+    g = _cube_grid(grid, device.type, delta) if cube else \
         Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
     example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
-    comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options)
+    comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options, arranged)
     agree_on_plan(comp, layouts, model)
     pmodel = ParallelModule(model, g, comp, layouts, options)
     if strategy == "3d":

@@ -31,11 +31,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from autopar.program.build import cache_off_kwargs, capture, check_example_inputs, compile_program, resolve_cost_model
-from passes.search import strategy as strategies
+from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program, resolve_cost_model
 from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options, format_bytes
 from autopar.planning.explain import graph_rows
+from autopar.planning.grids import GridChoice, check_device_count, search_grids
 from autopar.planning.pipeline_plan import plan_pipeline
 from autopar.program.pipe import Pipeline
 from passes.cost.cluster import resolve_cluster
@@ -48,7 +48,7 @@ from passes.cost.volumes import all_reduce_bytes
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Cube, Grid
 from passes.ops.cube import CubeLinear
-from autopar.errors import MemoryLimitError, PlanWarning, UsageError
+from autopar.errors import PlanWarning, UsageError
 
 
 class ParamPlacement(NamedTuple):
@@ -86,12 +86,17 @@ class Plan:
     comm_bytes_most_at: tuple = (0, 0)
     # grid=(dp, R, C): what the replica axis moves and what a rank holds (autopar.planning.replicas)
     replicas: ReplicaPlan | None = None
+    # grid=p (a device count): the search's GridChoice (every candidate's row; `.layout` '3d' for the cube)
+    arrangement: object = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         """A summary (the dataclass's own repr listed every row and parameter: 54,700 characters for a
         small Llama); `autopar.explain(plan)` prints the table, `to_json()` holds everything."""
         costly = sum(1 for f in self.fallbacks if f.costly)
-        return (f"Plan(grid {self.grid[0]}x{self.grid[1]}, strategy {self.strategy!r}: "
+        cube = self.strategy == "3d" or getattr(self.arrangement, "layout", None) == "3d"
+        where = f"cube {self.grid[0]}x{self.grid[0]}x{self.grid[0]} (grid {self.grid[0]}x{self.grid[1]})" if cube \
+            else f"grid {self.grid[0]}x{self.grid[1]}"
+        return (f"Plan({where}, strategy {self.strategy!r}: "
                 f"{format_bytes(self.comm_bytes_per_rank_per_step)} received per rank per step in "
                 f"{self.collectives_per_rank_per_step} collective calls, parameters "
                 f"{format_bytes(self.param_bytes_per_rank)} of {format_bytes(self.param_bytes_total)} per rank, "
@@ -235,16 +240,23 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
                       cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
                       recompute=recompute, moe_dispatch=moe_dispatch, grad_bucket_mb=grad_bucket_mb,
                       data_parallel=data_parallel, reshard_after_forward=reshard_after_forward)
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    picked = None
+    if isinstance(grid, int) and not isinstance(grid, bool):  # a device count: the search arranges them
+        check_device_count(grid, strategy, pipeline, "autopar.plan")
+        picked = search_grids(model, grid, example_inputs, example_kwargs, options, replicas=False,
+                              who="autopar.plan")
+        grid = picked.grid
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
             and all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
-        raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4), or (dp, R, C) for dp "
-                         f"data-parallel replicas of an R x C grid")
+        raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4), (dp, R, C) for dp "
+                         f"data-parallel replicas of an R x C grid, or a device count for strategy='auto' to arrange")
     if strategy == "3d" and (pipeline is not None or len(grid) != 3 or len(set(grid)) != 1):
         raise UsageError(f"strategy='3d' with grid={tuple(grid)}: 3D tensor parallelism plans a cube, grid=(q, q, q), "
                          f"without pipeline stages or replicas")
-    dp = grid[0] if len(grid) == 3 and strategy != "3d" else 1
-    mesh = (grid[0], grid[0] ** 2) if strategy == "3d" else tuple(grid[-2:])  # a cube's (q, q*q) grid
-    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    cube = strategy == "3d" or (picked is not None and picked.layout == "3d")
+    dp = grid[0] if len(grid) == 3 and not cube else 1
+    mesh = (grid[0], grid[0] ** 2) if cube else tuple(grid[-2:])  # a cube's (q, q*q) grid
     check_example_inputs(model, example_inputs, example_kwargs, "autopar.plan")
     if pipeline is not None:
         pipe = Pipeline(stages=pipeline) if isinstance(pipeline, int) and not isinstance(pipeline, bool) else pipeline
@@ -258,7 +270,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
     bar = steps(f"autopar plan {mesh[0]}x{mesh[1]}", 2)
     bar.set_postfix_str("capture and passes" + (" and strategy search" if strategy == "auto" else ""))
-    comp, layouts = compile_program(model, example_inputs, kwargs, Grid.for_planning(*mesh, dp=dp), options)
+    comp, layouts = compile_program(model, example_inputs, kwargs, Grid.for_planning(*mesh, dp=dp), options,
+                                    picked.choice if picked is not None else None)
     bar.update()
     bar.set_postfix_str("costs and memory")
     gm, cap = comp.gm, comp.captured
@@ -271,7 +284,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
         params[name] = ParamPlacement(tuple(p.shape), repr(lay), mine, full, p.requires_grad)
     result = Plan(grid=mesh, rows=rows, fallbacks=comp.fallbacks, params=params, gm=gm,
                   comm_bytes_fwd=sum(r.fwd_bytes for r in rows), comm_bytes_bwd=sum(r.bwd_bytes for r in rows),
-                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice,
+                  flops_per_rank=sum(r.flops for r in rows), strategy=strategy, choice=comp.choice, arrangement=picked,
                   recompute=recompute, recompute_bytes=sum(r.recompute_bytes for r in rows),
                   collectives_fwd=sum(r.calls_fwd for r in rows), collectives_bwd=sum(r.calls_bwd for r in rows),
                   collectives_recompute=sum(r.calls_fwd for r in rows if r.recompute_bytes))
@@ -330,37 +343,18 @@ def compare_1d(pl: Plan, model, tokens: int, layers: int, hidden: int, dtype_byt
             "ratio_2d_over_1d_params": pl.param_bytes_per_rank / params if params else None}
 
 
-def grid_shapes(devices: int) -> list:
-    """Every (R, C) with R * C = devices."""
-    return [(r, devices // r) for r in range(1, devices + 1) if devices % r == 0]
-
-
 def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *,
                 cost_model: object = DEFAULTS.cost_model,
                 memory_limit: float | str | None = DEFAULTS.memory_limit, indivisible: str = DEFAULTS.indivisible,
-                fused: str = DEFAULTS.fused, search_budget: float | None = DEFAULTS.search_budget) -> tuple:
-    """The grid shape (R, C) with R*C = `devices` whose strategy='auto' assignment has the smallest
-    estimated step time (within `memory_limit`), and a row per shape: the estimates of auto, fixed 2d
-    and fixed 1d there. The model is captured once; each shape costs one strategy search."""
+                fused: str = DEFAULTS.fused, search_budget: float | None = DEFAULTS.search_budget,
+                replica_layouts: bool = True, compile: bool = DEFAULTS.compile) -> GridChoice:
+    """How to arrange `devices` ranks: every R x C grid, the q x q x q cube where devices = q^3 (3D
+    tensor parallelism per unit, not with `compile`), and with `replica_layouts` d data-parallel replicas of
+    an R x C grid, each on 1/d of the example batch; each candidate's units split the way its search
+    estimates fastest within `memory_limit` (`autopar.planning.grids`). Returns a GridChoice, which
+    unpacks as (grid, table): the arrangement picked and a row per candidate (its fixed schemes'
+    estimates, the search's where it ran); `.kwargs` is what to pass `parallelize` for it. The model
+    is captured once (once more per replica count)."""
     options = Options(strategy="auto", cost_model=cost_model, memory_limit=memory_limit, indivisible=indivisible,
-                      fused=fused, search_budget=search_budget)
-    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    check_example_inputs(model, example_inputs, example_kwargs, "autopar.choose_grid")
-    kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
-    cap = capture(model, example_inputs, kwargs)
-    cm = resolve_cost_model(options.cost_model)
-    table = []
-    for shape in grid_shapes(devices):
-        try:
-            c = strategies.choose(cap.gm, shape, cm, options)
-        except MemoryError as e:
-            table.append({"grid": shape, "fits": False, "why": str(e)})
-            continue
-        table.append({"grid": shape, "fits": True, "auto_s": c.estimate.time_s, "2d_s": c.baselines["2d"].time_s,
-                      "1d_s": c.baselines["1d"].time_s, "memory_bytes": c.estimate.memory_bytes,
-                      "assignment": c.assignment, "solve_s": c.solve_s})
-    ok = [row for row in table if row["fits"]]
-    if not ok:
-        raise MemoryLimitError(f"no grid shape of {devices} devices fits memory_limit: "
-                                + "; ".join(r["why"] for r in table))
-    return min(ok, key=lambda row: row["auto_s"])["grid"], table
+                      fused=fused, search_budget=search_budget, compile=compile)
+    return search_grids(model, devices, example_inputs, example_kwargs, options, replicas=replica_layouts)

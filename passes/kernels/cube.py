@@ -52,13 +52,14 @@ class CubeSpec(KernelSpec):
     def describe(self, site: Site) -> str:
         return "3D: SUMMA on the depth's K/q, reduce-scatter Y over depth; bwd all-gather dY, ABT + ATB"
 
-    def steps(self, site, v, exact):
+    def steps(self, site, v, exact, lowering: str | None = None):
         """Per collective call: (grid axis, phase, bytes), for the depth grid's products one call per
         step and axis (the broadcast lowering: q; ring: q - 1 with traffic; all-gather: 1), the first
-        carrying the product's bytes on that axis."""
+        carrying the product's bytes on that axis. `lowering`: the depth products' (default: the one
+        the node runs or is marked with)."""
         q, e, M, K, N = (v[k] for k in ("q", "e", "M", "K", "N"))
         m, k_depth = M // q, K // q
-        lowering = SummaSpec.lowering(site.node)  # the depth products' lowering
+        lowering = lowering or SummaSpec.lowering(site.node)
         calls = {"broadcast": q, "ring": q - 1, "allgather": 1}[lowering]
         roles = {"KN": (k_depth, N), "NK": (N, k_depth)}
         out = []
@@ -70,6 +71,11 @@ class CubeSpec(KernelSpec):
         if any(grads):
             out.append((1, "bwd", all_gather_bytes(m * (N // (q * q)) * e, q)))
         return out
+
+    def lowering_terms(self, site: Site, lowering: str) -> list:
+        """`terms` (axis, bytes, launches) with the depth products in `lowering`: what the estimate
+        compares to choose one."""
+        return [(a, b, 1) for a, _, b in self.steps(site, self.values(site), False, lowering) if site.mesh[a] > 1]
 
     def cost(self, site: Site) -> Cost:
         """The bytes as numbers (the steps' sums): with both gradients they are e(q-1)(MK + KN + MN)/q^3

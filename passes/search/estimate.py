@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from passes.transforms.insert_collectives import foldable_axes, gradsync_axes
+from passes.kernels.cube import CubeSpec
 from passes.kernels.spec import MATMULS, GradSyncSpec, RedistributeSpec, Site, SummaSpec, flops
 from passes.layout import Layout, local_shape, mesh_shape
 from passes.cost.model import CostModel
@@ -95,6 +96,23 @@ def _summa(spec: SummaSpec, site: Site, cm: CostModel, fixed: str | None = None)
                     lowerings={site.node.name: lowering})
 
 
+def _cube(spec: CubeSpec, site: Site, cm: CostModel, fixed: str | None = None) -> Estimate:
+    """One 3D linear with its depth products in the faster lowering (or the `fixed` one): its
+    collectives as `CubeSpec.lowering_terms` lists them, the broadcast lowering's transfers overlapped
+    with the matmuls (max of the two), the all-gather lowering's added to them, as for SUMMA. The depth
+    reduce-scatter and all-gather are the same under both."""
+    compute = spec.flops(site) / cm.flops
+    times, moved = {}, {}
+    for lo in ((fixed,) if fixed else ("broadcast", "allgather")):
+        terms = spec.lowering_terms(site, lo)
+        lat = sum(cm.alpha[a] * calls for a, _, calls in terms)
+        bw = sum(b / cm.beta[a] for a, b, _ in terms)
+        times[lo] = lat + (max(bw, compute) if lo != "allgather" else bw + compute)
+        moved[lo] = [sum(b for a, b, _ in terms if a == axis) for axis in range(2)]
+    lowering = min(times, key=times.__getitem__)
+    return Estimate(time_s=times[lowering], bytes_per_axis=moved[lowering], lowerings={site.node.name: lowering})
+
+
 def hidden_dw_reduction(spec: SummaSpec, site: Site, cm: CostModel) -> float:
     """Seconds of the all-gather lowering's backward that the weight gradient's reduction hides behind
     the input gradient's product (`passes.ops.overlap`): its reduce-scatter over the rows runs during
@@ -112,7 +130,7 @@ def hidden_dw_reduction(spec: SummaSpec, site: Site, cm: CostModel) -> float:
 class _NodeCost:
     shared: list  # (key, terms): collectives a later consumer may share (one Redistribute per (input, layout))
     terms: list  # (axis, bytes, calls) of the node's own kernel
-    summa: Estimate | None  # a SUMMA node's time, bytes and lowering
+    summa: Estimate | None  # a SUMMA or 3D node's time, bytes and lowering
     compute_s: float
     params: list  # (parameter node, bytes held)
     activation_bytes: float
@@ -137,7 +155,8 @@ def _node_cost(node, strat, layouts, mesh, grads, cm, lowering=None) -> _NodeCos
         if inp.op == "placeholder" and inp.meta.get(ROLE) == "param":
             params.append((inp, _local_elems(v, have, mesh) * v.element_size()))
     spec, site = strat.kernel, Site.planned(node, strat, layouts, mesh, grads)
-    summa = _summa(spec, site, cm, lowering) if isinstance(spec, SummaSpec) else None
+    summa = _summa(spec, site, cm, lowering) if isinstance(spec, SummaSpec) else \
+        _cube(spec, site, cm, lowering) if isinstance(spec, CubeSpec) else None
     terms = spec.terms(site) if spec is not None and summa is None else []
     act, v = 0.0, node.meta.get("val")
     if node in grads and isinstance(v, torch.Tensor) and isinstance(strat.output, Layout):

@@ -16,19 +16,19 @@ from torch.fx import GraphModule
 from passes.cost.model import CostModel
 from passes.meta import CHOICE, LOWERING
 from passes.options import Options
-from passes.search.strategy import Evaluator, block_lowerings, find_units
+from passes.search.strategy import Evaluator, block_lowerings, find_units, fixed_assignment
 
 __all__ = ["fixed_estimate", "pick_lowerings"]
 
 
 def fixed_estimate(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options) -> tuple:
-    """(Estimate, SUMMA node name -> the lowering it prices faster) of the fixed `strategy` ("2d" or
-    "1d") on `gm`. The strategy's own marks (`CHOICE`) are left as they were: the estimate sets its
-    own while it prices."""
+    """(Estimate, SUMMA or 3D node name -> the lowering it prices faster) of the fixed `strategy` ("2d",
+    "1d", or "3d" on a cube's (q, q*q) grid) on `gm`. The strategy's own marks (`CHOICE`) are left as
+    they were: the estimate sets its own while it prices."""
     units = find_units(gm)
     before = {n: n.meta.get(CHOICE) for u in units for n in u.nodes}
     ev = Evaluator(gm, mesh, cm, units, options)
-    est = ev.estimate({u.key: strategy if strategy in u.options else "1d" for u in units})
+    est = ev.estimate(fixed_assignment(units, strategy))
     lowerings = block_lowerings(ev, est)
     for n, choice in before.items():
         if choice is None:
@@ -39,7 +39,7 @@ def fixed_estimate(gm: GraphModule, mesh, cm: CostModel, strategy: str, options:
 
 
 def pick_lowerings(gm: GraphModule, mesh, cm: CostModel, strategy: str, options: Options) -> dict:
-    """Mark every SUMMA node of `gm` under the fixed `strategy` ("2d" or "1d") with the lowering its
+    """Mark every SUMMA and 3D node of `gm` under the fixed `strategy` ("2d", "1d" or "3d") with the lowering its
     estimate prices faster and return them, node name -> lowering."""
     _, lowerings = fixed_estimate(gm, mesh, cm, strategy, options)
     for node in gm.graph.nodes:

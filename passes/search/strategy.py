@@ -37,116 +37,31 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 import time
 from dataclasses import dataclass, replace
 
-import torch
 from torch.fx import GraphModule, Node
 
 from passes.cost.planned import nodes_needing_grad
-from passes.search.estimate import MATMULS, CostModel, Estimate, price
+from passes.search.estimate import CostModel, Estimate, price
 from passes.search.replica_cost import ReplicaCost, gathered_share
+from passes.search.units import EMBED_OPTIONS, OPTIONS, Unit, find_units, repeated_blocks
 from passes.layout import mesh_shape
-from passes.nodes import block_of, module_path
-from passes.meta import CHOICE, CHOICE_WHY, LOWERING, ROLE
+from passes.meta import CHOICE, CHOICE_WHY, LOWERING
 from passes.mesh import warn
 from passes.options import BUDGET_S, DEFAULTS, Options, format_bytes
 from passes.transforms.propagate import Propagation, propagate_node
 from passes.search.recompute_cost import BlockTrade, block_trade
-from passes.rules.views import TRANSPOSES, VIEWS
 from passes.errors import MemoryLimitError, SearchWarning
 
-__all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "choose", "apply", "fixed", "block_lowerings",
-           "estimate_fixed", "estimate_assignment", "find_units", "repeated_blocks", "search_groups", "OPTIONS",
-           "BUDGET_S"]
+__all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "Unit", "choose", "apply", "fixed", "block_lowerings",
+           "estimate_fixed", "estimate_assignment", "fixed_assignment", "find_units", "repeated_blocks",
+           "search_groups", "OPTIONS", "EMBED_OPTIONS", "BUDGET_S"]
 
-aten = torch.ops.aten
-OPTIONS = ("2d", "1d", "rep")
-EMBED_OPTIONS = ("2d", "1d")
 EXHAUSTIVE = 1024  # assignments enumerated outright; more: the coordinate search
 GROUP = 81  # assignments one step of the coordinate search enumerates at most (4 three-way variables)
 ROUNDS = 4  # coordinate-search rounds at most (it stops earlier once a round changes nothing)
 PROGRESS_S = 5.0  # a search still running after this many seconds warns once that it is
-_THROUGH = {*VIEWS, *TRANSPOSES, aten._to_copy.default, aten.clone.default, aten.alias.default,
-            aten.detach.default}
-
-
-@dataclass
-class Unit:
-    key: str  # shared by the units at the same place in repeated blocks
-    nodes: list
-    options: tuple
-
-
-def _source(n) -> Node:
-    """`n` without the views, transposes and copies in front of it."""
-    while isinstance(n, Node) and n.op == "call_function" and n.target in _THROUGH:
-        n = n.args[0]
-    return n
-
-
-def _param_of(n) -> Node | None:
-    n = _source(n)
-    return n if isinstance(n, Node) and n.op == "placeholder" and n.meta.get(ROLE) == "param" else None
-
-
-def _generic(path: str) -> str:
-    return re.sub(r"\.\d+(?=\.|$)", ".*", path, count=1)
-
-
-def find_units(gm: GraphModule) -> list:
-    """The choice units of a captured graph, in graph order."""
-    groups: dict[Node, Unit] = {}  # a matmul's input (views stripped) -> the unit of matmuls reading it
-    tables = set()
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == aten.embedding.default and _param_of(node.args[0]):
-            tables.add(_param_of(node.args[0]))
-    units = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target == aten.embedding.default and _param_of(node.args[0]) is not None:
-            units.append(Unit("embedding:" + _generic(module_path(node)), [node], EMBED_OPTIONS))
-        elif node.target in MATMULS:
-            xi, wi = MATMULS[node.target]
-            p = _param_of(node.args[wi])
-            if p is None or len(p.meta["val"].shape) != 2 or p in tables:  # a tied head follows its table
-                continue
-            src = _source(node.args[xi])
-            if src in groups:
-                groups[src].nodes.append(node)
-                continue
-            groups[src] = Unit("", [node], OPTIONS)
-            units.append(groups[src])
-    for u in units:
-        if not u.key:
-            u.key = "matmul:" + "|".join(_generic(module_path(n)) or n.name for n in u.nodes)
-    return units
-
-
-def repeated_blocks(gm: GraphModule) -> list | None:
-    """[pre, block 0, block 1, ..., post] node lists when the graph is a run of >= 4 identical blocks
-    (same ops in the same order), else None."""
-    nodes = list(gm.graph.nodes)
-    ids = [block_of(n) if n.op == "call_function" else None for n in nodes]
-    first = next((i for i, b in enumerate(ids) if b is not None), None)
-    if first is None:
-        return None
-    last = max(i for i, b in enumerate(ids) if b is not None)
-    runs: list[tuple[str | None, list[Node]]] = []  # (block id, its nodes) in graph order
-    cur = None
-    for i in range(first, last + 1):
-        if ids[i] is None or ids[i] != cur:
-            if ids[i] is None or any(r[0] == ids[i] for r in runs):
-                return None  # something between blocks, or a block that comes back: not a simple chain
-            runs.append((ids[i], []))
-            cur = ids[i]
-        runs[-1][1].append(nodes[i])
-    blocks = [r[1] for r in runs]
-    if len(blocks) < 4 or any([n.target for n in b] != [n.target for n in blocks[0]] for b in blocks):
-        return None
-    return [nodes[:first]] + blocks + [nodes[last + 1:]]
 
 
 # ---------------------------------------------------------------------------------- search
@@ -336,24 +251,25 @@ def _coordinate_search(search: _Search, groups: list, opts: dict, best: dict) ->
             return
 
 
-def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None) -> Choice:
+def choose(gm: GraphModule, mesh, cm: CostModel, options: Options | None = None, extra: tuple = ()) -> Choice:
     """The assignment of strategies to `gm`'s units with the smallest estimated step time whose
     per-rank memory estimate is at most `options.memory_limit` bytes, searched for at most
     `options.search_budget` seconds (None: no limit; when it runs out, the best found so far, with a
     `SearchWarning`); `options` defaults to `DEFAULTS`, and its `cost_model` is not read: `cm` is the
     model already resolved. Leaves `CHOICE` and `LOWERING` (`passes.meta`) set on the matmul nodes for
-    the propagation that follows."""
+    the propagation that follows. `extra`: options every matmul unit may take besides 2d / 1d / rep,
+    each also priced as a fixed scheme (("3d",) on a cube's (q, q*q) grid)."""
     t0 = time.perf_counter()
     options = DEFAULTS if options is None else options
     memory_limit, search_budget = options.memory_limit_bytes, options.search_budget
-    units = find_units(gm)
+    units = [replace(u, options=u.options + extra) if u.options == OPTIONS else u for u in find_units(gm)]
     keys = list(dict.fromkeys(u.key for u in units))
     opts = {u.key: u.options for u in units}
     ev = Evaluator(gm, mesh, cm, units, options, options.fixed_lowering)
     fits = (lambda e: True) if memory_limit is None else (lambda e: e.memory_bytes <= memory_limit)
     space = math.prod(len(opts[k]) for k in keys)
     search = _Search(ev, keys, fits, search_budget, space, t0)
-    baselines: dict[str, dict[str, str]] = {s: {k: s for k in keys} for s in ("2d", "1d")}
+    baselines: dict[str, dict[str, str]] = {s: fixed_assignment(units, s) for s in ("2d", "1d", *extra)}
     for a in baselines.values():
         search.run(a, timed=False)
     complete = True
@@ -431,9 +347,14 @@ def estimate_fixed(gm: GraphModule, mesh, cm: CostModel, strategy: str, options:
     """The estimate of one fixed strategy ("2d", "1d" or "rep") for every unit of `gm` on `mesh`, with
     `options` (default `DEFAULTS`) for indivisible weights, fused projections, optimizer states and a
     forward alone (`forward_only`); `lowering`: every SUMMA product's (None: each at its faster one)."""
-    units = find_units(gm)
-    return estimate_assignment(gm, mesh, cm, {u.key: strategy if strategy in u.options else "1d" for u in units},
-                               options, lowering)
+    return estimate_assignment(gm, mesh, cm, fixed_assignment(find_units(gm), strategy), options, lowering)
+
+
+def fixed_assignment(units, strategy: str) -> dict:
+    """Every unit under one fixed strategy, as `fixed` marks them: "3d" for all (an embedding under
+    "3d" runs its 2D rule on the cube's grid), else the strategy where a unit offers it and "1d" where
+    it does not (an embedding offers no "rep")."""
+    return {u.key: strategy if strategy in u.options or strategy == "3d" else "1d" for u in units}
 
 
 def estimate_assignment(gm: GraphModule, mesh, cm: CostModel, assignment: dict, options: Options | None = None,
