@@ -33,6 +33,9 @@ def add_bench_arguments(p) -> None:
                    "(see autopar.bench.lowerings)")
     p.add_argument("--cube", action="store_true", help="measure 3D tensor parallelism instead: the benchmark Llama "
                    "on 8 ranks as a 2x2x2 cube against 2x4, 4x2 (2D) and 1x8 (1D) (see autopar.bench.cube)")
+    p.add_argument("--search", action="store_true", help="time the arrangement search instead: a Llama-7B shape "
+                   "at 64 and 512 ranks, with and without replica layouts: the pick, its estimate against the best "
+                   "fixed scheme, the search's seconds (see autopar.bench.search)")
     p.add_argument("--dimensions", action="store_true", help="print 1D, 2D and 3D side by side for the linears of "
                    "Llama-7B and -70B shapes at 64 and 512 ranks, from the formulas: bytes, parameters and inputs "
                    "held per rank, ratio to the lower bound (see autopar.bench.dimensions)")

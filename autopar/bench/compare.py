@@ -255,10 +255,10 @@ def run(ns) -> int:
     """The benchmark for parsed flags (see `autopar bench --help`); --generate runs
     `autopar.bench.generate` instead, --moe `autopar.bench.moe`, --dp `autopar.bench.dp`,
     --pipeline `autopar.bench.pipeline`, --lowerings `autopar.bench.lowerings`, --dimensions
-    `autopar.bench.dimensions`, --cube `autopar.bench.cube`."""
+    `autopar.bench.dimensions`, --cube `autopar.bench.cube`, --search `autopar.bench.search`."""
     import tempfile
 
-    for flag in ("generate", "dp", "pipeline", "cube", "dimensions", "lowerings", "moe"):  # one benchmark each
+    for flag in ("generate", "dp", "pipeline", "cube", "dimensions", "lowerings", "moe", "search"):  # one each
         if getattr(ns, flag, False):
             return importlib.import_module(f"autopar.bench.{flag}").run(ns)
 
