@@ -161,7 +161,8 @@ class Options:
         choices=("replicate", "error"))
     strategy: str = option(
         "2d", "how each weight matmul is split: SUMMA on the grid, Megatron 1D with sequence parallelism over its "
-        "columns, the fastest estimate per matmul group, or 3D on a q x q x q cube (grid=(q, q, q))",
+        "columns, the fastest estimate per matmul group (with grid=p, a device count, also the grid or cube), or "
+        "3D on a q x q x q cube (grid=(q, q, q))",
         choices=STRATEGIES,
         expected="'2d' (SUMMA), '1d' (Megatron column/row splits over the grid's columns), 'auto' (chosen per "
                  "matmul from estimated step time) or '3d' (grid=(q, q, q))")
