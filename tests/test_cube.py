@@ -130,14 +130,15 @@ def test_a_searched_mix_on_the_cube_matches_one_process():
 def test_the_search_arranges_the_ranks_and_matches_one_process():
     """parallelize(grid=8, strategy='auto') with the search as it is: rank 0 arranges the 8 ranks, every
     rank builds the grid `autopar.choose_grid` (without replicas) picks for the same model and inputs on
-    this process, and HF Llama trains as on one process, on every rank (as above)."""
+    this process, and HF Llama trains as on one process, on every rank: logits, loss, every gradient
+    and every parameter after one AdamW step; each rank's bytes equal its plan's."""
     import autopar
     from tests.checks_hf import build
     from tests.conftest import get_pool
 
     model, make = build("llama")
     gc = autopar.choose_grid(model, 8, (), make(4, 8, 1), replica_layouts=False)
-    res = get_pool(8).run(C.model_steps, "llama", None, mix="search")
+    res = get_pool(8).run(C.model_steps, "llama", None, 1, mix="search")
     assert_every_rank([r["excess"] for r in res], "the searched arrangement of 8 ranks")
     mesh = (2, 4) if gc.layout == "3d" else gc.grid
     assert all(r["grid"] == (mesh, gc.layout == "3d") for r in res), ([r["grid"] for r in res], gc.grid)
