@@ -57,13 +57,16 @@ def test_the_cube_is_picked_with_3d_units_where_it_is_estimated_fastest():
 
 
 def test_a_device_count_that_cannot_be_arranged_is_refused():
-    """A device count with a fixed strategy or with pipeline stages, a count that is not positive, and
-    a memory limit no arrangement fits: errors that name the value and what to pass instead."""
+    """A device count with a fixed strategy, with pipeline stages or with a cluster, a count that is not
+    positive, and a memory limit no arrangement fits: errors that name the value and what to pass
+    instead."""
     model, kw = _wide_llama(layers=1, batch=2, seq=16)
     with pytest.raises(UsageError, match=r"needs strategy='auto' \(got '2d'\).*grid=\(R, C\) with R \* C = 8"):
         autopar.plan(model, grid=8, example_kwargs=kw, strategy="2d", measure_activations=False)
     with pytest.raises(UsageError, match="with pipeline stages.*choose_pipeline"):
         autopar.plan(model, grid=8, example_kwargs=kw, strategy="auto", pipeline=2)
+    with pytest.raises(UsageError, match="with cluster='dgx-h100': a cluster prices each axis"):
+        autopar.plan(model, grid=8, example_kwargs=kw, strategy="auto", cluster="dgx-h100")
     with pytest.raises(UsageError, match="a device count must be a positive int"):
         autopar.plan(model, grid=0, example_kwargs=kw, strategy="auto")
     with pytest.raises(UsageError, match="devices=0"):

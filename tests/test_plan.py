@@ -116,8 +116,8 @@ def test_cli_bad_set_key(capsys):
 
 
 def test_cli_grid_auto_and_strategy(capsys):
-    """`inspect --grid auto --devices 4` searches every shape of 4 ranks and plans the fastest with
-    strategy auto; the JSON carries the search table and the choice."""
+    """`inspect --grid auto --devices 4` searches every arrangement of 4 ranks (grids and replicas of a
+    grid) and plans the fastest with strategy auto; the JSON carries the search table and the choice."""
     small = ["--batch", "4", "--seq", "16", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
              "--set", "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
              "--set", "vocab_size=256"]
@@ -125,11 +125,15 @@ def test_cli_grid_auto_and_strategy(capsys):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     shapes = [tuple(row["grid"]) for row in out["grid_search"]]
-    assert shapes == [(1, 4), (2, 2), (4, 1)]
-    best = min(out["grid_search"], key=lambda row: row["auto_s"])
-    assert out["grid"] == list(best["grid"])
-    auto = out["strategy_auto"]
-    assert auto["estimated_step_s"] <= min(auto["fixed_2d_step_s"], auto["fixed_1d_step_s"])
+    assert shapes == [(1, 4), (2, 2), (4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]  # grids, then replicas of a grid
+    best = min((row for row in out["grid_search"] if row["searched"]), key=lambda row: row["auto_s"])
+    assert best["picked"] and out["grid"] == list(best["grid"][-2:])
+    assert best["auto_s"] <= min(t for row in out["grid_search"] for t in row["fixed_s"].values())
+    if tuple(best["grid"][-2:]) == (1, 1):  # replicas of one rank (this tiny model's pick): nothing to split
+        assert "strategy_auto" not in out
+    else:
+        auto = out["strategy_auto"]
+        assert auto["estimated_step_s"] <= min(auto["fixed_2d_step_s"], auto["fixed_1d_step_s"])
     r = _inspect(capsys, "llama", "--grid", "auto", *small)
     assert r.returncode != 0 and "--grid auto needs --devices N" in r.stderr
     r = _inspect(capsys, "llama", "--grid", "2x2", "--strategy", "auto", *small)

@@ -244,6 +244,10 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     picked = None
     if isinstance(grid, int) and not isinstance(grid, bool):  # a device count: the search arranges them
         check_device_count(grid, strategy, pipeline, "autopar.plan")
+        if cluster is not None:
+            raise UsageError(f"autopar.plan: grid={grid} (a device count) with cluster={cluster!r}: a cluster prices "
+                             f"each axis by the links its ranks cross, which needs the arrangement; pass grid=(R, C), "
+                             f"or cost_model= for the search")
         picked = search_grids(model, grid, example_inputs, example_kwargs, options, replicas=False,
                               who="autopar.plan")
         grid = picked.grid
@@ -354,7 +358,8 @@ def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *,
     estimates fastest within `memory_limit` (`autopar.planning.grids`). Returns a GridChoice, which
     unpacks as (grid, table): the arrangement picked and a row per candidate (its fixed schemes'
     estimates, the search's where it ran); `.kwargs` is what to pass `parallelize` for it. The model
-    is captured once (once more per replica count)."""
+    is captured once (once more per replica count); `search_budget` bounds each of the per-unit searches
+    (`autopar.planning.grids.SEARCHED` at most)."""
     options = Options(strategy="auto", cost_model=cost_model, memory_limit=memory_limit, indivisible=indivisible,
                       fused=fused, search_budget=search_budget, compile=compile)
     return search_grids(model, devices, example_inputs, example_kwargs, options, replicas=replica_layouts)

@@ -17,6 +17,7 @@ e*(K*M*(C - 1) + K*N*(R - 1))/(C*R)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import sympy
@@ -25,7 +26,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
 from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
-from passes.layout import parts, split_dim
+from passes.layout import Layout, local_shape, parts, split_dim
 from passes.meta import KERNEL, ROLE
 
 R, C, E = sympy.symbols("R C e", positive=True, integer=True)  # mesh axis 0 has R members, axis 1 C
@@ -115,12 +116,17 @@ def redistribution(src, dst) -> tuple:
     return tuple(steps)
 
 
-def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, synced: tuple = ()) -> tuple:
+def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, synced: tuple = (),
+                       shape: tuple | None = None) -> tuple:
     """What `redistribution(src, dst)` moves: ([(axis, phase, bytes)], [step names]), for a rank
     holding n elements of e bytes before, on a mesh of `sizes` (R, C). Works on numbers (integer
     division, as the collective layer counts) and, with `exact`, on sympy symbols (the formulas
     `explain` prints). A gather over an axis in `synced` reduce-scatters the gradient back (a GradSync
-    folded in: `passes.ops.comm.GatherSum`)."""
+    folded in: `passes.ops.comm.GatherSum`). With the tensor's global `shape` (numbers), each step is
+    priced on the blocks it moves (`_padded_steps`): where a group does not divide a dim, the
+    collective layer pads every member's torch.chunk block to the largest, and so does this."""
+    if shape is not None and not exact and len(src.placements) == 2 and len(dst.placements) == 2:
+        return _padded_steps(src, dst, sizes, e, grad, synced, shape)
     div = (lambda a, b: a / b) if exact else (lambda a, b: a // b)
     size, moves, names = n, [], []  # size: elements this rank holds between steps
     for kind, a, _, _, _ in redistribution(src, dst):
@@ -149,6 +155,50 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, s
                 moves.append((a, "bwd", all_gather_bytes(size * e, g)))
             names.append(f"split(axis {a}; bwd all-gather)")
         else:
+            names.append(f"to-partial(axis {a})")
+    return moves, names
+
+
+def _padded_steps(src, dst, sizes, e, grad: bool, synced: tuple, shape: tuple) -> tuple:
+    """`redistribute_steps` on the blocks of a tensor of global `shape`: each step's bytes from the
+    largest block of the layout before or after it (grid position (0, 0) holds the largest torch.chunk
+    block), which is what every member sends or receives once blocks are padded to it."""
+    cur = list(src.placements)
+
+    def block() -> int:
+        return math.prod(local_shape(shape, Layout(tuple(cur)), sizes, at=(0, 0)))
+
+    moves, names = [], []
+    for kind, a, _, _, _ in redistribution(src, dst):
+        g = sizes[a]
+        if kind == "gather":
+            before = block()
+            moves.append((a, "fwd", all_gather_bytes(before * e, g)))
+            cur[a] = Replicate()
+            if a in synced:
+                if grad:  # the gradient reduce-scattered back onto padded blocks
+                    moves.append((a, "bwd", reduce_scatter_bytes(before * g * e, g)))
+                names.append(f"all-gather(axis {a}; bwd reduce-scatter)")
+                continue
+            names.append(f"all-gather(axis {a})")
+        elif kind == "reduce-scatter":
+            cur[a] = dst[a]
+            after = block()
+            moves.append((a, "fwd", reduce_scatter_bytes(after * g * e, g)))
+            if grad:
+                moves.append((a, "bwd", all_gather_bytes(after * e, g)))
+            names.append(f"reduce-scatter(axis {a})")
+        elif kind == "all-reduce":
+            moves.append((a, "fwd", all_reduce_bytes(block() * e, g)))
+            cur[a] = Replicate()
+            names.append(f"all-reduce(axis {a})")
+        elif kind == "split":
+            cur[a] = dst[a]
+            if grad:
+                moves.append((a, "bwd", all_gather_bytes(block() * e, g)))
+            names.append(f"split(axis {a}; bwd all-gather)")
+        else:
+            cur[a] = dst[a]
             names.append(f"to-partial(axis {a})")
     return moves, names
 

@@ -333,9 +333,17 @@ class RedistributeSpec(KernelSpec):
         return {"R": site.mesh[0], "C": site.mesh[1], "e": v.element_size(), "n": n}
 
     def steps(self, site, v, exact):
-        moves, _ = redistribute_steps(self.src, self.dst, (v["R"], v["C"]), v["n"], v["e"], site.grads[0], exact,
-                                      self.synced)
-        return moves
+        """The steps' bytes over `v` (formulas with `exact`); where a group does not divide a dim it moves,
+        the numbers of the padded blocks that move (every member's torch.chunk block padded to the
+        largest), as formulas in n would leave the padding out."""
+        nums = self.values(site)
+        mesh, grad = (nums["R"], nums["C"]), site.grads[0]
+        padded, _ = redistribute_steps(self.src, self.dst, mesh, nums["n"], nums["e"], grad, False, self.synced,
+                                       tuple(site.val(0).shape))
+        if not exact or padded != redistribute_steps(self.src, self.dst, mesh, nums["n"], nums["e"], grad, False,
+                                                     self.synced)[0]:
+            return padded
+        return redistribute_steps(self.src, self.dst, (v["R"], v["C"]), v["n"], v["e"], grad, exact, self.synced)[0]
 
 
 @dataclass(frozen=True)
