@@ -108,13 +108,13 @@ def test_a_searched_mix_on_the_cube_matches_one_process():
     """parallelize(grid=8, strategy='auto') where the arrangement search answers the cube with a
     per-unit mix (q|k|v and down_proj 3D, o_proj 1D, gate|up replicated, the LM head 2D SUMMA on the
     2x4 grid, the embedding 1D): HF Llama against one process on every rank, as above (logits, loss,
-    every gradient, parameters after 3 AdamW steps); the ranks build the cube; the 3D linears hold
+    every gradient, parameters after 2 AdamW steps); the ranks build the cube; the 3D linears hold
     1/8 of their weights and move what the plan prices. Catches a layout change between a 3D linear
     and its 1D or replicated neighbour that is not redistributed, and a cube not built for a searched
     arrangement."""
     from tests.conftest import get_pool
 
-    res = get_pool(8).run(C.model_steps, "llama", None, mix=MIX)
+    res = get_pool(8).run(C.model_steps, "llama", None, 2, mix=MIX)
     assert_every_rank([r["excess"] for r in res], "a searched mix on a 2x2x2 cube")
     for rank, r in enumerate(res):
         assert r["grid"] == ((2, 4), True), (rank, r["grid"])

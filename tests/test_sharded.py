@@ -2,6 +2,7 @@
 replicas. Parity with one process on the concatenated replica batches, every rank; what a rank holds
 between steps; the replica axis's calls and bytes against the plan; refusals."""
 
+import functools
 import json
 
 import pytest
@@ -141,7 +142,8 @@ def test_auto_shards_only_where_it_is_faster_within_the_limit():
     model, kwargs = meta_llama(layers=2, vocab=256, intermediate=256, seq=32)
     kw = dict(example_kwargs=kwargs, measure_activations=False, strategy="auto")
 
-    def estimate(dp, mode, limit=None):
+    @functools.lru_cache(maxsize=None)
+    def estimate(dp, mode, limit=None):  # one plan per (dp, mode, limit): each captures and searches
         try:
             pl = autopar.plan(model, grid=(dp, 2, 2), data_parallel=mode, memory_limit=limit, **kw)
         except MemoryLimitError:

@@ -150,7 +150,7 @@ def test_choose_grid_covers_every_shape_and_picks_the_fastest():
     fixed schemes are searched per unit, and the pick is the searched one with the smallest estimate."""
     from autopar.planning.grids import SEARCHED
 
-    model, kw = _llama()
+    model, kw = _llama(layers=1)
     gc = autopar.choose_grid(model, 8, (), kw, cost_model=CPU)
     grid, table = gc
     assert [(row["layout"], row["grid"]) for row in table] == [
