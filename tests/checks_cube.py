@@ -78,14 +78,20 @@ def refusals(rank):
 def _counted_and_planned(pm) -> tuple:
     """({node: (module op, bytes counted in the last step, bytes the plan prices)} for every SUMMA or 3D
     linear of `pm`'s program, (the plan's total, the step's)), the plan priced at this rank's grid
-    position."""
+    position; the totals leave out a mixture of experts' routing ops, whose bytes follow the tokens
+    the router sends to each row (the plan prices an even routing; tests/test_moe.py recounts them)."""
     from autopar.planning.explain import graph_rows
 
     log = pm.grid.log
     table = graph_rows(pm.program.inspected, pm.grid.shape, at=(pm.grid.r, pm.grid.c))
-    linears = {r.node: (r.op.split("(")[0], sum(v for (tag, _), v in log.bytes.items() if tag == r.node),
-                        r.fwd_bytes + r.bwd_bytes) for r in table if r.op.startswith(("CubeLinear", "SummaLinear"))}
-    return linears, (sum(r.fwd_bytes + r.bwd_bytes for r in table), log.total())
+    def planned(r):  # with recompute=..., a recomputed forward receives its bytes again in backward
+        return r.fwd_bytes + r.bwd_bytes + r.recompute_bytes
+
+    linears = {r.node: (r.op.split("(")[0], sum(v for (tag, _), v in log.bytes.items() if tag == r.node), planned(r))
+               for r in table if r.op.startswith(("CubeLinear", "SummaLinear"))}
+    routed = (sum(planned(r) for r in table if r.op.startswith("Expert")),
+              sum(v for (tag, _), v in log.bytes.items() if tag.startswith("moe:")))  # MoE dispatch: data-dependent
+    return linears, (sum(planned(r) for r in table) - routed[0], log.total() - routed[1])
 
 
 def _searched_cube(model, kwargs, mix: dict):
@@ -102,11 +108,12 @@ def _searched_cube(model, kwargs, mix: dict):
     return GridChoice((2, 2, 2), [{"grid": (2, 2, 2), "layout": "3d", "picked": True, "choice": choice}])
 
 
-def model_steps(rank, family, over=None, steps=3, batch=4, seq=8, mix=None):
+def model_steps(rank, family, over=None, steps=3, batch=4, seq=8, mix=None, options=None):
     """A model on a 2x2x2 cube (strategy='3d') against one process: loss, logits and every gradient
     after the first step, parameters after `steps` AdamW steps; per linear, the bytes counted in the
     first step next to the plan's. `family`: 'tinygpt' (the repo's GPT, `over` its config) or a
-    transformers family of tests/checks_hf.py. `mix` (unit key ending -> option): parallelize(grid=8,
+    transformers family of tests/checks_hf.py (or 'mixtral', examples/hf_families.py's); `options`:
+    more keywords for parallelize. `mix` (unit key ending -> option): parallelize(grid=8,
     strategy='auto') instead, its arrangement search answering the cube with that per-unit mix;
     mix='search': parallelize(grid=8, strategy='auto') with the search as it is."""
     import copy
@@ -126,6 +133,10 @@ def model_steps(rank, family, over=None, steps=3, batch=4, seq=8, mix=None):
             g = torch.Generator().manual_seed(seed)
             return dict(ids=torch.randint(0, cfg.vocab_size, (b, s), generator=g),
                         targets=torch.randint(0, cfg.vocab_size, (b, s), generator=g))
+    elif family == "mixtral":  # experts routed per token (examples/hf_families.py's tiny Mixtral)
+        import hf_families
+
+        model, make = hf_families.build(family, **(over or {}))
     else:
         from tests.checks_hf import build
 
@@ -137,7 +148,8 @@ def model_steps(rank, family, over=None, steps=3, batch=4, seq=8, mix=None):
         if mix == "search":  # the arrangement search itself
             pm = autopar.parallelize(model, grid=8, example_kwargs=make(batch, seq, 1), strategy="auto")
         elif mix is None:
-            pm = autopar.parallelize(model, grid=(2, 2, 2), example_kwargs=make(batch, seq, 1), strategy="3d")
+            pm = autopar.parallelize(model, grid=(2, 2, 2), example_kwargs=make(batch, seq, 1), strategy="3d",
+                                     **(options or {}))
         else:
             import autopar.parallel.arrange as arrange
 

@@ -101,6 +101,11 @@ SLOW = {
        "test_cube.py::test_a_searched_mix_on_the_cube_matches_one_process and "
        "test_cube.py::test_cube_linear_bytes_are_the_formula_in_a_model and test_cube_checkpoints_round_trip"
        for case in ("llama", "tinygpt", "gpt2", "gpt2-uneven")},
+    # 3D with routed experts and with recomputed blocks: the MoE and recompute paths of the 2D grid (the
+    # fast tier's test_moe.py and test_recompute.py) around 3D linears
+    **{f"tests/test_cube.py::test_the_cube_composes[{case}]":
+       "test_cube.py::test_a_searched_mix_on_the_cube_matches_one_process, test_moe.py and test_recompute.py"
+       for case in ("mixtral", "recompute=blocks")},
     "tests/test_hf.py::test_strategies_parity[llama-2d-ring]":
         "test_engine_parity.py::test_gpt_parity_2x2[rmsnorm-swiglu-ring]",
     # the Trainer at another grid and family; losses on the second grid
@@ -150,22 +155,29 @@ SLOW = {
     # grids of 2, 6, 8 and 9 ranks: the 4-rank pool covers 2x2, 1x4 and 4x1; 2x3/3x2 keep q=3 index
     # arithmetic on one axis each (55, 25, 21, 11, 6, 43 s, plus a pool start per world size)
     "tests/test_engine_parity.py::test_gpt_parity_3x3[layernorm-gelu-broadcast]":
-        "test_engine_parity.py::test_gpt_parity_rectangular[3x2-broadcast]",
+        "test_comm.py::test_rectangular_groups_products_redistributions[2x3] and [3x2] (q=3 on one axis) "
+        "and test_engine_parity.py::test_gpt_parity_rectangular[1x4-allgather] and [4x1-broadcast]",
     "tests/test_comm.py::test_group_mapping_and_products_3x3":
         "test_comm.py::test_rectangular_groups_products_redistributions[2x3] and [3x2]",
     # the pool's diagnostics of a hang: a fresh spawn's join names the hung rank with the same stack dump as
     # the shared pool's (7 s)
     "tests/test_pools.py::test_a_hung_fresh_process_says_where_it_was":
         "test_pools.py::test_a_hang_says_where_every_rank_was",
-    # a 2x3 grid repeats 3x2's six-rank path with the axes swapped (16 s)
+    # a model on 2x3 and 3x2 (16 s each): the six-rank SUMMA products and redistributions against torch, and
+    # a model on the non-square 1x4 and 4x1, stay in the fast tier
+    "tests/test_engine_parity.py::test_gpt_parity_rectangular[3x2-broadcast]":
+        "test_comm.py::test_rectangular_groups_products_redistributions[2x3] and [3x2] (q=3 on one axis) "
+        "and test_engine_parity.py::test_gpt_parity_rectangular[1x4-allgather] and [4x1-broadcast]",
     "tests/test_engine_parity.py::test_gpt_parity_rectangular[2x3-broadcast]":
-        "test_engine_parity.py::test_gpt_parity_rectangular[3x2-broadcast]",
+        "test_comm.py::test_rectangular_groups_products_redistributions[2x3] and [3x2] (q=3 on one axis) "
+        "and test_engine_parity.py::test_gpt_parity_rectangular[1x4-allgather] and [4x1-broadcast]",
     "tests/test_engine_parity.py::test_gpt_parity_rectangular[1x2-broadcast]":
         "test_engine_parity.py::test_gpt_parity_rectangular[1x4-allgather]",
     "tests/test_engine_parity.py::test_gpt_parity_rectangular[2x1-broadcast]":
         "test_engine_parity.py::test_gpt_parity_rectangular[4x1-broadcast]",
     "tests/test_engine_parity.py::test_gpt_parity_rectangular[2x3-allgather]":
-        "test_engine_parity.py::test_gpt_parity_rectangular[3x2-broadcast] and [1x4-allgather]",
+        "test_comm.py::test_rectangular_groups_products_redistributions[2x3] and [3x2] (q=3 on one axis) "
+        "and test_engine_parity.py::test_gpt_parity_rectangular[1x4-allgather] and [4x1-broadcast]",
     "tests/test_comm.py::test_rectangular_groups_products_redistributions[1x2]":
         "test_comm.py::test_rectangular_groups_products_redistributions[2x3]",
     "tests/test_training.py::test_data_parallel_2x2x2":

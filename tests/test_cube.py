@@ -100,6 +100,31 @@ def test_model_matches_one_process_on_a_cube(case):
                 r["warned"]
 
 
+COMPOSE = {  # case -> (family, config overrides, parallelize keywords)
+    "mixtral": ("mixtral", None, {}),  # experts routed per token (all-to-all over the rows), a router loss
+    "recompute=blocks": ("llama", dict(num_hidden_layers=2), dict(recompute="blocks")),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPOSE))
+def test_the_cube_composes(case):
+    """strategy='3d' with what else a model brings: Mixtral's routed experts (the 2D MoE rules on the
+    cube's 2x4 grid beside 3D attention projections, the router's load-balancing loss) and recomputed
+    blocks (each block's forward, its 3D linears' depth collectives included, run again in backward):
+    against one process on every rank, as above (logits, loss, every gradient after one step, every
+    parameter after 3 AdamW steps), and each rank's bytes equal its plan's."""
+    from tests.conftest import get_pool
+
+    family, over, options = COMPOSE[case]
+    res = get_pool(8).run(C.model_steps, family, over, options=options)
+    assert_every_rank([r["excess"] for r in res], f"{case} on a 2x2x2 cube")
+    for rank, r in enumerate(res):
+        kinds = [op for op, _, _ in r["linears"].values()]
+        assert kinds.count("CubeLinear") >= 4, (rank, r["linears"])
+        assert all(counted == planned for _, counted, planned in r["linears"].values()), (rank, r["linears"])
+        assert r["totals"][0] == r["totals"][1], (rank, r["totals"])
+
+
 MIX = {"q_proj|model.layers.*.self_attn.k_proj|model.layers.*.self_attn.v_proj": "3d", "o_proj": "1d",
        "gate_proj|model.layers.*.mlp.up_proj": "rep", "down_proj": "3d", "lm_head": "2d", "embed_tokens": "1d"}
 
