@@ -101,11 +101,11 @@ SLOW = {
        "test_cube.py::test_a_searched_mix_on_the_cube_matches_one_process and "
        "test_cube.py::test_cube_linear_bytes_are_the_formula_in_a_model and test_cube_checkpoints_round_trip"
        for case in ("llama", "tinygpt", "gpt2", "gpt2-uneven")},
-    # 3D with routed experts and with recomputed blocks: the MoE and recompute paths of the 2D grid (the
-    # fast tier's test_moe.py and test_recompute.py) around 3D linears
+    # 3D with routed experts, recomputed blocks and compile=True: the MoE, recompute and compile paths of the
+    # 2D grid (the fast tier's test_moe.py, test_recompute.py, test_compile.py) around 3D linears (12-80 s)
     **{f"tests/test_cube.py::test_the_cube_composes[{case}]":
-       "test_cube.py::test_a_searched_mix_on_the_cube_matches_one_process, test_moe.py and test_recompute.py"
-       for case in ("mixtral", "recompute=blocks")},
+       "test_cube.py::test_a_searched_mix_on_the_cube_matches_one_process, test_moe.py, test_recompute.py and "
+       "test_compile.py" for case in ("mixtral", "recompute=blocks", "compile=True")},
     "tests/test_hf.py::test_strategies_parity[llama-2d-ring]":
         "test_engine_parity.py::test_gpt_parity_2x2[rmsnorm-swiglu-ring]",
     # the Trainer at another grid and family; losses on the second grid

@@ -206,9 +206,6 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         check_device_count(grid, strategy, pipeline, "autopar.parallelize", torch.distributed.get_world_size())
         grid, layout, arranged = arrange(model, grid, example_inputs, example_kwargs, options)
     cube = strategy == "3d" or (arranged is not None and layout == "3d")
-    if strategy == "3d" and compile:
-        raise UsageError("strategy='3d' with compile=True: the 3D linear's depth collectives are not torch.library "
-                         "ops yet, so torch.compile would break its graph at each; leave compile out with '3d'")
     if strategy == "3d" and (pipeline is not None or len(grid) != 3 or len(set(grid)) != 1):
         raise UsageError(f"strategy='3d' with grid={tuple(grid)}" + (" and pipeline stages" if pipeline else "")
                          + ": 3D tensor parallelism runs on a cube, grid=(q, q, q) on q**3 ranks (e.g. (2, 2, 2) on "

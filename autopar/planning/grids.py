@@ -133,7 +133,7 @@ def search_grids(model, devices: int, example_inputs=(), example_kwargs=None, op
     kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}
     cm = CostModel.resolve(options.cost_model)
     batch = _batch_of(example_inputs, kwargs)
-    cands = candidates(devices, batch, cube=not options.compile, replicas=replicas)
+    cands = candidates(devices, batch, replicas=replicas)
     limit = options.memory_limit_bytes
     graphs = {1: capture(model, example_inputs, kwargs).gm}
     rows = []

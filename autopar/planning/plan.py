@@ -351,9 +351,9 @@ def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *,
                 cost_model: object = DEFAULTS.cost_model,
                 memory_limit: float | str | None = DEFAULTS.memory_limit, indivisible: str = DEFAULTS.indivisible,
                 fused: str = DEFAULTS.fused, search_budget: float | None = DEFAULTS.search_budget,
-                replica_layouts: bool = True, compile: bool = DEFAULTS.compile) -> GridChoice:
+                replica_layouts: bool = True) -> GridChoice:
     """How to arrange `devices` ranks: every R x C grid, the q x q x q cube where devices = q^3 (3D
-    tensor parallelism per unit, not with `compile`), and with `replica_layouts` d data-parallel replicas of
+    tensor parallelism per unit), and with `replica_layouts` d data-parallel replicas of
     an R x C grid, each on 1/d of the example batch; each candidate's units split the way its search
     estimates fastest within `memory_limit` (`autopar.planning.grids`). Returns a GridChoice, which
     unpacks as (grid, table): the arrangement picked and a row per candidate (its fixed schemes'
@@ -361,5 +361,5 @@ def choose_grid(model, devices: int, example_inputs=(), example_kwargs=None, *,
     is captured once (once more per replica count); `search_budget` bounds each of the per-unit searches
     (`autopar.planning.grids.SEARCHED` at most)."""
     options = Options(strategy="auto", cost_model=cost_model, memory_limit=memory_limit, indivisible=indivisible,
-                      fused=fused, search_budget=search_budget, compile=compile)
+                      fused=fused, search_budget=search_budget)
     return search_grids(model, devices, example_inputs, example_kwargs, options, replicas=replica_layouts)

@@ -28,11 +28,13 @@ from passes.mesh import Cube
 from passes.ops.comm import guarded, tensor_bytes
 from passes.ops.summa import SummaAB
 
-__all__ = ["cube_linear", "activation_block", "weight_block", "DepthScatter", "CubeLinear"]
+__all__ = ["cube_linear", "activation_block", "weight_block", "DepthScatter", "CubeLinear", "run_depth_reduce_scatter",
+           "run_depth_all_gather"]
 
 
-def _depth_reduce_scatter(cube: Cube, t: torch.Tensor, tag: str) -> torch.Tensor:
-    """Sum `t` [m, n] over the depth group and keep this member's column block [m, n/q]."""
+def run_depth_reduce_scatter(cube: Cube, t: torch.Tensor, tag: str) -> torch.Tensor:
+    """Sum `t` [m, n] over the depth group and keep this member's column block [m, n/q]: the body of
+    the traceable `autopar::depth_reduce_scatter` (`passes.ops.library`)."""
     moved = t.t().contiguous()  # [n, m]: the split dim first
     out = moved.new_empty(moved.shape[0] // cube.q, moved.shape[1])
     cube.log.add(tag, "fwd", reduce_scatter_bytes(tensor_bytes(moved), cube.q))
@@ -42,8 +44,9 @@ def _depth_reduce_scatter(cube: Cube, t: torch.Tensor, tag: str) -> torch.Tensor
     return out.t().contiguous()
 
 
-def _depth_all_gather(cube: Cube, t: torch.Tensor, tag: str) -> torch.Tensor:
-    """Concatenate the depth group's column blocks of `t` [m, n/q] into [m, n]."""
+def run_depth_all_gather(cube: Cube, t: torch.Tensor, tag: str) -> torch.Tensor:
+    """Concatenate the depth group's column blocks of `t` [m, n/q] into [m, n]: the body of
+    `autopar::depth_all_gather`."""
     moved = t.t().contiguous()
     out = moved.new_empty(moved.shape[0] * cube.q, moved.shape[1])
     cube.log.add(tag, "bwd", all_gather_bytes(tensor_bytes(moved), cube.q))
@@ -60,12 +63,12 @@ class DepthScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, cube, tag):
         ctx.args = (cube, tag)
-        return _depth_reduce_scatter(cube, y, tag) if cube.q > 1 else y
+        return torch.ops.autopar.depth_reduce_scatter(y, cube.grid.key, tag) if cube.q > 1 else y
 
     @staticmethod
     def backward(ctx, g):
         cube, tag = ctx.args
-        return (_depth_all_gather(cube, g.contiguous(), tag) if cube.q > 1 else g), None, None
+        return (torch.ops.autopar.depth_all_gather(g.contiguous(), cube.grid.key, tag) if cube.q > 1 else g), None, None
 
 
 def _check(cube: Cube, x: torch.Tensor, w: torch.Tensor, tag: str) -> None:

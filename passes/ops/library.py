@@ -35,8 +35,8 @@ import torch
 
 from passes.compat import CACHEABLE_EFFECTS, keep_effect_order_in_inductor, register_ordered
 from passes.layout import chunk_range
-from passes.mesh import grid_of
-from passes.ops import bounds, comm, reblock, summa
+from passes.mesh import Cube, grid_of
+from passes.ops import bounds, comm, cube, reblock, summa
 
 
 @torch.library.custom_op("autopar::all_gather", mutates_args=())
@@ -157,8 +157,38 @@ def _(target, tot, grid, axis, size, ignore, tag, where):
     return target.new_empty(0)
 
 
+def _cube_of(key: int) -> Cube:
+    """The cube attached to the grid whose key is `key` (a 3D linear's grid always has one)."""
+    got = grid_of(key).cube
+    assert got is not None, f"grid {key} has no cube: a 3D linear runs on a cube's grid"
+    return got
+
+
+@torch.library.custom_op("autopar::depth_reduce_scatter", mutates_args=())
+def depth_reduce_scatter(t: torch.Tensor, grid: int, tag: str) -> torch.Tensor:
+    """A 3D linear's partial sums [m, n] summed over the depth of the cube attached to `grid`, this
+    member's column block [m, n/q] kept (`passes.ops.cube`)."""
+    return cube.run_depth_reduce_scatter(_cube_of(grid), t, tag)
+
+
+@depth_reduce_scatter.register_fake
+def _(t, grid, tag):
+    return t.new_empty(t.shape[0], t.shape[1] // _cube_of(grid).q)
+
+
+@torch.library.custom_op("autopar::depth_all_gather", mutates_args=())
+def depth_all_gather(t: torch.Tensor, grid: int, tag: str) -> torch.Tensor:
+    """The depth's column blocks [m, n/q] concatenated into [m, n] (the reduce-scatter's adjoint)."""
+    return cube.run_depth_all_gather(_cube_of(grid), t, tag)
+
+
+@depth_all_gather.register_fake
+def _(t, grid, tag):
+    return t.new_empty(t.shape[0], t.shape[1] * _cube_of(grid).q)
+
+
 for _name in ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_stack", "summa", "reblock", "check_ids",
-              "check_targets"):
+              "check_targets", "depth_reduce_scatter", "depth_all_gather"):
     register_ordered(f"autopar::{_name}")
 keep_effect_order_in_inductor()  # inductor 2.13 loses the order edges between them otherwise
 
