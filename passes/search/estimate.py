@@ -9,7 +9,8 @@ model per mesh axis turns them into time: a collective costs alpha + bytes/beta,
 SUMMA's broadcast lowering overlaps its next broadcast with the current matmul, so it is charged
 calls*alpha + max(bytes/beta, flops/F), the all-gather lowering calls*alpha + bytes/beta + flops/F
 less what the weight gradient's reduction hides behind the input gradient's matmul in backward
-(`hidden_dw_reduction`; calls: the spec's launches). The ring lowering, priced only where asked for,
+(`hidden_dw_reduction`; calls: the spec's launches). A 3D linear's depth products choose between the
+same two the same way (`_cube`). The ring lowering, priced only where asked for,
 as the broadcast lowering with its point-to-point batches as the calls. Memory: the parameter blocks held, and every
 intermediate that needs a gradient (an upper bound on what autograd saves).
 """
