@@ -195,6 +195,17 @@ def spawn_json(target, world, *args) -> dict:
         return json.load(f)
 
 
+def report(ns, res: dict, text: str, **setting) -> None:
+    """Print a multi-rank benchmark's results: with --json, the benchmark model, its batch, `setting`
+    and `res`; else `text` (the markdown tables)."""
+    import json
+
+    if ns.json:
+        print(json.dumps({"model": CONFIG, **setting, "batch": BATCH, "seq": SEQ, "results": res}, indent=2))
+    else:
+        print(text)
+
+
 def against(res: dict, labels, ref: str, ref_name: str, fields) -> list:
     """One line per configuration of `labels`: its `fields` ((name, result key) pairs) as ratios to
     configuration `ref`'s, and how far its losses are from `ref`'s (relative)."""

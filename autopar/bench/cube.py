@@ -10,8 +10,6 @@ two cores here: the times measure contention as much as the layouts.
 
 from __future__ import annotations
 
-import json
-
 from autopar.bench import common
 from autopar.bench.pipeline import worker
 
@@ -38,9 +36,5 @@ def markdown(res: dict) -> str:
 def run(ns) -> int:
     """The cube benchmark for `autopar bench`'s parsed flags (--rounds, --steps, --json)."""
     res = common.spawn_json(worker, WORLD, ns.rounds, ns.steps, CONFIGS)
-    if ns.json:
-        print(json.dumps({"model": common.CONFIG, "batch": common.BATCH, "seq": common.SEQ, "results": res},
-                         indent=2))
-    else:
-        print(markdown(res))
+    common.report(ns, res, markdown(res))
     return 0

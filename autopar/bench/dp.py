@@ -123,11 +123,6 @@ def markdown(res: dict) -> str:
 def run(ns) -> int:
     """The sharded-replica benchmark for `autopar bench`'s parsed flags (--rounds, --steps, --json)."""
     res = common.spawn_json(worker, GRID[0] * GRID[1] * GRID[2], ns.rounds, ns.steps)
-    if ns.json:
-        print(json.dumps({"model": common.CONFIG, "grid": GRID, "batch": common.BATCH, "seq": common.SEQ,
-                          "results": res}, indent=2))
-    else:
-        print(f"Llama-style model {common.CONFIG}, global batch {common.BATCH} x {common.SEQ} tokens, grid {GRID} "
-              f"(2 replicas of 2x2), fp32, AdamW, gloo on CPU\n")
-        print(markdown(res))
+    common.report(ns, res, f"Llama-style model {common.CONFIG}, global batch {common.BATCH} x {common.SEQ} tokens, "
+                           f"grid {GRID} (2 replicas of 2x2), fp32, AdamW, gloo on CPU\n\n" + markdown(res), grid=GRID)
     return 0

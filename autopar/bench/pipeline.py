@@ -184,11 +184,6 @@ def markdown(res: dict) -> str:
 def run(ns) -> int:
     """The pipeline benchmark for `autopar bench`'s parsed flags (--rounds, --steps, --json)."""
     res = common.spawn_json(worker, WORLD, ns.rounds, ns.steps, CONFIGS)
-    if ns.json:
-        print(json.dumps({"model": common.CONFIG, "batch": common.BATCH, "seq": common.SEQ, "results": res},
-                         indent=2))
-    else:
-        print(f"Llama-style model {common.CONFIG}, global batch {common.BATCH} x {common.SEQ} tokens, 8 ranks, "
-              f"fp32, AdamW, gloo on CPU\n")
-        print(markdown(res))
+    common.report(ns, res, f"Llama-style model {common.CONFIG}, global batch {common.BATCH} x {common.SEQ} tokens, "
+                           f"8 ranks, fp32, AdamW, gloo on CPU\n\n" + markdown(res))
     return 0

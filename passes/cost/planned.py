@@ -123,14 +123,16 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, s
     division, as the collective layer counts) and, with `exact`, on sympy symbols (the formulas
     `explain` prints). A gather over an axis in `synced` reduce-scatters the gradient back (a GradSync
     folded in: `passes.ops.comm.GatherSum`). With the tensor's global `shape` (numbers), each step is
-    priced on the blocks it moves (`_padded_steps`): where a group does not divide a dim, the
-    collective layer pads every member's torch.chunk block to the largest, and so does this."""
-    if shape is not None and not exact and len(src.placements) == 2 and len(dst.placements) == 2:
-        return _padded_steps(src, dst, sizes, e, grad, synced, shape)
+    priced on the blocks it moves (`_blocks`): where a group does not divide a dim, the collective
+    layer pads every member's torch.chunk block to the largest, and so does this."""
+    steps = redistribution(src, dst)
+    padded = shape is not None and not exact and len(src.placements) == 2 and len(dst.placements) == 2
+    blocks = _blocks(src, dst, steps, sizes, shape) if padded and shape is not None else None
     div = (lambda a, b: a / b) if exact else (lambda a, b: a // b)
     size, moves, names = n, [], []  # size: elements this rank holds between steps
-    for kind, a, _, _, _ in redistribution(src, dst):
+    for i, (kind, a, _, _, _) in enumerate(steps):
         g = sizes[a]
+        size = blocks[i] if blocks else size
         if kind == "gather":
             moves.append((a, "fwd", all_gather_bytes(size * e, g)))
             size = size * g
@@ -140,9 +142,9 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, s
                 names.append(f"all-gather(axis {a}; bwd reduce-scatter)")
                 continue
             names.append(f"all-gather(axis {a})")
-        elif kind == "reduce-scatter":
-            moves.append((a, "fwd", reduce_scatter_bytes(size * e, g, exact)))
-            size = div(size, g)
+        elif kind == "reduce-scatter":  # padded: the input is padded to g of the largest output block
+            moves.append((a, "fwd", reduce_scatter_bytes((blocks[i + 1] * g if blocks else size) * e, g, exact)))
+            size = blocks[i + 1] if blocks else div(size, g)
             if grad:  # the gradient's block all-gathered back
                 moves.append((a, "bwd", all_gather_bytes(size * e, g)))
             names.append(f"reduce-scatter(axis {a})")
@@ -150,7 +152,7 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, s
             moves.append((a, "fwd", all_reduce_bytes(size * e, g, exact)))
             names.append(f"all-reduce(axis {a})")
         elif kind == "split":
-            size = div(size, g)
+            size = blocks[i + 1] if blocks else div(size, g)
             if grad:
                 moves.append((a, "bwd", all_gather_bytes(size * e, g)))
             names.append(f"split(axis {a}; bwd all-gather)")
@@ -159,48 +161,16 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, s
     return moves, names
 
 
-def _padded_steps(src, dst, sizes, e, grad: bool, synced: tuple, shape: tuple) -> tuple:
-    """`redistribute_steps` on the blocks of a tensor of global `shape`: each step's bytes from the
-    largest block of the layout before or after it (grid position (0, 0) holds the largest torch.chunk
-    block), which is what every member sends or receives once blocks are padded to it."""
+def _blocks(src, dst, steps, sizes, shape: tuple) -> list:
+    """Elements of the largest block (grid position (0, 0)'s torch.chunk block) of a tensor of global
+    `shape` before each of `steps` and after the last: what every member sends or receives once the
+    collective layer pads blocks to the largest."""
     cur = list(src.placements)
-
-    def block() -> int:
-        return math.prod(local_shape(shape, Layout(tuple(cur)), sizes, at=(0, 0)))
-
-    moves, names = [], []
-    for kind, a, _, _, _ in redistribution(src, dst):
-        g = sizes[a]
-        if kind == "gather":
-            before = block()
-            moves.append((a, "fwd", all_gather_bytes(before * e, g)))
-            cur[a] = Replicate()
-            if a in synced:
-                if grad:  # the gradient reduce-scattered back onto padded blocks
-                    moves.append((a, "bwd", reduce_scatter_bytes(before * g * e, g)))
-                names.append(f"all-gather(axis {a}; bwd reduce-scatter)")
-                continue
-            names.append(f"all-gather(axis {a})")
-        elif kind == "reduce-scatter":
-            cur[a] = dst[a]
-            after = block()
-            moves.append((a, "fwd", reduce_scatter_bytes(after * g * e, g)))
-            if grad:
-                moves.append((a, "bwd", all_gather_bytes(after * e, g)))
-            names.append(f"reduce-scatter(axis {a})")
-        elif kind == "all-reduce":
-            moves.append((a, "fwd", all_reduce_bytes(block() * e, g)))
-            cur[a] = Replicate()
-            names.append(f"all-reduce(axis {a})")
-        elif kind == "split":
-            cur[a] = dst[a]
-            if grad:
-                moves.append((a, "bwd", all_gather_bytes(block() * e, g)))
-            names.append(f"split(axis {a}; bwd all-gather)")
-        else:
-            cur[a] = dst[a]
-            names.append(f"to-partial(axis {a})")
-    return moves, names
+    out = [math.prod(local_shape(shape, src, sizes, at=(0, 0)))]
+    for kind, a, _, _, _ in steps:
+        cur[a] = Replicate() if kind in ("gather", "all-reduce") else dst[a]
+        out.append(math.prod(local_shape(shape, Layout(tuple(cur)), sizes, at=(0, 0))))
+    return out
 
 
 def nodes_needing_grad(gm: torch.fx.GraphModule) -> set:
