@@ -74,3 +74,16 @@ def block_path(path: str) -> str | None:
     for 'model.layers.3.mlp.up_proj.weight'), None without one."""
     m = re.match(r"^(.*?\.\d+)(\.|$)", path)
     return m.group(1) if m else None
+
+
+def repeated_blocks(paths) -> list:
+    """The repeated blocks among module paths (`model.named_modules()`'s names), in order: each path cut at
+    its first numbered part (`block_path`, as recompute and FSDP units cut them), from the container
+    holding the most ('model.layers' for 'model.layers.0', 'model.layers.1', ...; a block's own numbered
+    children, such as its experts, are parts of it, never blocks)."""
+    runs: dict = {}
+    for path in paths:
+        block = block_path(path)
+        if block is not None:
+            runs.setdefault(block.rpartition(".")[0], dict())[block] = True
+    return list(max(runs.values(), key=len)) if runs else []

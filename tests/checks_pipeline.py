@@ -268,3 +268,93 @@ def checkpoints(rank, tmp: str) -> dict:
         loaded = dict(hf.named_parameters(remove_duplicate=False))
         out["hf"] = group_excess({n: (loaded[n], want[tied.get(n, n)]) for n in loaded})
     return out
+
+
+class _LogitsThenLoss(torch.nn.Module):
+    """A user's own model whose forward returns (logits, loss), the loss second, with its own targets
+    argument (not `labels`): a mean cross-entropy over the tokens not -100, unshifted."""
+
+    def __init__(self, vocab: int = 32, hidden: int = 16, layers: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(hidden),
+                                                              torch.nn.Linear(hidden, hidden), torch.nn.GELU())
+                                          for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids, targets):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        logits = self.head(h)
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _head(kind: str):
+    """(model, batch(seed)) for a model whose loss counts something other than a causal LM's shifted
+    labels, each batch with rows that count different numbers of targets (or none: -100)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
+
+    def ids(seed, b=8, s=8):
+        return torch.randint(1, 64, (b, s), generator=torch.Generator().manual_seed(seed))
+
+    def ragged(labels):  # row i ignores its last min(i, 6) targets (row 0 none; a [B] label: every third row)
+        labels = labels.clone()
+        if labels.dim() == 1:
+            labels[::3] = -100
+        else:
+            for i in range(1, labels.shape[0]):
+                labels[i, labels.shape[1] - min(i, 6):] = -100
+        return labels
+
+    if kind == "sequence":  # labels [B]: one class per row
+        model = T.LlamaForSequenceClassification(T.LlamaConfig(num_labels=3, **cfg))
+        return model, lambda seed: dict(input_ids=ids(seed), labels=ragged(ids(seed + 50)[:, 0] % 3))
+    if kind == "regression":  # labels [B] floats: a mean squared error over the rows
+        model = T.LlamaForSequenceClassification(T.LlamaConfig(num_labels=1, **cfg))
+        return model, lambda seed: dict(input_ids=ids(seed), labels=torch.randn(
+            8, generator=torch.Generator().manual_seed(seed)))
+    if kind == "token":  # labels [B, S], not shifted (its head's dropout off: one process draws other masks)
+        model = T.LlamaForTokenClassification(T.LlamaConfig(num_labels=5, classifier_dropout=0.0, **cfg))
+        return model, lambda seed: dict(input_ids=ids(seed), labels=ragged(ids(seed + 50) % 5))
+    model = _LogitsThenLoss()
+    return model, lambda seed: dict(ids=ids(seed) % 32, targets=ragged(ids(seed + 50) % 32))
+
+
+def head_parity(rank, kind: str, grid=(1, 2), microbatches: int = 4) -> dict:
+    """Two AdamW steps of a model whose loss is not a causal LM's (`_head(kind)`), cut into 2 stages on
+    `grid` with `microbatches`, against one process on the whole batch: the loss of each step, every
+    gradient of this rank's stage, an eval forward's loss."""
+    model, make = _head(kind)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.parallelize(model, grid=grid, example_kwargs=make(1),
+                                 pipeline=autopar.Pipeline(stages=2, microbatches=microbatches))
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (pm, ref))
+    ref_params = dict(ref.named_parameters())
+    out: dict = {}
+    for step in range(2):
+        batch = make(step + 1)
+        loss = pm.train_step(**batch)
+        got = ref(**batch)
+        want = got[1] if isinstance(got, tuple) else got.loss
+        want.backward()
+        out.update(group_excess({f"loss step {step}": (loss, want.detach())}))
+        out.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                                prefix=f"grad step {step} "))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    pm.eval()
+    ref.eval()
+    batch = make(9)
+    with torch.no_grad():
+        got, want = pm(**batch), ref(**batch)
+    at = 1 if kind == "own" else 0
+    out.update(group_excess({"eval loss": (got[at], want[1] if kind == "own" else want.loss)}))
+    return out

@@ -379,3 +379,52 @@ def units_and_fallback(rank, **options) -> dict:
     out["released after gathered training"] = blocks_held() == shards
     out["longer fetches"] = sorted(program_for(pm, pm.program)[1])  # none: every unit gathered for it
     return out
+
+
+class _SharedBlock(torch.nn.Module):
+    """Three blocks, the second the first again (ALBERT-style sharing: one module under two names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.layers = torch.nn.ModuleList([_Layer(), None, _Layer()])
+        self.layers[1] = self.layers[0]
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def shared_block(rank, grid=(2, 1, 2)) -> dict:
+    """Two steps of `_SharedBlock` on `grid` with sharded replicas, each replica on its rows, against one
+    process on the whole batch: every gradient (the shared block's, summed over its two uses) and every
+    parameter after the steps; the FSDP2 units."""
+    torch.manual_seed(0)
+    model = _SharedBlock()
+    ref = copy.deepcopy(model)
+    dp = grid[0]
+    per = 4 // dp
+    replica = dist.get_rank() // (dist.get_world_size() // dp)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.parallelize(model, grid=grid, example_inputs=(ids[:per],), data_parallel="shard")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, ref))
+    ref_params = dict(ref.named_parameters())
+    out: dict = {"units": sorted(n for n, m in pm.named_modules() if isinstance(m, FSDPModule) and n),
+                 "names": sorted(n for n, _ in pm.named_parameters())}
+    for step in range(2):
+        ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(step + 2))
+        pm(ids[replica * per:(replica + 1) * per]).full_tensor().float().pow(2).mean().backward()
+        ref(ids).pow(2).mean().backward()
+        out.update(group_excess({n: (p.grad.full_tensor(), ref_params[n].grad) for n, p in pm.named_parameters()},
+                                prefix=f"step {step} grad "))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    out.update(group_excess({n: (p.full_tensor(), ref_params[n]) for n, p in pm.named_parameters()},
+                            prefix="param after 2 steps "))
+    return out

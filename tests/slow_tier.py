@@ -379,4 +379,12 @@ SLOW = {
     "tests/test_sharded.py::test_sharded_replicas_compose[data_parallel=auto]":
         "test_sharded.py::test_auto_shards_only_where_it_is_faster_within_the_limit (the choice, planned) and "
         "test_sharded_replicas_match_one_process[2x1x2-tinygpt] (the sharded run)",
+    # any head's loss in a pipeline: the sequence classifier (labels [B]) and the own model (loss second)
+    # stay; the token classifier and the regression read the same loss the same way (5 s each)
+    "tests/test_pipeline.py::test_pipeline_loss_of_any_head_matches_one_process[token]":
+        "test_pipeline.py::test_pipeline_loss_of_any_head_matches_one_process[sequence]",
+    "tests/test_pipeline.py::test_pipeline_loss_of_any_head_matches_one_process[regression]":
+        "test_pipeline.py::test_pipeline_loss_of_any_head_matches_one_process[own]",
+    "tests/test_sharded.py::test_a_block_shared_under_two_names_shards[2x1x1]":
+        "test_sharded.py::test_a_block_shared_under_two_names_shards[2x1x2]",
 }

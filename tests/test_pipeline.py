@@ -128,3 +128,86 @@ def test_pipeline_checkpoints_reshard(pool4, tmp_path):
     assert "lm_head.weight" in hf and "transformer.wte.weight" in hf, sorted(hf)
     assert_every_rank([hf], "save_pretrained of a pipelined GPT-2, read by transformers")
     assert "lm_head.weight" in results[-1]["names"], results[-1]["names"]
+
+
+@pytest.mark.parametrize("kind", ["sequence", "own", "token", "regression"])
+def test_pipeline_loss_of_any_head_matches_one_process(pool4, kind):
+    """Catches micro-batch weights that assume a causal LM's shifted labels (issue 50, item 1): a
+    sequence classifier's labels [B] with rows of -100 (weighted as shifted token labels they dropped
+    the first row: loss 4/7 of one process's), a token classifier's unshifted labels, a regression's
+    mean squared error, and a user's own model returning (logits, loss) with the loss second and its
+    targets under another name (refused before as 'carries no loss'). 2 stages x 1x2, 4 micro-batches
+    whose rows count different numbers of targets: each step's loss and every gradient of every rank's
+    stage, and an eval forward's loss, against one process on the whole batch."""
+    results = pool4.run(C.head_parity, kind)
+    for stage, ranks in ((0, results[:2]), (1, results[2:])):  # each stage's ranks hold their own parameters
+        assert_every_rank(ranks, f"2 stages x 1x2, {kind} loss, stage {stage}")
+
+
+def test_default_cut_is_between_the_repeated_blocks():
+    """Catches the pipeline's default cut landing inside a block (issue 50, item 2): blocks that each hold
+    a longer numbered list (4 experts each) were cut at 'blocks.0.experts.2', the longest numbered run,
+    while recompute and FSDP units take each path up to its first numbered part. One definition now:
+    the cut, and the blocks that recompute and FSDP read off every parameter, are the same."""
+    from torch import nn
+
+    from autopar.program.pipe import blocks, split_points
+    from passes.nodes import block_path
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    model = Model()
+    assert blocks(model) == ["blocks.0", "blocks.1"], blocks(model)
+    assert split_points(model, None, 2) == ("blocks.1",), split_points(model, None, 2)
+    on_params = {block_path(n) for n, _ in model.named_parameters()} - {None}
+    assert on_params == set(blocks(model)), on_params
+
+
+def test_a_loss_whose_shares_cannot_be_read_is_refused():
+    """Catches a pipeline that weighs micro-batches by a guess where the loss is not one mean (two losses
+    added: a mean over tokens plus a mean over rows): the error names the op and the way out (loss_fn),
+    instead of a silently wrong loss. A plain mean of a cross-entropy over class-index targets is read
+    as a count of the targets that are not ignored, after the model's own shift."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from autopar.errors import UsageError
+    from autopar.program.loss_share import loss_leaf, loss_share
+    from autopar.program.pipe import crossings, cut
+
+    class Model(nn.Module):
+        def __init__(self, extra: bool):
+            super().__init__()
+            self.embed, self.extra = nn.Embedding(16, 8), extra
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.head = nn.Linear(8, 16)
+
+        def forward(self, ids, labels):
+            h = self.embed(ids)
+            for b in self.blocks:
+                h = b(h)
+            logits = self.head(h)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return loss + logits.pow(2).mean() if self.extra else loss
+
+    def share(extra):
+        ids, labels = torch.randint(0, 16, (2, 6)), torch.randint(0, 16, (2, 6))
+        pipe, _, ref = cut(Model(extra), ("blocks.1",), (), dict(ids=ids, labels=labels), 2)
+        inputs = [v[1] if v[0] == "input" else None for v in crossings(pipe)[0][-1]]
+        return loss_share(pipe.get_stage_module(1), loss_leaf(ref), inputs)
+
+    labels = torch.randint(0, 16, (4, 6))
+    labels[0, 2:] = -100  # counts 1 after the shift, the others 5
+    assert share(False).weights([{"labels": lb} for lb in labels.chunk(2)]) == [6 / 16, 10 / 16]
+    with pytest.raises(UsageError, match=r"cannot tell how the micro-batches' losses add up.*add.*loss_fn=fn"):
+        share(True)

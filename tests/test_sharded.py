@@ -214,3 +214,17 @@ def test_each_block_is_an_fsdp2_unit_and_other_programs_gather_all(pool4, option
         assert r["eval fetches"] == [] and r["released after eval"], (rank, r)
         assert r["longer fetches"] == [] and r["released after gathered training"], (rank, r)
         assert r["counted"] == r["planned"] and r["counted"][0] == 2 + 2 * (gathers + 1), (rank, r["counted"])
+
+
+@pytest.mark.parametrize("grid", [(2, 1, 2), (2, 1, 1)], ids=["2x1x2", "2x1x1"])
+def test_a_block_shared_under_two_names_shards(grid):
+    """Catches data_parallel='shard' crashing on a module used as two blocks (issue 50, item 3:
+    `layers[1] = layers[0]` raised a raw AttributeError inside parallelize): the shared module runs with
+    the root's parameters, the other block stays a unit of its own, and two steps' gradients (the
+    shared block's summed over its two uses) and parameters equal one process's on every rank."""
+    per_rank = get_pool(grid[0] * grid[1] * grid[2]).run(C.shared_block, grid)
+    assert_every_rank([{k: v for k, v in r.items() if isinstance(v, float)} for r in per_rank],
+                      f"a shared block, sharded replicas {grid}")
+    for rank, r in enumerate(per_rank):
+        assert r["units"] == ["layers.2"], (rank, r["units"])
+        assert "layers.0.fc.weight" in r["names"] and not any(n.startswith("layers.1.") for n in r["names"]), r

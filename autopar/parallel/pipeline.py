@@ -13,10 +13,14 @@ nothing is gathered (`autopar.parallel.stages`).
 
 `train_step(...)` runs forward and backward of every micro-batch through the schedule and returns the
 whole batch's loss on every rank; the gradients are then in `.grad` of this rank's parameter blocks.
-With `labels` (a transformers model's own loss) each micro-batch's mean loss is weighted by its share
-of the batch's counted tokens (labels other than -100, after the shift), so the loss and gradients are
-one process's on the whole batch even where micro-batches count different numbers of tokens. With
-`target=` and `loss_fn=`, the loss is the mean of the micro-batches' `loss_fn(output, target)`.
+A model that returns its own loss (a transformers model given `labels`, or any model with one 0-dim
+floating-point output, first or alone) is trained on it: each micro-batch's loss is weighted by its
+share of what the loss counts, read from the loss itself (`autopar.program.loss_share`: the targets a
+cross-entropy does not ignore, after a causal LM's shift or without one, one per row for a sequence
+classifier; equal shares for an elementwise loss), so the loss and gradients are one process's on the
+whole batch even where micro-batches count different numbers of targets; a loss it cannot read is
+refused. With `target=` and `loss_fn=`, the loss is the mean of the micro-batches' `loss_fn(output,
+target)`.
 `pmodel(...)` in eval mode runs the stages forward and returns the last stage's outputs on every rank.
 A call with another micro-batch shape or mode cuts and compiles the stages for it once (cached).
 """
@@ -33,7 +37,8 @@ from autopar.parallel.module import save_pretrained_extension, set_path
 from autopar.parallel.sharded import is_sharded, shard_replicas
 from autopar.parallel.stages import Tied, Variant, average_over_replicas, build
 from autopar.program.build import signature
-from autopar.program.pipe import SCHEDULES, Pipeline, chunks, counted, cut, named, rank_of, split_points, stage_ids
+from autopar.program.loss_share import LossShare, loss_leaf, loss_share
+from autopar.program.pipe import SCHEDULES, Pipeline, chunks, crossings, cut, named, rank_of, split_points, stage_ids
 from passes import Grid
 from passes.compat import pytree
 
@@ -43,10 +48,11 @@ class PipelineModule(nn.Module):
     """This rank's pipeline stages of a model (see the module docstring): `train_step` trains on a batch;
     `parameters()` are its stages' parameter blocks (DTensors on its grid, original names)."""
 
-    def __init__(self, model: nn.Module, grid: Grid, pipe_opts: Pipeline, pms: dict, first: tuple, labels: bool,
-                 setup: tuple):
+    def __init__(self, model: nn.Module, grid: Grid, pipe_opts: Pipeline, pms: dict, first: tuple, setup: tuple):
         super().__init__()
-        self.grid, self.pipeline, self._labels = grid, pipe_opts, labels
+        self.grid, self.pipeline = grid, pipe_opts
+        share = first[1].share  # the model inputs its loss reads (labels), which a training step must pass
+        self._loss_inputs = share.inputs if isinstance(share, LossShare) else ()
         self._ids = sorted(pms)
         self._setup = setup  # (split points, options, device): what a new variant is built with
         for name, value in (("_source", model), ("_pms", pms), ("_variants", dict([first])), ("_trained", first[1])):
@@ -117,10 +123,11 @@ class PipelineModule(nn.Module):
             pm.train(mode)
         return self
 
-    def _variant(self, kwargs: dict, training: bool) -> Variant:
-        """This rank's stages for a call of this batch's micro-batch shape and mode (built on first use)."""
+    def _variant(self, kwargs: dict, training: bool, own_loss: bool = False) -> Variant:
+        """This rank's stages for a call of this batch's micro-batch shape and mode (built on first use);
+        `own_loss`: the last stage returns the model's own loss alone (a training step without loss_fn)."""
         first_args, first_kwargs = chunks((), kwargs, self.pipeline.n_microbatches)[0]
-        key = signature(first_args, first_kwargs, training)
+        key = (signature(first_args, first_kwargs, training), own_loss)
         if key not in self._variants:
             points, options, device = self._setup
             model, was = self._source, self._source.training
@@ -129,9 +136,8 @@ class PipelineModule(nn.Module):
                 pipe, seen, ref = cut(model, points, first_args, first_kwargs, self.pipeline.total)
             finally:
                 model.train(was)
-            self._variants[key] = build(model, pipe, seen, ref, self.grid, self._ids, self.pipeline.style,
-                                        training and self._labels and "labels" in kwargs, options, device,
-                                        training, self._pms)
+            self._variants[key] = _built(model, pipe, seen, ref, self.grid, self._ids, self.pipeline.style,
+                                         own_loss, options, device, training, self._pms)
         return self._variants[key]
 
     def _named(self, args: tuple, kwargs: dict) -> dict:
@@ -166,47 +172,37 @@ class PipelineModule(nn.Module):
         """Forward and backward of every micro-batch of this batch through the schedule, on every rank
         with the same whole inputs; returns the batch's loss (a plain tensor, equal on every rank)."""
         m = self.pipeline.n_microbatches
-        if loss_fn is None and not self._labels:
-            raise UsageError("train_step: this model's output carries no loss; pass target=... and loss_fn=fn, where "
-                             "fn(output, target) is a micro-batch's mean loss (or pass labels= to a transformers "
-                             "model)")
-        if self._labels and loss_fn is None and "labels" not in kwargs:
-            raise UsageError("train_step: this pipeline was built from example inputs with labels=, so its last "
-                             "stage computes the model's loss from them; pass labels=... (or target= and loss_fn=)")
         if not self.training:
             raise UsageError("train_step on a model in eval mode: call pmodel.train() first (or pmodel(...) for an "
                              "eval forward)")
+        kwargs = self._named(args, kwargs)
+        missing = [k for k in self._loss_inputs if k not in kwargs]
+        if loss_fn is None and missing:
+            raise UsageError(f"train_step: this pipeline was built from example inputs with "
+                             f"{', '.join(k + '=' for k in missing)}, which its last stage computes the model's loss "
+                             f"from; pass {', '.join(k + '=...' for k in missing)} (or target= and loss_fn=)")
+        variant = self._variant(kwargs, True, own_loss=loss_fn is None)
         if loss_fn is None:
-            weights = self._weights(kwargs["labels"])
+            if variant.loss_at is None:
+                raise UsageError("train_step: this model's output carries no loss (no 0-dim floating-point output for "
+                                 "these inputs); pass target=... and loss_fn=fn, where fn(output, target) is a "
+                                 "micro-batch's mean loss (or pass labels= to a transformers model)")
+            weights = _weights(variant, kwargs, m)
 
             def fn(output, index):  # index: this micro-batch's number (the target is arange(m))
-                return (output[0] if isinstance(output, tuple) else output) * weights[int(index)]
+                return output * weights[int(index)]
             target = torch.arange(m)
         else:
             def fn(output, tgt):
                 return loss_fn(output, tgt) / m
         losses: list = []
-        kwargs = self._named(args, kwargs)
-        self._run(self._variant(kwargs, True), kwargs, fn, target, losses)
+        self._run(variant, kwargs, fn, target, losses)
         self._tied.sum_gradients(self.stage_modules)  # a weight tied across stages: its copies' gradients add
         if self.grid.dp > 1 and not self.sharded:
             average_over_replicas(self.stage_modules, self.grid, self.stage_module.options.grad_bucket_mb)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
         dist.broadcast(loss, src=self._last_rank(), group=self.grid.pp_group)
         return loss
-
-    def _weights(self, labels: torch.Tensor) -> list:
-        """Each micro-batch's share of the batch's counted tokens (its mean loss's weight)."""
-        m = self.pipeline.n_microbatches
-        total = counted(labels)
-        if total == 0:
-            raise UsageError("train_step: every label is -100, so no token counts toward the loss")
-        counts = [counted(lb) for lb in labels.chunk(m)] if labels.shape[0] % m == 0 else []
-        if 0 in counts:  # its own mean loss is 0/0: NaN in the sum, though one process's loss is defined
-            raise UsageError(f"train_step: micro-batch {counts.index(0)} of {m} has no counted token (every "
-                             f"label -100 after the shift); order or pad the batch so that each micro-batch "
-                             f"counts one, or use fewer micro-batches")
-        return [c / total for c in counts]
 
     def forward(self, *args, **kwargs):
         """In eval mode: the stages' forward on every micro-batch (each rank runs its stages micro-batch by
@@ -246,7 +242,7 @@ class PipelineModule(nn.Module):
                 work.wait()
         ref = pytree.tree_leaves(variant.reference)
         if per:
-            weights = self._weights(kwargs["labels"]) if "labels" in kwargs else [1 / m] * m
+            weights = _weights(variant, kwargs, m) if isinstance(variant.share, LossShare) else [1 / m] * m
             leaves = [sum(w * p[j] for w, p in zip(weights, per)) if r.dim() == 0 else torch.cat([p[j] for p in per])
                       for j, r in enumerate(ref)]
         else:
@@ -288,16 +284,39 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     pipe, seen, reference = cut(model, points, first_args, first_kwargs, n)
     g = Grid(grid[-2], grid[-1], dp=dp, device_type=device.type, timeout=timeout, stages=pipe_opts.stages)
     ids = stage_ids(g.stage, pipe_opts.stages, pipe_opts.stages_per_rank, pipe_opts.style)
-    labels = "labels" in kwargs and isinstance(reference, tuple) and getattr(reference[0], "dim", lambda: 1)() == 0
     pms: dict = {}
-    variant = build(model, pipe, seen, reference, g, ids, pipe_opts.style, labels and model.training, options, device,
-                    model.training, pms)
+    variant = _built(model, pipe, seen, reference, g, ids, pipe_opts.style, model.training, options, device,
+                     model.training, pms)
     for pm in pms.values():
         if pm.program.data_parallel == "shard":  # FSDP2 units over the replicas, each stage on its own
             shard_replicas(pm)
         pm.replica_sync = False  # replicated: averaged once per step, after the schedule (train_step)
-    key = signature(first_args, first_kwargs, model.training)
-    pmodel = PipelineModule(model, g, pipe_opts, pms, (key, variant), labels, (points, options, device))
+    key = (signature(first_args, first_kwargs, model.training), model.training)
+    pmodel = PipelineModule(model, g, pipe_opts, pms, (key, variant), (points, options, device))
     object.__setattr__(pmodel, "_tied", Tied(g, variant.tied, ids, pipe_opts.style, timeout))
     pmodel._schedule(variant, None)  # torch's own checks of the micro-batches, here rather than at the first step
     return pmodel
+
+
+def _built(model, pipe, seen, reference, g: Grid, ids: list, style: str, own_loss: bool, options, device,
+           training: bool, pms: dict) -> Variant:
+    """`build` of a cut, with the model's own loss (where `own_loss` and its output has one) returned alone by
+    the last stage, and the rule of how its micro-batches' losses add up."""
+    at = loss_leaf(reference)
+    variant = build(model, pipe, seen, reference, g, ids, style, at if own_loss else None, options, device,
+                    training, pms)
+    if at is not None:
+        needs, _ = crossings(pipe)
+        inputs = [v[1] if v[0] == "input" else None for v in needs[-1]]
+        try:
+            variant.share = loss_share(pipe.get_stage_module(pipe.num_stages - 1), at, inputs)
+        except UsageError as e:  # raised by a training step that needs it, not by one given loss_fn
+            variant.share = e
+    return variant
+
+
+def _weights(variant: Variant, kwargs: dict, m: int) -> list:
+    """Each micro-batch's weight in the batch's loss (see `autopar.program.loss_share`)."""
+    if not isinstance(variant.share, LossShare):
+        raise variant.share
+    return variant.share.weights([kw for _, kw in chunks((), kwargs, m)])

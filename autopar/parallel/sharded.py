@@ -44,6 +44,7 @@ from passes.compat import FSDPAllGather, FSDPReduceScatter, all_gather_single, i
 from passes.cost.replicas import FSDPTraffic, fsdp_traffic, shard_rows, unit_groups
 from passes.cost.volumes import all_gather_bytes, reduce_scatter_bytes
 from passes.mesh import warn
+from passes.nodes import block_of
 from passes.ops.comm import tensor_bytes
 
 __all__ = ["shard_replicas", "program_for", "gathered", "units", "is_sharded",
@@ -74,6 +75,12 @@ def shard_replicas(pmodel) -> None:
         if type(container) is nn.Module and any(True for _ in container.parameters()):
             container.__class__ = _Unit  # its forward runs a program's call of the block
             names.append(name)
+    others = sorted({block_of(n) for n in comp.gm.graph.nodes if n.op == "call_function"} - {None} - set(names))
+    if others:
+        warn(f"data_parallel='shard': blocks {others} are not FSDP2 units of their own (a module shared by two "
+             f"blocks, as ALBERT shares its layer, or a block whose parameters are read outside it): their "
+             f"parameters are gathered with the root's and held from the forward to the backward",
+             PlanWarning, stacklevel=3)
     blocks_ = [pmodel.get_submodule(n) for n in names]
     for unit in blocks_:
         fully_shard(unit, mesh=mesh, reshard_after_forward=options.reshard_after_forward)

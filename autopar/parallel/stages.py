@@ -51,9 +51,9 @@ class StageRun(nn.Module):
     loss). A value is (stage that made it, output index), or ("input", name)."""
 
     def __init__(self, pm: ParallelModule, comp, j: int, needs: list, carry_in: list, carry_out: list,
-                 last: bool, keep: int):
+                 last: bool, loss_at: int | None):
         super().__init__()
-        self.pm, self.comp, self.j, self.needs, self.last, self.keep = pm, comp, j, needs, last, keep
+        self.pm, self.comp, self.j, self.needs, self.last, self.loss_at = pm, comp, j, needs, last, loss_at
         self.carry_in, self.carry_out = carry_in, carry_out
         self.feeds: list = []
 
@@ -67,7 +67,8 @@ class StageRun(nn.Module):
         args = tuple(mine[v[1]] if v[0] == "input" else have[v] for v in self.needs)
         leaves = self.pm(Local(self.comp, flatten_inputs(self.comp.captured, args, {})))
         if self.last:  # whole, for the loss (or an eval forward's result)
-            out = pytree.tree_leaves(self.pm.outputs_of(self.comp, leaves))[:self.keep]
+            out = pytree.tree_leaves(self.pm.outputs_of(self.comp, leaves))
+            out = out if self.loss_at is None else [out[self.loss_at]]
             out = [o.full_tensor() if hasattr(o, "full_tensor") else o for o in out]
         else:
             out = [leaves[v[1]] if v[0] == self.j else have[v] for v in self.carry_out]
@@ -88,18 +89,20 @@ class Variant:
     sent: list = field(default_factory=list)  # per local stage: examples of what it sends, one micro-batch
     tied: dict = field(default_factory=dict)  # stage -> {name of a tied weight it reads: the weight's first name}
     received: list = field(default_factory=list)  # per local stage: examples of what it receives
+    loss_at: int | None = None
+    share: object = None
 
 
-def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, style: str, keep_loss: bool, options,
-          device, training: bool, pms: dict) -> Variant:
+def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, style: str, loss_at: int | None,
+          options, device, training: bool, pms: dict) -> Variant:
     """This rank's stages `ids` of `pipe` (cut by `cut`; placed on the ranks in `style`, see `rank_of`):
     each compiled on grid `g` (what it receives placed as the stage before sends it), on its
     ParallelModule in `pms` (stage index -> module; made here when missing, on the first build, whose
-    plan every rank of the grid checks), and wrapped for PipelineStage. `keep_loss`: the last stage
-    returns the loss alone (a model given labels)."""
+    plan every rank of the grid checks), and wrapped for PipelineStage. `loss_at`: the last stage
+    returns this output leaf alone (the model's own loss), or None: all of them."""
     n, at = pipe.num_stages, (g.r, g.c)
     needs, crossing = crossings(pipe)
-    variant = Variant([], [], reference)
+    variant = Variant([], [], reference, loss_at=loss_at)
     mailbox: dict = {}  # stage -> what it sends to the next stage, where that stage is on this rank
     tied_to = tied_names(model)  # each name of a tensor the model holds under several -> its first name
 
@@ -146,9 +149,8 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
 
         sent, received = ([_block(whole(v), lay[v], g, at) for v in vs] for vs in (carry_out, carry_in))
         outs = seen[j][1] if isinstance(seen[j][1], tuple) else (seen[j][1],)
-        keep = 1 if last and keep_loss else len(outs)
-        out_args = list(outs[:keep]) if last else sent
-        run = StageRun(pms[j], comp, j, needs[j], carry_in, carry_out, last, keep)
+        out_args = (list(outs) if loss_at is None else [outs[loss_at]]) if last else sent
+        run = StageRun(pms[j], comp, j, needs[j], carry_in, carry_out, last, loss_at)
         stage = PipelineStage(run, j, n, device, input_args=tuple(received),
                               output_args=out_args[0] if len(out_args) == 1 else tuple(out_args), group=g.pp_group)
         variant.runs.append(run)

@@ -39,6 +39,7 @@ from passes.cost.pipeline import bubble, in_flight
 from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Grid
+from passes.nodes import block_path
 from passes.meta import PLACED
 from passes.options import format_bytes
 from passes.search.lowering import fixed_estimate
@@ -180,7 +181,7 @@ def stage_plans(model, first: dict, points: tuple, mesh: tuple, options, cm) -> 
             held += b
             trained += b if p.requires_grad else 0
         stages.append(StagePlan(
-            j, -1, sorted({_block(nm) for nm in reads} - {""}),
+            j, -1, sorted({block_path(nm) for nm in reads} - {None}),
             held, trained, sum(r.fwd_bytes + r.bwd_bytes for r in rows), sum(r.calls_fwd + r.calls_bwd for r in rows),
             sum(r.flops for r in rows), sum(b for b, _ in outs), sum(b for b, t in ins if t.requires_grad),
             len(outs) + sum(1 for _, t in ins if t.requires_grad), est.time_s, est.activation_bytes,
@@ -224,15 +225,6 @@ def combine(stages: list, pipe: Pipeline, grid: tuple, options, cm, cluster: Clu
     slowest = max(r["work_s"] for r in result.ranks)
     result.step_s = m * slowest / (1 - result.bubble) + max(r["replica_s"] for r in result.ranks)
     return result
-
-
-def _block(name: str) -> str:
-    """The repeated block a parameter name is in ('model.layers.3'), or ''."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:i + 1])
-    return ""
 
 
 def _placed(stage_mod, args: tuple, needs: list, layouts: dict):

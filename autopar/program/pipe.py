@@ -10,7 +10,6 @@ reads and which cross each boundary (a value a later stage reads is relayed by t
 from __future__ import annotations
 
 import inspect
-import re
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +22,10 @@ from autopar.errors import UsageError
 from autopar.program.build import cache_off_kwargs
 from passes.compat import pytree
 from passes.errors import CaptureError
+from passes.nodes import repeated_blocks
 
-__all__ = ["IGNORE_INDEX", "Pipeline", "SCHEDULES", "blocks", "chunks", "counted", "crossings", "cut", "named",
+__all__ = ["Pipeline", "SCHEDULES", "blocks", "chunks", "crossings", "cut", "named",
            "rank_of", "split_points", "stage_ids", "tied_names"]
-
-IGNORE_INDEX = -100  # transformers' label for a token that is not counted
-
 
 # name -> (torch's schedule, stages on each pipeline rank: 'one', 'loop' (p, p+S, ...) or 'v' (p, 2S-1-p))
 SCHEDULES = {"gpipe": (ScheduleGPipe, "one"), "1f1b": (Schedule1F1B, "one"),
@@ -92,13 +89,8 @@ class Pipeline:
 
 
 def blocks(model: nn.Module) -> list:
-    """The module paths of the model's longest run of numbered children (`model.layers.0`, ...)."""
-    runs: dict = {}
-    for name, _ in model.named_modules():
-        m = re.match(r"^(.*)\.(\d+)$", name)
-        if m:
-            runs.setdefault(m.group(1), []).append(name)
-    return max(runs.values(), key=len) if runs else []
+    """The module paths of the model's repeated blocks (`model.layers.0`, ...; `passes.nodes.repeated_blocks`)."""
+    return repeated_blocks(name for name, _ in model.named_modules())
 
 
 def split_points(model: nn.Module, given, n: int) -> tuple:
@@ -137,11 +129,6 @@ def chunks(args: tuple, kwargs: dict, m: int) -> list:
         return v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
 
     return [(tuple(cut(a, i) for a in args), {k: cut(v, i) for k, v in kwargs.items()}) for i in range(m)]
-
-
-def counted(labels: torch.Tensor) -> int:
-    """Tokens a causal LM's loss counts: labels after the one-token shift that are not -100."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
 def cut(model: nn.Module, points: tuple, args: tuple, kwargs: dict, n: int):

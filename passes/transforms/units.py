@@ -7,8 +7,9 @@ reduce-scattered as soon as its backward is done. FSDP2 does that in hooks aroun
 the block must be one call of a module that reads its parameters inside it. This pass builds that
 program; what the call does is set by the layer that runs it (`BlockCall.enter`).
 
-A block qualifies when its nodes are one run of consecutive nodes of the program and its own
-parameters (those under its module path) are read only inside that run. `unit_blocks` lists them,
+A block qualifies when its nodes are one run of consecutive nodes of the program, its own
+parameters (those under its module path) are read only inside that run, and it reads no other
+block's parameters (a module shared by two blocks runs with the rest of the program). `unit_blocks` lists them,
 in program order; `unit_program` rewrites a program for a given list, or says it cannot (a later
 program of the same model, for other shapes or eval mode, in which a block is split in two runs).
 
@@ -31,7 +32,7 @@ import torch.nn as nn
 from torch.fx import GraphModule
 
 from passes.errors import UsageError
-from passes.nodes import block_of
+from passes.nodes import block_of, block_path
 from passes.transforms.recompute import block_runs, boundary, group_runs, region_body
 
 __all__ = ["BlockCall", "unit_blocks", "unit_program"]
@@ -77,7 +78,10 @@ def _runs(gm: GraphModule, sources: list) -> dict:
             continue
         inside = set(runs[0])
         own = [p for p, key in params.items() if key.startswith(block + ".")]
-        if all(set(p.users) <= inside for p in own):
+        # a module used under two names (ALBERT's shared layer): its parameters carry the first name only,
+        # so the second block reads another block's parameters; neither can be a unit of its own
+        foreign = [key for p, key in params.items() if set(p.users) & inside and block_path(key) not in (None, block)]
+        if all(set(p.users) <= inside for p in own) and not foreign:
             out[block] = runs[0]
     return out
 

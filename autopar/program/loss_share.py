@@ -1,0 +1,179 @@
+"""How a pipelined model's micro-batch losses add up to the whole batch's: each micro-batch's share,
+read from the loss the model itself computes.
+
+A mean loss over a batch is a sum over what it counts divided by how many it counts. Cut into m
+micro-batches, the batch's mean is the micro-batches' means weighted by their shares of the count,
+and the count is whatever the model's loss divides by: the targets that are not `ignore_index` for a
+cross-entropy (a causal LM's labels after its one-token shift, a token classifier's labels, a
+sequence classifier's one label per row), every element for an elementwise loss (MSE, BCE) or a
+plain mean. So `loss_share` walks back from the loss output of the last stage's graph (torch's
+`pipeline()` cut, before autopar compiles it) to the reduction that made it, and for a cross-entropy
+copies the few nodes that compute its target from the model's inputs into a small program that
+counts the targets of one micro-batch:
+
+    >>> share = loss_share(last_stage_gm, loss_index=0, inputs=["input_ids", "labels"])   # doctest: +SKIP
+    >>> share.weights([{"labels": lb} for lb in labels.chunk(4)])                          # doctest: +SKIP
+    [0.25, 0.3125, 0.1875, 0.25]
+
+A loss it cannot read this way (two losses added, a mean divided by a count the model is given) is
+refused with the op and source line, and the user passes `target=` and `loss_fn=` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import UsageError
+from passes.compat import pytree
+from passes.nodes import source_line
+
+__all__ = ["LossShare", "loss_leaf", "loss_share"]
+
+aten = torch.ops.aten
+
+# ops a loss passes through unchanged in its count: casts, copies, scalings by a constant
+_THROUGH = {aten.alias.default, aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout,
+            aten.to.device, aten._to_copy.default, aten.squeeze.default, aten.detach.default}
+_SCALED = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+# losses with a target of class indices and an ignore_index: a mean counts the targets not ignored
+_CLASS_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
+                 aten.nll_loss2d.default}
+# losses that average over every element of their input (with reduction=mean), and plain means
+_ELEMENT_LOSSES = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
+                   aten.huber_loss.default, aten.binary_cross_entropy.default,
+                   aten.binary_cross_entropy_with_logits.default, aten.soft_margin_loss.default,
+                   aten.kl_div.default, aten.hinge_embedding_loss.default, aten.margin_ranking_loss.default}
+_MEAN, _SUM = 1, 2  # torch's Reduction enum
+
+
+def loss_leaf(output) -> int | None:
+    """The index, among the leaves of a model's output, of its loss: the first leaf if it is a 0-dim
+    floating-point tensor (transformers' `loss` first), else the only such leaf; None without one."""
+    scalars = [i for i, t in enumerate(pytree.tree_leaves(output))
+               if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
+    if scalars and scalars[0] == 0:
+        return 0
+    return scalars[0] if len(scalars) == 1 else None
+
+
+@dataclass(frozen=True)
+class LossShare:
+    """What a micro-batch's mean loss weighs in the batch's: `kind` 'targets' (its counted targets over
+    the batch's, counted by `program` from the model inputs `inputs`), 'elements' (equal shares: every
+    micro-batch has as many elements) or 'sum' (a summed loss: each weighs 1)."""
+
+    kind: str
+    program: fx.GraphModule | None = None
+    inputs: tuple = ()
+    what: str = ""  # the loss, for messages ('cross_entropy_loss at model.py:12: ...')
+
+    def counts(self, feeds: list) -> list:
+        """Each micro-batch's count (`feeds`: one dict of model inputs by name per micro-batch)."""
+        if self.kind != "targets":
+            return [1] * len(feeds)
+        return [int(self.program(*(feed[k] for k in self.inputs))) for feed in feeds]
+
+    def weights(self, feeds: list) -> list:
+        """Each micro-batch's weight: its mean loss times it, summed, is the batch's loss."""
+        m = len(feeds)
+        if self.kind == "sum":
+            return [1.0] * m
+        if self.kind == "elements":
+            return [1 / m] * m
+        counts = self.counts(feeds)
+        total = sum(counts)
+        if total == 0:
+            raise UsageError(f"train_step: the loss ({self.what}) counts no target in this batch (every one is "
+                             f"ignore_index), so it is 0/0; pass a batch with at least one counted target")
+        if 0 in counts:  # its own mean loss is 0/0: NaN in the sum, though one process's loss is defined
+            raise UsageError(f"train_step: micro-batch {counts.index(0)} of {m} counts no target in the loss "
+                             f"({self.what}: every one is ignore_index); order or pad the batch so that each "
+                             f"micro-batch counts one, or use fewer micro-batches")
+        return [c / total for c in counts]
+
+
+def loss_share(gm: fx.GraphModule, loss_index: int, inputs: list) -> LossShare:
+    """The share rule of the loss that `gm` (the last stage's graph, torch IR) returns as its output
+    leaf `loss_index`. `inputs[i]` names placeholder i where it is a model input (None where it is a
+    value from an earlier stage). Raises UsageError for a loss it cannot read."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    node = pytree.tree_leaves(out.args[0])[loss_index]
+    while isinstance(node, fx.Node) and (node.target in _THROUGH or
+                                         (node.target in _SCALED and not isinstance(node.args[1], fx.Node))):
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        raise _unreadable(node, "it is not computed by an op of the last stage")
+    args = _arguments(node)
+    if node.target in (aten.mean.default, aten.mean.dim):
+        return LossShare("elements", what=_describe(node))
+    if node.target in (aten.sum.default, aten.sum.dim_IntList):
+        return LossShare("sum", what=_describe(node))
+    if node.target in _ELEMENT_LOSSES or node.target in _CLASS_LOSSES:
+        reduction = args.get("reduction", _MEAN)
+        if reduction == _SUM:
+            return LossShare("sum", what=_describe(node))
+        if reduction != _MEAN:
+            raise _unreadable(node, f"its reduction is {reduction}, not a mean or a sum")
+        if node.target in _ELEMENT_LOSSES or args["target"].meta["val"].is_floating_point():
+            return LossShare("elements", what=_describe(node))  # probabilities as targets: a mean over rows
+        if args.get("weight") is not None:
+            raise _unreadable(node, "its class weights make each target count by its class")
+        return _counting(gm, node, args["target"], args.get("ignore_index", -100), inputs)
+    raise _unreadable(node, "it is not a mean, a sum or a loss function that autopar knows how to count")
+
+
+def _counting(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_index: int, inputs: list) -> LossShare:
+    """A program counting the targets `loss` does not ignore, from the model inputs `target` derives from."""
+    needed, stack = {}, [target]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed[n] = True
+        if n.op in ("call_module", "get_attr"):
+            raise _unreadable(loss, f"its target depends on the model's weights ({n.target})")
+        stack += n.all_input_nodes
+    placeholders = [n for n in gm.graph.find_nodes(op="placeholder")]
+    names = []
+    g = fx.Graph()
+    env: dict = {}
+    for i, p in enumerate(placeholders):
+        if p in needed:
+            if i >= len(inputs) or inputs[i] is None:
+                raise _unreadable(loss, "its target depends on a value from an earlier stage")
+            env[p] = g.placeholder(inputs[i])
+            names.append(inputs[i])
+    for n in gm.graph.nodes:
+        if n in needed and n.op != "placeholder":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    kept = g.call_function(aten.ne.Scalar, (env[target], ignore_index))
+    g.output(g.call_function(aten.sum.default, (kept,)))
+    return LossShare("targets", fx.GraphModule(torch.nn.Module(), g), tuple(names), _describe(loss))
+
+
+def _arguments(node: fx.Node) -> dict:
+    """The node's arguments by schema name, defaults included."""
+    schema = node.target._schema
+    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    out.update({a.name: v for a, v in zip(schema.arguments, node.args)})
+    out.update(node.kwargs)
+    if "self" in out and "input" not in out:
+        out["input"] = out["self"]
+    return out
+
+
+def _describe(node) -> str:
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    where = source_line(node)
+    return f"{getattr(node.target, '__name__', node.target)}" + (f" at {where}" if where else "")
+
+
+def _unreadable(node, why: str) -> UsageError:
+    return UsageError(f"pipeline train_step: cannot tell how the micro-batches' losses add up to the batch's: the "
+                      f"model's loss ({_describe(node)}) is not one mean over what it counts ({why}). Pass "
+                      f"target=... and loss_fn=fn to train_step, where fn(output, target) is a micro-batch's loss; "
+                      f"the batch's loss is then the mean of the micro-batches'")
