@@ -81,9 +81,9 @@ def repeated_blocks(paths) -> list:
     its first numbered part (`block_path`, as recompute and FSDP units cut them), from the container
     holding the most ('model.layers' for 'model.layers.0', 'model.layers.1', ...; a block's own numbered
     children, such as its experts, are parts of it, never blocks)."""
-    runs: dict = {}
+    runs: dict[str, dict[str, bool]] = {}
     for path in paths:
         block = block_path(path)
         if block is not None:
-            runs.setdefault(block.rpartition(".")[0], dict())[block] = True
-    return list(max(runs.values(), key=len)) if runs else []
+            runs.setdefault(block.rpartition(".")[0], {})[block] = True
+    return list(max(runs.values(), key=lambda run: len(run))) if runs else []
