@@ -86,4 +86,4 @@ def repeated_blocks(paths) -> list:
         block = block_path(path)
         if block is not None:
             runs.setdefault(block.rpartition(".")[0], {})[block] = True
-    return list(max(runs.values(), key=lambda run: len(run))) if runs else []
+    return list(runs[max(runs, key=lambda container: len(runs[container]))]) if runs else []
