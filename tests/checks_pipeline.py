@@ -358,3 +358,44 @@ def head_parity(rank, kind: str, grid=(1, 2), microbatches: int = 4) -> dict:
     at = 1 if kind == "own" else 0
     out.update(group_excess({"eval loss": (got[at], want[1] if kind == "own" else want.loss)}))
     return out
+
+
+_FINAL_NORM = {"llama": "model.norm.weight", "gpt2": "transformer.ln_f.weight"}  # a key of the last stage only
+
+
+def load_full(rank, family: str = "llama", stages_per_rank: int = 1) -> dict:
+    """A one-process model's state_dict (plain full tensors, every stage's keys, a transformers Llama's
+    rotary table left out as torch leaves out non-persistent buffers) loaded into a pipelined model of
+    another initialisation, 2 stages x 1x2: each rank's parameters against the state_dict's values, a
+    training step's loss against the one-process model's; then the errors for a key of no stage and a
+    key missing from this rank's stage."""
+    model, make = _model(family, 2 * stages_per_rank)
+    torch.manual_seed(5)
+    source, _ = _model(family, 2 * stages_per_rank)  # another seed inside _model is fixed: re-initialise
+    for p in source.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    full = source.state_dict()
+    if family == "gpt2":  # as a safetensors file holds a tied weight: once, under its first name
+        full.pop("lm_head.weight")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = autopar.Pipeline(stages=2, schedule="1f1b" if stages_per_rank == 1 else "interleaved_1f1b",
+                                stages_per_rank=stages_per_rank)
+        pm = autopar.parallelize(model, grid=(1, 2), example_kwargs=make(4, 8, 1), pipeline=pipe)
+    result = pm.load_state_dict(full)
+    out: dict = {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+    tied = {"lm_head.weight": "transformer.wte.weight"} if family == "gpt2" else {}
+    out.update(group_excess({n: (p.full_tensor(), full[tied.get(n, n)]) for n, p in pm.named_parameters()},
+                            prefix="loaded "))
+    batch = make(4, 8, 2)
+    loss = pm.train_step(**batch)
+    out.update(group_excess({"loss after load": (loss, source(**batch).loss.detach())}))
+    for name, bad in (("unknown key", {**full, "model.not_a_layer.weight": torch.zeros(2)}),
+                      ("missing key", {k: v for k, v in full.items() if k != _FINAL_NORM[family]})):
+        try:
+            pm.load_state_dict(bad)
+            out[name] = "no error"
+        except autopar.UsageError as e:
+            out[name] = str(e)
+    out["stage"] = pm.grid.stage
+    return out

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from autopar.errors import UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
@@ -37,8 +38,10 @@ from autopar.parallel.module import save_pretrained_extension, set_path
 from autopar.parallel.sharded import is_sharded, shard_replicas
 from autopar.parallel.stages import Tied, Variant, average_over_replicas, build
 from autopar.program.build import signature
+from autopar.program.consensus import agree
 from autopar.program.loss_share import LossShare, loss_leaf, loss_share
-from autopar.program.pipe import SCHEDULES, Pipeline, chunks, crossings, cut, named, rank_of, split_points, stage_ids
+from autopar.program.pipe import (SCHEDULES, Pipeline, chunks, crossings, cut, named, rank_of, split_points,
+                                  stage_ids, tied_names)
 from passes import Grid
 from passes.compat import pytree
 
@@ -116,6 +119,43 @@ class PipelineModule(nn.Module):
         """Each copy this rank holds of a weight tied across stages, other than the first stage's -> the
         first stage's name (GPT-2: {'lm_head.weight': 'transformer.wte.weight'} on the last stage)."""
         return self._tied.copies
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """From plain full tensors (a single-process model's state_dict, the same on every rank) or from
+        this rank's own state_dict: each of this rank's stages takes its keys (a copy of a weight tied
+        across stages, under either of its names) and keeps its block of each; the other stages' keys
+        are skipped, and buffers the model does not save (rotary tables) are not required. With
+        `strict`, keys of this rank's stages that are missing, or keys of no stage of the model, raise a
+        UsageError on every rank before anything loads. Call it on every rank."""
+        known = set(self._source.state_dict().keys())
+        aliases: dict = {}  # each name of a tied weight -> all its names
+        for name, first in tied_names(self._source).items():
+            aliases.setdefault(first, []).append(name)
+        names_of = {n: aliases[first] for first in aliases for n in aliases[first]}
+        held = {n for pm in self.stage_modules for n in pm.state_dict()}
+        subs, missing = [], []
+        for pm in self.stage_modules:
+            sub = {}
+            for name in pm.state_dict():
+                given = next((n for n in (name, *names_of.get(name, ())) if n in state_dict), None)
+                if given is not None:
+                    sub[name] = state_dict[given]
+                elif name in known:  # a buffer the model does not save is not asked for
+                    missing.append(name)
+            subs.append(sub)
+        unexpected = [k for k in state_dict if k not in known and k not in held]
+        failure = None
+        if strict and (missing or unexpected):
+            failure = UsageError(
+                f"load_state_dict into pipeline rank {self.grid.stage}'s stages {self.stage_ids}: "
+                + (f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}; " if missing else "")
+                + (f"keys of no stage of this model {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; "
+                   if unexpected else "")
+                + "pass the whole model's state_dict (a one-process model's), or strict=False")
+        agree(self.grid, failure, "load_state_dict")
+        for pm, sub in zip(self.stage_modules, subs):
+            pm.load_state_dict(sub, strict=False, assign=assign)
+        return _IncompatibleKeys(missing, unexpected)
 
     def train(self, mode: bool = True):
         super().train(mode)
