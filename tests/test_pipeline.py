@@ -223,7 +223,8 @@ def test_pipelined_load_state_dict_takes_a_one_process_state_dict(pool4, family)
     results = pool4.run(C.load_full, family)
     for stage in (0, 1):
         assert_every_rank([{k: v for k, v in r.items() if isinstance(v, float)}
-                           for r in results if r["stage"] == stage], f"{family}: a one-process state_dict into 2 stages x 1x2, stage {stage}")
+                           for r in results if r["stage"] == stage],
+                          f"{family}: a one-process state_dict into 2 stages x 1x2, stage {stage}")
     for rank, r in enumerate(results):
         assert r["missing"] == [] and r["unexpected"] == [], (rank, r)
         assert "keys of no stage of this model ['model.not_a_layer.weight']" in r["unknown key"], (rank, r)
