@@ -83,3 +83,29 @@ def test_choose_pipeline_picks_the_fastest_layout_that_fits(recompute):
     assert best.pipeline.n_microbatches * best.grid[0] == 16
     with pytest.raises(autopar.MemoryLimitError, match="no pipeline layout of 16 devices fits"):
         autopar.choose_pipeline(model, 16, batch, stages=[2], grids=[(2, 2)], memory_limit=1024, recompute=(False,))
+
+
+def test_choose_pipeline_returns_only_what_parallelize_runs():
+    """Catches plans that cannot run (issue 50, item 5): with 2 rows per replica in micro-batches of 2
+    rows, 1F1B would get 1 micro-batch for 2 stages, which torch refuses; the search skips it and says
+    so when nothing else is left, and every row it returns builds a Pipeline (the same check
+    parallelize makes). For 7 devices no stage count divides: a UsageError says that and names
+    choose_grid, not a MemoryLimitError with '0 tried'."""
+    model, make = C._llama(2)
+    batch = make(4, 8, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        best, table = autopar.choose_pipeline(model, 4, batch, stages=[2], grids=[(1, 1)], microbatch_rows=2,
+                                              schedules=("1f1b", "gpipe"), recompute=(False,))
+        for row in table:  # each a Pipeline that parallelize accepts
+            autopar.Pipeline(stages=row["stages"], schedule=row["schedule"], microbatches=row["microbatches"],
+                             stages_per_rank=row["stages_per_rank"])
+        assert {r["schedule"] for r in table} == {"gpipe"} and best.pipeline.schedule == "gpipe", table
+        with pytest.raises(autopar.UsageError, match=r"no layout of 4 devices.*1F1B needs microbatches >= stages"):
+            autopar.choose_pipeline(model, 4, batch, stages=[2], grids=[(1, 1)], schedules=("1f1b",),
+                                    microbatch_rows=2, recompute=(False,))
+        with pytest.raises(autopar.UsageError, match=r"no stage count from 2 to 16 divides 7.*choose_grid"):
+            autopar.choose_pipeline(model, 7, batch)
+    with pytest.raises(autopar.UsageError, match=r"1F1B needs microbatches >= stages \(1 < 2\)"):
+        autopar.Pipeline(stages=2, microbatches=1)
+    assert autopar.Pipeline(stages=2, schedule="dualpipev", stages_per_rank=2).n_microbatches == 4

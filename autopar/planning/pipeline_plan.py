@@ -27,11 +27,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from autopar.errors import MemoryLimitError
+from autopar.errors import MemoryLimitError, UsageError
 from autopar.planning.explain import graph_rows
 from autopar.program.build import capture, compile_captured, signature
-from autopar.program.pipe import (Pipeline, chunks, crossings, cut, named, rank_of, split_points, stage_ids,
-                                  tied_names)
+from autopar.program.pipe import (Pipeline, chunks, crossings, cut, named, rank_of, schedule_refusal, split_points,
+                                  stage_ids, tied_names)
 from passes.compat import pytree
 from passes.cost.cluster import Cluster
 from passes.cost.model import CostModel
@@ -264,6 +264,12 @@ def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h
     rows = next(t.shape[0] for t in kwargs.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
     layers = len(blocks(model))
     stages = stages or [s for s in range(2, 17) if devices % s == 0 and s <= layers]
+    if not stages:
+        raise UsageError(f"choose_pipeline: no pipeline of {devices} devices to try: no stage count from 2 to 16 "
+                         f"divides {devices} with at most one stage per repeated block ({layers} blocks); for one "
+                         f"stage use autopar.choose_grid(model, {devices}, ...), or pass stages=[...] and a device "
+                         f"count they divide")
+    refused: list = []  # layouts torch's schedule would refuse: never returned
     node = cl.gpus_per_node if cl else devices
     cache = {} if cache is None else cache
     table, best = [], None
@@ -277,6 +283,10 @@ def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h
             for schedule in schedules:
                 V = 1 if schedule in ("gpipe", "1f1b") else 2
                 if S * V > layers:
+                    continue
+                why = schedule_refusal(schedule, S, V, M)
+                if why:
+                    refused.append(f"{S} stages x {R}x{C}, {schedule}, {M} micro-batches: {why}")
                     continue
                 pipe = Pipeline(stages=S, schedule=schedule, microbatches=M, stages_per_rank=V)
                 strategy = "1d" if R == 1 and C > 1 else "2d"
@@ -298,7 +308,15 @@ def choose_pipeline(model, devices: int, example_kwargs: dict, *, cluster="dgx-h
                                       "memory_bytes": pl.memory_bytes, "fits": fits})
                         if fits and (best is None or pl.step_s < best.step_s):
                             best = pl
+    if not table:
+        raise UsageError(f"choose_pipeline: no layout of {devices} devices in stages {list(stages)} to try"
+                         + (f" (refused by the schedule: {'; '.join(refused[:4])})" if refused else
+                            f": none of the grids and replica counts fits {rows} batch rows in micro-batches of "
+                            f"{microbatch_rows}")
+                         + "; pass a larger batch, smaller microbatch_rows, other stages or schedules")
     if best is None:
+        least = min(row["memory_bytes"] for row in table)
         raise MemoryLimitError(f"no pipeline layout of {devices} devices fits {format_bytes(limit)} per rank "
-                               f"({len(table)} tried); pass more devices, smaller micro-batches or memory_limit")
+                               f"({len(table)} tried, the smallest needs {format_bytes(least)}); pass more devices, "
+                               f"smaller micro-batches or memory_limit")
     return best, table

@@ -25,7 +25,7 @@ from passes.errors import CaptureError
 from passes.nodes import repeated_blocks
 
 __all__ = ["Pipeline", "SCHEDULES", "blocks", "chunks", "crossings", "cut", "named",
-           "rank_of", "split_points", "stage_ids", "tied_names"]
+           "rank_of", "schedule_refusal", "split_points", "stage_ids", "tied_names"]
 
 # name -> (torch's schedule, stages on each pipeline rank: 'one', 'loop' (p, p+S, ...) or 'v' (p, 2S-1-p))
 SCHEDULES = {"gpipe": (ScheduleGPipe, "one"), "1f1b": (Schedule1F1B, "one"),
@@ -34,13 +34,31 @@ SCHEDULES = {"gpipe": (ScheduleGPipe, "one"), "1f1b": (Schedule1F1B, "one"),
              "zbv_zero_bubble": (ScheduleZBVZeroBubble, "v"), "dualpipev": (ScheduleDualPipeV, "v")}
 
 
+def schedule_refusal(schedule: str, stages: int, per_rank: int, microbatches: int) -> str | None:
+    """Why torch's `schedule` refuses `microbatches` micro-batches over `stages` pipeline ranks of
+    `per_rank` stages each (its constructors' checks, torch 2.11-2.14), or None where it accepts them:
+    1F1B needs at least one per stage, DualPipeV one per stage of the S*V, and the looped schedules
+    that run in rounds of S (interleaved 1F1B, interleaved zero bubble) a multiple of the rounds."""
+    total = stages * per_rank
+    if schedule == "1f1b" and microbatches < stages:
+        return f"1F1B needs microbatches >= stages ({microbatches} < {stages})"
+    if schedule == "dualpipev" and microbatches < total:
+        return f"DualPipeV needs microbatches >= stages x stages_per_rank ({microbatches} < {total})"
+    rounds = max(1, microbatches // stages)
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and microbatches % rounds:
+        return (f"{schedule} runs micro-batches in rounds of {stages} and needs microbatches to be a multiple of "
+                f"its {rounds} rounds ({microbatches} is not)")
+    return None
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """How `parallelize(..., pipeline=...)` cuts the model into stages: `stages` pipeline ranks (S), each
     holding `stages_per_rank` stages (V; the model is cut into S*V), run by the `schedule` (a name in
     `SCHEDULES`: 'gpipe' and '1f1b' one stage per rank; 'interleaved_1f1b', 'looped_bfs' (breadth-first)
     and 'interleaved_zero_bubble' V >= 1 looped stages; 'zbv_zero_bubble' and 'dualpipev' V = 2 in a V)
-    over `microbatches` micro-batches (None: S) of each batch; `split_points`: the module paths where
+    over `microbatches` micro-batches (None: S, or S*V for 'dualpipev', the fewest each accepts) of each
+    batch; `split_points`: the module paths where
     stages 1 .. S*V-1 begin (None: the repeated blocks in S*V equal runs)."""
 
     stages: int
@@ -66,6 +84,10 @@ class Pipeline:
         m = self.microbatches
         if m is not None and not positive(m):
             raise UsageError(f"Pipeline(microbatches={m!r}): expected a positive int, or None for one per stage")
+        refused = schedule_refusal(self.schedule, self.stages, V, self.n_microbatches)
+        if refused:
+            raise UsageError(f"Pipeline(schedule={self.schedule!r}, stages={self.stages}, microbatches={m}): "
+                             f"{refused}; pass more micro-batches or another schedule ('gpipe' takes any number)")
         if self.split_points is not None:
             points, n = tuple(self.split_points), self.total
             if len(points) != n - 1 or not all(isinstance(p, str) for p in points):
@@ -75,7 +97,7 @@ class Pipeline:
 
     @property
     def n_microbatches(self) -> int:
-        return self.microbatches or self.stages
+        return self.microbatches or (self.total if self.schedule == "dualpipev" else self.stages)
 
     @property
     def total(self) -> int:
