@@ -52,7 +52,8 @@ def refusals(rank):
     out = {}
     model, x = torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.randn(4, 16)
     for name, kw in (("grid 2x4", dict(grid=(2, 4))), ("grid 2x2x1", dict(grid=(2, 2, 1))),
-                     ("pipeline", dict(grid=(2, 2, 2), pipeline=2))):
+                     ("pipeline", dict(grid=(2, 2, 2), pipeline=2)),
+                     ("shard", dict(grid=(2, 2, 2), data_parallel="shard"))):
         try:
             autopar.parallelize(model, example_inputs=(x,), strategy="3d", **kw)
             out[name] = ("none", "")

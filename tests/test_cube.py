@@ -27,14 +27,16 @@ def test_two_linears_match_torch_and_move_the_3d_volume(lowering):
 def test_blocks_that_do_not_fit_are_refused():
     """A block whose contracted dim does not match the weight's, and an output dim the cube's q^2
     columns do not divide, raise a UsageError naming the sizes, on every rank alike; so do
-    strategy='3d' on a grid that is not a cube and on a cube with pipeline stages, and a device count
+    strategy='3d' on a grid that is not a cube, on a cube with pipeline stages and on one with
+    data_parallel='shard' (dropped without a word before: issue 50, item 6), and a device count
     (grid=p) that is not the world size, with a fixed strategy or with stages."""
     from tests.conftest import get_pool
 
     for rank, r in enumerate(get_pool(8).run(C.refusals)):
-        for name in ("grid 2x4", "grid 2x2x1", "pipeline"):
+        for name in ("grid 2x4", "grid 2x2x1", "pipeline", "shard"):
             kind, msg = r[name]
             assert kind == "UsageError" and "grid=(q, q, q)" in msg, (rank, name, msg)
+        assert "and data_parallel='shard'" in r["shard"][1], r["shard"]
         assert r["count 4"][0] == "UsageError" and "grid=4 but the process group has 8 ranks" in r["count 4"][1], r
         assert r["count 2d"][0] == "UsageError" and "needs strategy='auto' (got '2d')" in r["count 2d"][1], r
         assert r["count pipeline"][0] == "UsageError" and "with pipeline stages" in r["count pipeline"][1], r
@@ -194,3 +196,17 @@ def test_cube_checkpoints_round_trip(tmp_path):
     for rank, r in enumerate(res):
         bad = {k: v for k, v in r.items() if v > 0}
         assert bad == {} and len(r) > 40, (rank, bad)
+
+
+def test_plan_refuses_a_cube_with_sharded_replicas():
+    """Catches autopar.plan dropping data_parallel='shard' with strategy='3d' (issue 50, item 6: it returned
+    a cube plan without replicas, without a word); parallelize refuses the same call
+    (test_blocks_that_do_not_fit_are_refused)."""
+    import torch
+
+    import autopar
+
+    model, x = torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.randn(4, 16)
+    with pytest.raises(autopar.UsageError, match=r"autopar.plan: strategy='3d' with grid=\(2, 2, 2\) and "
+                                                 r"data_parallel='shard'.*strategy='2d'"):
+        autopar.plan(model, grid=(2, 2, 2), example_inputs=(x,), strategy="3d", data_parallel="shard")

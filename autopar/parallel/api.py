@@ -11,7 +11,7 @@ import torch.nn as nn
 from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, PlanWarning, UsageError
 from autopar.parallel.arrange import arrange
 from autopar.parallel.module import ParallelModule
-from autopar.planning.grids import check_device_count
+from autopar.planning.grids import check_cube, check_device_count
 from autopar.parallel.pipeline import pipeline_parallelize
 from autopar.program.pipe import Pipeline
 from autopar.parallel.sharded import shard_replicas
@@ -206,11 +206,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         check_device_count(grid, strategy, pipeline, "autopar.parallelize", torch.distributed.get_world_size())
         grid, layout, arranged = arrange(model, grid, example_inputs, example_kwargs, options)
     cube = strategy == "3d" or (arranged is not None and layout == "3d")
-    if strategy == "3d" and (pipeline is not None or len(grid) != 3 or len(set(grid)) != 1):
-        raise UsageError(f"strategy='3d' with grid={tuple(grid)}" + (" and pipeline stages" if pipeline else "")
-                         + ": 3D tensor parallelism runs on a cube, grid=(q, q, q) on q**3 ranks (e.g. (2, 2, 2) on "
-                         "8), without pipeline stages or replicas; for (dp, R, C) replicas of a 2D grid use "
-                         "strategy='2d'")
+    check_cube(grid, strategy, pipeline, data_parallel, "autopar.parallelize")
     if pipeline is not None:
         return pipeline_parallelize(model, tuple(grid), pipeline, example_inputs, example_kwargs, options, device,
                                     delta)

@@ -35,7 +35,7 @@ from autopar.program.build import cache_off_kwargs, check_example_inputs, compil
 from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options, format_bytes
 from autopar.planning.explain import graph_rows
-from autopar.planning.grids import GridChoice, check_device_count, search_grids
+from autopar.planning.grids import GridChoice, check_cube, check_device_count, search_grids
 from autopar.planning.pipeline_plan import plan_pipeline
 from autopar.program.pipe import Pipeline
 from passes.cost.cluster import resolve_cluster
@@ -255,9 +255,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
             and all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
         raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4), (dp, R, C) for dp "
                          f"data-parallel replicas of an R x C grid, or a device count for strategy='auto' to arrange")
-    if strategy == "3d" and (pipeline is not None or len(grid) != 3 or len(set(grid)) != 1):
-        raise UsageError(f"strategy='3d' with grid={tuple(grid)}: 3D tensor parallelism plans a cube, grid=(q, q, q), "
-                         f"without pipeline stages or replicas")
+    check_cube(grid, strategy, pipeline, data_parallel, "autopar.plan")
     cube = strategy == "3d" or (picked is not None and picked.layout == "3d")
     dp = grid[0] if len(grid) == 3 and not cube else 1
     mesh = (grid[0], grid[0] ** 2) if cube else tuple(grid[-2:])  # a cube's (q, q*q) grid
