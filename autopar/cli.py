@@ -148,7 +148,8 @@ def _tokens(args, kwargs, hidden: int) -> int:
 
 
 def inspect_cmd(ns) -> int:
-    from autopar.planning.grids import describe, replica_inputs
+    from autopar.planning.explain import arrangement_lines
+    from autopar.planning.grids import replica_inputs
     from autopar.planning.report import dot, group_by_module, html, plot, require_matplotlib, sweep_table
 
     if ns.plot:  # before torch loads and the minutes of planning
@@ -211,14 +212,8 @@ def inspect_cmd(ns) -> int:
         print(f"bytes received differ by grid position (torch.chunk blocks of unequal sizes): the table prices "
               f"(0, 0), {pl.comm_bytes_per_rank_per_step / 2**30:.2f} GiB per step; the most, "
               f"{pl.comm_bytes_most / 2**30:.2f} GiB, at {pl.comm_bytes_most_at}")
-    for row in grids or []:
-        where = describe(row["layout"], tuple(row["grid"]))
-        fixed = ", ".join(f"fixed {k} {t * 1e3:.1f} ms" for k, t in row["fixed_s"].items())
-        if row["searched"] and row["fits"]:
-            print(f"{where}: estimated step auto {row['auto_s'] * 1e3:.1f} ms, {fixed}, memory "
-                  f"{row['memory_bytes'] / 2**30:.2f} GiB/rank" + ("   <- chosen" if row["picked"] else ""))
-        else:
-            print(f"{where}: {fixed}; {row['why']}")
+    for line in arrangement_lines(grids or []):
+        print(line)
     if ns.recompute or pl.recompute_bytes:
         print(f"recomputation: {pl.recompute_bytes / 2**20:.1f} MiB received again per rank per step; saved for "
               f"backward {(pl.activation_bytes or 0) / 2**20:.1f} MiB per rank")

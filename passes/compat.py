@@ -46,11 +46,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # (data_parallel='shard') fails to import, and with it `autopar.parallelize`.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
+# torch.nn.modules.module._IncompatibleKeys: the (missing_keys, unexpected_keys) named tuple that
+# nn.Module.load_state_dict returns, which a pipelined model's load_state_dict returns too. Checked on
+# 2.13.0. If it moves: `autopar.parallel.pipeline` fails to import.
+from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 
 from passes.errors import TorchVersionError
 
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
-           "FSDPAllGather", "FSDPReduceScatter",
+           "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
            "exit_autocast", "fake_store", "fake_tensor_mode", "group_timeout", "implicit_replication",
            "in_backward", "in_torch_compile_call", "legacy_reduction", "parse_to",

@@ -236,3 +236,27 @@ def out_of_range(rank):
     out["example labels is input_ids"] = (llama(input_ids=hids, labels=masked).loss.item(),
                                           pl(input_ids=hids, labels=masked).loss.item())
     return out
+
+
+def stalled_fsdp_peer(rank, world, port, outdir):
+    """Run as a fresh process group of 2: sharded replicas on grid (2, 1, 1) with timeout=5; rank 1 stops
+    calling the model (sleeps past the timeout) while rank 0 steps, whose FSDP2 all-gather must end in
+    a CollectiveError after about 5 s."""
+    import time
+
+    from autopar.launch import init_local
+
+    init_local(rank, world, port)
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=1)
+    ids, tgt = _data(cfg, 4, 8)
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 1, 1), example_inputs=(ids[:2], tgt[:2]), timeout=5,
+                             data_parallel="shard")
+    if rank == 1:
+        time.sleep(12)
+        os._exit(0)
+    start = time.monotonic()
+    kind, msg = _err(lambda: pm(ids[:2], tgt[:2])[1].backward())
+    with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{kind}\n{time.monotonic() - start:.1f}\n{msg}")
+    os._exit(0)

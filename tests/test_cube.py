@@ -157,7 +157,8 @@ def test_a_searched_mix_on_the_cube_matches_one_process():
 def test_the_search_arranges_the_ranks_and_matches_one_process():
     """parallelize(grid=8, strategy='auto') with the search as it is: rank 0 arranges the 8 ranks, every
     rank builds the grid `autopar.choose_grid` (without replicas) picks for the same model and inputs on
-    this process, and HF Llama trains as on one process, on every rank: logits, loss, every gradient
+    this process, `autopar.explain` shows every candidate's row with that one chosen, and HF Llama trains
+    as on one process, on every rank: logits, loss, every gradient
     and every parameter after one AdamW step; each rank's bytes equal its plan's."""
     import autopar
     from tests.checks_hf import build
@@ -170,6 +171,13 @@ def test_the_search_arranges_the_ranks_and_matches_one_process():
     mesh = (2, 4) if gc.layout == "3d" else gc.grid
     assert all(r["grid"] == (mesh, gc.layout == "3d") for r in res), ([r["grid"] for r in res], gc.grid)
     assert all(r["totals"][0] == r["totals"][1] for r in res), [r["totals"] for r in res]
+    from autopar.planning.grids import describe
+
+    for rank, r in enumerate(res):  # explain shows the search's table, without a second search (issue 50, item 8)
+        at = r["explain"].index("arrangement (grid=p: every candidate the search priced for these devices):")
+        chosen = [line for line in r["explain"][at:] if line.endswith("<- chosen")]
+        assert len(chosen) == 1 and chosen[0].strip().startswith(describe(gc.layout, gc.grid) + ":"), (rank, chosen)
+        assert len([ln for ln in r["explain"][at + 1:] if ln.startswith("  ")]) >= len(gc.table), (rank, r["explain"])
 
 
 def test_cube_linear_bytes_are_the_formula_in_a_model():

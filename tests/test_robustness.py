@@ -57,6 +57,19 @@ def test_dying_rank_raises_on_the_others(tmp_path):
         assert "failed on rank" in msg and "A peer rank has probably exited" in msg
 
 
+def test_stalled_sharded_replica_raises_a_collective_error(tmp_path):
+    """Catches FSDP2's own collectives failing with the backend's raw error (issue 50, item 7: gloo's
+    'Timed out waiting 15000ms for send' where the grid's collectives name theirs): a sharded replica's
+    peer that stops calling the model makes its FSDP2 all-gather raise a CollectiveError naming the
+    collective, the replica axis and the rank, after the timeout given to parallelize (5 s)."""
+    hung = _spawn(C.stalled_fsdp_peer, 2, tmp_path).join(timeout=120)
+    assert not hung, f"a rank hung: {hung}"
+    kind, seconds, msg = open(tmp_path / "rank0.txt").read().split("\n", 2)
+    assert kind == "CollectiveError", (kind, msg)
+    assert "FSDP2 all-gather of a unit's parameter shards over mesh axis dp" in msg and "failed on rank 0" in msg, msg
+    assert 4.0 <= float(seconds) <= 30.0, seconds
+
+
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
     import torch
     import transformers

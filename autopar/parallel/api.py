@@ -201,10 +201,10 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     # timeout=None: the process group's own (the grid's groups would otherwise get torch's default, 30 min)
     delta = datetime.timedelta(seconds=timeout) if timeout is not None else \
         group_timeout(torch.distributed.group.WORLD, device.type)
-    arranged = None
+    arranged, table = None, None
     if count:
         check_device_count(grid, strategy, pipeline, "autopar.parallelize", torch.distributed.get_world_size())
-        grid, layout, arranged = arrange(model, grid, example_inputs, example_kwargs, options)
+        grid, layout, arranged, table = arrange(model, grid, example_inputs, example_kwargs, options)
     cube = strategy == "3d" or (arranged is not None and layout == "3d")
     check_cube(grid, strategy, pipeline, data_parallel, "autopar.parallelize")
     if pipeline is not None:
@@ -216,6 +216,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options, arranged)
     agree_on_plan(comp, layouts, model)
     pmodel = ParallelModule(model, g, comp, layouts, options)
+    pmodel.arrangement = table  # grid=p: the search's row per candidate arrangement, for explain
     if strategy == "3d":
         _name_2d_linears(pmodel, grid[0])
     if comp.data_parallel == "shard":  # asked for, or data_parallel='auto' where only it fits memory_limit

@@ -20,13 +20,14 @@ __all__ = ["arrange"]
 
 
 def arrange(model, devices: int, args: tuple, kwargs: dict | None, options: Options) -> tuple:
-    """(grid, layout, Choice) for `devices` ranks: grid (R, C) with layout '2d', or (q, q, q) with
-    layout '3d' (the cube, its units a mix of 3d and the other options)."""
+    """(grid, layout, Choice, table) for `devices` ranks: grid (R, C) with layout '2d', or (q, q, q) with
+    layout '3d' (the cube, its units a mix of 3d and the other options); table, a row per candidate
+    (`GridChoice.to_json`), which `autopar.explain` prints."""
     box: list = [None]
     if dist.get_rank() == 0:
         try:
             picked = search_grids(model, devices, args, kwargs, options, replicas=False, who="autopar.parallelize")
-            box[0] = ("ok", (picked.grid, picked.layout, picked.choice))
+            box[0] = ("ok", (picked.grid, picked.layout, picked.choice, picked.to_json()))
         except (MemoryError, ValueError) as e:  # raised on every rank below, with rank 0's text
             box[0] = ("error", type(e).__name__, str(e))
     with handshake("sending rank 0's choice of arrangement"):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from autopar.errors import UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
@@ -43,7 +42,8 @@ from autopar.program.loss_share import LossShare, loss_leaf, loss_share
 from autopar.program.pipe import (SCHEDULES, Pipeline, chunks, crossings, cut, named, rank_of, split_points,
                                   stage_ids, tied_names)
 from passes import Grid
-from passes.compat import pytree
+from passes.compat import IncompatibleKeys, pytree
+from passes.ops.comm import guarded, wait
 
 __all__ = ["PipelineModule", "pipeline_parallelize"]
 
@@ -155,7 +155,7 @@ class PipelineModule(nn.Module):
         agree(self.grid, failure, "load_state_dict")
         for pm, sub in zip(self.stage_modules, subs):
             pm.load_state_dict(sub, strict=False, assign=assign)
-        return _IncompatibleKeys(missing, unexpected)
+        return IncompatibleKeys(missing, unexpected)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -200,7 +200,8 @@ class PipelineModule(nn.Module):
             run.feeds[:] = [kw for _, kw in chunks((), kwargs, m)]
         schedule = self._schedule(variant, fn)
         has_first, has_last = 0 in self._ids, n - 1 in self._ids
-        with torch.enable_grad():
+        with torch.enable_grad(), guarded(self.grid, "pipeline schedule's point-to-point sends and receives", "pp",
+                                          f"train_step ({self.pipeline.schedule})"):
             schedule.step(**(kwargs if has_first else {}), target=target if has_last else None,
                           losses=losses if has_last else None, return_outputs=False)
 
@@ -241,7 +242,8 @@ class PipelineModule(nn.Module):
         if self.grid.dp > 1 and not self.sharded:
             average_over_replicas(self.stage_modules, self.grid, self.stage_module.options.grad_bucket_mb)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
-        dist.broadcast(loss, src=self._last_rank(), group=self.grid.pp_group)
+        with guarded(self.grid, "broadcast of the loss from the last stage", "pp", "train_step"):
+            dist.broadcast(loss, src=self._last_rank(), group=self.grid.pp_group)
         return loss
 
     def forward(self, *args, **kwargs):
@@ -266,8 +268,9 @@ class PipelineModule(nn.Module):
                         got = local.pop((i, j - 1), None)
                         if got is None:
                             got = [torch.empty_like(e, requires_grad=False) for e in examples]
-                            for t in got:
-                                dist.recv(t, group_src=rank_of(j - 1, S, style), group=pp)
+                            with guarded(self.grid, "receive from the stage before", "pp", "eval forward"):
+                                for t in got:
+                                    dist.recv(t, group_src=rank_of(j - 1, S, style), group=pp)
                         run.feeds[:] = [kw]
                         out = run(*got)
                     out = list(out) if isinstance(out, tuple) else [out]
@@ -279,7 +282,7 @@ class PipelineModule(nn.Module):
                         pending += [dist.isend(t.contiguous(), group_dst=rank_of(j + 1, S, style), group=pp)
                                     for t in out]
             for work in pending:
-                work.wait()
+                wait(work, self.grid, "send to the next stage", "pp", "eval forward")
         ref = pytree.tree_leaves(variant.reference)
         if per:
             weights = _weights(variant, kwargs, m) if isinstance(variant.share, LossShare) else [1 / m] * m
@@ -288,8 +291,9 @@ class PipelineModule(nn.Module):
         else:
             leaves = [torch.empty((r.shape[0] * m, *r.shape[1:]) if r.dim() else (), dtype=r.dtype,
                                   device=r.device) for r in ref]
-        for t in leaves:
-            dist.broadcast(t, src=self._last_rank(), group=pp)
+        with guarded(self.grid, "broadcast of the last stage's outputs", "pp", "eval forward"):
+            for t in leaves:
+                dist.broadcast(t, src=self._last_rank(), group=pp)
         return pytree.tree_unflatten(leaves, pytree.tree_flatten(variant.reference)[1])
 
     def generate(self, *args, **kwargs):

@@ -45,7 +45,7 @@ from passes.cost.replicas import FSDPTraffic, fsdp_traffic, shard_rows, unit_gro
 from passes.cost.volumes import all_gather_bytes, reduce_scatter_bytes
 from passes.mesh import warn
 from passes.nodes import block_of
-from passes.ops.comm import tensor_bytes
+from passes.ops.comm import guarded, tensor_bytes
 
 __all__ = ["shard_replicas", "program_for", "gathered", "units", "is_sharded",
            "refuse_foreign_sharding", "replica_traffic", "memory_per_rank",
@@ -156,7 +156,8 @@ def gathered(pmodel, release: bool):
 
 
 class _CountedAllGather(FSDPAllGather):
-    """FSDP2's all-gather of a unit's parameter shards, counted in the grid's CommLog ("fsdp:" tags)."""
+    """FSDP2's all-gather of a unit's parameter shards, counted in the grid's CommLog ("fsdp:" tags); a
+    failure is a CollectiveError naming it (`passes.ops.comm.guarded`)."""
 
     def __init__(self, grid):
         self.grid = grid
@@ -168,11 +169,13 @@ class _CountedAllGather(FSDPAllGather):
         phase = "bwd" if in_backward() else "fwd"  # a block gathered again for its backward
         self.grid.log.launch("fsdp:all-gather", phase)
         self.grid.log.add("fsdp:all-gather", phase, all_gather_bytes(tensor_bytes(input_tensor), self.grid.dp))
-        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        with guarded(self.grid, "FSDP2 all-gather of a unit's parameter shards", "dp", f"fsdp:all-gather {phase}"):
+            _done(all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op))
 
 
 class _CountedReduceScatter(FSDPReduceScatter):
-    """FSDP2's reduce-scatter of a unit's gradients, counted in the grid's CommLog ("fsdp:" tags)."""
+    """FSDP2's reduce-scatter of a unit's gradients, counted in the grid's CommLog ("fsdp:" tags); a
+    failure is a CollectiveError naming it."""
 
     def __init__(self, grid):
         self.grid = grid
@@ -184,7 +187,18 @@ class _CountedReduceScatter(FSDPReduceScatter):
         self.grid.log.launch("fsdp:reduce-scatter", "bwd")
         self.grid.log.add("fsdp:reduce-scatter", "bwd",
                           reduce_scatter_bytes(tensor_bytes(input_tensor), self.grid.dp))
-        return reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)
+        with guarded(self.grid, "FSDP2 reduce-scatter of a unit's gradients", "dp", "fsdp:reduce-scatter"):
+            _done(reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                        async_op=async_op))
+
+
+def _done(work) -> None:
+    """Wait for an FSDP2 collective inside its guard, so that a peer's failure or a timeout is a
+    CollectiveError naming it (waited for by FSDP2 itself it surfaced as the backend's raw error).
+    FSDP2 then sees no work handle and treats the collective as done; on a GPU the wait orders the
+    stream, it does not block the host."""
+    if work is not None:
+        work.wait()
 
 
 def is_sharded(pmodel) -> bool:

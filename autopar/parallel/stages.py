@@ -180,12 +180,14 @@ def _block(t: torch.Tensor, lay, g: Grid, at) -> torch.Tensor:
 
 
 def _send(g: Grid, message, to: int) -> None:
-    dist.send_object_list([message], group_dst=to, group=g.pp_group)
+    with guarded(g, "send of the stage's output layouts to the next stage", "pp", "parallelize"):
+        dist.send_object_list([message], group_dst=to, group=g.pp_group)
 
 
 def _receive(g: Grid, src: int):
     box: list = [None]
-    dist.recv_object_list(box, group_src=src, group=g.pp_group)
+    with guarded(g, "receive of the output layouts of the stage before", "pp", "parallelize"):
+        dist.recv_object_list(box, group_src=src, group=g.pp_group)
     return box[0]
 
 
@@ -219,12 +221,14 @@ class Tied:
         """`reads`: this rank's stages' {stage: {name read: first name}} (`Variant.tied`), gathered from
         every pipeline rank here to know where each weight's copies are."""
         everyone: list = [None] * grid.stages
-        dist.all_gather_object(everyone, reads, group=grid.pp_group)
+        with guarded(grid, "all-gather of the weights each stage ties", "pp", "parallelize"):
+            dist.all_gather_object(everyone, reads, group=grid.pp_group)
         where: dict = {}  # first name -> {stage: name}
         for r in everyone:
             for j, names in r.items():
                 for name, first in names.items():
                     where.setdefault(first, {})[j] = name
+        self.grid = grid
         self.local: dict = {}  # first name -> this rank's copies' names
         self.groups: dict = {}  # first name -> the process group of the pipeline ranks holding it (None: here)
         self.secondary: set = set()  # names of copies the norm does not count (not the first stage's)
@@ -256,7 +260,8 @@ class Tied:
             if not isinstance(total, torch.Tensor):
                 continue
             if self.groups[first] is not None:
-                dist.all_reduce(total, group=self.groups[first])
+                with guarded(self.grid, "all-reduce of a tied weight's gradient over its stages", "pp", first):
+                    dist.all_reduce(total, group=self.groups[first])
             for g in grads:
                 if g is not None:
                     (g.to_local() if hasattr(g, "to_local") else g).copy_(total)

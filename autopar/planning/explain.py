@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 
 from autopar.errors import UsageError
+from autopar.planning.grids import describe
 from autopar.program import uneven as uneven
 from passes.cost.pipeline import bubble
 from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
@@ -208,6 +209,9 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     if stats is not None:
         lines.append(f"torch.compile: {stats.graphs} graph(s), {stats.breaks} graph break(s)")
     lines += uneven.summary_lines(pmodel, fwd + bwd)
+    if getattr(pmodel, "arrangement", None):
+        lines += ["arrangement (grid=p: every candidate the search priced for these devices):"]
+        lines += ["  " + line for line in arrangement_lines(pmodel.arrangement)]
     if comp.choice is not None:
         lines += strategy_summary(comp.choice)
     if comp.fallbacks:
@@ -271,6 +275,22 @@ def replica_lines(rep) -> list:
     return [f"replicas: {rep.dp} of the grid, data_parallel={rep.data_parallel!r}: {rep.calls} more calls per rank "
             f"per step ({how}), {mib(rep.received_bytes)} MiB received; held between steps: parameters "
             f"{mib(rep.param_bytes)} MiB, with gradients and AdamW states {mib(rep.state_bytes())} MiB"]
+
+
+def arrangement_lines(table: list) -> list:
+    """A line per candidate arrangement of the search (`GridChoice.to_json()` rows): its estimated step
+    under the per-unit search and under each fixed scheme, its memory, and why it was not searched or
+    does not fit; the chosen one marked."""
+    out = []
+    for row in table:
+        where = describe(row["layout"], tuple(row["grid"]))
+        fixed = ", ".join(f"fixed {k} {t * 1e3:.1f} ms" for k, t in row["fixed_s"].items())
+        if row["searched"] and row["fits"]:
+            out.append(f"{where}: estimated step auto {row['auto_s'] * 1e3:.1f} ms, {fixed}, memory "
+                       f"{row['memory_bytes'] / 2**30:.2f} GiB/rank" + ("   <- chosen" if row["picked"] else ""))
+        else:
+            out.append(f"{where}: {fixed}; {row['why']}")
+    return out
 
 
 def _explain_plan(pl, verbose: bool, formulas: bool) -> str:
