@@ -111,6 +111,15 @@ def _inspect_grid(text: str):
     return parse_grid(text)
 
 
+def _stages(text: str):
+    """inspect's --pipeline: a stage count >= 2, or 'auto' (choose_pipeline)."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of stages >= 2, or auto")
+    return int(text)
+
+
 def calibrate_grid(parser, words: list) -> tuple:
     """calibrate's --grid: RxC like inspect's, or the two numbers `R C` it took before."""
     if len(words) == 2 and all(w.isdigit() for w in words):
@@ -167,6 +176,8 @@ def inspect_cmd(ns) -> int:
     limit = ns.memory_limit
     strategy = ns.strategy or ("auto" if ns.grid == "auto" else "2d")
     grids = None
+    if ns.pipeline == "auto":
+        return _choose_pipeline_cmd(ns, model, kwargs, limit, args)
     if ns.grid == "auto":
         if not ns.devices:
             raise SystemExit("autopar inspect: --grid auto needs --devices N (how many ranks to arrange)")
@@ -241,6 +252,28 @@ def _pipeline_cmd(ns, model, grid, args, kwargs, strategy, limit) -> int:
                       cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute,
                       data_parallel=ns.data_parallel, pipeline=pipe, cluster=ns.cluster)
     print(json.dumps(pl.to_json(), indent=2, default=str) if ns.json else pl)
+    return 0
+
+
+def _choose_pipeline_cmd(ns, model, kwargs, limit, args) -> int:
+    """inspect --pipeline auto --devices N: `autopar.choose_pipeline`'s table and choice."""
+    import autopar
+    from passes.options import format_bytes
+
+    if not ns.devices or args:
+        raise SystemExit("autopar inspect --pipeline auto: needs --devices N and a model called with keyword inputs "
+                         "(a transformers model type, or a module:callable returning kwargs)")
+    best, table = autopar.choose_pipeline(model, ns.devices, kwargs, cluster=ns.cluster or "dgx-h100",
+                                          memory_limit=limit)
+    if ns.json:
+        print(json.dumps({"chosen": best.to_json(), "tried": table}, indent=2, default=str))
+        return 0
+    for row in sorted(table, key=lambda r: r["step_s"]):
+        print(f"{row['stages']} stages x {row['d']} replica(s) ({row['data_parallel']}) x grid "
+              f"{row['grid'][0]}x{row['grid'][1]}, {row['schedule']}, {row['microbatches']} micro-batches, recompute "
+              f"{row['recompute']}: step {row['step_s'] * 1e3:.1f} ms, bubble {row['bubble']:.0%}, "
+              f"{format_bytes(row['memory_bytes'])}/rank" + ("" if row["fits"] else " (does not fit)"))
+    print(f"\nchosen:\n{best}")
     return 0
 
 
@@ -359,11 +392,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", choices=["1d"], help="also report Megatron-style 1D at the same p")
     p.add_argument("--sweep", type=int, metavar="N", help="compare all square grids and 1D with p <= N")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    _option_flag(p, "recompute", "default: as parallelize's")
+    _option_flag(p, "recompute", "", help="activation recomputation: 'blocks' (each repeated block run again in "
+                 "backward) or 'selective' (the local ops between matmuls recomputed); without the flag, as "
+                 "parallelize's default: none unless a memory limit asks")
     p.add_argument("--max-batch", action="store_true",
                    help="the largest batch per scheme (2D, 1D, 1D x data parallel, auto) that fits --memory-limit "
                         "on --grid, without and with recomputation")
-    p.add_argument("--pipeline", type=int, metavar="S", help="plan S pipeline stages of the grid each")
+    p.add_argument("--pipeline", type=_stages, metavar="S",
+                   help="plan S pipeline stages of the grid each; 'auto' with --devices N searches stage counts, "
+                        "grids, replicas, schedules and recompute (autopar.choose_pipeline) and prints every layout "
+                        "tried (--grid auto alone arranges one stage)")
     p.add_argument("--schedule", default="1f1b", help="with --pipeline: the schedule (default 1f1b)")
     p.add_argument("--microbatches", type=int, help="with --pipeline: micro-batches per batch (default S)")
     p.add_argument("--stages-per-rank", type=int, default=1, help="with --pipeline: stages per pipeline rank")

@@ -126,3 +126,19 @@ def test_inspect_plans_pipeline_stages(capsys):
     assert [s["layers"] for s in report["per_stage"]] == [[f"model.layers.{i}"] for i in range(4)], report
     assert [r["stages"] for r in report["per_rank"]] == [[0, 2], [1, 3]], report["per_rank"]
     assert abs(report["bubble"] - 1 / 9) < 1e-12 and "dgx-h100" in report["cost_source"], report
+
+
+def test_inspect_chooses_a_pipeline(capsys):
+    """`--pipeline auto --devices 4` (issue 50, item 8: no command line reached choose_pipeline): every
+    layout tried is a line, fastest first, and the chosen plan follows; without --devices it says what
+    it needs."""
+    argv = ["inspect", "llama", "--set", "num_hidden_layers=2", "--set", "vocab_size=256", "--batch", "4", "--seq",
+            "8", "--pipeline", "auto", "--devices", "4"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    tried = [ln for ln in text.splitlines() if " stages x " in ln and "step " in ln]
+    steps = [float(ln.split("step ")[1].split(" ms")[0]) for ln in tried]
+    assert tried and steps == sorted(steps), text
+    assert "\nchosen:\npipeline 2 x grid" in text, text
+    with pytest.raises(SystemExit, match="needs --devices N"):
+        cli.main(argv[:-2])
