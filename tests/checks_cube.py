@@ -191,7 +191,7 @@ def model_steps(rank, family, over=None, steps=3, batch=4, seq=8, mix=None, opti
             "grid": (pm.grid.shape, pm.grid.cube is not None),
             "compiled": tuple(pm.compile_stats.get(pm.program.signature, ())),  # compile=True: (graphs, breaks)
             "names match": sorted(n for n, _ in pm.named_parameters()) == sorted(ref_params),
-            "explain": autopar.explain(pm).splitlines()}
+            "explain": autopar.explain(pm).splitlines() if mix == "search" else []}  # a stand-in search: no table
 
 
 def checkpoints(rank, tmp):
