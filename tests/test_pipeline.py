@@ -173,10 +173,12 @@ def test_default_cut_is_between_the_repeated_blocks():
 
 
 def test_a_loss_whose_shares_cannot_be_read_is_refused():
-    """Catches a pipeline that weighs micro-batches by a guess where the loss is not one mean (two losses
-    added: a mean over tokens plus a mean over rows): the error names the op and the way out (loss_fn),
-    instead of a silently wrong loss. A plain mean of a cross-entropy over class-index targets is read
-    as a count of the targets that are not ignored, after the model's own shift."""
+    """Catches a pipeline that weighs micro-batches by a guess where the loss is not one mean: two losses
+    that each count their targets added (a question-answering model's start and end losses) are refused,
+    the error naming the op and the way out (loss_fn), instead of a silently wrong loss. A plain mean of
+    a cross-entropy over class-index targets is read as a count of the targets that are not ignored,
+    after the model's own shift; a term added to it (a load-balancing loss) is weighed by those counts
+    and named, for the warning that it is computed per micro-batch."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -186,7 +188,7 @@ def test_a_loss_whose_shares_cannot_be_read_is_refused():
     from autopar.program.pipe import crossings, cut
 
     class Model(nn.Module):
-        def __init__(self, extra: bool):
+        def __init__(self, extra: str):
             super().__init__()
             self.embed, self.extra = nn.Embedding(16, 8), extra
             self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
@@ -198,7 +200,11 @@ def test_a_loss_whose_shares_cannot_be_read_is_refused():
                 h = b(h)
             logits = self.head(h)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
-            return loss + logits.pow(2).mean() if self.extra else loss
+            if self.extra == "aux":
+                return loss + 0.01 * logits.pow(2).mean()
+            if self.extra == "second":  # another loss over the same targets, unshifted
+                return loss + F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            return loss
 
     def share(extra):
         ids, labels = torch.randint(0, 16, (2, 6)), torch.randint(0, 16, (2, 6))
@@ -208,9 +214,13 @@ def test_a_loss_whose_shares_cannot_be_read_is_refused():
 
     labels = torch.randint(0, 16, (4, 6))
     labels[0, 2:] = -100  # counts 1 after the shift, the others 5
-    assert share(False).weights([{"labels": lb} for lb in labels.chunk(2)]) == [6 / 16, 10 / 16]
-    with pytest.raises(UsageError, match=r"cannot tell how the micro-batches' losses add up.*add.*loss_fn=fn"):
-        share(True)
+    feeds = [{"labels": lb} for lb in labels.chunk(2)]
+    plain, aux = share("plain"), share("aux")
+    assert plain.weights(feeds) == [6 / 16, 10 / 16] and plain.others == ()
+    assert aux.weights(feeds) == [6 / 16, 10 / 16] and len(aux.others) == 1 and "mean" in aux.others[0], aux
+    with pytest.raises(UsageError, match=r"cannot tell how the micro-batches' losses add up.*two losses that each "
+                                         r"count their own targets.*loss_fn=fn"):
+        share("second")
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

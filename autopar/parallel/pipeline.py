@@ -27,11 +27,13 @@ A call with another micro-batch shape or mode cuts and compiles the stages for i
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.errors import UnsupportedError, UsageError
+from autopar.errors import PlanWarning, UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
 from autopar.parallel.module import save_pretrained_extension, set_path
 from autopar.parallel.sharded import is_sharded, shard_replicas
@@ -43,6 +45,7 @@ from autopar.program.pipe import (SCHEDULES, Pipeline, chunks, crossings, cut, n
                                   stage_ids, tied_names)
 from passes import Grid
 from passes.compat import IncompatibleKeys, pytree
+from passes.mesh import warn
 from passes.ops.comm import guarded, wait
 
 __all__ = ["PipelineModule", "pipeline_parallelize"]
@@ -176,8 +179,8 @@ class PipelineModule(nn.Module):
                 pipe, seen, ref = cut(model, points, first_args, first_kwargs, self.pipeline.total)
             finally:
                 model.train(was)
-            self._variants[key] = _built(model, pipe, seen, ref, self.grid, self._ids, self.pipeline.style,
-                                         own_loss, options, device, training, self._pms)
+            self._variants[key] = _built(model, first_kwargs, pipe, seen, ref, self.grid, self._ids,
+                                         self.pipeline.style, own_loss, options, device, training, self._pms)
         return self._variants[key]
 
     def _named(self, args: tuple, kwargs: dict) -> dict:
@@ -329,8 +332,8 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     g = Grid(grid[-2], grid[-1], dp=dp, device_type=device.type, timeout=timeout, stages=pipe_opts.stages)
     ids = stage_ids(g.stage, pipe_opts.stages, pipe_opts.stages_per_rank, pipe_opts.style)
     pms: dict = {}
-    variant = _built(model, pipe, seen, reference, g, ids, pipe_opts.style, model.training, options, device,
-                     model.training, pms)
+    variant = _built(model, first_kwargs, pipe, seen, reference, g, ids, pipe_opts.style, model.training, options,
+                     device, model.training, pms)
     for pm in pms.values():
         if pm.program.data_parallel == "shard":  # FSDP2 units over the replicas, each stage on its own
             shard_replicas(pm)
@@ -342,11 +345,14 @@ def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_in
     return pmodel
 
 
-def _built(model, pipe, seen, reference, g: Grid, ids: list, style: str, own_loss: bool, options, device,
-           training: bool, pms: dict) -> Variant:
-    """`build` of a cut, with the model's own loss (where `own_loss` and its output has one) returned alone by
-    the last stage, and the rule of how its micro-batches' losses add up."""
-    at = loss_leaf(reference)
+def _built(model, kwargs: dict, pipe, seen, reference, g: Grid, ids: list, style: str, own_loss: bool, options,
+           device, training: bool, pms: dict) -> Variant:
+    """`build` of a cut (of a call with inputs `kwargs`), with the model's own loss (where `own_loss` and its
+    output has one) returned alone by the last stage, and the rule of how its micro-batches' losses add up.
+    A forward that takes `labels` (transformers' convention) has its own loss only when given them: without,
+    a 0-dim output is something else (a mixture of experts' auxiliary loss)."""
+    takes_labels = "labels" in inspect.signature(model.forward).parameters
+    at = None if takes_labels and kwargs.get("labels") is None else loss_leaf(reference)
     variant = build(model, pipe, seen, reference, g, ids, style, at if own_loss else None, options, device,
                     training, pms)
     if at is not None:
@@ -356,6 +362,11 @@ def _built(model, pipe, seen, reference, g: Grid, ids: list, style: str, own_los
             variant.share = loss_share(pipe.get_stage_module(pipe.num_stages - 1), at, inputs)
         except UsageError as e:  # raised by a training step that needs it, not by one given loss_fn
             variant.share = e
+        if own_loss and getattr(variant.share, "others", ()):
+            warn(f"pipeline: the model's loss adds {list(variant.share.others)} to {variant.share.what}; they are "
+                 f"weighed by its counted targets and computed per micro-batch, as gradient accumulation computes "
+                 f"them, so the loss and gradients differ from one process's on the whole batch", PlanWarning,
+                 stacklevel=4)
     return variant
 
 

@@ -15,8 +15,11 @@ counts the targets of one micro-batch:
     >>> share.weights([{"labels": lb} for lb in labels.chunk(4)])                          # doctest: +SKIP
     [0.25, 0.3125, 0.1875, 0.25]
 
-A loss it cannot read this way (two losses added, a mean divided by a count the model is given) is
-refused with the op and source line, and the user passes `target=` and `loss_fn=` instead.
+Terms added to a counted loss (a mixture of experts' load-balancing loss) are weighed by its counts,
+as gradient accumulation weighs them, and named in `others` (the caller warns: they are not one
+process's on the whole batch). A loss it cannot read this way (two losses that each count targets, a
+mean divided by a count the model is given) is refused with the op and source line, and the user
+passes `target=` and `loss_fn=` instead.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class LossShare:
     program: fx.GraphModule | None = None
     inputs: tuple = ()
     what: str = ""  # the loss, for messages ('cross_entropy_loss at model.py:12: ...')
+    others: tuple = ()  # terms added to a counted loss and weighed by its counts (an auxiliary loss)
 
     def counts(self, feeds: list) -> list:
         """Each micro-batch's count (`feeds`: one dict of model inputs by name per micro-batch)."""
@@ -100,10 +104,16 @@ def loss_share(gm: fx.GraphModule, loss_index: int, inputs: list) -> LossShare:
     leaf `loss_index`. `inputs[i]` names placeholder i where it is a model input (None where it is a
     value from an earlier stage). Raises UsageError for a loss it cannot read."""
     out = next(iter(gm.graph.find_nodes(op="output")))
-    node = pytree.tree_leaves(out.args[0])[loss_index]
+    return _share_of(gm, pytree.tree_leaves(out.args[0])[loss_index], inputs)
+
+
+def _share_of(gm: fx.GraphModule, node, inputs: list) -> LossShare:
     while isinstance(node, fx.Node) and (node.target in _THROUGH or
                                          (node.target in _SCALED and not isinstance(node.args[1], fx.Node))):
         node = node.args[0]
+    if isinstance(node, fx.Node) and node.target in (aten.add.Tensor, aten.add_.Tensor) and \
+            all(isinstance(a, fx.Node) for a in node.args):
+        return _sum_of(gm, node, inputs)
     if not isinstance(node, fx.Node) or node.op != "call_function":
         raise _unreadable(node, "it is not computed by an op of the last stage")
     args = _arguments(node)
@@ -123,6 +133,26 @@ def loss_share(gm: fx.GraphModule, loss_index: int, inputs: list) -> LossShare:
             raise _unreadable(node, "its class weights make each target count by its class")
         return _counting(gm, node, args["target"], args.get("ignore_index", -100), inputs)
     raise _unreadable(node, "it is not a mean, a sum or a loss function that autopar knows how to count")
+
+
+def _sum_of(gm: fx.GraphModule, node: fx.Node, inputs: list) -> LossShare:
+    """A loss that adds terms (a causal LM's cross-entropy plus a mixture of experts' load-balancing
+    loss): the one term that counts targets sets the shares, the others are weighed by them, as
+    gradient accumulation weighs them (named in `others`: they are not one process's on the whole
+    batch). Two counted terms (a question-answering model's start and end losses), or none, are refused."""
+    shares, unread = [], []
+    for term in node.args:
+        try:
+            shares.append(_share_of(gm, term, inputs))
+        except UsageError:
+            unread.append(_describe(term))
+    counted = [sh for sh in shares if sh.kind == "targets"]
+    if len(counted) != 1:
+        raise _unreadable(node, "it adds " + ("two losses that each count their own targets" if counted else
+                                              "terms none of which counts targets"))
+    rest = [sh.what for sh in shares if sh is not counted[0]] + unread
+    return LossShare("targets", counted[0].program, counted[0].inputs, counted[0].what,
+                     tuple(counted[0].others) + tuple(rest))
 
 
 def _counting(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_index: int, inputs: list) -> LossShare:
