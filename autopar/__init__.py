@@ -18,6 +18,7 @@ _HOME = {
     "plan": "autopar.planning.plan", "Plan": "autopar.planning.plan", "compare_1d": "autopar.planning.plan",
     "choose_grid": "autopar.planning.plan", "choose_pipeline": "autopar.planning.pipeline_plan",
     "CompileWarning": "autopar.errors",
+    "dry_run": "autopar.parallel.dry_run", "DryRunError": "autopar.parallel.dry_run",
     "max_batch": "autopar.planning.capacity", "AutoparError": "autopar.errors", "AutoparWarning": "autopar.errors",
     "UsageError": "autopar.errors", "CollectiveError": "autopar.errors", "RoutingWarning": "autopar.errors",
     **{name: "autopar.errors" for name in (

@@ -1,0 +1,357 @@
+"""`autopar.dry_run`: the program each rank of a job would run, built and stepped in this one process
+under PyTorch's fake process group, with every collective it issues recorded and checked across ranks.
+
+A collective that one rank issues in another order, with another shape or another root than its
+group's other members hangs NCCL (or corrupts data) where gloo may forgive; a plan's byte count is
+only as good as the program it describes. The dry run looks at the real program without the
+hardware: for each simulated rank it starts `init_process_group("fake", rank=r, world_size=p)` (its
+collectives return at once, values meaningless, shapes real), runs `parallelize` with the options
+given, then one training step (forward, backward of the model's loss, an AdamW step), and records
+every call a process group receives: the op, the group's global ranks, the tensors' shapes and
+dtype, the root or peer, and autopar's line that issued it.
+
+    >>> report = autopar.dry_run(model, grid=(8, 8), example_kwargs=batch)   # doctest: +SKIP
+    >>> report.check()            # raises DryRunError naming the two ranks, group and position  # doctest: +SKIP
+    >>> print(report)             # per rank: calls, bytes counted and planned, memory held  # doctest: +SKIP
+
+By default it simulates a set of ranks that covers every distinct position: each row, column and
+replica index at least once (8 ranks of an 8x8 grid). Rank 0 is always simulated, first: what it
+decides and sends as an object (`strategy="auto"`'s choice) is handed to the ranks simulated after it,
+which the fake group would leave without it. `check()` compares, for every group with two
+or more simulated members, their sequences of (op, shapes, dtype, root) and every simulated pair's
+point-to-point traffic; object exchanges (parallelize's handshakes, whose pickles the fake group
+does not move) are compared by op and group alone. Each rank's bytes of the step are set beside its
+plan at its grid position (`autopar.planning.explain.graph_rows` of its own program).
+
+The model runs with its real tensors, one simulated rank at a time: a model that fits this machine
+(tested up to 64 ranks). Pipeline stages are not simulated yet (`pipeline=` is refused), nor a
+model on the meta device, nor a check of the order between groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import AutoparError, UsageError
+from autopar.planning.progress import steps as progress
+from passes.compat import fake_store, pytree
+
+__all__ = ["Collective", "DryRun", "DryRunError", "RankRun", "covering_ranks", "dry_run"]
+
+# the ProcessGroup methods torch.distributed's functions call (torch 2.13), each recorded as it is called
+_METHODS = ("broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgather", "allgather_coalesced",
+            "all_gather_single", "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
+            "reduce_scatter_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
+            "send", "recv", "barrier")
+_OWN = (os.sep + "autopar" + os.sep, os.sep + "passes" + os.sep)
+
+
+class DryRunError(AutoparError, RuntimeError):
+    """Two simulated ranks of one process group issue different collectives (the bug that hangs NCCL)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One call a process group received: `op` (the ProcessGroup method), `group` (its global ranks),
+    `shapes` and `dtype` of its tensors, `peer` (a broadcast's or reduce's root, a send's destination or
+    a receive's source, as a global rank; None otherwise), `where` (autopar's line that issued it)."""
+
+    op: str
+    group: tuple
+    shapes: tuple
+    dtype: str
+    peer: int | None
+    where: str
+
+    def key(self, shapes: bool = True) -> tuple:
+        """What the members of a group must agree on: op, dtype, root and shapes; shapes not for an object
+        exchange (uint8: a pickle, whose size is the rank's) nor an all-to-all (each rank's splits its own)."""
+        exact = shapes and self.dtype != "torch.uint8" and self.op not in ("all_to_all_single", "alltoall_base",
+                                                                            "alltoall")
+        return (self.op, self.dtype, self.peer) + ((self.shapes,) if exact else ())
+
+    def __str__(self) -> str:
+        peer = f" root/peer {self.peer}" if self.peer is not None else ""
+        return f"{self.op}{list(self.shapes)} {self.dtype}{peer} (from {self.where})"
+
+
+@dataclass
+class RankRun:
+    """One simulated rank: `at` its (replica, row, column); `setup` the collectives of `parallelize`,
+    `step` those of the training step; `counted` the bytes its grid's CommLog counted in the step (by
+    kind: 'grid', 'replicas'), `planned` the grid bytes its program's plan prices at its position;
+    `held` the bytes it holds after the step (parameters, gradients, optimizer state) and what the
+    forward saved for backward (`saved`: the tensors autograd kept, parameters left out)."""
+
+    rank: int
+    at: tuple
+    setup: list = field(default_factory=list)
+    step: list = field(default_factory=list)
+    counted: dict = field(default_factory=dict)
+    planned: int = 0
+    held: dict = field(default_factory=dict)
+
+    @property
+    def agrees(self) -> bool:
+        """Whether the grid bytes the step moved equal the plan's at this rank's position."""
+        return self.counted.get("grid", 0) == self.planned
+
+
+@dataclass
+class DryRun:
+    """What `dry_run` found: the world size, the grid and a RankRun per simulated rank."""
+
+    world: int
+    grid: tuple
+    ranks: dict
+
+    def members(self, phase: str = "step") -> dict:
+        """{group (global ranks): {simulated rank: [Collective, ...] in issue order}}."""
+        out: dict = {}
+        for rank, run in self.ranks.items():
+            for c in getattr(run, phase):
+                out.setdefault(c.group, {}).setdefault(rank, []).append(c)
+        return out
+
+    def check(self) -> None:
+        """Raise DryRunError at the first disagreement: two simulated members of a group whose sequences
+        differ (op, shapes, dtype, root; object exchanges by op), or a send without its receive."""
+        for phase, exact in (("setup", False), ("step", True)):
+            for group, seqs in sorted(self.members(phase).items()):
+                first = min(seqs)
+                for rank in sorted(seqs):
+                    _same(group, phase, exact, first, seqs[first], rank, seqs[rank])
+        self._pairs()
+
+    def _pairs(self) -> None:
+        sent: dict = {}
+        got: dict = {}
+        for rank, run in self.ranks.items():
+            for c in run.step:
+                if c.op == "send":
+                    sent.setdefault((rank, c.peer), []).append(c.shapes)
+                elif c.op == "recv":
+                    got.setdefault((c.peer, rank), []).append(c.shapes)
+        for (a, b) in sorted(set(sent) | set(got)):
+            if a in self.ranks and b in self.ranks and sent.get((a, b), []) != got.get((a, b), []):
+                raise DryRunError(f"dry run: rank {a} sends {sent.get((a, b), [])} to rank {b}, which receives "
+                                  f"{got.get((a, b), [])} from it; each send needs its receive, in order and shape")
+
+    def __str__(self) -> str:
+        lines = [f"dry run of {len(self.ranks)} of {self.world} ranks, grid {'x'.join(map(str, self.grid))}",
+                 "rank  position        calls  grid bytes  planned     replica bytes  held params/grads/optim/saved"]
+        for rank, r in sorted(self.ranks.items()):
+            held = "/".join(_mib(r.held.get(k, 0)) for k in ("params", "grads", "optimizer", "saved"))
+            lines.append(f"{rank:>4}  {str(r.at):<14} {len(r.step):>6}  {r.counted.get('grid', 0):>10,}  "
+                         f"{r.planned:>10,}{'' if r.agrees else ' (!)'}  {r.counted.get('replicas', 0):>13,}  {held}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"world": self.world, "grid": list(self.grid),
+                "ranks": {str(k): {"at": list(r.at), "calls": len(r.step), "bytes": r.counted, "planned": r.planned,
+                                   "agrees": r.agrees, "held": r.held,
+                                   "collectives": [[c.op, list(c.group), [list(s) for s in c.shapes], c.dtype, c.peer]
+                                                   for c in r.step]}
+                          for k, r in sorted(self.ranks.items())}}
+
+
+def _same(group, phase, exact, a, seq_a, b, seq_b) -> None:
+    for k in range(max(len(seq_a), len(seq_b))):
+        x = seq_a[k] if k < len(seq_a) else None
+        y = seq_b[k] if k < len(seq_b) else None
+        if x is None or y is None or x.key(exact) != y.key(exact):
+            raise DryRunError(
+                f"dry run: ranks {a} and {b} of group {list(group)} issue different collectives at position {k} "
+                f"of the {phase}: rank {a} {x or 'nothing'}; rank {b} {y or 'nothing'}. On NCCL this hangs or "
+                f"mixes data; a branch on the rank, or on data that differs between ranks, usually causes it")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}M"
+
+
+def covering_ranks(grid: tuple) -> list:
+    """The ranks whose positions cover every index of every axis of `grid` ((R, C), (d, R, C), or a
+    cube's (q, q, q), whose ranks sit on a (q, q*q) grid): rank i holds index i mod n of each axis of n."""
+    shape = (1, grid[0], grid[0] ** 2) if _is_cube(grid) else ((1, *grid) if len(grid) == 2 else tuple(grid))
+    d, R, C = shape
+    return sorted({(i % d) * R * C + (i % R) * C + (i % C) for i in range(max(shape))})
+
+
+def _is_cube(grid) -> bool:
+    return len(grid) == 3 and len(set(grid)) == 1
+
+
+def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks=None, check: bool = True,
+            **options) -> DryRun:
+    """Simulate `ranks` (default `covering_ranks(grid)`) of `parallelize(model, grid, example_inputs,
+    example_kwargs, **options)` in this process (see the module docstring) and return what they did;
+    with `check`, raise DryRunError where two simulated ranks of a group disagree. Call it in a process
+    without a process group of its own (it starts and ends a fake one per simulated rank)."""
+    if dist.is_available() and dist.is_initialized():
+        raise UsageError("autopar.dry_run starts a fake process group per simulated rank: call it in a process "
+                         "that has not called torch.distributed.init_process_group (or destroy that group first)")
+    if options.get("pipeline") is not None:
+        raise UsageError("autopar.dry_run: pipeline stages are not simulated yet; dry-run one stage's grid, or use "
+                         "autopar.plan(..., pipeline=...) for the stages' estimate")
+    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(
+            isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
+        raise UsageError(f"autopar.dry_run: grid={grid!r}: expected (R, C), (dp, R, C) or a cube (q, q, q)")
+    grid = tuple(grid)
+    world = 1
+    for g in grid:
+        world *= g
+    chosen = covering_ranks(grid) if ranks is None else list(ranks)
+    bad = [r for r in chosen if not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world)]
+    if bad or not chosen:
+        raise UsageError(f"autopar.dry_run: ranks={ranks!r}: expected ranks in [0, {world}) of grid {grid}")
+    chosen = sorted({0, *chosen})  # rank 0 first: what it decides and sends, the others receive
+    runs, sent = {}, {}
+    with progress("dry run", len(chosen)) as bar:
+        for rank in chosen:
+            runs[rank] = _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, sent)
+            bar.update()
+    report = DryRun(world, grid, runs)
+    if check:
+        report.check()
+    return report
+
+
+def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict) -> RankRun:
+    from autopar.parallel.api import parallelize
+    from autopar.parallel.sharded import memory_per_rank
+    from autopar.planning.explain import graph_rows
+
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
+    try:
+        with _Recorder(rank, sent) as rec, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
+            pm = parallelize(copy.deepcopy(model), grid=grid, example_inputs=args, example_kwargs=kwargs, **options)
+            setup = rec.take()
+            pm.grid.log.reset()
+            params = {p.to_local().untyped_storage().data_ptr() for p in pm.parameters()}
+            saved: dict = {}
+
+            def pack(t):  # kept alive here, so that an id is not reused within the step
+                if t.untyped_storage().data_ptr() not in params:
+                    saved[id(t)] = (t, t.numel() * t.element_size())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = _loss(pm(*args, **kwargs))
+            loss.backward()
+            opt = torch.optim.AdamW(pm.parameters())
+            opt.step()
+            step = rec.take()
+        log, g = pm.grid.log, pm.grid
+        replicas = log.total("dp:") + log.total("fsdp:")
+        rows = graph_rows(pm.program.inspected, g.shape, at=(g.r, g.c))
+        planned = sum(r.fwd_bytes + r.bwd_bytes + r.recompute_bytes for r in rows)
+        return RankRun(rank, (g.dp_index, g.r, g.c), setup, step, {"grid": log.total() - replicas,
+                                                                   "replicas": replicas},
+                       planned, {**memory_per_rank(pm, opt), "saved": sum(n for _, n in saved.values())})
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss(out) -> torch.Tensor:
+    """The model's own loss (its 0-dim floating-point output), else the mean of its floating outputs'
+    local blocks (a stand-in whose backward reaches every parameter)."""
+    from autopar.program.loss_share import loss_leaf
+
+    leaves = pytree.tree_leaves(out)
+    at = loss_leaf(out)
+    if at is not None:
+        return leaves[at]
+    floats = [t.to_local() if hasattr(t, "to_local") else t for t in leaves
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        raise UsageError("autopar.dry_run: the model's output has no floating-point tensor to train on")
+    return sum(t.float().mean() for t in floats)
+
+
+class _Recorder(contextlib.AbstractContextManager):
+    """Records every call of the `_METHODS` of torch's ProcessGroup (patched on the class while active).
+    What rank 0 broadcasts as objects (int64 sizes and uint8 pickles: its strategy choice, its arrangement)
+    is kept in `sent` and handed, in order per group, to the later simulated ranks that receive it: the
+    fake group moves no data, and a rank that decides nothing itself must get rank 0's decision."""
+
+    def __init__(self, rank: int, sent: dict):
+        self.calls: list = []
+        self.saved: dict = {}
+        self.rank, self.sent, self.count = rank, sent, {}
+
+    def __enter__(self):
+        for name in _METHODS:
+            orig = getattr(dist.ProcessGroup, name, None)
+            if orig is not None:
+                self.saved[name] = orig
+                setattr(dist.ProcessGroup, name, self._wrap(name, orig))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, orig in self.saved.items():
+            setattr(dist.ProcessGroup, name, orig)
+
+    def take(self) -> list:
+        out, self.calls = self.calls, []
+        return out
+
+    def _wrap(self, name, orig):
+        def call(pg, *args, **kwargs):
+            c = _record(name, pg, args)
+            self.calls.append(c)
+            work = orig(pg, *_fake_accepts(name, args), **kwargs)
+            if name == "broadcast" and c.peer == 0 and c.dtype in ("torch.int64", "torch.uint8"):
+                self._relay(c, args[0][0])
+            return work
+        return call
+
+    def _relay(self, c: Collective, t: torch.Tensor) -> None:
+        key = (c.group, self.count.get(c.group, 0))
+        self.count[c.group] = key[1] + 1
+        if self.rank == 0:
+            self.sent[key] = t.detach().clone()
+        elif key in self.sent and self.sent[key].shape == t.shape:
+            t.copy_(self.sent[key])
+
+
+def _fake_accepts(name: str, args: tuple) -> tuple:
+    """The fake group refuses an uneven all-to-all whose input is empty (gloo and NCCL take it: a rank that
+    sends nothing but receives): it gets a one-element input sent to its first peer, which moves nothing
+    under the fake group and changes no recorded shape."""
+    if name not in ("alltoall_base", "all_to_all_single") or len(args) < 5 or args[1].numel():
+        return args
+    if not any(args[2]) or not args[3]:
+        return args
+    out, inp, out_splits, in_splits, opts = args
+    return out, inp.new_zeros(1), out_splits, [1] + [0] * (len(in_splits) - 1), opts
+
+
+def _record(name: str, pg, args: tuple) -> Collective:
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    tensors = [t for t in pytree.tree_leaves(list(args)) if isinstance(t, torch.Tensor)]
+    peer = None
+    opts = args[-1] if args else None
+    if name in ("broadcast", "reduce") and hasattr(opts, "rootRank"):
+        peer = ranks[opts.rootRank]
+    elif name in ("send", "recv") and len(args) > 1 and isinstance(args[1], int):
+        peer = ranks[args[1]]
+    return Collective(name, ranks, tuple(tuple(t.shape) for t in tensors),
+                      str(tensors[0].dtype) if tensors else "", peer, _caller())
+
+
+def _caller() -> str:
+    """autopar's innermost line on the stack (where the collective was issued)."""
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        if any(part in frame.filename for part in _OWN) and not frame.filename.endswith("dry_run.py"):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return "?"
