@@ -157,6 +157,7 @@ def _tokens(args, kwargs, hidden: int) -> int:
 
 
 def inspect_cmd(ns) -> int:
+    from autopar.cli_inspect import choose_pipeline_cmd, dry_run_cmd, pipeline_cmd
     from autopar.planning.explain import arrangement_lines
     from autopar.planning.grids import replica_inputs
     from autopar.planning.report import dot, group_by_module, html, plot, require_matplotlib, sweep_table
@@ -177,7 +178,7 @@ def inspect_cmd(ns) -> int:
     strategy = ns.strategy or ("auto" if ns.grid == "auto" else "2d")
     grids = None
     if ns.pipeline == "auto":
-        return _choose_pipeline_cmd(ns, model, kwargs, limit, args)
+        return choose_pipeline_cmd(ns, model, kwargs, limit, args)
     if ns.grid == "auto":
         if not ns.devices:
             raise SystemExit("autopar inspect: --grid auto needs --devices N (how many ranks to arrange)")
@@ -188,7 +189,9 @@ def inspect_cmd(ns) -> int:
     else:
         grid = ns.grid
     if ns.pipeline:
-        return _pipeline_cmd(ns, model, grid, args, kwargs, strategy, limit)
+        return pipeline_cmd(ns, model, grid, args, kwargs, strategy, limit)
+    if ns.dry_run:
+        return dry_run_cmd(ns, model, grid, args, kwargs, strategy, limit)
     pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
                       cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute,
                       data_parallel=ns.data_parallel, reshard_after_forward=ns.reshard_after_forward)
@@ -239,41 +242,6 @@ def inspect_cmd(ns) -> int:
               f"{v['ratio_2d_over_1d_comm']:.2f}, parameters {v['ratio_2d_over_1d_params']:.2f}")
     for row in report.get("sweep", []):
         print(row)
-    return 0
-
-
-def _pipeline_cmd(ns, model, grid, args, kwargs, strategy, limit) -> int:
-    """inspect --pipeline S: the pipeline's plan (per stage and pipeline rank, bubble, step estimate)."""
-    import autopar
-
-    pipe = autopar.Pipeline(stages=ns.pipeline, schedule=ns.schedule, microbatches=ns.microbatches,
-                            stages_per_rank=ns.stages_per_rank)
-    pl = autopar.plan(model, grid=grid, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
-                      cost_model=ns.cost_model, memory_limit=limit, recompute=ns.recompute,
-                      data_parallel=ns.data_parallel, pipeline=pipe, cluster=ns.cluster)
-    print(json.dumps(pl.to_json(), indent=2, default=str) if ns.json else pl)
-    return 0
-
-
-def _choose_pipeline_cmd(ns, model, kwargs, limit, args) -> int:
-    """inspect --pipeline auto --devices N: `autopar.choose_pipeline`'s table and choice."""
-    import autopar
-    from passes.options import format_bytes
-
-    if not ns.devices or args:
-        raise SystemExit("autopar inspect --pipeline auto: needs --devices N and a model called with keyword inputs "
-                         "(a transformers model type, or a module:callable returning kwargs)")
-    best, table = autopar.choose_pipeline(model, ns.devices, kwargs, cluster=ns.cluster or "dgx-h100",
-                                          memory_limit=limit)
-    if ns.json:
-        print(json.dumps({"chosen": best.to_json(), "tried": table}, indent=2, default=str))
-        return 0
-    for row in sorted(table, key=lambda r: r["step_s"]):
-        print(f"{row['stages']} stages x {row['d']} replica(s) ({row['data_parallel']}) x grid "
-              f"{row['grid'][0]}x{row['grid'][1]}, {row['schedule']}, {row['microbatches']} micro-batches, recompute "
-              f"{row['recompute']}: step {row['step_s'] * 1e3:.1f} ms, bubble {row['bubble']:.0%}, "
-              f"{format_bytes(row['memory_bytes'])}/rank" + ("" if row["fits"] else " (does not fit)"))
-    print(f"\nchosen:\n{best}")
     return 0
 
 
@@ -406,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, help="with --pipeline: micro-batches per batch (default S)")
     p.add_argument("--stages-per-rank", type=int, default=1, help="with --pipeline: stages per pipeline rank")
     p.add_argument("--cluster", help="price axes by the nodes they span: dgx-h100, grand-teton-h100, dgx-a100")
+    p.add_argument("--dry-run", nargs="?", const="covering", choices=["covering", "all"], metavar="RANKS",
+                   help="build and step each simulated rank's program under the fake process group (autopar.dry_run) "
+                        "and check its collectives across ranks: the ranks covering every row, column and replica "
+                        "(default), or all")
     p.add_argument("--dot", metavar="FILE", help="write the graph (Graphviz DOT, or HTML for *.html)")
     p.add_argument("--plot", metavar="FILE", help="plot bytes and parameters per rank against p, 2D and 1D "
                                                    "(a sweep up to --sweep or 64; needs matplotlib)")

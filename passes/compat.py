@@ -56,7 +56,8 @@ from passes.errors import TorchVersionError
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
-           "exit_autocast", "fake_store", "fake_tensor_mode", "group_timeout", "implicit_replication",
+           "exit_autocast", "fake_store", "fake_tensor_mode", "real_tensors", "group_timeout",
+           "implicit_replication",
            "in_backward", "in_torch_compile_call", "legacy_reduction", "parse_to",
            "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
            "set_version_counter", "keep_effect_order_in_inductor", "CACHEABLE_EFFECTS"]
@@ -113,13 +114,21 @@ def fake_store():
     return FakeStore()
 
 
-def fake_tensor_mode():
+def real_tensors():
+    """A context in which new tensors are real even inside a FakeTensorMode (torch's
+    unset_fake_temporarily), for host-side bookkeeping beside a fake step. Checked on 2.13.0."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def fake_tensor_mode(allow_real: bool = False):
     """A FakeTensorMode (torch._subclasses.fake_tensor), imported on first use: tensors with shapes and
     dtypes but no storage. Checked on 2.13.0. If it moves: `autopar.plan` cannot measure activation
     memory (measure_activations=True)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode()
+    return FakeTensorMode(allow_non_fake_inputs=allow_real)  # allow_real: real buffers beside fake parameters
 
 
 def is_fake(t) -> bool:

@@ -142,3 +142,21 @@ def test_inspect_chooses_a_pipeline(capsys):
     assert "\nchosen:\npipeline 2 x grid" in text, text
     with pytest.raises(SystemExit, match="needs --devices N"):
         cli.main(argv[:-2])
+
+
+def test_inspect_dry_run(capsys):
+    """`--dry-run all` on a 2x2 grid of a one-block Llama built on the meta device (its blocks allocated,
+    its rotary tables restored): each rank's program stepped under the fake process group, the checks'
+    verdict, every rank's grid bytes equal to its plan's, in JSON."""
+    import json
+
+    argv = ["inspect", "llama", "--set", "num_hidden_layers=1", "--set", "hidden_size=32", "--set",
+            "num_attention_heads=4", "--set", "num_key_value_heads=4", "--set", "vocab_size=128",
+            "--set", "intermediate_size=64", "--batch", "4", "--seq", "8", "--grid", "2x2", "--dry-run", "all",
+            "--json"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["checks"].startswith("passed"), report["checks"]
+    assert sorted(report["ranks"]) == ["0", "1", "2", "3"], sorted(report["ranks"])
+    for rank, r in report["ranks"].items():
+        assert r["agrees"] and r["bytes"]["grid"] == r["planned"] > 0, (rank, r["bytes"], r["planned"])

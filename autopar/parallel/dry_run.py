@@ -23,9 +23,13 @@ point-to-point traffic; object exchanges (parallelize's handshakes, whose pickle
 does not move) are compared by op and group alone. Each rank's bytes of the step are set beside its
 plan at its grid position (`autopar.planning.explain.graph_rows` of its own program).
 
-The model runs with its real tensors, one simulated rank at a time: a model that fits this machine
-(tested up to 64 ranks). Pipeline stages are not simulated yet (`pipeline=` is refused), nor a
-model on the meta device, nor a check of the order between groups.
+Each simulated rank computes its own share of the step with real tensors, one rank at a time: its
+parameter blocks (1/p of the model), allocated and left uninitialised where the model was built on
+the meta device (`autopar.meta_init()`; transformers' buffers restored by
+`autopar.checkpoint.restore_buffers`), and its matmuls. So time grows with the model over p, and a
+70B model at hundreds of ranks takes minutes per rank on a CPU. Not yet: pipeline stages
+(`pipeline=` is refused), fake tensors (autopar's collectives run inside its library ops, whose fake
+kernels issue none), MoE routing on uninitialised weights, and a check of the order between groups.
 """
 
 from __future__ import annotations
@@ -236,6 +240,7 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict) -> Ra
             warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
             pm = parallelize(copy.deepcopy(model), grid=grid, example_inputs=args, example_kwargs=kwargs, **options)
             setup = rec.take()
+            pm.materialized = True  # a model built on the meta device: its blocks are allocated, not loaded
             pm.grid.log.reset()
             params = {p.to_local().untyped_storage().data_ptr() for p in pm.parameters()}
             saved: dict = {}

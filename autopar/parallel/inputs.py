@@ -19,7 +19,7 @@ from autopar.program.build import Compiled
 from autopar.program.consensus import all_gather_objects
 from autopar.program.guards import bit_sum, fingerprint, position_checksum
 from passes import Grid
-from passes.compat import pytree
+from passes.compat import is_fake, pytree, real_tensors
 from passes.ops import comm
 
 __all__ = ["RankStateDict", "check_inputs", "input_names"]
@@ -104,7 +104,12 @@ def _same_everywhere(grid: Grid, flat: list, device, names, values_too: bool) ->
     of four int64 per call (the max of a digest of the shapes and dtypes, of a checksum of the
     values on the device, and of their negations: equal maxima of both signs mean every rank
     had the same); only when they differ are the inputs gathered, to name what differs and where.
-    check_inputs=False leaves out the values, never the shapes."""
+    check_inputs=False leaves out the values, never the shapes; so does a dry run's step on fake
+    inputs (values it does not have), whose exchange is made of real tensors beside it."""
+    if any(is_fake(t) for t in flat):
+        with real_tensors():  # inputs the size of one batch of ids: their shapes, as real tensors
+            stand_ins = [torch.empty(t.shape, dtype=t.dtype, device=device) if is_fake(t) else t for t in flat]
+            return _same_everywhere(grid, stand_ins, device, names, False)
     shapes = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else plain(t) for t in flat]
     digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "little")
     values = torch.zeros((), dtype=torch.int64, device=device)
