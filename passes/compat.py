@@ -56,7 +56,8 @@ from passes.errors import TorchVersionError
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
-           "exit_autocast", "fake_store", "fake_tensor_mode", "real_tensors", "group_timeout",
+           "exit_autocast", "fake_store", "fake_tensor_mode", "real_tensors", "storage_key", "custom_op_body",
+           "data_dependent_errors", "group_timeout",
            "implicit_replication",
            "in_backward", "in_torch_compile_call", "legacy_reduction", "parse_to",
            "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
@@ -112,6 +113,30 @@ def fake_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def storage_key(t) -> int:
+    """A key of the storage under `t`, equal for its views, real or fake (`StorageImpl`'s address,
+    `untyped_storage()._cdata`). Checked on 2.13.0. If it moves: `autopar.dry_run`'s saved bytes."""
+    return t.untyped_storage()._cdata
+
+
+def custom_op_body(name: str):
+    """The Python function a `torch.library.custom_op` named `name` ('autopar::summa') was made from (its
+    eager body), through torch._library.custom_ops. Checked on 2.13.0. If it moves: `autopar.dry_run` on
+    fake tensors counts no collective."""
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    return _maybe_get_opdef(name)._init_fn
+
+
+def data_dependent_errors() -> tuple:
+    """The errors fake tensors raise where a step reads a value (`.item()`, a data-dependent shape).
+    Checked on 2.13.0."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
 
 def real_tensors():

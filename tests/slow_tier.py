@@ -393,4 +393,8 @@ SLOW = {
     # a fresh 2-rank spawn that waits out a 5 s timeout (15 s): FSDP2's collectives guarded as the grid's are
     "tests/test_robustness.py::test_stalled_sharded_replica_raises_a_collective_error":
         "test_robustness.py::test_dying_rank_raises_on_the_others",
+    # the dry run of a transformers Llama real, fake and built on meta (8 s): the fast tier's GPT cases compare
+    # real and fake tensors at every grid already
+    "tests/test_dry_run.py::test_fake_tensors_issue_what_real_ones_do":
+        "test_dry_run.py::test_every_position_builds_and_its_bytes_are_the_plan",
 }

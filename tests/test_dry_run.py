@@ -37,13 +37,17 @@ def test_every_position_builds_and_its_bytes_are_the_plan(grid, options, hidden)
     other bytes than a rank's step moves, at scales no test here can run on processes: 64 ranks of an
     8x8 grid, 1D over 16, a 4x4x4 cube, sharded replicas, and strategy='auto' (rank 0's choice, sent as
     an object, handed to the ranks simulated after it). The ranks that cover every row, column and
-    replica index are simulated; every one's grid bytes equal its plan's exactly."""
+    replica index are simulated; every one's grid bytes equal its plan's exactly, with real tensors
+    and on fake ones alike (the same collectives in the same order)."""
     model, inputs = _gpt(hidden, heads=4 if hidden == 32 else 8)
-    report = _dry(model, inputs, grid, **options)
+    report = _dry(model, inputs, grid, fake=False, **options)
+    fake = _dry(model, inputs, grid, fake=True, **options)  # the repo's GPT ties its head: one fake weight
     assert sorted(report.ranks) == covering_ranks(grid), sorted(report.ranks)
     for rank, run in report.ranks.items():
         assert run.step and run.counted["grid"] > 0, (rank, run)
         assert run.counted["grid"] == run.planned, (rank, run.counted, run.planned)
+        twin = fake.ranks[rank]  # fake tensors: the same collectives, in the same order, the same bytes
+        assert [c.key() for c in twin.step] == [c.key() for c in run.step] and twin.counted == run.counted, rank
     if options.get("data_parallel") == "shard":  # FSDP2 over the replicas: counted under their own kind
         assert all(run.counted["replicas"] > 0 for run in report.ranks.values())
 
@@ -98,3 +102,30 @@ def test_dry_run_refusals():
         autopar.dry_run(model, grid=(0, 2), example_inputs=inputs)
     with pytest.raises(autopar.UsageError, match=r"ranks=\[4\]: expected ranks in \[0, 4\)"):
         autopar.dry_run(model, grid=(2, 2), example_inputs=inputs, ranks=[4])
+
+
+def test_fake_tensors_issue_what_real_ones_do():
+    """Catches a fake-tensor dry run that differs from the real program: the same Llama on 4x4, once
+    with real tensors and once on fake ones (autopar's library ops running their eager bodies), issues
+    the same collectives in the same order with the same shapes on every simulated rank, and counts the
+    same bytes, equal to the plan. A model built on the meta device takes the fake path by default."""
+    from autopar.checkpoint import restore_buffers
+    from tests.checks_hf import build
+
+    model, make = build("llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+                        intermediate_size=128, num_hidden_layers=2, use_cache=False)
+    kw = make(8, 16, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = autopar.dry_run(model, grid=(4, 4), example_kwargs=kw, fake=False)
+        fake = autopar.dry_run(model, grid=(4, 4), example_kwargs=kw, fake=True)
+        with autopar.meta_init():
+            on_meta, _ = build("llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+                               intermediate_size=128, num_hidden_layers=2, use_cache=False)
+        restore_buffers(on_meta)
+        meta = autopar.dry_run(on_meta, grid=(4, 4), example_kwargs=kw)
+    for rank, run in real.ranks.items():
+        for other in (fake, meta):
+            twin = other.ranks[rank]
+            assert [c.key() for c in twin.step] == [c.key() for c in run.step], rank
+            assert twin.counted == run.counted and twin.planned == run.planned == run.counted["grid"], rank

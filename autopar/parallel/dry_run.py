@@ -23,13 +23,14 @@ point-to-point traffic; object exchanges (parallelize's handshakes, whose pickle
 does not move) are compared by op and group alone. Each rank's bytes of the step are set beside its
 plan at its grid position (`autopar.planning.explain.graph_rows` of its own program).
 
-Each simulated rank computes its own share of the step with real tensors, one rank at a time: its
-parameter blocks (1/p of the model), allocated and left uninitialised where the model was built on
-the meta device (`autopar.meta_init()`; transformers' buffers restored by
-`autopar.checkpoint.restore_buffers`), and its matmuls. So time grows with the model over p, and a
-70B model at hundreds of ranks takes minutes per rank on a CPU. Not yet: pipeline stages
-(`pipeline=` is refused), fake tensors (autopar's collectives run inside its library ops, whose fake
-kernels issue none), MoE routing on uninitialised weights, and a check of the order between groups.
+A model built on the meta device (`autopar.meta_init()`; transformers' buffers restored by
+`autopar.checkpoint.restore_buffers`) runs on fake tensors by default (`fake=True`): parameters,
+activations and gradients hold no memory and nothing is computed, while autopar's library ops run
+their eager bodies, so every collective is issued, counted and recorded as on real tensors (a 70B
+Llama shape, one rank of an 8x8 grid: 19 s and 0.5 GB here). With `fake=False` each rank computes
+its share for real (1/p of the model, uninitialised where it was on meta): a mixture of experts needs
+that, its routing reading values. Not yet: pipeline stages (`pipeline=` is refused) and a check of
+the order between groups.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError, UsageError
 from autopar.planning.progress import steps as progress
-from passes.compat import fake_store, pytree
+from passes.compat import (TorchDispatchMode, custom_op_body, data_dependent_errors, fake_store, fake_tensor_mode,
+                           pytree, storage_key)
 
 __all__ = ["Collective", "DryRun", "DryRunError", "RankRun", "covering_ranks", "dry_run"]
 
@@ -56,6 +58,7 @@ _METHODS = ("broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgathe
             "reduce_scatter_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
             "send", "recv", "barrier")
 _OWN = (os.sep + "autopar" + os.sep, os.sep + "passes" + os.sep)
+_DATA_DEPENDENT = data_dependent_errors()
 
 
 class DryRunError(AutoparError, RuntimeError):
@@ -195,10 +198,12 @@ def _is_cube(grid) -> bool:
 
 
 def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks=None, check: bool = True,
-            **options) -> DryRun:
+            fake: bool | None = None, **options) -> DryRun:
     """Simulate `ranks` (default `covering_ranks(grid)`) of `parallelize(model, grid, example_inputs,
     example_kwargs, **options)` in this process (see the module docstring) and return what they did;
-    with `check`, raise DryRunError where two simulated ranks of a group disagree. Call it in a process
+    with `check`, raise DryRunError where two simulated ranks of a group disagree. `fake`: run the step on
+    fake tensors (shapes, no memory, no compute; the default for a model on the meta device), else on
+    real ones (a mixture of experts needs them: its routing reads values). Call it in a process
     without a process group of its own (it starts and ends a fake one per simulated rank)."""
     if dist.is_available() and dist.is_initialized():
         raise UsageError("autopar.dry_run starts a fake process group per simulated rank: call it in a process "
@@ -218,10 +223,13 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
     if bad or not chosen:
         raise UsageError(f"autopar.dry_run: ranks={ranks!r}: expected ranks in [0, {world}) of grid {grid}")
     chosen = sorted({0, *chosen})  # rank 0 first: what it decides and sends, the others receive
+    if fake is None:
+        fake = any(p.is_meta for p in model.parameters())
     runs, sent = {}, {}
     with progress("dry run", len(chosen)) as bar:
         for rank in chosen:
-            runs[rank] = _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, sent)
+            runs[rank] = _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, sent,
+                                   bool(fake))
             bar.update()
     report = DryRun(world, grid, runs)
     if check:
@@ -229,32 +237,26 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
     return report
 
 
-def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict) -> RankRun:
+def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, fake: bool) -> RankRun:
     from autopar.parallel.api import parallelize
     from autopar.parallel.sharded import memory_per_rank
     from autopar.planning.explain import graph_rows
 
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
     try:
+        model = copy.deepcopy(model)
+        mode = fake_tensor_mode(allow_real=True) if fake else None
+        if mode is not None:
+            with mode:
+                _fake_parameters(model)
         with _Recorder(rank, sent) as rec, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
-            pm = parallelize(copy.deepcopy(model), grid=grid, example_inputs=args, example_kwargs=kwargs, **options)
+            pm = parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, **options)
             setup = rec.take()
             pm.materialized = True  # a model built on the meta device: its blocks are allocated, not loaded
             pm.grid.log.reset()
-            params = {p.to_local().untyped_storage().data_ptr() for p in pm.parameters()}
-            saved: dict = {}
-
-            def pack(t):  # kept alive here, so that an id is not reused within the step
-                if t.untyped_storage().data_ptr() not in params:
-                    saved[id(t)] = (t, t.numel() * t.element_size())
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = _loss(pm(*args, **kwargs))
-            loss.backward()
-            opt = torch.optim.AdamW(pm.parameters())
-            opt.step()
+            with mode or contextlib.nullcontext(), _EagerOps() if fake else contextlib.nullcontext():
+                opt, saved = _step(pm, *_inputs(mode, args, kwargs))
             step = rec.take()
         log, g = pm.grid.log, pm.grid
         replicas = log.total("dp:") + log.total("fsdp:")
@@ -262,9 +264,65 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict) -> Ra
         planned = sum(r.fwd_bytes + r.bwd_bytes + r.recompute_bytes for r in rows)
         return RankRun(rank, (g.dp_index, g.r, g.c), setup, step, {"grid": log.total() - replicas,
                                                                    "replicas": replicas},
-                       planned, {**memory_per_rank(pm, opt), "saved": sum(n for _, n in saved.values())})
+                       planned, {**memory_per_rank(pm, opt), "saved": saved})
+    except _DATA_DEPENDENT as e:
+        raise UsageError(f"autopar.dry_run: this model's step reads values that fake tensors do not have "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); a mixture of experts routes by "
+                         f"them. Pass fake=False to compute each rank's share with real tensors") from e
     finally:
         dist.destroy_process_group()
+
+
+def _step(pm, args: tuple, kwargs: dict) -> tuple:
+    """One training step: forward, backward of the loss, an AdamW step; (the optimizer, the bytes the
+    forward saved for backward other than parameter blocks)."""
+    params = {storage_key(p.to_local()) for p in pm.parameters()}
+    saved: dict = {}
+
+    def pack(t):  # kept alive here, so that an id is not reused within the step
+        if storage_key(t) not in params:
+            saved[id(t)] = (t, t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _loss(pm(*args, **kwargs))
+    loss.backward()
+    opt = torch.optim.AdamW(pm.parameters())
+    opt.step()
+    return opt, sum(n for _, n in saved.values())
+
+
+def _fake_parameters(model) -> None:
+    """Each parameter of `model` replaced by an uninitialised one of its shape and dtype, on the CPU
+    (inside a FakeTensorMode: a fake tensor, which holds no memory); a parameter held under several
+    names (a tied LM head) by one new parameter under all of them."""
+    new: dict = {}
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if id(p) not in new:
+            new[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, new[id(p)])
+
+
+def _inputs(mode, args: tuple, kwargs: dict) -> tuple:
+    if mode is None:
+        return args, kwargs
+    return pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+
+
+class _EagerOps(TorchDispatchMode):
+    """Under a FakeTensorMode, autopar's library ops run their eager bodies (which issue the
+    collectives, count them in the grid's CommLog and call the process group) instead of their fake
+    kernels, which only give shapes. The checks on values (ids in range, routing) keep their fake
+    kernels: fake tensors have no values to check."""
+
+    SHAPES_ONLY = ("check_ids", "check_targets", "moe_offsets", "moe_dispatch", "moe_combine")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "autopar" and func._opname not in self.SHAPES_ONLY:
+            with _EagerOps():  # ops called inside the body run theirs too
+                return custom_op_body(f"autopar::{func._opname}")(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 def _loss(out) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from autopar.errors import CompileWarning
 from autopar.program.build import Compiled
-from passes.compat import dynamo_counts
+from passes.compat import dynamo_counts, real_tensors
 from passes.mesh import warn
 from passes.ops import comm
 from passes.ops.grad_buckets import StepBuckets, with_arrivals
@@ -88,7 +88,8 @@ class Runner:
         """As a call, with dropout masks independent per block: one number drawn from the default
         generator (equal on ranks seeded alike, so the user's RNG advances the same everywhere) seeds
         this rank's stream."""
-        seed = int(torch.randint(0, 2**62, (1,)).item())
+        with real_tensors():  # a draw on the host's generator, real even inside a dry run's fake tensors
+            seed = int(torch.randint(0, 2**62, (1,)).item())
         devices = [comp.captured.device] if comp.captured.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((seed + 1_000_003 * (rank + 1)) % 2**63)
