@@ -129,3 +129,23 @@ def test_fake_tensors_issue_what_real_ones_do():
             twin = other.ranks[rank]
             assert [c.key() for c in twin.step] == [c.key() for c in run.step], rank
             assert twin.counted == run.counted and twin.planned == run.planned == run.counted["grid"], rank
+
+
+def test_an_order_across_groups_that_waits_for_ever_is_caught():
+    """Catches the hang no single group shows: ranks 0 and 1 share groups A = [0, 1] and B = [0, 1, 2, 3]
+    and each group's calls agree in kind, but rank 0 issues A's before B's and rank 1 B's before A's, so
+    each waits for the other for ever. (Recorded sequences built by hand: autopar's own programs
+    issue one order; the dry run of each of its layouts above passes this check.)"""
+    from autopar.parallel.dry_run import Collective, DryRun, RankRun
+
+    def call(group):
+        return Collective("allreduce", group, ((4,),), "torch.float32", None, "test")
+
+    a, b = (0, 1), (0, 1, 2, 3)
+    ranks = {0: RankRun(0, (0, 0, 0), step=[call(a), call(b)]), 1: RankRun(1, (0, 0, 1), step=[call(b), call(a)])}
+    with pytest.raises(DryRunError, match=r"wait on one another for ever: call 0 of group \[0, 1\] before call 0 "
+                                          r"of group \[0, 1, 2, 3\] \(rank 0\); call 0 of group \[0, 1, 2, 3\] before "
+                                          r"call 0 of group \[0, 1\] \(rank 1\)"):
+        DryRun(4, (2, 2), ranks).check()
+    ranks[1] = RankRun(1, (0, 0, 1), step=[call(a), call(b)])
+    DryRun(4, (2, 2), ranks).check()  # one order: no hang

@@ -19,8 +19,10 @@ replica index at least once (8 ranks of an 8x8 grid). Rank 0 is always simulated
 decides and sends as an object (`strategy="auto"`'s choice) is handed to the ranks simulated after it,
 which the fake group would leave without it. `check()` compares, for every group with two
 or more simulated members, their sequences of (op, shapes, dtype, root) and every simulated pair's
-point-to-point traffic; object exchanges (parallelize's handshakes, whose pickles the fake group
-does not move) are compared by op and group alone. Each rank's bytes of the step are set beside its
+point-to-point traffic, and looks for an order of calls across groups that would wait for ever (rank
+a before group G's call issues group H's, rank b the other way round); object exchanges
+(parallelize's handshakes, whose pickles the fake group does not move) are compared by op and group
+alone. Each rank's bytes of the step are set beside its
 plan at its grid position (`autopar.planning.explain.graph_rows` of its own program).
 
 A model built on the meta device (`autopar.meta_init()`; transformers' buffers restored by
@@ -29,8 +31,7 @@ activations and gradients hold no memory and nothing is computed, while autopar'
 their eager bodies, so every collective is issued, counted and recorded as on real tensors (a 70B
 Llama shape, one rank of an 8x8 grid: 19 s and 0.5 GB here). With `fake=False` each rank computes
 its share for real (1/p of the model, uninitialised where it was on meta): a mixture of experts needs
-that, its routing reading values. Not yet: pipeline stages (`pipeline=` is refused) and a check of
-the order between groups.
+that, its routing reading values. Not yet: pipeline stages (`pipeline=` is refused).
 """
 
 from __future__ import annotations
@@ -137,6 +138,32 @@ class DryRun:
                 for rank in sorted(seqs):
                     _same(group, phase, exact, first, seqs[first], rank, seqs[rank])
         self._pairs()
+        self._order()
+
+    def _order(self) -> None:
+        """A collective completes once every member has issued it, and each rank issues its own in order:
+        so rank a issuing the k-th call of group G before the j-th of group H, while rank b issues that
+        one of H before that one of G, waits for ever (NCCL hangs; gloo too). Each call is the node
+        (group, k); each rank's order adds edges between its consecutive calls; a cycle is the hang."""
+        after: dict = {}  # (group, k) -> {(group', k') issued next by some rank: that rank}
+        for rank, run in sorted(self.ranks.items()):
+            count: dict = {}
+            prev = None
+            for c in run.step:
+                if c.op in ("send", "recv"):  # point to point: a pair, not a group call
+                    continue
+                node = (c.group, count.get(c.group, 0))
+                count[c.group] = node[1] + 1
+                if prev is not None:
+                    after.setdefault(prev, {}).setdefault(node, rank)
+                prev = node
+        cycle = _cycle(after)
+        if cycle:
+            steps = "; ".join(f"call {k} of group {list(g)} before call {k2} of group {list(g2)} "
+                              f"(rank {after[(g, k)][(g2, k2)]})"
+                              for (g, k), (g2, k2) in zip(cycle, cycle[1:] + cycle[:1]))
+            raise DryRunError(f"dry run: the ranks issue collectives of different groups in orders that wait on one "
+                              f"another for ever: {steps}. Issue them in one order on every rank")
 
     def _pairs(self) -> None:
         sent: dict = {}
@@ -168,6 +195,31 @@ class DryRun:
                                    "collectives": [[c.op, list(c.group), [list(s) for s in c.shapes], c.dtype, c.peer]
                                                    for c in r.step]}
                           for k, r in sorted(self.ranks.items())}}
+
+
+def _cycle(after: dict) -> list:
+    """A cycle of the graph `after` (node -> {successor: ...}) as a list of nodes, or [] (iterative DFS)."""
+    state: dict = {}  # node -> 1 on the path, 2 done
+    for root in after:
+        if state.get(root):
+            continue
+        path, stack = [], [(root, iter(after.get(root, ())))]
+        state[root] = 1
+        path.append(root)
+        while stack:
+            node, succ = stack[-1]
+            nxt = next(succ, None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+                state[node] = 2
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, iter(after.get(nxt, ()))))
+    return []
 
 
 def _same(group, phase, exact, a, seq_a, b, seq_b) -> None:
