@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -47,48 +45,17 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError, UsageError
+from autopar.parallel.recorder import Collective, EagerOps, Recorder
 from autopar.planning.progress import steps as progress
-from passes.compat import (TorchDispatchMode, custom_op_body, data_dependent_errors, fake_store, fake_tensor_mode,
-                           pytree, storage_key)
+from passes.compat import data_dependent_errors, fake_store, fake_tensor_mode, pytree, storage_key
 
 __all__ = ["Collective", "DryRun", "DryRunError", "RankRun", "covering_ranks", "dry_run"]
 
-# the ProcessGroup methods torch.distributed's functions call (torch 2.13), each recorded as it is called
-_METHODS = ("broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgather", "allgather_coalesced",
-            "all_gather_single", "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
-            "reduce_scatter_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
-            "send", "recv", "barrier")
-_OWN = (os.sep + "autopar" + os.sep, os.sep + "passes" + os.sep)
 _DATA_DEPENDENT = data_dependent_errors()
 
 
 class DryRunError(AutoparError, RuntimeError):
     """Two simulated ranks of one process group issue different collectives (the bug that hangs NCCL)."""
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One call a process group received: `op` (the ProcessGroup method), `group` (its global ranks),
-    `shapes` and `dtype` of its tensors, `peer` (a broadcast's or reduce's root, a send's destination or
-    a receive's source, as a global rank; None otherwise), `where` (autopar's line that issued it)."""
-
-    op: str
-    group: tuple
-    shapes: tuple
-    dtype: str
-    peer: int | None
-    where: str
-
-    def key(self, shapes: bool = True) -> tuple:
-        """What the members of a group must agree on: op, dtype, root and shapes; shapes not for an object
-        exchange (uint8: a pickle, whose size is the rank's) nor an all-to-all (each rank's splits its own)."""
-        exact = shapes and self.dtype != "torch.uint8" and self.op not in ("all_to_all_single", "alltoall_base",
-                                                                            "alltoall")
-        return (self.op, self.dtype, self.peer) + ((self.shapes,) if exact else ())
-
-    def __str__(self) -> str:
-        peer = f" root/peer {self.peer}" if self.peer is not None else ""
-        return f"{self.op}{list(self.shapes)} {self.dtype}{peer} (from {self.where})"
 
 
 @dataclass
@@ -301,13 +268,13 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, fake:
         if mode is not None:
             with mode:
                 _fake_parameters(model)
-        with _Recorder(rank, sent) as rec, warnings.catch_warnings():
+        with Recorder(rank, sent) as rec, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
             pm = parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, **options)
             setup = rec.take()
             pm.materialized = True  # a model built on the meta device: its blocks are allocated, not loaded
             pm.grid.log.reset()
-            with mode or contextlib.nullcontext(), _EagerOps() if fake else contextlib.nullcontext():
+            with mode or contextlib.nullcontext(), EagerOps() if fake else contextlib.nullcontext():
                 opt, saved = _step(pm, *_inputs(mode, args, kwargs))
             step = rec.take()
         log, g = pm.grid.log, pm.grid
@@ -362,21 +329,6 @@ def _inputs(mode, args: tuple, kwargs: dict) -> tuple:
     return pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
 
 
-class _EagerOps(TorchDispatchMode):
-    """Under a FakeTensorMode, autopar's library ops run their eager bodies (which issue the
-    collectives, count them in the grid's CommLog and call the process group) instead of their fake
-    kernels, which only give shapes. The checks on values (ids in range, routing) keep their fake
-    kernels: fake tensors have no values to check."""
-
-    SHAPES_ONLY = ("check_ids", "check_targets", "moe_offsets", "moe_dispatch", "moe_combine")
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "autopar" and func._opname not in self.SHAPES_ONLY:
-            with _EagerOps():  # ops called inside the body run theirs too
-                return custom_op_body(f"autopar::{func._opname}")(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
 def _loss(out) -> torch.Tensor:
     """The model's own loss (its 0-dim floating-point output), else the mean of its floating outputs'
     local blocks (a stand-in whose backward reaches every parameter)."""
@@ -393,80 +345,3 @@ def _loss(out) -> torch.Tensor:
     return sum(t.float().mean() for t in floats)
 
 
-class _Recorder(contextlib.AbstractContextManager):
-    """Records every call of the `_METHODS` of torch's ProcessGroup (patched on the class while active).
-    What rank 0 broadcasts as objects (int64 sizes and uint8 pickles: its strategy choice, its arrangement)
-    is kept in `sent` and handed, in order per group, to the later simulated ranks that receive it: the
-    fake group moves no data, and a rank that decides nothing itself must get rank 0's decision."""
-
-    def __init__(self, rank: int, sent: dict):
-        self.calls: list = []
-        self.saved: dict = {}
-        self.rank, self.sent, self.count = rank, sent, {}
-
-    def __enter__(self):
-        for name in _METHODS:
-            orig = getattr(dist.ProcessGroup, name, None)
-            if orig is not None:
-                self.saved[name] = orig
-                setattr(dist.ProcessGroup, name, self._wrap(name, orig))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, orig in self.saved.items():
-            setattr(dist.ProcessGroup, name, orig)
-
-    def take(self) -> list:
-        out, self.calls = self.calls, []
-        return out
-
-    def _wrap(self, name, orig):
-        def call(pg, *args, **kwargs):
-            c = _record(name, pg, args)
-            self.calls.append(c)
-            work = orig(pg, *_fake_accepts(name, args), **kwargs)
-            if name == "broadcast" and c.peer == 0 and c.dtype in ("torch.int64", "torch.uint8"):
-                self._relay(c, args[0][0])
-            return work
-        return call
-
-    def _relay(self, c: Collective, t: torch.Tensor) -> None:
-        key = (c.group, self.count.get(c.group, 0))
-        self.count[c.group] = key[1] + 1
-        if self.rank == 0:
-            self.sent[key] = t.detach().clone()
-        elif key in self.sent and self.sent[key].shape == t.shape:
-            t.copy_(self.sent[key])
-
-
-def _fake_accepts(name: str, args: tuple) -> tuple:
-    """The fake group refuses an uneven all-to-all whose input is empty (gloo and NCCL take it: a rank that
-    sends nothing but receives): it gets a one-element input sent to its first peer, which moves nothing
-    under the fake group and changes no recorded shape."""
-    if name not in ("alltoall_base", "all_to_all_single") or len(args) < 5 or args[1].numel():
-        return args
-    if not any(args[2]) or not args[3]:
-        return args
-    out, inp, out_splits, in_splits, opts = args
-    return out, inp.new_zeros(1), out_splits, [1] + [0] * (len(in_splits) - 1), opts
-
-
-def _record(name: str, pg, args: tuple) -> Collective:
-    ranks = tuple(dist.get_process_group_ranks(pg))
-    tensors = [t for t in pytree.tree_leaves(list(args)) if isinstance(t, torch.Tensor)]
-    peer = None
-    opts = args[-1] if args else None
-    if name in ("broadcast", "reduce") and hasattr(opts, "rootRank"):
-        peer = ranks[opts.rootRank]
-    elif name in ("send", "recv") and len(args) > 1 and isinstance(args[1], int):
-        peer = ranks[args[1]]
-    return Collective(name, ranks, tuple(tuple(t.shape) for t in tensors),
-                      str(tensors[0].dtype) if tensors else "", peer, _caller())
-
-
-def _caller() -> str:
-    """autopar's innermost line on the stack (where the collective was issued)."""
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        if any(part in frame.filename for part in _OWN) and not frame.filename.endswith("dry_run.py"):
-            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
-    return "?"

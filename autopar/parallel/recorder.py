@@ -1,0 +1,144 @@
+"""What `autopar.dry_run` records (`autopar.parallel.dry_run`): every call a torch ProcessGroup receives
+(`Recorder`, patching the group's methods while active), as a `Collective`; and, under fake tensors,
+autopar's library ops running their eager bodies (`EagerOps`), so that they issue their collectives."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from passes.compat import TorchDispatchMode, custom_op_body, pytree
+
+__all__ = ["Collective", "EagerOps", "Recorder"]
+
+# the ProcessGroup methods torch.distributed's functions call (torch 2.13), each recorded as it is called
+_METHODS = ("broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgather", "allgather_coalesced",
+            "all_gather_single", "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
+            "reduce_scatter_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
+            "send", "recv", "barrier")
+_OWN = (os.sep + "autopar" + os.sep, os.sep + "passes" + os.sep)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One call a process group received: `op` (the ProcessGroup method), `group` (its global ranks),
+    `shapes` and `dtype` of its tensors, `peer` (a broadcast's or reduce's root, a send's destination or
+    a receive's source, as a global rank; None otherwise), `where` (autopar's line that issued it)."""
+
+    op: str
+    group: tuple
+    shapes: tuple
+    dtype: str
+    peer: int | None
+    where: str
+
+    def key(self, shapes: bool = True) -> tuple:
+        """What the members of a group must agree on: op, dtype, root and shapes; shapes not for an object
+        exchange (uint8: a pickle, whose size is the rank's) nor an all-to-all (each rank's splits its own)."""
+        exact = shapes and self.dtype != "torch.uint8" and self.op not in ("all_to_all_single", "alltoall_base",
+                                                                            "alltoall")
+        return (self.op, self.dtype, self.peer) + ((self.shapes,) if exact else ())
+
+    def __str__(self) -> str:
+        peer = f" root/peer {self.peer}" if self.peer is not None else ""
+        return f"{self.op}{list(self.shapes)} {self.dtype}{peer} (from {self.where})"
+
+
+class EagerOps(TorchDispatchMode):
+    """Under a FakeTensorMode, autopar's library ops run their eager bodies (which issue the
+    collectives, count them in the grid's CommLog and call the process group) instead of their fake
+    kernels, which only give shapes. The checks on values (ids in range, routing) keep their fake
+    kernels: fake tensors have no values to check."""
+
+    SHAPES_ONLY = ("check_ids", "check_targets", "moe_offsets", "moe_dispatch", "moe_combine")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "autopar" and func._opname not in self.SHAPES_ONLY:
+            with EagerOps():  # ops called inside the body run theirs too
+                return custom_op_body(f"autopar::{func._opname}")(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+
+class Recorder(contextlib.AbstractContextManager):
+    """Records every call of the `_METHODS` of torch's ProcessGroup (patched on the class while active).
+    What rank 0 broadcasts as objects (int64 sizes and uint8 pickles: its strategy choice, its arrangement)
+    is kept in `sent` and handed, in order per group, to the later simulated ranks that receive it: the
+    fake group moves no data, and a rank that decides nothing itself must get rank 0's decision."""
+
+    def __init__(self, rank: int, sent: dict):
+        self.calls: list = []
+        self.saved: dict = {}
+        self.rank, self.sent, self.count = rank, sent, {}
+
+    def __enter__(self):
+        for name in _METHODS:
+            orig = getattr(dist.ProcessGroup, name, None)
+            if orig is not None:
+                self.saved[name] = orig
+                setattr(dist.ProcessGroup, name, self._wrap(name, orig))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, orig in self.saved.items():
+            setattr(dist.ProcessGroup, name, orig)
+
+    def take(self) -> list:
+        out, self.calls = self.calls, []
+        return out
+
+    def _wrap(self, name, orig):
+        def call(pg, *args, **kwargs):
+            c = _record(name, pg, args)
+            self.calls.append(c)
+            work = orig(pg, *_fake_accepts(name, args), **kwargs)
+            if name == "broadcast" and c.peer == 0 and c.dtype in ("torch.int64", "torch.uint8"):
+                self._relay(c, args[0][0])
+            return work
+        return call
+
+    def _relay(self, c: Collective, t: torch.Tensor) -> None:
+        key = (c.group, self.count.get(c.group, 0))
+        self.count[c.group] = key[1] + 1
+        if self.rank == 0:
+            self.sent[key] = t.detach().clone()
+        elif key in self.sent and self.sent[key].shape == t.shape:
+            t.copy_(self.sent[key])
+
+
+def _fake_accepts(name: str, args: tuple) -> tuple:
+    """The fake group refuses an uneven all-to-all whose input is empty (gloo and NCCL take it: a rank that
+    sends nothing but receives): it gets a one-element input sent to its first peer, which moves nothing
+    under the fake group and changes no recorded shape."""
+    if name not in ("alltoall_base", "all_to_all_single") or len(args) < 5 or args[1].numel():
+        return args
+    if not any(args[2]) or not args[3]:
+        return args
+    out, inp, out_splits, in_splits, opts = args
+    return out, inp.new_zeros(1), out_splits, [1] + [0] * (len(in_splits) - 1), opts
+
+
+def _record(name: str, pg, args: tuple) -> Collective:
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    tensors = [t for t in pytree.tree_leaves(list(args)) if isinstance(t, torch.Tensor)]
+    peer = None
+    opts = args[-1] if args else None
+    if name in ("broadcast", "reduce") and hasattr(opts, "rootRank"):
+        peer = ranks[opts.rootRank]
+    elif name in ("send", "recv") and len(args) > 1 and isinstance(args[1], int):
+        peer = ranks[args[1]]
+    return Collective(name, ranks, tuple(tuple(t.shape) for t in tensors),
+                      str(tensors[0].dtype) if tensors else "", peer, _caller())
+
+
+def _caller() -> str:
+    """autopar's innermost line on the stack (where the collective was issued)."""
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        if any(part in frame.filename for part in _OWN) and not frame.filename.endswith(("dry_run.py", "recorder.py")):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return "?"
