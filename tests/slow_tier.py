@@ -385,8 +385,8 @@ SLOW = {
         "test_pipeline.py::test_pipeline_loss_of_any_head_matches_one_process[sequence]",
     "tests/test_pipeline.py::test_pipeline_loss_of_any_head_matches_one_process[regression]":
         "test_pipeline.py::test_pipeline_loss_of_any_head_matches_one_process[own]",
-    "tests/test_sharded.py::test_a_block_shared_under_two_names_shards[2x1x1]":
-        "test_sharded.py::test_a_block_shared_under_two_names_shards[2x1x2]",
+    "tests/test_sharded.py::test_a_block_shared_under_two_names_shards[2x1x2]":
+        "test_sharded.py::test_a_block_shared_under_two_names_shards[2x1x1] (2 ranks: the same units)",
     "tests/test_pipeline.py::test_pipelined_load_state_dict_takes_a_one_process_state_dict[gpt2]":
         "test_pipeline.py::test_pipelined_load_state_dict_takes_a_one_process_state_dict[llama] and "
         "test_pipeline_checkpoints_reshard (the tied copy under its first name)",
@@ -397,4 +397,10 @@ SLOW = {
     # real and fake tensors at every grid already
     "tests/test_dry_run.py::test_fake_tensors_issue_what_real_ones_do":
         "test_dry_run.py::test_every_position_builds_and_its_bytes_are_the_plan",
+    # the dry run of a 4x4x4 cube, real and fake (12 s): 3D's library ops and bytes, as the 8x8 case runs 2D's
+    "tests/test_dry_run.py::test_every_position_builds_and_its_bytes_are_the_plan[3d-4x4x4]":
+        "test_dry_run.py::test_every_position_builds_and_its_bytes_are_the_plan[2d-8x8] and test_cube.py",
+    # choose_pipeline from the command line (7 s): the search itself is the fast tier's
+    "tests/test_cli.py::test_inspect_chooses_a_pipeline":
+        "test_pipeline_plan.py::test_choose_pipeline_returns_only_what_parallelize_runs",
 }

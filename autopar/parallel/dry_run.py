@@ -10,9 +10,8 @@ given, then one training step (forward, backward of the model's loss, an AdamW s
 every call a process group receives: the op, the group's global ranks, the tensors' shapes and
 dtype, the root or peer, and autopar's line that issued it.
 
-    >>> report = autopar.dry_run(model, grid=(8, 8), example_kwargs=batch)   # doctest: +SKIP
-    >>> report.check()            # raises DryRunError naming the two ranks, group and position  # doctest: +SKIP
-    >>> print(report)             # per rank: calls, bytes counted and planned, memory held  # doctest: +SKIP
+    report = autopar.dry_run(model, grid=(8, 8), example_kwargs=batch)   # checked: DryRunError names
+    print(report)                 # per rank: calls, bytes counted and planned, memory held
 
 By default it simulates a set of ranks that covers every distinct position: each row, column and
 replica index at least once (8 ranks of an 8x8 grid). Rank 0 is always simulated, first: what it
