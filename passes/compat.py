@@ -56,7 +56,8 @@ from passes.errors import TorchVersionError
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
-           "exit_autocast", "fake_store", "fake_tensor_mode", "real_tensors", "storage_key", "custom_op_body",
+           "exit_autocast", "fake_store", "fake_tensor_mode", "real_tensors", "static_pipeline_warmup", "storage_key",
+           "custom_op_body",
            "data_dependent_errors", "group_timeout",
            "implicit_replication",
            "in_backward", "in_torch_compile_call", "legacy_reduction", "parse_to",
@@ -137,6 +138,32 @@ def data_dependent_errors() -> tuple:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def static_pipeline_warmup():
+    """Make torch's pipeline schedules take the static metadata mode after their P2P warm-up vote (whose
+    result travels from the last stage back to the first), as a run whose every stage was given its
+    input and output shapes takes it; returns the function that undoes it. For `autopar.dry_run`, which
+    simulates the stages one at a time, so that no vote's answer reaches the first. Through
+    torch.distributed.pipelining.schedules._PipelineSchedule._warmup_p2p and stage.InferenceMode
+    (private). Checked on 2.13.0. If they move: a dry run of pipeline stages fails at the first step."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    base = schedules._PipelineSchedule
+    orig = base._warmup_p2p
+
+    def warmup(self, stages, has_backward, p2p_done):
+        orig(self, stages, has_backward, p2p_done)
+        for stage in stages:
+            if getattr(stage, "_inference_mode", None) is not None:
+                stage._inference_mode = InferenceMode.STATIC
+
+    base._warmup_p2p = warmup
+
+    def restore():
+        base._warmup_p2p = orig
+    return restore
 
 
 def real_tensors():

@@ -403,4 +403,7 @@ SLOW = {
     # choose_pipeline from the command line (7 s): the search itself is the fast tier's
     "tests/test_cli.py::test_inspect_chooses_a_pipeline":
         "test_pipeline_plan.py::test_choose_pipeline_returns_only_what_parallelize_runs",
+    # the 64-rank pipeline dry run (17 s): the 8-rank one runs the same relay, stages and replicas
+    "tests/test_dry_run.py::test_pipeline_stages_over_sharded_replicas[pp4-shard4-2x2]":
+        "test_dry_run.py::test_pipeline_stages_over_sharded_replicas[pp2-shard2-1x2]",
 }

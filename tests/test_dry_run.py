@@ -93,11 +93,38 @@ def test_a_rank_dependent_program_is_caught():
     report.check()
 
 
+@pytest.mark.parametrize("grid, stages", [((2, 1, 2), 2), ((4, 2, 2), 4)], ids=["pp2-shard2-1x2", "pp4-shard4-2x2"])
+def test_pipeline_stages_over_sharded_replicas(grid, stages):
+    """Catches a pipeline whose stages' collectives or point-to-point sends differ from what the plan and
+    `p2p_traffic()` say: 2 stages x 2 sharded replicas x 1x2 (8 ranks) and 4 x 4 x 2x2 (64 ranks) of a
+    Llama with a layer per stage, 1F1B; each covered position simulated on every stage (a stage receives
+    its layouts from the one before, relayed). Every rank's grid bytes equal its stages' plans times the
+    micro-batches, its sends `p2p_traffic()`."""
+    from tests.checks_pipeline import _llama
+
+    model, make = _llama(stages)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = autopar.dry_run(model, grid=grid, example_kwargs=make(16, 8, 1), pipeline=stages,
+                                 data_parallel="shard")
+    world = stages * grid[0] * grid[1] * grid[2]
+    assert report.world == world and sorted(report.ranks) == covering_ranks(grid, stages), sorted(report.ranks)
+    assert {run.at[0] for run in report.ranks.values()} == set(range(stages))
+    for rank, run in report.ranks.items():
+        assert run.counted["grid"] == run.planned > 0, (rank, run.counted, run.planned)
+        assert run.counted["replicas"] > 0 and run.agrees, (rank, run.counted)
+        assert (run.counted["pp"] > 0) and run.counted["pp"] == run.counted["pp_planned"], (rank, run.counted)
+
+
 def test_dry_run_refusals():
-    """A pipeline (not simulated yet), a bad grid, ranks outside the world: each named."""
+    """Looped pipeline schedules (not simulated yet), pipeline stages on fake tensors, a bad grid, ranks
+    outside the world: each named."""
     model, inputs = _gpt()
-    with pytest.raises(autopar.UsageError, match="pipeline stages are not simulated yet"):
-        autopar.dry_run(model, grid=(1, 2), example_inputs=inputs, pipeline=2)
+    with pytest.raises(autopar.UsageError, match="several stages per rank .* not simulated yet"):
+        autopar.dry_run(model, grid=(1, 2), example_inputs=inputs,
+                        pipeline=autopar.Pipeline(stages=2, schedule="interleaved_1f1b", stages_per_rank=2))
+    with pytest.raises(autopar.UsageError, match="pipeline stages run with real tensors"):
+        autopar.dry_run(model, grid=(1, 2), example_inputs=inputs, pipeline=2, fake=True)
     with pytest.raises(autopar.UsageError, match=r"grid=\(0, 2\): expected \(R, C\)"):
         autopar.dry_run(model, grid=(0, 2), example_inputs=inputs)
     with pytest.raises(autopar.UsageError, match=r"ranks=\[4\]: expected ranks in \[0, 4\)"):

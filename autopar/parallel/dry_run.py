@@ -30,7 +30,12 @@ activations and gradients hold no memory and nothing is computed, while autopar'
 their eager bodies, so every collective is issued, counted and recorded as on real tensors (a 70B
 Llama shape, one rank of an 8x8 grid: 19 s and 0.5 GB here). With `fake=False` each rank computes
 its share for real (1/p of the model, uninitialised where it was on meta): a mixture of experts needs
-that, its routing reading values. Not yet: pipeline stages (`pipeline=` is refused).
+that, its routing reading values. Pipeline stages (`pipeline=`, one stage per rank) run with real
+tensors (torch's cut runs the model on values); what a stage sends the next as an object is relayed as
+rank 0's broadcasts are, so every covered position is simulated on every stage. Looped and V schedules
+(several stages per rank) are refused: a rank's later stage waits on a rank simulated after it.
+A weight tied across stages is not: each rank sees only its own stage's reads, so the tied gradient's
+all-reduce is missing from the record.
 """
 
 from __future__ import annotations
@@ -75,8 +80,10 @@ class RankRun:
 
     @property
     def agrees(self) -> bool:
-        """Whether the grid bytes the step moved equal the plan's at this rank's position."""
-        return self.counted.get("grid", 0) == self.planned
+        """Whether the grid bytes the step moved equal the plan's at this rank's position (and a pipeline
+        rank's sends, `p2p_traffic()`'s)."""
+        return self.counted.get("grid", 0) == self.planned and self.counted.get("pp", 0) == self.counted.get(
+            "pp_planned", 0)
 
 
 @dataclass
@@ -86,13 +93,16 @@ class DryRun:
     world: int
     grid: tuple
     ranks: dict
+    stages: int = 1  # pipeline stages (ranks world / stages per stage)
 
     def members(self, phase: str = "step") -> dict:
-        """{group (global ranks): {simulated rank: [Collective, ...] in issue order}}."""
+        """{group (global ranks): {simulated rank: [Collective, ...] in issue order}}, sends and receives
+        left out."""
         out: dict = {}
         for rank, run in self.ranks.items():
             for c in getattr(run, phase):
-                out.setdefault(c.group, {}).setdefault(rank, []).append(c)
+                if c.op not in ("send", "recv"):  # point to point: checked pair by pair (`check`)
+                    out.setdefault(c.group, {}).setdefault(rank, []).append(c)
         return out
 
     def check(self) -> None:
@@ -146,7 +156,9 @@ class DryRun:
                                   f"{got.get((a, b), [])} from it; each send needs its receive, in order and shape")
 
     def __str__(self) -> str:
-        lines = [f"dry run of {len(self.ranks)} of {self.world} ranks, grid {'x'.join(map(str, self.grid))}",
+        piped = f"{self.stages} stages x " if self.stages > 1 else ""
+        lines = [f"dry run of {len(self.ranks)} of {self.world} ranks, {piped}grid {'x'.join(map(str, self.grid))} "
+                 f"(position: {'stage, ' if piped else ''}replica, row, column)",
                  "rank  position        calls  grid bytes  planned     replica bytes  held params/grads/optim/saved"]
         for rank, r in sorted(self.ranks.items()):
             held = "/".join(_mib(r.held.get(k, 0)) for k in ("params", "grads", "optimizer", "saved"))
@@ -155,7 +167,7 @@ class DryRun:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {"world": self.world, "grid": list(self.grid),
+        return {"world": self.world, "grid": list(self.grid), "stages": self.stages,
                 "ranks": {str(k): {"at": list(r.at), "calls": len(r.step), "bytes": r.counted, "planned": r.planned,
                                    "agrees": r.agrees, "held": r.held,
                                    "collectives": [[c.op, list(c.group), [list(s) for s in c.shapes], c.dtype, c.peer]
@@ -203,12 +215,26 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}M"
 
 
-def covering_ranks(grid: tuple) -> list:
+def covering_ranks(grid: tuple, stages: int = 1) -> list:
     """The ranks whose positions cover every index of every axis of `grid` ((R, C), (d, R, C), or a
-    cube's (q, q, q), whose ranks sit on a (q, q*q) grid): rank i holds index i mod n of each axis of n."""
+    cube's (q, q, q), whose ranks sit on a (q, q*q) grid): position i holds index i mod n of each axis of
+    n; with `stages` pipeline stages (stage s holds ranks s*d*R*C ...), each such position on every stage
+    (a stage receives what the one before it sends, so both are simulated)."""
     shape = (1, grid[0], grid[0] ** 2) if _is_cube(grid) else ((1, *grid) if len(grid) == 2 else tuple(grid))
     d, R, C = shape
-    return sorted({(i % d) * R * C + (i % R) * C + (i % C) for i in range(max(shape))})
+    return sorted({s * d * R * C + (i % d) * R * C + (i % R) * C + (i % C)
+                   for i in range(max(shape)) for s in range(stages)})
+
+
+def _stages(pipeline) -> int:
+    """The pipeline ranks `parallelize(pipeline=...)` asks for (1 without stages)."""
+    from autopar.program.pipe import Pipeline
+
+    if pipeline is None:
+        return 1
+    if isinstance(pipeline, Pipeline):
+        return pipeline.stages
+    return pipeline if isinstance(pipeline, int) and not isinstance(pipeline, bool) else 1
 
 
 def _is_cube(grid) -> bool:
@@ -226,17 +252,22 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
     if dist.is_available() and dist.is_initialized():
         raise UsageError("autopar.dry_run starts a fake process group per simulated rank: call it in a process "
                          "that has not called torch.distributed.init_process_group (or destroy that group first)")
-    if options.get("pipeline") is not None:
-        raise UsageError("autopar.dry_run: pipeline stages are not simulated yet; dry-run one stage's grid, or use "
-                         "autopar.plan(..., pipeline=...) for the stages' estimate")
+    stages = _stages(options.get("pipeline"))
+    if getattr(options.get("pipeline"), "stages_per_rank", 1) > 1:
+        raise UsageError("autopar.dry_run: pipelines with several stages per rank (the looped and V schedules) are "
+                         "not simulated yet: a rank's later stage waits on what a later rank sends it; dry-run the "
+                         "same stages with schedule='1f1b' (one stage per rank) to check their programs")
+    if stages > 1 and (fake or any(p.is_meta for p in model.parameters())):
+        raise UsageError("autopar.dry_run: pipeline stages run with real tensors (torch's cut runs the model on its "
+                         "values): build the model with its parameters on the CPU, and leave fake=True out")
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(
             isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
         raise UsageError(f"autopar.dry_run: grid={grid!r}: expected (R, C), (dp, R, C) or a cube (q, q, q)")
     grid = tuple(grid)
-    world = 1
+    world = stages
     for g in grid:
         world *= g
-    chosen = covering_ranks(grid) if ranks is None else list(ranks)
+    chosen = covering_ranks(grid, stages) if ranks is None else list(ranks)
     bad = [r for r in chosen if not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world)]
     if bad or not chosen:
         raise UsageError(f"autopar.dry_run: ranks={ranks!r}: expected ranks in [0, {world}) of grid {grid}")
@@ -249,7 +280,7 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
             runs[rank] = _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, sent,
                                    bool(fake))
             bar.update()
-    report = DryRun(world, grid, runs)
+    report = DryRun(world, grid, runs, stages)
     if check:
         report.check()
     return report
@@ -277,12 +308,16 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, fake:
                 opt, saved = _step(pm, *_inputs(mode, args, kwargs))
             step = rec.take()
         log, g = pm.grid.log, pm.grid
-        replicas = log.total("dp:") + log.total("fsdp:")
-        rows = graph_rows(pm.program.inspected, g.shape, at=(g.r, g.c))
-        planned = sum(r.fwd_bytes + r.bwd_bytes + r.recompute_bytes for r in rows)
-        return RankRun(rank, (g.dp_index, g.r, g.c), setup, step, {"grid": log.total() - replicas,
-                                                                   "replicas": replicas},
-                       planned, {**memory_per_rank(pm, opt), "saved": saved})
+        replicas, p2p = log.total("dp:") + log.total("fsdp:"), log.total("pp:")
+        piped = hasattr(pm, "p2p_traffic")
+        m = pm.pipeline.n_microbatches if piped else 1  # a stage's program runs once per micro-batch
+        planned = m * sum(r.fwd_bytes + r.bwd_bytes + r.recompute_bytes for s in getattr(pm, "stage_modules", [pm])
+                          for r in graph_rows(s.program.inspected, g.shape, at=(g.r, g.c)))
+        at = (g.stage, g.dp_index, g.r, g.c) if piped else (g.dp_index, g.r, g.c)
+        counted = {"grid": log.total() - replicas - p2p, "replicas": replicas}
+        if piped:
+            counted.update(pp=p2p, pp_planned=sum(b for _, b in pm.p2p_traffic().values()))
+        return RankRun(rank, at, setup, step, counted, planned, {**memory_per_rank(pm, opt), "saved": saved})
     except _DATA_DEPENDENT as e:
         raise UsageError(f"autopar.dry_run: this model's step reads values that fake tensors do not have "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); a mixture of experts routes by "
@@ -303,8 +338,10 @@ def _step(pm, args: tuple, kwargs: dict) -> tuple:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _loss(pm(*args, **kwargs))
-    loss.backward()
+        if hasattr(pm, "train_step"):  # pipeline stages: the schedule runs forward and backward
+            pm.train_step(*args, **kwargs)
+        else:
+            _loss(pm(*args, **kwargs)).backward()
     opt = torch.optim.AdamW(pm.parameters())
     opt.step()
     return opt, sum(n for _, n in saved.values())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from passes.compat import TorchDispatchMode, custom_op_body, pytree
+from passes.compat import TorchDispatchMode, custom_op_body, pytree, static_pipeline_warmup
 
 __all__ = ["Collective", "EagerOps", "Recorder"]
 
@@ -67,9 +67,12 @@ class EagerOps(TorchDispatchMode):
 
 class Recorder(contextlib.AbstractContextManager):
     """Records every call of the `_METHODS` of torch's ProcessGroup (patched on the class while active).
-    What rank 0 broadcasts as objects (int64 sizes and uint8 pickles: its strategy choice, its arrangement)
-    is kept in `sent` and handed, in order per group, to the later simulated ranks that receive it: the
-    fake group moves no data, and a rank that decides nothing itself must get rank 0's decision."""
+    What rank 0 broadcasts as objects (int64 sizes and uint8 pickles: its strategy choice, its arrangement),
+    and what a rank sends another as objects (a pipeline stage's output layouts), is kept in `sent` and
+    handed, in order per channel, to the later simulated ranks that receive it: the fake group moves no
+    data, and a rank that decides nothing itself must get the decision it is sent. A pipeline schedule's
+    warm-up vote, whose answer travels back from the last stage, is taken as the real run takes it
+    (autopar gives every stage its shapes: torch's static mode)."""
 
     def __init__(self, rank: int, sent: dict):
         self.calls: list = []
@@ -82,11 +85,13 @@ class Recorder(contextlib.AbstractContextManager):
             if orig is not None:
                 self.saved[name] = orig
                 setattr(dist.ProcessGroup, name, self._wrap(name, orig))
+        self.restore = static_pipeline_warmup()
         return self
 
     def __exit__(self, *exc) -> None:
         for name, orig in self.saved.items():
             setattr(dist.ProcessGroup, name, orig)
+        self.restore()
 
     def take(self) -> list:
         out, self.calls = self.calls, []
@@ -97,15 +102,21 @@ class Recorder(contextlib.AbstractContextManager):
             c = _record(name, pg, args)
             self.calls.append(c)
             work = orig(pg, *_fake_accepts(name, args), **kwargs)
-            if name == "broadcast" and c.peer == 0 and c.dtype in ("torch.int64", "torch.uint8"):
-                self._relay(c, args[0][0])
+            if c.dtype in ("torch.int64", "torch.uint8"):
+                if name == "broadcast" and c.peer == 0:
+                    self._relay(c.group, 0, args[0][0])
+                elif name in ("send", "recv"):  # a pipeline stage's layouts, sent to the next stage
+                    src, dst = (self.rank, c.peer) if name == "send" else (c.peer, self.rank)
+                    self._relay(("p2p", src, dst), src, args[0][0])
             return work
         return call
 
-    def _relay(self, c: Collective, t: torch.Tensor) -> None:
-        key = (c.group, self.count.get(c.group, 0))
-        self.count[c.group] = key[1] + 1
-        if self.rank == 0:
+    def _relay(self, channel, source: int, t: torch.Tensor) -> None:
+        """The k-th object tensor on `channel` (a group, or a sender and receiver) from `source`: kept
+        when this rank is the source, copied in when it receives and the source was simulated before."""
+        key = (channel, self.count.get(channel, 0))
+        self.count[channel] = key[1] + 1
+        if self.rank == source:
             self.sent[key] = t.detach().clone()
         elif key in self.sent and self.sent[key].shape == t.shape:
             t.copy_(self.sent[key])
