@@ -21,8 +21,8 @@ or more simulated members, their sequences of (op, shapes, dtype, root) and ever
 point-to-point traffic, and looks for an order of calls across groups that would wait for ever (rank
 a before group G's call issues group H's, rank b the other way round); object exchanges
 (parallelize's handshakes, whose pickles the fake group does not move) are compared by op and group
-alone. Each rank's bytes of the step are set beside its
-plan at its grid position (`autopar.planning.explain.graph_rows` of its own program).
+alone. Each rank's bytes of the step are set beside its plan at its grid position
+(`autopar.planning.explain.graph_rows` of its own program).
 
 A model built on the meta device (`autopar.meta_init()`; transformers' buffers restored by
 `autopar.checkpoint.restore_buffers`) runs on fake tensors by default (`fake=True`): parameters,
@@ -33,9 +33,9 @@ its share for real (1/p of the model, uninitialised where it was on meta): a mix
 that, its routing reading values. Pipeline stages (`pipeline=`, one stage per rank) run with real
 tensors (torch's cut runs the model on values); what a stage sends the next as an object is relayed as
 rank 0's broadcasts are, so every covered position is simulated on every stage. Looped and V schedules
-(several stages per rank) are refused: a rank's later stage waits on a rank simulated after it.
-A weight tied across stages is not: each rank sees only its own stage's reads, so the tied gradient's
-all-reduce is missing from the record.
+(several stages per rank) are refused: a rank's later stage waits on a rank simulated after it. Which
+stages read a weight tied across stages is exchanged with an all-gather, which is not relayed: each
+rank sees only its own stage's reads, so the tied gradient's all-reduce is missing from the record.
 """
 
 from __future__ import annotations
