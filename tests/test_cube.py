@@ -183,15 +183,28 @@ def test_the_search_arranges_the_ranks_and_matches_one_process():
 def test_cube_linear_bytes_are_the_formula_in_a_model():
     """The repo's GPT at 2x2x2: its MLP's up projection (x [32 tokens, 32] . W [32, 128], both gradients)
     receives e(q-1)(MK + KN + MN)/q^3 forward and e(q-1)(2MK + 2KN + MN)/q^3 backward, 11776 bytes,
-    on every rank (the formula, not the plan: `passes.cost.cube`)."""
+    on every rank (the formula, not the plan: `passes.cost.cube`). Bytes only: a dry run of all 8 ranks
+    in this process (`autopar.dry_run`), not 8 processes."""
+    import warnings
+
+    import torch
+
+    import autopar
+    from models import GPTConfig, TinyGPT
     from passes.cost.cube import cube_linear_bytes
-    from tests.conftest import get_pool
 
     over, _ = CASES["tinygpt"]
     want = sum(cube_linear_bytes(32, 32, 128, 2, 4))
-    for rank, r in enumerate(get_pool(8).run(C.model_steps, "tinygpt", over, 1)):
-        ups = [counted for op, counted, _ in r["linears"].values() if op == "CubeLinear" and counted == want]
-        assert len(ups) == 2, (rank, want, r["linears"])  # up and gate: the same shape
+    torch.manual_seed(0)
+    ids = torch.randint(0, over["vocab_size"], (4, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = autopar.dry_run(TinyGPT(GPTConfig(**over)), grid=(2, 2, 2), strategy="3d", ranks=range(8),
+                                 example_kwargs=dict(ids=ids, targets=ids))
+    assert sorted(report.ranks) == list(range(8))
+    for rank, run in report.ranks.items():
+        ups = [tag for tag, n in run.tags.items() if n == want]
+        assert len(ups) == 2, (rank, want, run.tags)  # up and gate: the same shape
 
 
 def test_cube_checkpoints_round_trip(tmp_path):

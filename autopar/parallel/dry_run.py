@@ -68,7 +68,8 @@ class RankRun:
     `step` those of the training step; `counted` the bytes its grid's CommLog counted in the step (by
     kind: 'grid', 'replicas'), `planned` the grid bytes its program's plan prices at its position;
     `held` the bytes it holds after the step (parameters, gradients, optimizer state) and what the
-    forward saved for backward (`saved`: the tensors autograd kept, parameters left out)."""
+    forward saved for backward (`saved`: the tensors autograd kept, parameters left out); `tags` the
+    step's bytes per CommLog tag (a collective's node, 'pp:send', 'fsdp:all-gather', ...)."""
 
     rank: int
     at: tuple
@@ -77,6 +78,7 @@ class RankRun:
     counted: dict = field(default_factory=dict)
     planned: int = 0
     held: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)
 
     @property
     def agrees(self) -> bool:
@@ -317,7 +319,10 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, fake:
         counted = {"grid": log.total() - replicas - p2p, "replicas": replicas}
         if piped:
             counted.update(pp=p2p, pp_planned=sum(b for _, b in pm.p2p_traffic().values()))
-        return RankRun(rank, at, setup, step, counted, planned, {**memory_per_rank(pm, opt), "saved": saved})
+        tags: dict = {}
+        for (tag, _), n in log.bytes.items():
+            tags[tag] = tags.get(tag, 0) + n
+        return RankRun(rank, at, setup, step, counted, planned, {**memory_per_rank(pm, opt), "saved": saved}, tags)
     except _DATA_DEPENDENT as e:
         raise UsageError(f"autopar.dry_run: this model's step reads values that fake tensors do not have "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); a mixture of experts routes by "
