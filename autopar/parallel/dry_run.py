@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -266,9 +267,7 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
             isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
         raise UsageError(f"autopar.dry_run: grid={grid!r}: expected (R, C), (dp, R, C) or a cube (q, q, q)")
     grid = tuple(grid)
-    world = stages
-    for g in grid:
-        world *= g
+    world = stages * math.prod(grid)
     chosen = covering_ranks(grid, stages) if ranks is None else list(ranks)
     bad = [r for r in chosen if not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world)]
     if bad or not chosen:

@@ -135,11 +135,12 @@ class PipelineModule(nn.Module):
         for name, first in tied_names(self._source).items():
             aliases.setdefault(first, []).append(name)
         names_of = {n: aliases[first] for first in aliases for n in aliases[first]}
-        held = {n for pm in self.stage_modules for n in pm.state_dict()}
+        own = [list(pm.state_dict()) for pm in self.stage_modules]  # each stage's keys
+        held = {n for names in own for n in names}
         subs, missing = [], []
-        for pm in self.stage_modules:
+        for names in own:
             sub = {}
-            for name in pm.state_dict():
+            for name in names:
                 given = next((n for n in (name, *names_of.get(name, ())) if n in state_dict), None)
                 if given is not None:
                     sub[name] = state_dict[given]

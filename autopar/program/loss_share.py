@@ -167,7 +167,7 @@ def _counting(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_index: 
         if n.op in ("call_module", "get_attr"):
             raise _unreadable(loss, f"its target depends on the model's weights ({n.target})")
         stack += n.all_input_nodes
-    placeholders = [n for n in gm.graph.find_nodes(op="placeholder")]
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
     names = []
     g = fx.Graph()
     env: dict = {}
