@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dot", metavar="FILE", help="write the graph (Graphviz DOT, or HTML for *.html)")
     p.add_argument("--plot", metavar="FILE", help="plot bytes and parameters per rank against p, 2D and 1D "
                                                    "(a sweep up to --sweep or 64; needs matplotlib)")
+    from autopar.cli_estimate import add_arguments as add_estimate_arguments
+
+    add_estimate_arguments(sub)
     p = sub.add_parser("calibrate", help="measure the alpha-beta communication model and matmul rate here")
     p.add_argument("--grid", nargs="+", required=True, metavar="RxC",
                    help="the grid to measure on, e.g. 2x2 (the older form `--grid 2 2` is read too)")
@@ -399,6 +402,10 @@ def main(argv=None) -> int:
     if ns.cmd == "calibrate":
         ns.grid = calibrate_grid(parser, ns.grid)
         return calibrate_cmd(ns)
+    if ns.cmd in ("estimate", "plan"):
+        from autopar.cli_estimate import run
+
+        return run(ns)
     for kv in ns.set:
         if "=" not in kv:
             parser.error(f"--set {kv!r}: expected KEY=VALUE")

@@ -39,3 +39,8 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--dimensions", action="store_true", help="print 1D, 2D and 3D side by side for the linears of "
                    "Llama-7B and -70B shapes at 64 and 512 ranks, from the formulas: bytes, parameters and inputs "
                    "held per rank, ratio to the lower bound (see autopar.bench.dimensions)")
+    p.add_argument("--published", action="store_true", help="estimate published, measured training runs "
+                   "(torchtitan's Llama 3 H100 and A100 tables) in their own configurations and print estimate "
+                   "against measurement; with --plot FILE a scatter plot, --out FILE the JSON "
+                   "(see autopar.bench.published)")
+    p.add_argument("--out", metavar="FILE", help="with --published: also write the rows as JSON here")

@@ -258,7 +258,8 @@ def run(ns) -> int:
     `autopar.bench.dimensions`, --cube `autopar.bench.cube`, --search `autopar.bench.search`."""
     import tempfile
 
-    for flag in ("generate", "dp", "pipeline", "cube", "dimensions", "lowerings", "moe", "search"):  # one each
+    for flag in ("generate", "dp", "pipeline", "cube", "dimensions", "lowerings", "moe", "search",
+                 "published"):  # one each
         if getattr(ns, flag, False):
             return importlib.import_module(f"autopar.bench.{flag}").run(ns)
 

@@ -47,10 +47,30 @@ class Cluster:
     inter: Link  # between nodes
     flops_per_s: float
     memory_bytes: float  # per GPU
+    # the roofline `passes.cost.step` prices a step with (see the presets' docstring for the sources)
+    peak_flops: float = 989.4e12  # dense bf16 tensor-core peak per GPU
+    matmul_efficiency: float = 0.65  # share of peak a large bf16 GEMM reaches
+    attention_efficiency: float = 0.35  # share of peak a flash attention kernel reaches, forward and backward
+    hbm_bytes_per_s: float = 3.35e12  # memory bandwidth per GPU
+    hbm_efficiency: float = 0.8  # share of it an eager elementwise kernel reaches
+    fp8_speedup: float = 1.6  # a linear's FP8 GEMM over its bf16 one, casts included
+    runtime_bytes: float = 2.5 * 2**30  # per GPU outside the tensors: CUDA context, NCCL and cuBLAS workspaces
+    collective_efficiency: float = 0.85  # share of a link's line rate an NCCL ring collective reaches
+    reserve_factor: float = 1.07  # the caching allocator's reserved bytes over the tensors' (fragmentation)
 
     def link(self, span: int) -> Link:
         """The link an axis whose group spans `span` consecutive ranks uses."""
         return self.intra if span <= self.gpus_per_node else self.inter
+
+    def group_link(self, span: int, size: int) -> Link:
+        """The link a collective over `size` members spread evenly over `span` consecutive ranks uses,
+        per member: inside a node NVLink; across nodes each node's members drive a NIC each, and NCCL's
+        rings spread the traffic over all of them (one channel per NIC), so the bandwidth per member is
+        the node's members times one NIC, at most NVLink's."""
+        if span <= self.gpus_per_node:
+            return self.intra
+        per_node = max(1, size * self.gpus_per_node // span)
+        return Link(self.inter.alpha_s, min(self.intra.beta_bytes_per_s, per_node * self.inter.beta_bytes_per_s))
 
     def spans(self, stages: int, dp: int, rows: int, cols: int) -> dict:
         """Consecutive ranks each axis's group spans (see the module docstring)."""
@@ -71,9 +91,13 @@ class Cluster:
 
 _NVLINK4, _NVLINK3 = Link(1e-5, 450e9), Link(1e-5, 300e9)
 PRESETS = {
-    "dgx-h100": Cluster("dgx-h100", 8, _NVLINK4, Link(2e-5, 50e9), 400e12, 80e9),
-    "grand-teton-h100": Cluster("grand-teton-h100", 8, _NVLINK4, Link(2e-5, 50e9), 350e12, 96e9),
-    "dgx-a100": Cluster("dgx-a100", 8, _NVLINK3, Link(2e-5, 25e9), 150e12, 80e9),
+    "dgx-h100": Cluster("dgx-h100", 8, _NVLINK4, Link(2e-5, 50e9), 400e12, 80 * 2**30,
+                        matmul_efficiency=0.72, attention_efficiency=0.33, hbm_bytes_per_s=3.35e12),
+    "grand-teton-h100": Cluster("grand-teton-h100", 8, _NVLINK4, Link(2e-5, 50e9), 350e12, 95 * 2**30,
+                                matmul_efficiency=0.55, attention_efficiency=0.25, hbm_bytes_per_s=2.4e12),
+    "dgx-a100": Cluster("dgx-a100", 8, _NVLINK3, Link(2e-5, 25e9), 150e12, 80 * 2**30, peak_flops=312e12,
+                        matmul_efficiency=0.80, attention_efficiency=0.55, hbm_bytes_per_s=2.039e12,
+                        fp8_speedup=1.0),
 }
 
 

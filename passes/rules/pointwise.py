@@ -109,7 +109,9 @@ def _keeps_partial(node, layouts, axis) -> bool:
     if not ps or not all(isinstance(p, Partial) and p.reduce_op == "sum" for p in ps):
         return False
     if getattr(node.target, "overloadpacket", None) in _LINEAR_UNARY:
-        return len(ins) == 1
+        # a widening cast (bf16 -> fp32: the RMSNorm of transformers' models) reduces first, in the narrow
+        # dtype: the collective then moves half the bytes, as Megatron's reduce-scatter of bf16 does
+        return len(ins) == 1 and val(node).element_size() <= val(ins[0]).element_size()
     return node.target in _SUMS and all(isinstance(a, torch.fx.Node) for a in node.args[:2])
 
 

@@ -366,3 +366,25 @@ def estimate_assignment(gm: GraphModule, mesh, cm: CostModel, assignment: dict, 
     assert not missing, f"the assignment names no option for units {missing[:3]}"
     ev = Evaluator(gm, mesh, cm, units, DEFAULTS if options is None else options, lowering)
     return ev.estimate(assignment)
+
+
+def part_costs(gm: GraphModule, mesh, cm: CostModel, strategy: str, block: str | None,
+               options: Options | None = None, lowering: str | None = "broadcast") -> tuple:
+    """(repeated block `block`'s Estimate, the graph's less one such Estimate per block) under one fixed strategy on
+    `mesh`: bytes received per mesh axis and the collectives' time (with `cm`'s matmul rate infinite,
+    `time_s` is communication alone), every SUMMA product in `lowering`. What `passes.cost.step` scales
+    to a model's depth and batch."""
+    from passes.nodes import block_of
+
+    units = find_units(gm)
+    ev = Evaluator(gm, mesh, CostModel(cm.alpha, cm.beta, math.inf, cm.source), units,
+                   DEFAULTS if options is None else options, lowering)
+    ev._set(fixed_assignment(units, strategy))
+    nodes = list(gm.graph.nodes)
+    layouts = ev._run(nodes)
+    inside = [n for n in nodes if block is not None and block_of(n) == block]
+    n_blocks = len({block_of(n) for n in nodes} - {None})
+    one = price(inside, layouts, ev.mesh, ev.grads, ev.cm, set(), lowering=lowering)
+    rest = price(nodes, layouts, ev.mesh, ev.grads, ev.cm, set(), lowering=lowering)
+    rest.add(one, -n_blocks)  # all but the blocks: the first block's extra (its input's layout) stays here
+    return one, rest

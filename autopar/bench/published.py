@@ -1,0 +1,198 @@
+"""`python -m autopar bench --published`: the estimate of published, measured training runs, each
+forced to the run's own parallel configuration, next to what was measured.
+
+Every row names its source. Throughput is tokens per second per GPU; memory the GiB the source
+reports per GPU (torchtitan: the largest reserved by the caching allocator on any rank). Where a run
+used torch.compile, FP8 linears or async TP, the estimate models it (`compile`, `fp8`, `async_tp` of
+`autopar.estimate`); each row says which of those it used.
+
+Sources:
+- [tt-h100] torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton: 8 H100 96 GB HBM2e
+  per host, NVLink, 400 Gb/s RDMA per GPU, 500 W), tables 1, 3, 4 and 5; sequence length 8192.
+- [tt-a100] torchtitan, docs/performance.md: Llama 3 8B / 70B and Llama 2 13B / 70B with FSDP2 on
+  64 A100 80 GB; sequence length 8192 (Llama 3) and 4096 (Llama 2).
+- [tt-async] torchtitan, benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (same platform as
+  [tt-h100]), the bf16 70B run: FSDP 32 x TP 8, local batch 16, full AC, torch.compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["MODELS", "ROWS", "Row", "run_rows", "table"]
+
+_LLAMA3 = dict(model_type="llama", num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+               max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False)
+_LLAMA2 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+               tie_word_embeddings=False)
+MODELS = {  # the published architectures (Llama 3.1 and Llama 2 model cards)
+    "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_hidden_layers=32),
+    "llama3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                       num_hidden_layers=80),
+    "llama3-405b": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
+                        num_hidden_layers=126),
+    "llama2-13b": dict(_LLAMA2, hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+                       num_key_value_heads=40, num_hidden_layers=40),
+    "llama2-70b": dict(_LLAMA2, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                       num_key_value_heads=8, num_hidden_layers=80),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    source: str
+    model: str
+    devices: int
+    cluster: str
+    batch: int  # global, sequences
+    seq: int
+    config: dict  # estimate() keywords: tp, dp_shard, pp, schedule, interleave, recompute, compile, fp8, async_tp
+    tokens_per_s_per_gpu: float  # measured
+    memory_gib: float | None = None  # measured, where published
+    note: str = ""
+
+
+# torchtitan (Dec 2024) splits the local batch into as many micro-batches as there are pipeline ranks
+# unless told otherwise (experimental.pipeline_parallel_microbatches, default: the pipeline degree)
+_PP_NOTE = "8 micro-batches of 4 (torchtitan's default: as many as pipeline ranks)"
+_TT8 = dict(dp_shard=8, recompute="selective")
+_TT128 = dict(dp_shard=128, recompute="selective")
+ROWS = [
+    Row("8B FSDP 8", "tt-h100 table 1", "llama3-8b", 8, "grand-teton-h100", 16, 8192, _TT8, 5762, 82.4),
+    Row("8B FSDP 8 compile", "tt-h100 table 1", "llama3-8b", 8, "grand-teton-h100", 16, 8192,
+        dict(_TT8, compile=True), 6667, 77.0),
+    Row("8B FSDP 8 compile FP8", "tt-h100 table 1", "llama3-8b", 8, "grand-teton-h100", 16, 8192,
+        dict(_TT8, compile=True, fp8=True), 8532, 76.8),
+    Row("8B FSDP 128", "tt-h100 table 3", "llama3-8b", 128, "grand-teton-h100", 256, 8192, _TT128, 5605, 67.0),
+    Row("8B FSDP 128 compile", "tt-h100 table 3", "llama3-8b", 128, "grand-teton-h100", 256, 8192,
+        dict(_TT128, compile=True), 6514, 62.0),
+    Row("8B FSDP 128 compile FP8", "tt-h100 table 3", "llama3-8b", 128, "grand-teton-h100", 256, 8192,
+        dict(_TT128, compile=True, fp8=True), 8380, 61.8),
+    Row("70B FSDP 32 x TP 8 compile FP8", "tt-h100 table 4", "llama3-70b", 256, "grand-teton-h100", 512, 8192,
+        dict(tp=8, dp_shard=32, recompute="full", compile=True, fp8=True), 829, 71.9),
+    Row("70B FSDP 32 x TP 8 compile FP8 async TP", "tt-h100 table 4", "llama3-70b", 256, "grand-teton-h100", 512,
+        8192, dict(tp=8, dp_shard=32, recompute="full", compile=True, fp8=True, async_tp=True), 876, 67.6),
+    Row("70B FSDP 32 x TP 8 compile bf16", "tt-async", "llama3-70b", 256, "grand-teton-h100", 512, 8192,
+        dict(tp=8, dp_shard=32, recompute="full", compile=True), 597, None,
+        "read off the page's figure (as quoted in issue 52); vanilla TP assumed"),
+    Row("405B FSDP 8 x TP 8 x PP 8 1F1B", "tt-h100 table 5", "llama3-405b", 512, "grand-teton-h100", 256, 8192,
+        dict(tp=8, dp_shard=8, pp=8, schedule="1f1b", microbatches=8, recompute="full", compile=True, fp8=True,
+             async_tp=True), 100, 82.5, _PP_NOTE),
+    Row("405B FSDP 8 x TP 8 x PP 8 interleaved", "tt-h100 table 5", "llama3-405b", 512, "grand-teton-h100", 256,
+        8192, dict(tp=8, dp_shard=8, pp=8, schedule="interleaved_1f1b", interleave=2, microbatches=8,
+                   recompute="full", compile=True, fp8=True, async_tp=True), 128, 72.7,
+        _PP_NOTE + "; 2 stages per rank assumed (the source does not say)"),
+    Row("A100 8B FSDP 64", "tt-a100 (Llama 3)", "llama3-8b", 64, "dgx-a100", 64, 8192,
+        dict(dp_shard=64, recompute="selective"), 2973),
+    Row("A100 70B FSDP 64", "tt-a100 (Llama 3)", "llama3-70b", 64, "dgx-a100", 64, 8192,
+        dict(dp_shard=64, recompute="full"), 331),
+    Row("A100 Llama 2 13B FSDP 64, no AC", "tt-a100 (Llama 2)", "llama2-13b", 64, "dgx-a100", 128, 4096,
+        dict(dp_shard=64, recompute="none"), 2162),
+    Row("A100 Llama 2 13B FSDP 64", "tt-a100 (Llama 2)", "llama2-13b", 64, "dgx-a100", 128, 4096,
+        dict(dp_shard=64, recompute="selective"), 1904),
+    Row("A100 Llama 2 70B FSDP 64", "tt-a100 (Llama 2)", "llama2-70b", 64, "dgx-a100", 128, 4096,
+        dict(dp_shard=64, recompute="full"), 353),
+]
+
+
+@dataclass
+class Result:
+    row: Row
+    estimate: object  # autopar.planning.estimate.Estimate
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speed_ratio(self) -> float:
+        return self.estimate.tokens_per_s_per_gpu / self.row.tokens_per_s_per_gpu
+
+    @property
+    def memory_ratio(self) -> float | None:
+        m = self.row.memory_gib
+        return self.estimate.memory_gib_per_rank / m if m else None
+
+    def to_json(self) -> dict:
+        r = self.row
+        return {"name": r.name, "source": r.source, "model": r.model, "devices": r.devices, "cluster": r.cluster,
+                "batch": r.batch, "seq": r.seq, "config": r.config, "measured_tokens_per_s_per_gpu":
+                r.tokens_per_s_per_gpu, "measured_memory_gib": r.memory_gib, "note": r.note,
+                "estimated_tokens_per_s_per_gpu": self.estimate.tokens_per_s_per_gpu,
+                "estimated_memory_gib": self.estimate.memory_gib_per_rank, "speed_ratio": self.speed_ratio,
+                "memory_ratio": self.memory_ratio, "estimate": self.estimate.to_json(), **self.extra}
+
+
+def source(name: str, cache: dict):
+    """The ModelSource of a published architecture (one capture pair per model, cached)."""
+    from transformers import AutoConfig
+
+    from autopar.planning.estimate import load_model_source
+
+    if name not in cache:
+        cfg = dict(MODELS[name])
+        cache[name] = load_model_source(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+        cache[name].name = name
+    return cache[name]
+
+
+def run_rows(rows=ROWS, progress: bool = True) -> list:
+    from autopar.planning.estimate import estimate
+    from autopar.planning.progress import steps
+
+    cache: dict = {}
+    out = []
+    with steps("autopar bench --published", len(rows), progress) as bar:
+        for r in rows:
+            bar.set_postfix_str(r.name)
+            est = estimate(source(r.model, cache), devices=r.devices, cluster=r.cluster, global_batch=r.batch,
+                           seq=r.seq, **r.config)
+            out.append(Result(r, est))
+            bar.update()
+    return out
+
+
+def table(results: list) -> str:
+    lines = ["| run | source | measured tok/s/GPU | estimated | ratio | measured GiB | estimated | ratio |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for res in results:
+        r, e = res.row, res.estimate
+        mem = f"{r.memory_gib:.1f}" if r.memory_gib else "-"
+        mr = f"{res.memory_ratio:.2f}" if res.memory_ratio else "-"
+        lines.append(f"| {r.name} | {r.source} | {r.tokens_per_s_per_gpu:,.0f} | {e.tokens_per_s_per_gpu:,.0f} | "
+                     f"{res.speed_ratio:.2f} | {mem} | {e.memory_gib_per_rank:.1f} | {mr} |")
+    return "\n".join(lines)
+
+
+def plot(results: list, path: str) -> None:
+    from autopar.planning.report import require_matplotlib
+
+    plt = require_matplotlib("autopar bench --published --plot")
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    xs = [r.row.tokens_per_s_per_gpu for r in results]
+    ys = [r.estimate.tokens_per_s_per_gpu for r in results]
+    ax.loglog(xs, ys, "o")
+    lo, hi = min(xs + ys) / 1.5, max(xs + ys) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="estimate = measured")
+    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.25, hi * 1.25], color="0.9", label="0.8-1.25x")
+    for r, x, y in zip(results, xs, ys):
+        ax.annotate(r.row.name, (x, y), fontsize=6, xytext=(3, -3), textcoords="offset points")
+    ax.set_xlabel("measured tokens/s/GPU (published)")
+    ax.set_ylabel("autopar.estimate tokens/s/GPU")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(ns) -> int:
+    results = run_rows(progress=not ns.json)
+    data = [r.to_json() for r in results]
+    out = getattr(ns, "out", None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(data, f, indent=1)
+    if getattr(ns, "plot", None):
+        plot(results, ns.plot if isinstance(ns.plot, str) else os.path.join("docs", "published.png"))
+    print(json.dumps(data, indent=1) if ns.json else table(results))
+    return 0

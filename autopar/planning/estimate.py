@@ -1,0 +1,340 @@
+"""`estimate`: what one training step of a given parallel configuration costs on a given cluster.
+
+    est = autopar.estimate("config.json", devices=256, cluster="grand-teton-h100", batch=512, seq=8192,
+                           tp=8, dp_shard=32, recompute="full")
+    est.step_s, est.tokens_per_s_per_gpu, est.mfu, est.memory_gib_per_rank
+
+The model (a transformers config, its `config.json`, or an `nn.Module`, on the meta device or not) is
+captured on one process without the hardware -- a config with at most `DEPTH` blocks, the rest
+counted by the model's depth -- for one and for two sequences, and read as a `Profile`
+(`passes.cost.profile`); the tensor-parallel layout's bytes are the plan's own (`part_costs`, the
+counts `parallelize` runs with); `passes.cost.step` prices the rest. Captures are cached per model,
+sequence length and dtype, so estimating many configurations of one model costs one capture pair.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.errors import UsageError
+from passes.cost.cluster import PRESETS, Cluster, resolve_cluster
+from passes.cost.profile import profile
+from passes.cost.step import PRECISIONS, Parallel, StepCost, TPBytes, price_step
+
+__all__ = ["Estimate", "ModelSource", "estimate", "load_model_source"]
+
+DEPTH = 3  # blocks a config's model is built with: the middle one stands for all
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class ModelSource:
+    """A model the estimate can capture: built from a transformers config, or given."""
+
+    name: str
+    layers: int  # repeated blocks of the full model
+    build: object  # () -> (nn.Module with at most DEPTH blocks or all of them, example kwargs maker)
+    heads: int | None = None
+    kv_heads: int | None = None
+    vocab: int | None = None
+    cache: dict = field(default_factory=dict)
+
+
+def load_model_source(model, dtype=torch.bfloat16) -> ModelSource:
+    """A `ModelSource` from a transformers config, the path of a `config.json`, or an nn.Module."""
+    import transformers
+
+    if isinstance(model, ModelSource):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise UsageError(f"autopar.estimate: {model!r} is no config.json file (or folder holding one)")
+        with open(path) as f:
+            data = json.load(f)
+        if "model_type" not in data:
+            raise UsageError(f"autopar.estimate: {path} has no 'model_type': expected a transformers config.json")
+        model = transformers.AutoConfig.for_model(**data)
+    if isinstance(model, transformers.PretrainedConfig):
+        return _config_source(model, dtype)
+    if isinstance(model, torch.nn.Module):
+        return _module_source(model)
+    raise UsageError(f"autopar.estimate: model={type(model).__name__}: expected a transformers config, the path "
+                     f"of a config.json, or an nn.Module")
+
+
+def _config_source(config, dtype) -> ModelSource:
+    import transformers
+
+    layers = getattr(config, "num_hidden_layers", None)
+    if not layers:
+        raise UsageError(f"autopar.estimate: {type(config).__name__} has no num_hidden_layers")
+    small = type(config).from_dict({**config.to_dict(), "num_hidden_layers": min(layers, DEPTH), "use_cache": False})
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(small, key, None) is not None:
+            setattr(small, key, 0)
+    auto = transformers.AutoModelForCausalLM
+
+    def build(buffers: bool = False):
+        """On the meta device; `buffers`: real buffers (autopar.meta_init), as parallelize needs them."""
+        from autopar.checkpoint.hf import restore_buffers
+
+        with torch.device("meta"):
+            m = auto.from_config(small)
+        m = m.to(dtype)
+        if buffers:
+            restore_buffers(m)
+        return m, lambda n, s: {"input_ids": torch.zeros(n, s, dtype=torch.long),
+                                          "labels": torch.zeros(n, s, dtype=torch.long)}
+    return ModelSource(getattr(config, "model_type", type(config).__name__), layers, build,
+                       getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None),
+                       getattr(config, "vocab_size", None))
+
+
+def _module_source(module) -> ModelSource:
+    from passes.nodes import repeated_blocks
+
+    config = getattr(module, "config", None)
+    blocks = repeated_blocks(name for name, _ in module.named_modules())
+    if config is None:
+        raise UsageError("autopar.estimate: an nn.Module without a transformers config: pass its config (or "
+                         "config.json) instead, or use autopar.plan for a model of your own")
+
+    def build(buffers: bool = False):
+        return module, lambda n, s: {"input_ids": torch.zeros(n, s, dtype=torch.long),
+                                     "labels": torch.zeros(n, s, dtype=torch.long)}
+    return ModelSource(type(module).__name__, len(blocks), build, getattr(config, "num_attention_heads", None),
+                       getattr(config, "num_key_value_heads", None), getattr(config, "vocab_size", None))
+
+
+@dataclass
+class Estimate:
+    """One configuration's estimated step (all figures per GPU; see `passes.cost.step`)."""
+
+    model: str
+    devices: int
+    cluster: str
+    batch: int
+    seq: int
+    parallel: Parallel
+    cost: StepCost
+
+    @property
+    def step_s(self) -> float:
+        return self.cost.step_s
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.cost.tokens_per_s_per_gpu
+
+    @property
+    def mfu(self) -> float:
+        return self.cost.mfu
+
+    @property
+    def memory_gib_per_rank(self) -> float:
+        return self.cost.memory_bytes / 2**30
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+
+        return {"model": self.model, "devices": self.devices, "cluster": self.cluster, "batch": self.batch,
+                "seq": self.seq, "parallel": asdict(self.parallel), "step_s": self.step_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "memory_gib_per_rank": self.memory_gib_per_rank, "compute_s": self.cost.compute_s,
+                "bubble_s": self.cost.bubble_s, "exposed_comm_s": self.cost.exposed_s, "comm_s": self.cost.comm_s,
+                "memory_gib": {k: v / 2**30 for k, v in self.cost.memory.items()}}
+
+    def __str__(self) -> str:
+        mem = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in self.cost.memory.items() if k != "total")
+        exposed = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.cost.exposed_s.items() if v)
+        return (f"{self.model} on {self.devices} GPUs ({self.cluster}), batch {self.batch} x {self.seq}: "
+                f"{self.parallel.describe()}\n"
+                f"  step {self.step_s:.3f} s, {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {self.mfu:.1%}\n"
+                f"  compute {self.cost.compute_s:.3f} s, bubble {self.cost.bubble_s:.3f} s, exposed communication: "
+                f"{exposed or 'none'}\n"
+                f"  memory {self.memory_gib_per_rank:.1f} GiB per GPU ({mem} GiB)")
+
+
+def _profile(src: ModelSource, seq: int) -> tuple:
+    """(Profile, captured graph of one sequence, of two) for `seq`, cached on `src`."""
+    key = ("profile", seq)
+    if key not in src.cache:
+        from passes import capture  # the graph as traced: on meta for a meta model (nothing to run)
+
+        model, inputs = src.build()
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        graphs = []
+        for n in (1, 2):
+            graphs.append(capture(model, (), {k: v.to(device) for k, v in inputs(n, seq).items()}).gm)
+        src.cache[key] = (profile(graphs[0], seq), *graphs)
+    return src.cache[key]
+
+
+def tp_bytes(src: ModelSource, seq: int, tp: tuple, cl: Cluster) -> tuple:
+    """(a block's TPBytes, the outer part's) of layout `tp` for `seq`: the plan's bytes for one and two
+    sequences, read as a line in the sequences."""
+    if math.prod(tp) == 1:
+        return TPBytes(), TPBytes()
+    key = ("tp", seq, tuple(tp))
+    if key in src.cache:
+        return src.cache[key]
+    from passes.cost.model import CostModel
+    from passes.search.strategy import part_costs
+
+    prof, g1, g2 = _profile(src, seq)
+    strategy, mesh = {1: ("1d", (1, tp[0])), 2: ("2d", tuple(tp)), 3: ("3d", (tp[0], tp[0] * tp[0]))}[len(tp)]
+    block = prof.block_ids[1] if len(prof.block_ids) > 2 else prof.block_ids[0]
+    cm = CostModel((0.0, 0.0), (1.0, 1.0), math.inf, "bytes")
+    calls = [CostModel(tuple(float(a == ax) for a in range(2)), (math.inf, math.inf), math.inf, "calls")
+             for ax in range(2)]
+    out = []
+    for part in (0, 1):
+        ones = [part_costs(g, mesh, cm, strategy, block)[part].bytes_per_axis for g in (g1, g2)]
+        per = tuple(b - a for a, b in zip(*ones))
+        fixed = tuple(2 * a - b for a, b in zip(*ones))
+        n_calls = tuple(round(part_costs(g1, mesh, c, strategy, block)[part].time_s) for c in calls)
+        out.append(TPBytes(per, fixed, n_calls))
+    src.cache[key] = tuple(out)
+    return src.cache[key]
+
+
+def _tp_tuple(tp) -> tuple:
+    if isinstance(tp, int):
+        return (tp,)
+    if isinstance(tp, str):
+        tp = tuple(int(x) for x in tp.replace("x", ",").split(","))
+    tp = tuple(tp)
+    if not tp or len(tp) > 3 or any(not isinstance(t, int) or t < 1 for t in tp) or \
+            (len(tp) == 3 and len(set(tp)) != 1):
+        raise UsageError(f"autopar.estimate: tp={tp!r}: expected t (1D), (R, C) (2D SUMMA) or (q, q, q) (the cube)")
+    return tp
+
+
+def _check_shape(src: ModelSource, tp: tuple, pp: int, interleave: int, devices: int) -> None:
+    """The dimensions against the model and the device count, before anything is priced."""
+    t = tp[-1] if len(tp) == 2 else math.prod(tp) if len(tp) == 1 else tp[0] ** 2
+    for what, n in (("attention heads", src.heads), ("key/value heads", src.kv_heads)):
+        if n and len(tp) == 1 and n % t:
+            ok = [d for d in range(1, n + 1) if n % d == 0 and devices % d == 0]
+            raise UsageError(f"autopar.estimate: tp={t} does not divide the model's {n} {what}: use one of {ok}")
+    if not isinstance(pp, int) or pp < 1 or pp * interleave > src.layers:
+        raise UsageError(f"autopar.estimate: pp={pp} x interleave={interleave} stages, but the model has {src.layers} "
+                         f"blocks: use pp * interleave <= {src.layers}")
+    if devices % (math.prod(tp) * pp):
+        ok = [d for d in range(1, devices + 1) if devices % d == 0]
+        raise UsageError(f"autopar.estimate: devices={devices} is not a multiple of tp {'x'.join(map(str, tp))} x "
+                         f"pp {pp}: use dimensions whose product divides it (its divisors: {ok})")
+
+
+def check(src: ModelSource, cfg: Parallel, devices: int, batch: int, cluster: Cluster) -> None:
+    """A clear error for a configuration that cannot run, naming what would."""
+    from autopar.program.pipe import SCHEDULES, schedule_refusal
+
+    if cfg.devices != devices:
+        raise UsageError(f"autopar.estimate: tp {'x'.join(map(str, cfg.tp))} x dp_shard {cfg.dp_shard} x "
+                         f"dp_replicate {cfg.dp_replicate} x pp {cfg.pp} = {cfg.devices} GPUs, but devices={devices}: "
+                         f"make their product {devices}")
+    t = cfg.tp[-1] if len(cfg.tp) == 2 else cfg.tp_size if len(cfg.tp) == 1 else cfg.tp[0] ** 2
+    for what, n in (("attention heads", src.heads), ("key/value heads", src.kv_heads)):
+        if n and len(cfg.tp) == 1 and n % t:
+            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= devices]
+            raise UsageError(f"autopar.estimate: tp={t} does not divide the model's {n} {what}: use one of {ok}")
+    if cfg.pp > src.layers:
+        raise UsageError(f"autopar.estimate: pp={cfg.pp} is more stages than the model's {src.layers} blocks")
+    if cfg.pp * cfg.interleave > src.layers:
+        raise UsageError(f"autopar.estimate: pp={cfg.pp} x interleave={cfg.interleave} stages exceed the model's "
+                         f"{src.layers} blocks")
+    if cfg.schedule not in SCHEDULES:
+        raise UsageError(f"autopar.estimate: schedule={cfg.schedule!r}: expected one of {sorted(SCHEDULES)}")
+    dp = cfg.dp_shard * cfg.dp_replicate
+    if batch % (dp * cfg.microbatches):
+        raise UsageError(f"autopar.estimate: batch={batch} sequences do not split into {dp} data-parallel ranks x "
+                         f"{cfg.microbatches} micro-batches: use a batch that is a multiple of {dp * cfg.microbatches}")
+    if cfg.pp > 1:
+        why = schedule_refusal(cfg.schedule, cfg.pp, cfg.interleave, cfg.microbatches)
+        if why:
+            raise UsageError(f"autopar.estimate: {why}")
+    if cfg.recompute not in RECOMPUTE:
+        raise UsageError(f"autopar.estimate: recompute={cfg.recompute!r}: expected one of {RECOMPUTE}")
+    if cfg.precision not in PRECISIONS:
+        raise UsageError(f"autopar.estimate: precision={cfg.precision!r}: expected one of {sorted(PRECISIONS)}")
+    del cluster
+
+
+def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | None = None,
+             global_batch: int | None = None, tp=1, dp_shard: int | None = None,
+             dp_replicate: int = 1, pp: int = 1, schedule: str = "1f1b", microbatches: int | None = None,
+             interleave: int = 1, recompute: str = "none", precision: str = "bf16-mixed", compile: bool = False,
+             fp8: bool = False, async_tp: bool = False) -> Estimate:
+    """The estimated step of sequences of `seq` tokens on `devices` GPUs of `cluster` (a preset's name,
+    see `passes.cost.cluster.PRESETS`, or a Cluster): `batch` sequences per data-parallel rank
+    (torchtitan's local batch size) or `global_batch` in all, split as given:
+    `tp` t (1D), (R, C) (2D) or (q, q, q) (3D); `dp_shard` FSDP2 ranks (None: what the devices leave);
+    `dp_replicate` replicas around them (HSDP when both > 1); `pp` stages with `schedule`,
+    `microbatches` (None: pp, or the local batch when smaller... at least one per stage) and
+    `interleave` stages per rank; `recompute` 'none', 'selective' (per op, torchtitan's) or 'full';
+    `precision` 'bf16-mixed' (fp32 master weights, gradients and AdamW states), 'bf16' or 'fp32';
+    `compile` (memory-bound ops fused), `fp8` (FP8 linears), `async_tp` (1D TP collectives overlapped)."""
+    cl = resolve_cluster(cluster)
+    if cl is None:
+        raise UsageError(f"autopar.estimate: cluster=None: name one of {sorted(PRESETS)} or pass a Cluster")
+    src = load_model_source(model)
+    tp = _tp_tuple(tp)
+    _check_shape(src, tp, pp, interleave, devices)
+    if (batch is None) == (global_batch is None):
+        raise UsageError("autopar.estimate: pass batch= (sequences per data-parallel rank) or global_batch= "
+                         "(sequences per step in all), one of them")
+    rest = devices // (math.prod(tp) * dp_replicate * pp) if devices % (math.prod(tp) * dp_replicate * pp) == 0 else 0
+    shard = rest if dp_shard is None else dp_shard
+    if shard < 1:
+        raise UsageError(f"autopar.estimate: devices={devices} is not a multiple of tp {'x'.join(map(str, tp))} x "
+                         f"dp_replicate {dp_replicate} x pp {pp}")
+    dp = shard * dp_replicate
+    if global_batch is None:
+        global_batch = batch * dp
+    batch = global_batch
+    local = batch // dp
+    m = microbatches if microbatches is not None else (max(pp, 1) if pp > 1 else 1)
+    if microbatches is None and pp > 1 and local >= pp:
+        m = local  # one sequence per micro-batch, as torchtitan's default micro-batch size of 1
+    cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp)
+    check(src, cfg, devices, batch, cl)
+    prof = _profile(src, seq)[0]
+    tb, to = tp_bytes(src, seq, tp, cl)
+    cost = price_step(prof, src.layers, tb, to, cfg, cl, batch, seq)
+    return Estimate(src.name, devices, cl.name, batch, seq, cfg, cost)
+
+
+def dry_run_check(est: Estimate, model) -> dict:
+    """Dry-run `est`'s tensor-parallel program (the model at its captured depth, one sequence, on a fake
+    process group: `autopar.dry_run`) and compare each simulated rank's bytes with the estimate's."""
+    import time
+
+    from autopar.parallel.dry_run import dry_run
+
+    src = load_model_source(model)
+    tp = est.parallel.tp
+    grid, strategy = ((1, tp[0]), "1d") if len(tp) == 1 else (tuple(tp), "2d" if len(tp) == 2 else "3d")
+    m, inputs = src.build(buffers=True)
+    t0 = time.perf_counter()
+    rep = dry_run(m, grid, example_kwargs=inputs(1, est.seq), strategy=strategy, fake=True, lowering="broadcast")
+    prof = _profile(src, est.seq)[0]
+    cl = resolve_cluster(est.cluster)
+    tb, to = tp_bytes(src, est.seq, tp, cl)
+    expected = sum(prof.blocks * b + o for b, o in zip(tb.bytes(1), to.bytes(1)))
+    calls = sum(prof.blocks * b + o for b, o in zip(tb.calls, to.calls))
+    counted = {r: run.counted.get("grid", 0) for r, run in rep.ranks.items()}
+    worst = max(counted.values())
+    return {"ranks": len(rep.ranks), "seconds": time.perf_counter() - t0, "bytes": worst,
+            "estimated_bytes": expected, "calls": max(len(run.step) for run in rep.ranks.values()),
+            "estimated_calls": calls, "per_rank_bytes": counted,
+            "verdict": "cross-rank checks passed; bytes " + ("agree" if abs(worst - expected) <= 1e-6 * max(1, expected)
+                                                             else "DIFFER")}

@@ -1,0 +1,172 @@
+"""`choose_plan`: the fastest parallel configuration of a training step that fits, among what
+`parallelize` builds, from one capture pair of the model.
+
+The candidates for `devices` GPUs of a cluster with G GPUs per node:
+
+    tensor parallel   none; 1D over t (a power of two up to G, dividing the attention heads); 2D R x C
+                      SUMMA with R * C up to 4G (crossing nodes where the model says it pays); the
+                      q x q x q cube where it divides the devices
+    pipeline          S stages dividing what TP leaves (S = 1 included: pure FSDP, FSDP x TP), at most
+                      the blocks; schedules '1f1b' and 'interleaved_1f1b' (2 stages per rank); M
+                      micro-batches: S, 2S, 4S ... up to the local batch (one sequence each)
+    replicas          the rest, sharded (FSDP2) or replicated
+    recompute         none, selective (per op) or full (every block)
+
+Each is priced by `autopar.estimate` (`passes.cost.step`); those whose memory per GPU exceeds the
+limit (the cluster's memory unless given) are dropped; the fastest remains. Captures are shared: the
+model's profile once per sequence length, each tensor-parallel layout's bytes once, so the search
+costs a few captures plus microseconds per candidate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from autopar.errors import MemoryLimitError, UsageError
+from autopar.planning.estimate import Estimate, estimate, load_model_source
+from passes.cost.cluster import resolve_cluster
+from passes.options import Options, format_bytes
+
+__all__ = ["TrainingPlan", "choose_plan", "tp_layouts"]
+
+RECOMPUTE_KWARG = {"none": False, "selective": "selective", "full": "blocks"}  # estimate's -> parallelize's
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_layouts(devices: int, gpus_per_node: int, heads: int | None, kv_heads: int | None) -> list:
+    """The tensor-parallel layouts searched (see the module docstring)."""
+    out: list = [(1,)]
+    t = 2
+    while t <= min(gpus_per_node, devices):
+        if devices % t == 0 and all(not h or h % t == 0 for h in (heads, kv_heads)):
+            out.append((t,))
+        t *= 2
+    for p in _divisors(devices):
+        if 4 <= p <= 4 * gpus_per_node:
+            out += [(r, p // r) for r in _divisors(p) if 2 <= r <= p // r and (not heads or heads % (p // r) == 0)]
+    q = round(devices ** (1 / 3))
+    for s in (q - 1, q, q + 1):
+        if s >= 2 and devices % (s ** 3) == 0 and s ** 3 <= 4 * gpus_per_node and s ** 3 > 1:
+            out.append((s, s, s))
+    return list(dict.fromkeys(out))
+
+
+@dataclass
+class TrainingPlan:
+    """The configuration chosen and every candidate's estimate (`table`, fastest first)."""
+
+    best: Estimate
+    table: list  # Estimate per candidate that fits, fastest first
+    refused: int  # candidates that did not fit the memory limit
+    search_s: float
+
+    @property
+    def kwargs(self) -> dict:
+        """What to pass `autopar.parallelize` for this configuration."""
+        from autopar.program.pipe import Pipeline
+
+        p = self.best.parallel
+        dp = p.dp_shard * p.dp_replicate
+        if len(p.tp) == 3:
+            grid, strategy = p.tp, "3d"
+        elif len(p.tp) == 2:
+            grid, strategy = (dp, *p.tp) if dp > 1 else p.tp, "2d"
+        else:
+            grid, strategy = (dp, 1, p.tp[0]) if dp > 1 else (1, p.tp[0]), "1d"
+        out = {"grid": grid, "strategy": strategy, "recompute": RECOMPUTE_KWARG[p.recompute]}
+        if strategy != "1d":
+            out["lowering"] = "broadcast"  # what the estimate prices (its broadcasts overlap the products)
+        if dp > 1:
+            out["data_parallel"] = "shard" if p.dp_shard > 1 else "replicate"
+        if p.pp > 1:
+            out["pipeline"] = Pipeline(stages=p.pp, schedule=p.schedule, microbatches=p.microbatches,
+                                       stages_per_rank=p.interleave)
+        return out
+
+    def __str__(self) -> str:
+        lines = [str(self.best), f"  ({len(self.table)} configurations fit, {self.refused} did not; searched in "
+                 f"{self.search_s:.1f} s)", "  next fastest:"]
+        for e in self.table[1:6]:
+            lines.append(f"    {e.tokens_per_s_per_gpu:9,.0f} tok/s/GPU  {e.memory_gib_per_rank:6.1f} GiB  "
+                         f"{e.parallel.describe()}")
+        return "\n".join(lines)
+
+
+def _microbatches(local: int, stages: int) -> list:
+    out, m = [], stages
+    while m <= local:
+        if local % m == 0:
+            out.append(m)
+        m *= 2
+    if local >= stages and local not in out:
+        out.append(local)
+    return out
+
+
+def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, seq: int, memory_limit=None,
+                recompute=("none", "selective", "full"), schedules=("1f1b", "interleaved_1f1b"),
+                data_parallel=("shard", "replicate"), tp=None, max_stages: int = 32, compile: bool = False,
+                fp8: bool = False, async_tp: bool = False) -> TrainingPlan:
+    """The fastest configuration of a step of `global_batch` sequences of `seq` tokens on `devices` GPUs of
+    `cluster` whose estimated memory per GPU fits `memory_limit` (bytes or '70GiB'; None: the cluster's
+    memory), among the candidates of the module docstring (`tp`: a list of layouts to restrict them).
+    `compile`, `fp8` and `async_tp` are taken as given (techniques, not searched). Raises a
+    MemoryLimitError naming the smallest footprint when nothing fits."""
+    t0 = time.perf_counter()
+    batch = global_batch
+    cl = resolve_cluster(cluster)
+    if cl is None:
+        raise UsageError("autopar.choose_plan: cluster=None: name a preset or pass a Cluster")
+    if not isinstance(devices, int) or devices < 1:
+        raise UsageError(f"autopar.choose_plan: devices={devices!r}: expected a positive int")
+    limit = Options(memory_limit=memory_limit).memory_limit_bytes if memory_limit is not None else cl.memory_bytes
+    src = load_model_source(model)
+    layouts = [tuple(t) if not isinstance(t, int) else (t,) for t in tp] if tp is not None else \
+        tp_layouts(devices, cl.gpus_per_node, src.heads, src.kv_heads)
+    fits, refused, smallest = [], 0, None
+    for layout in layouts:
+        t = math.prod(layout)
+        if devices % t:
+            continue
+        for pp in _divisors(devices // t):
+            if pp > min(src.layers, max_stages) or (pp > 1 and len(layout) == 3):
+                continue
+            dp = devices // (t * pp)
+            if batch % dp:
+                continue
+            local = batch // dp
+            pipes = [("1f1b", 1, 1)] if pp == 1 else \
+                [(s, 2 if s == "interleaved_1f1b" else 1, m) for s in schedules for m in _microbatches(local, pp)
+                 if not (s == "interleaved_1f1b" and 2 * pp > src.layers)]
+            for kind in (data_parallel if dp > 1 else ("shard",)):
+                if len(layout) == 3 and dp > 1:
+                    continue
+                shard, rep = (dp, 1) if kind == "shard" else (1, dp)
+                for sched, v, m in pipes:
+                    for rc in recompute:
+                        try:
+                            est = estimate(src, devices=devices, cluster=cl, global_batch=batch, seq=seq, tp=layout,
+                                           dp_shard=shard, dp_replicate=rep, pp=pp, schedule=sched, microbatches=m,
+                                           interleave=v, recompute=rc, compile=compile, fp8=fp8, async_tp=async_tp)
+                        except UsageError:
+                            continue
+                        mem = est.cost.memory_bytes
+                        if smallest is None or mem < smallest.cost.memory_bytes:
+                            smallest = est
+                        if mem <= limit:
+                            fits.append(est)
+                        else:
+                            refused += 1
+    if not fits:
+        where = f"; the smallest is {format_bytes(smallest.cost.memory_bytes)} with {smallest.parallel.describe()}" \
+            if smallest else ""
+        raise MemoryLimitError(f"autopar.choose_plan: no configuration of {devices} GPUs fits "
+                               f"{format_bytes(limit)} per GPU{where}. Use more GPUs, a smaller batch or a shorter "
+                               f"sequence")
+    fits.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.cost.memory_bytes))
+    return TrainingPlan(fits[0], fits, refused, time.perf_counter() - t0)

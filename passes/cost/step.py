@@ -1,0 +1,282 @@
+"""A training step's time and memory per GPU, priced by a roofline from a model's profile.
+
+Inputs: the model's `Profile` (per sequence, unsplit: `passes.cost.profile`), its depth, what its
+tensor-parallel layout moves per block and outside the blocks (`TPBytes`, from the plan's own byte
+counts), the parallel configuration (`Parallel`) and the hardware (`passes.cost.cluster.Cluster`).
+
+Time, per GPU and step:
+
+- compute: every matmul at `matmul_efficiency` of the peak (x `fp8_speedup` for the linears with FP8),
+  attention at `attention_efficiency`, memory-bound ops at `hbm_efficiency` of the HBM bandwidth;
+  backward twice the forward (2.5 times for attention); full recomputation one forward more,
+  per-op selective recomputation the skipped matmuls and the memory-bound ops once more;
+  `compile` fuses chains of memory-bound ops (`FUSED`: the share of their traffic left);
+- tensor parallelism: the plan's bytes over the link its group spans, at `collective_efficiency` of
+  the line rate, plus a launch latency per call; exposed for 1D (hidden behind the matmuls with
+  `async_tp`: each collective behind the run of matmuls beside it, as torch's fused all-gather-matmul
+  and matmul-reduce-scatter overlap them), overlapped with the matmuls for 2D and 3D (the broadcast
+  lowering);
+- sharded replicas (FSDP2): each stage's parameters all-gathered in bf16 (again for backward when
+  resharded after forward: without pipeline stages) and gradients reduce-scattered (fp32 under
+  'bf16-mixed'), once per step inside a pipeline (gathered at the first micro-batch, reduced after the
+  last); replicated ones all-reduce gradients. Hidden behind compute except the first gather and the
+  last reduction; the rest only where compute is shorter;
+- pipeline: the schedule's bubble (`passes.cost.pipeline.bubble`), stage boundaries' sends;
+- optimizer: AdamW reads and writes each shard's parameter, gradient and two states (memory-bound).
+
+Memory, per GPU, at the step's peak: parameters, gradients and optimizer states as the precision
+keeps them ('bf16-mixed': fp32 master weights, fp32 gradients, fp32 AdamW states, bf16 copies for
+compute, as FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) trains), sharded over
+dp_shard; FSDP2's gathered units; saved activations of the micro-batches in flight (`in_flight`);
+the loss's temporaries; the runtime's own bytes; all times the allocator's reserve factor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from passes.cost.cluster import Cluster
+from passes.cost.pipeline import bubble, in_flight
+from passes.cost.profile import Part, Profile
+
+__all__ = ["FUSED", "Parallel", "StepCost", "TPBytes", "price_step"]
+
+FUSED = 0.5  # memory-bound traffic left once torch.compile fuses elementwise chains (inputs read once per chain)
+PRECISIONS = {  # bytes per parameter: (held between steps: master + states, gradient, compute copy)
+    "bf16-mixed": (4 + 8, 4, 2),
+    "bf16": (2 + 8, 2, 0),
+    "fp32": (4 + 8, 4, 0),
+}
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """One parallel configuration of a training step (see `autopar.estimate`)."""
+
+    tp: tuple = (1,)  # (t,) 1D, (R, C) 2D SUMMA, (q, q, q) the cube
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    interleave: int = 1  # stages per pipeline rank
+    recompute: str = "none"  # none | selective | full
+    precision: str = "bf16-mixed"
+    compile: bool = False
+    fp8: bool = False
+    async_tp: bool = False
+
+    @property
+    def tp_size(self) -> int:
+        return math.prod(self.tp)
+
+    @property
+    def devices(self) -> int:
+        return self.tp_size * self.dp_shard * self.dp_replicate * self.pp
+
+    def describe(self) -> str:
+        tp = "x".join(map(str, self.tp))
+        parts = [f"TP {tp}" if self.tp_size > 1 else "", f"FSDP {self.dp_shard}" if self.dp_shard > 1 else "",
+                 f"DP {self.dp_replicate}" if self.dp_replicate > 1 else "",
+                 f"PP {self.pp} ({self.schedule}{f', V={self.interleave}' if self.interleave > 1 else ''}, "
+                 f"M={self.microbatches})" if self.pp > 1 else "", f"recompute {self.recompute}"]
+        return ", ".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class TPBytes:
+    """What tensor parallelism moves for one part, per GPU and micro-batch of `n` sequences:
+    per_seq * n + fixed bytes per mesh axis, in `calls` collective calls per axis."""
+
+    per_seq: tuple = (0.0, 0.0)
+    fixed: tuple = (0.0, 0.0)
+    calls: tuple = (0, 0)
+
+    def bytes(self, n: float) -> tuple:
+        return tuple(p * n + f for p, f in zip(self.per_seq, self.fixed))
+
+
+@dataclass
+class StepCost:
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    compute_s: float
+    bubble_s: float
+    exposed_s: dict  # link -> seconds of communication not hidden behind compute
+    comm_s: dict  # link -> seconds of communication in all
+    memory: dict  # category -> bytes per GPU
+    notes: list = field(default_factory=list)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory["total"]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _gemm_s(m: float, k: float, n: float, cl: Cluster, fp8: bool) -> float:
+    """One GEMM [m, k] x [k, n]: FLOPs at the reached rate, never faster than reading its operands."""
+    rate = cl.peak_flops * cl.matmul_efficiency * (cl.fp8_speedup if fp8 else 1.0)
+    small = min(m, k, n)
+    rate *= small / (small + 64.0)  # tiles of 128: a dim of a few tiles leaves the tensor cores idle
+    return max(2.0 * m * k * n / rate, 2.0 * (m * k + k * n + m * n) / (cl.hbm_bytes_per_s * cl.hbm_efficiency))
+
+
+def _split(m, k, n, tp: tuple) -> tuple[float, float, float]:
+    """A linear's local GEMM: 1D splits its output (or input) features t ways, 2D the tokens over R
+    and the features over C, the cube over all three."""
+    if len(tp) == 1:
+        return m, k, n / tp[0]
+    if len(tp) == 2:
+        return m / tp[0], k, n / tp[1]
+    return m / tp[0], k / tp[1], n / tp[2]
+
+
+@dataclass
+class _Work:
+    fwd: float = 0.0  # seconds of one forward
+    mm_fwd: float = 0.0  # of which matmuls
+    mem_fwd: float = 0.0
+    sac_extra: float = 0.0  # what per-op selective recomputation runs again
+    group_mm: tuple = ()  # seconds of each run of products reading one input (`Part.groups`)
+
+    def hidden(self, comm: float, k: float) -> float:
+        """Seconds of `comm` (a 1D block's collectives, one per run of products, equal in size) that
+        async TP hides: each collective behind its own run's matmuls only (`k` passes of them)."""
+        if not self.group_mm:
+            return 0.0
+        each = comm / len(self.group_mm)
+        return sum(min(each, k * g) for g in self.group_mm)
+
+
+def _part_time(part: Part, n: float, cfg: Parallel, cl: Cluster) -> _Work:
+    """Seconds of one part's forward on one GPU for a micro-batch of n sequences."""
+    t = cfg.tp_size
+    each = [_gemm_s(*_split(m * n, k, nn, cfg.tp), cl, cfg.fp8) for m, k, nn in part.mm]
+    mm = sum(each)
+    ratio = part.sac_recompute_flops / part.mm_flops if part.mm_flops else 0.0
+    attn = part.attention_flops * n / t / (cl.peak_flops * cl.attention_efficiency)
+    mem = part.memory_bytes * n / t / (cl.hbm_bytes_per_s * cl.hbm_efficiency) * (FUSED if cfg.compile else 1.0)
+    return _Work(mm + attn + mem, mm, mem, ratio * mm + mem, tuple(sum(each[i] for i in g) for g in part.groups()))
+
+
+def _coll_s(nbytes: float, calls: float, cl: Cluster, span: int, size: int) -> float:
+    """A collective over `size` ranks spread over `span` consecutive ones (`Cluster.group_link`)."""
+    link = cl.group_link(span, size)
+    return calls * link.alpha_s + nbytes / (link.beta_bytes_per_s * cl.collective_efficiency)
+
+
+def _tp_spans(tp: tuple) -> tuple:
+    """((span, members) of mesh axis 0's groups, of axis 1's): axis 1 innermost; the cube's axis 1 is
+    its q*q face."""
+    if len(tp) == 1:
+        return ((1, 1), (tp[0], tp[0]))
+    if len(tp) == 2:
+        return ((tp[0] * tp[1], tp[0]), (tp[1], tp[1]))
+    return ((math.prod(tp), tp[0]), (tp[1] * tp[2], tp[1] * tp[2]))
+
+
+def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes, cfg: Parallel, cl: Cluster,
+               batch: int, seq: int) -> StepCost:
+    """The step of `batch` sequences of `seq` tokens over `cfg.devices` GPUs (see the module text)."""
+    dp = cfg.dp_shard * cfg.dp_replicate
+    local = batch / dp  # sequences per data-parallel rank and step
+    M = cfg.microbatches
+    n = local / M  # sequences per micro-batch
+    S, V = cfg.pp, cfg.interleave
+    per_stage = math.ceil(layers / (S * V))  # blocks per stage (the fullest)
+    per_rank = per_stage * V
+    blk, out = _part_time(prof.block, n, cfg, cl), _part_time(prof.outer, n, cfg, cl)
+    spans = _tp_spans(cfg.tp)
+    # tensor parallelism, per micro-batch: a block's and the outer part's collectives
+    tp_blk = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.bytes(n), tp_block.calls, spans))
+    tp_out = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_outer.bytes(n), tp_outer.calls, spans))
+    factor = {"none": 3.0, "selective": 3.0, "full": 4.0}[cfg.recompute]
+
+    def block_s(w: _Work, comm: float, recomputed: bool = True) -> float:
+        mode = cfg.recompute if recomputed else "none"
+        run = 3.0 * w.fwd + (w.fwd if mode == "full" else w.sac_extra if mode == "selective" else 0.0)
+        k = 4.0 if mode == "full" else 3.0
+        comm *= k / 3.0  # a recomputed forward runs its collectives again
+        if len(cfg.tp) > 1:  # SUMMA's broadcasts overlap its products
+            return run + max(0.0, comm - k * w.mm_fwd)
+        return run + comm - (w.hidden(comm, k) if cfg.async_tp else 0.0)
+
+    edge = block_s(out, tp_out, recomputed=False)  # embedding, final norm, head and loss: never recomputed
+    work = M * (per_rank * block_s(blk, tp_blk) + edge)
+    tp_exposed = work - M * (per_rank * block_s(blk, 0.0) + block_s(out, 0.0, recomputed=False))
+    idle = bubble(cfg.schedule, S, M, V) if S > 1 else 0.0
+    bubble_s = work * idle / (1 - idle) if S > 1 else 0.0
+    compute_s = work
+    tp_total = M * (per_rank * tp_blk * factor / 3.0 + tp_out)
+    # pipeline sends: each micro-batch's activations forward and their gradients back, per stage boundary
+    hidden_bytes = n * seq * prof.hidden * prof.param_dtype_bytes / cfg.tp_size
+    pp_s = 2 * V * M * _coll_s(hidden_bytes, 1, cl, cfg.tp_size * dp * S, S) if S > 1 else 0.0
+    # data parallelism, per step
+    block_params = prof.block.params
+    stage_params = (per_rank * block_params + prof.outer.params / (1 if S == 1 else 2)) / cfg.tp_size
+    held, grad_b, copy_b = PRECISIONS[cfg.precision]
+    dp_span = cfg.dp_shard * cfg.tp_size
+    fsdp_s = first = 0.0
+    if cfg.dp_shard > 1:
+        share = (cfg.dp_shard - 1) / cfg.dp_shard
+        gather = 2 if copy_b else 4  # bytes per parameter gathered: the compute copy (bf16) or the weight
+        again = 2 if S == 1 else 1  # resharded after forward, gathered again for backward
+        units = per_rank + 1
+        fsdp_s = _coll_s(share * stage_params * (again * gather + grad_b), units * (again + 1), cl, dp_span,
+                         cfg.dp_shard)
+        first = _coll_s(share * block_params / cfg.tp_size * (gather + grad_b), 2, cl, dp_span, cfg.dp_shard)
+    ddp_s = 0.0
+    if cfg.dp_replicate > 1:
+        shard_params = stage_params / cfg.dp_shard
+        ddp_s = _coll_s(2 * (cfg.dp_replicate - 1) / cfg.dp_replicate * shard_params * grad_b,
+                        max(1, per_rank), cl, cfg.dp_replicate * dp_span, cfg.dp_replicate)
+    hideable = compute_s  # replicas' collectives run beside the step's compute
+    dp_exposed = max(first, fsdp_s + ddp_s - hideable + first)
+    opt_s = stage_params / cfg.dp_shard * (held + grad_b + held + copy_b) / (cl.hbm_bytes_per_s * cl.hbm_efficiency)
+    step = compute_s + bubble_s + dp_exposed + pp_s + opt_s
+    tokens = batch * seq
+    model_flops = 3.0 * (layers * (prof.block.mm_flops + prof.block.attention_flops)
+                         + prof.outer.mm_flops + prof.outer.attention_flops) * batch
+    devices = cfg.devices
+    tp_link = "intra-node" if max(s for s, _ in spans) <= cl.gpus_per_node else "inter-node"
+    dp_link = "intra-node" if cfg.dp_replicate * dp_span <= cl.gpus_per_node else "inter-node"
+    exposed = {"tp " + tp_link: tp_exposed, "dp " + dp_link: dp_exposed,
+               "pp": pp_s}
+    comm = {"tp " + tp_link: tp_total, "dp " + dp_link: fsdp_s + ddp_s, "pp": pp_s}
+    memory = _memory(prof, cfg, cl, per_rank, per_stage, n, stage_params, layers)
+    return StepCost(step, tokens / step / devices, model_flops / step / devices / cl.peak_flops, compute_s,
+                    bubble_s, exposed, comm, memory)
+
+
+def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, per_stage: int, n: float,
+            stage_params: float, layers: int) -> dict:
+    held, grad_b, copy_b = PRECISIONS[cfg.precision]
+    shard = stage_params / cfg.dp_shard
+    states = shard * held
+    grads = shard * grad_b
+    block_params = prof.block.params / cfg.tp_size
+    if cfg.dp_shard > 1 and cfg.pp == 1:  # FSDP2: the root, the running block and the prefetched one gathered
+        gathered = (prof.outer.params / cfg.tp_size + 2 * block_params) * (copy_b or 2) + 2 * block_params * grad_b
+    elif cfg.dp_shard > 1:  # inside a pipeline: the stage stays gathered, its gradients unsharded until the end
+        gathered = stage_params * ((copy_b or 2) + grad_b)
+    else:
+        gathered = stage_params * copy_b
+    keep = {"none": prof.block.saved, "selective": prof.block.sac_saved, "full": prof.block.input_bytes}
+    t = cfg.tp_size
+    flight = in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.interleave) if cfg.pp > 1 else 1
+    act_first = keep[cfg.recompute] * n / t * per_rank * flight
+    rebuilt = prof.block.saved * n / t if cfg.recompute != "none" else 0.0
+    head = prof.outer.saved * n / t
+    temporaries = 2 * prof.outer.largest_output * n / t  # the loss's fp32 logits and their gradient
+    last = keep[cfg.recompute] * n / t * per_rank + head + temporaries
+    activations = max(act_first, last if cfg.pp > 1 else act_first + head + temporaries - temporaries)
+    temps = temporaries if cfg.pp == 1 else 0.0
+    tensors = states + grads + gathered + activations + rebuilt + temps
+    total = tensors * cl.reserve_factor + cl.runtime_bytes
+    return {"parameters_and_optimizer": states, "gradients": grads, "gathered": gathered,
+            "activations": activations + rebuilt, "temporaries": temps, "runtime": cl.runtime_bytes,
+            "reserve": tensors * (cl.reserve_factor - 1), "total": total}
