@@ -43,8 +43,11 @@ def add_arguments(sub) -> None:
             p.add_argument("--schedule", default="1f1b", help="pipeline schedule (1f1b, interleaved_1f1b, gpipe, ...)")
             p.add_argument("--microbatches", type=int, help="micro-batches per step (default: one sequence each)")
             p.add_argument("--interleave", type=int, default=1, help="pipeline stages per rank")
-            p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
-            p.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16", "fp32"))
+            p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                           help="none, selective (per op, torchtitan's) or full (every block)")
+            p.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16", "fp32"),
+                           help="bf16-mixed (fp32 master weights, gradients and AdamW states; default), bf16 or "
+                                "fp32")
             p.add_argument("--dry-run", action="store_true", help="also dry-run the configuration's tensor-parallel "
                            "program on a fake process group (its stage on its grid, one step): bytes and calls per "
                            "rank against the estimate")
@@ -56,10 +59,10 @@ def add_arguments(sub) -> None:
 def _model(name: str):
     import os
 
-    from autopar.bench.published import MODELS, source
+    from autopar.planning.architectures import MODELS, published_model
 
     if not os.path.exists(name) and name in MODELS:
-        return source(name, {})
+        return published_model(name)
     return name
 
 
@@ -84,8 +87,6 @@ def _estimate(ns) -> int:
                    fp8=ns.fp8, async_tp=ns.async_tp)
     out = est.to_json()
     if ns.dry_run:
-        from autopar.planning.estimate import dry_run_check
-
         out["dry_run"] = dry_run_check(est, _model(ns.model))
     if ns.json:
         print(json.dumps(out, indent=1))
@@ -114,3 +115,34 @@ def _plan(ns) -> int:
         print(plan)
         print(f"  autopar.parallelize(model, **{plan.kwargs})")
     return 0
+
+
+def dry_run_check(est, model) -> dict:
+    """Dry-run `est`'s tensor-parallel program (the model at its captured depth, one sequence, on a fake
+    process group: `autopar.dry_run`) and compare each simulated rank's bytes with the estimate's."""
+    import time
+
+    from autopar.checkpoint.hf import restore_buffers
+    from autopar.parallel.dry_run import dry_run
+    from autopar.planning.estimate import load_model_source, model_profile, tp_bytes
+    from passes.cost.cluster import resolve_cluster
+
+    src = load_model_source(model)
+    tp = est.parallel.tp
+    grid, strategy = ((1, tp[0]), "1d") if len(tp) == 1 else (tuple(tp), "2d" if len(tp) == 2 else "3d")
+    m, inputs = src.build()
+    restore_buffers(m)  # parallelize needs the rotary tables' values
+    t0 = time.perf_counter()
+    rep = dry_run(m, grid, example_kwargs=inputs(1, est.seq), strategy=strategy, fake=True, lowering="broadcast")
+    prof = model_profile(src, est.seq)[0]
+    cl = resolve_cluster(est.cluster)
+    tb, to = tp_bytes(src, est.seq, tp, cl)
+    expected = sum(prof.blocks * b + o for b, o in zip(tb.bytes(1), to.bytes(1)))
+    calls = sum(prof.blocks * b + o for b, o in zip(tb.calls, to.calls))
+    counted = {r: run.counted.get("grid", 0) for r, run in rep.ranks.items()}
+    worst = max(counted.values())
+    return {"ranks": len(rep.ranks), "seconds": time.perf_counter() - t0, "bytes": worst,
+            "estimated_bytes": expected, "calls": max(len(run.step) for run in rep.ranks.values()),
+            "estimated_calls": calls, "per_rank_bytes": counted,
+            "verdict": "cross-rank checks passed; bytes " + ("agree" if abs(worst - expected) <= 1e-6 * max(1, expected)
+                                                             else "DIFFER")}

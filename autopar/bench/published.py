@@ -21,25 +21,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from autopar.planning.architectures import MODELS, published_model
+
 __all__ = ["MODELS", "ROWS", "Row", "run_rows", "table"]
-
-_LLAMA3 = dict(model_type="llama", num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
-               max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False)
-_LLAMA2 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-               tie_word_embeddings=False)
-MODELS = {  # the published architectures (Llama 3.1 and Llama 2 model cards)
-    "llama3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                      num_hidden_layers=32),
-    "llama3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
-                       num_hidden_layers=80),
-    "llama3-405b": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
-                        num_hidden_layers=126),
-    "llama2-13b": dict(_LLAMA2, hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
-                       num_key_value_heads=40, num_hidden_layers=40),
-    "llama2-70b": dict(_LLAMA2, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
-                       num_key_value_heads=8, num_hidden_layers=80),
-}
-
 
 @dataclass(frozen=True)
 class Row:
@@ -124,19 +108,6 @@ class Result:
                 "memory_ratio": self.memory_ratio, "estimate": self.estimate.to_json(), **self.extra}
 
 
-def source(name: str, cache: dict):
-    """The ModelSource of a published architecture (one capture pair per model, cached)."""
-    from transformers import AutoConfig
-
-    from autopar.planning.estimate import load_model_source
-
-    if name not in cache:
-        cfg = dict(MODELS[name])
-        cache[name] = load_model_source(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
-        cache[name].name = name
-    return cache[name]
-
-
 def run_rows(rows=ROWS, progress: bool = True) -> list:
     from autopar.planning.estimate import estimate
     from autopar.planning.progress import steps
@@ -146,7 +117,7 @@ def run_rows(rows=ROWS, progress: bool = True) -> list:
     with steps("autopar bench --published", len(rows), progress) as bar:
         for r in rows:
             bar.set_postfix_str(r.name)
-            est = estimate(source(r.model, cache), devices=r.devices, cluster=r.cluster, global_batch=r.batch,
+            est = estimate(published_model(r.model, cache), devices=r.devices, cluster=r.cluster, global_batch=r.batch,
                            seq=r.seq, **r.config)
             out.append(Result(r, est))
             bar.update()

@@ -43,15 +43,15 @@ def tp_layouts(devices: int, gpus_per_node: int, heads: int | None, kv_heads: in
     out: list = [(1,)]
     t = 2
     while t <= min(gpus_per_node, devices):
-        if devices % t == 0 and all(not h or h % t == 0 for h in (heads, kv_heads)):
+        if devices % t == 0 and (not heads or heads % t == 0):
             out.append((t,))
         t *= 2
     for p in _divisors(devices):
         if 4 <= p <= 4 * gpus_per_node:
             out += [(r, p // r) for r in _divisors(p) if 2 <= r <= p // r and (not heads or heads % (p // r) == 0)]
     q = round(devices ** (1 / 3))
-    for s in (q - 1, q, q + 1):
-        if s >= 2 and devices % (s ** 3) == 0 and s ** 3 <= 4 * gpus_per_node and s ** 3 > 1:
+    for s in (q - 1, q, q + 1):  # the cube takes every device (parallelize runs it without replicas or stages)
+        if s >= 2 and s ** 3 == devices and (not heads or heads % (s * s) == 0):
             out.append((s, s, s))
     return list(dict.fromkeys(out))
 

@@ -280,10 +280,13 @@ def _measure_saved(gm, parts: dict, outer: Part) -> None:
         blk = block_of(node) if node.op == "call_function" else None
         return parts.get(blk, outer) if blk is not None else outer
 
+    held: list = []  # every tensor noted stays alive: a freed storage's address (its key) is reused
+
     def note(t, part):
         key = storage_key(t)
         if key not in seen and part is not None:
             seen.add(key)
+            held.append(t)
             part.saved += float(t.untyped_storage().nbytes())
 
     runner = _Saved(gm, part_of)
