@@ -118,13 +118,13 @@ def _plan(ns) -> int:
 
 
 def dry_run_check(est, model) -> dict:
-    """Dry-run `est`'s tensor-parallel program (the model at its captured depth, one sequence, on a fake
+    """Dry-run `est`'s tensor-parallel program (the model at its captured depth, a sequence per grid row, on a fake
     process group: `autopar.dry_run`) and compare each simulated rank's bytes with the estimate's."""
     import time
 
     from autopar.checkpoint.hf import restore_buffers
     from autopar.parallel.dry_run import dry_run
-    from autopar.planning.estimate import load_model_source, model_profile, tp_bytes
+    from autopar.planning.estimate import load_model_source, model_profile, rows, tp_bytes
     from passes.cost.cluster import resolve_cluster
 
     src = load_model_source(model)
@@ -133,11 +133,12 @@ def dry_run_check(est, model) -> dict:
     m, inputs = src.build()
     restore_buffers(m)  # parallelize needs the rotary tables' values
     t0 = time.perf_counter()
-    rep = dry_run(m, grid, example_kwargs=inputs(1, est.seq), strategy=strategy, fake=True, lowering="broadcast")
+    n = rows(tp)  # sequences: whole ones on every row of the grid
+    rep = dry_run(m, grid, example_kwargs=inputs(n, est.seq), strategy=strategy, fake=True, lowering="broadcast")
     prof = model_profile(src, est.seq)[0]
     cl = resolve_cluster(est.cluster)
     tb, to = tp_bytes(src, est.seq, tp, cl)
-    expected = sum(prof.blocks * b + o for b, o in zip(tb.bytes(1), to.bytes(1)))
+    expected = sum(prof.blocks * b + o for b, o in zip(tb.bytes(n), to.bytes(n)))
     calls = sum(prof.blocks * b + o for b, o in zip(tb.calls, to.calls))
     counted = {r: run.counted.get("grid", 0) for r, run in rep.ranks.items()}
     worst = max(counted.values())

@@ -158,24 +158,35 @@ class Estimate:
                 f"  memory {self.memory_gib_per_rank:.1f} GiB per GPU ({mem} GiB)")
 
 
-def model_profile(src: ModelSource, seq: int) -> tuple:
-    """(Profile, captured graph of one sequence, of two) for `seq`, cached on `src`."""
-    key = ("profile", seq)
+def captured(src: ModelSource, seq: int, n: int):
+    """The graph of `src` for `n` sequences of `seq` tokens (cached on `src`)."""
+    key = ("graph", seq, n)
     if key not in src.cache:
         from passes import capture  # the graph as traced: on meta for a meta model (nothing to run)
 
         model, inputs = src.build()
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        graphs = []
-        for n in (1, 2):
-            graphs.append(capture(model, (), {k: v.to(device) for k, v in inputs(n, seq).items()}).gm)
-        src.cache[key] = (profile(graphs[0], seq), *graphs)
+        src.cache[key] = capture(model, (), {k: v.to(device) for k, v in inputs(n, seq).items()}).gm
     return src.cache[key]
 
 
+def model_profile(src: ModelSource, seq: int) -> tuple:
+    """(Profile, the captured graph of one sequence) for `seq`, cached on `src`."""
+    key = ("profile", seq)
+    if key not in src.cache:
+        g = captured(src, seq, 1)
+        src.cache[key] = (profile(g, seq), g)
+    return src.cache[key]
+
+
+def rows(tp: tuple) -> int:
+    """The mesh rows that split each micro-batch's sequences: 2D's R, the cube's q, none for 1D."""
+    return tp[0] if len(tp) > 1 else 1
+
+
 def tp_bytes(src: ModelSource, seq: int, tp: tuple, cl: Cluster) -> tuple:
-    """(a block's TPBytes, the outer part's) of layout `tp` for `seq`: the plan's bytes for one and two
-    sequences, read as a line in the sequences."""
+    """(a block's TPBytes, the outer part's) of layout `tp` for `seq`: the plan's bytes for r and 2r
+    sequences (r: `rows(tp)`, so that every row holds whole sequences), read as a line in the sequences."""
     if math.prod(tp) == 1:
         return TPBytes(), TPBytes()
     key = ("tp", seq, tuple(tp))
@@ -184,7 +195,9 @@ def tp_bytes(src: ModelSource, seq: int, tp: tuple, cl: Cluster) -> tuple:
     from passes.cost.model import CostModel
     from passes.search.strategy import part_costs
 
-    prof, g1, g2 = model_profile(src, seq)
+    prof = model_profile(src, seq)[0]
+    r = rows(tp)
+    g1, g2 = captured(src, seq, r), captured(src, seq, 2 * r)
     strategy, mesh = {1: ("1d", (1, tp[0])), 2: ("2d", tuple(tp)), 3: ("3d", (tp[0], tp[0] * tp[0]))}[len(tp)]
     block = prof.block_ids[1] if len(prof.block_ids) > 2 else prof.block_ids[0]
     cm = CostModel((0.0, 0.0), (1.0, 1.0), math.inf, "bytes")
@@ -193,7 +206,7 @@ def tp_bytes(src: ModelSource, seq: int, tp: tuple, cl: Cluster) -> tuple:
     out = []
     for part in (0, 1):
         ones = [part_costs(g, mesh, cm, strategy, block)[part].bytes_per_axis for g in (g1, g2)]
-        per = tuple(b - a for a, b in zip(*ones))
+        per = tuple((b - a) / r for a, b in zip(*ones))
         fixed = tuple(2 * a - b for a, b in zip(*ones))
         n_calls = tuple(round(part_costs(g1, mesh, c, strategy, block)[part].time_s) for c in calls)
         out.append(TPBytes(per, fixed, n_calls))
@@ -243,6 +256,11 @@ def check(src: ModelSource, cfg: Parallel, devices: int, batch: int, cluster: Cl
     if batch % (dp * cfg.microbatches):
         raise UsageError(f"autopar.estimate: batch={batch} sequences do not split into {dp} data-parallel ranks x "
                          f"{cfg.microbatches} micro-batches: use a batch that is a multiple of {dp * cfg.microbatches}")
+    n = batch // (dp * cfg.microbatches)
+    if n % rows(cfg.tp):
+        raise UsageError(f"autopar.estimate: tp {'x'.join(map(str, cfg.tp))} splits each micro-batch's sequences over "
+                         f"its {rows(cfg.tp)} rows, but a micro-batch holds {n}: use a batch (or fewer micro-batches) "
+                         f"that gives a multiple of {rows(cfg.tp)} sequences per micro-batch")
     if cfg.pp > 1:
         why = schedule_refusal(cfg.schedule, cfg.pp, cfg.interleave, cfg.microbatches)
         if why:

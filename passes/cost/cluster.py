@@ -56,6 +56,8 @@ class Cluster:
     fp8_speedup: float = 1.6  # a linear's FP8 GEMM over its bf16 one, casts included
     runtime_bytes: float = 2.5 * 2**30  # per GPU outside the tensors: CUDA context, NCCL and cuBLAS workspaces
     collective_efficiency: float = 0.85  # share of a link's line rate an NCCL ring collective reaches
+    overlap_cost: float = 0.2  # seconds of compute lost per second of communication hidden behind it (SMs and
+    # memory bandwidth the collective's kernels take)
     reserve_factor: float = 1.07  # the caching allocator's reserved bytes over the tensors' (fragmentation)
 
     def link(self, span: int) -> Link:

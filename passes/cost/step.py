@@ -15,14 +15,16 @@ Time, per GPU and step:
   the line rate, plus a launch latency per call; exposed for 1D (hidden behind the matmuls with
   `async_tp`: each collective behind the run of matmuls beside it, as torch's fused all-gather-matmul
   and matmul-reduce-scatter overlap them), overlapped with the matmuls for 2D and 3D (the broadcast
-  lowering);
+  lowering), all but the first of a product's max(R, C) panels;
 - sharded replicas (FSDP2): each stage's parameters all-gathered in bf16 (again for backward when
   resharded after forward: without pipeline stages) and gradients reduce-scattered (fp32 under
   'bf16-mixed'), once per step inside a pipeline (gathered at the first micro-batch, reduced after the
   last); replicated ones all-reduce gradients. Hidden behind compute except the first gather and the
   last reduction; the rest only where compute is shorter;
 - pipeline: the schedule's bubble (`passes.cost.pipeline.bubble`), stage boundaries' sends;
-- optimizer: AdamW reads and writes each shard's parameter, gradient and two states (memory-bound).
+- optimizer: AdamW reads and writes each shard's parameter, gradient and two states (memory-bound);
+- what is hidden is not free: each second of communication overlapped with compute slows the compute
+  by `overlap_cost` seconds (the collective's kernels take SMs and memory bandwidth).
 
 Memory, per GPU, at the step's peak: parameters, gradients and optimizer states as the precision
 keeps them ('bf16-mixed': fp32 master weights, fp32 gradients, fp32 AdamW states, bf16 copies for
@@ -201,9 +203,11 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
         run = 3.0 * w.fwd + (w.fwd if mode == "full" else w.sac_extra if mode == "selective" else 0.0)
         k = 4.0 if mode == "full" else 3.0
         comm *= k / 3.0  # a recomputed forward runs its collectives again
-        if len(cfg.tp) > 1:  # SUMMA's broadcasts overlap its products
-            return run + max(0.0, comm - k * w.mm_fwd)
-        return run + comm - (w.hidden(comm, k) if cfg.async_tp else 0.0)
+        if len(cfg.tp) > 1:  # SUMMA's broadcasts overlap its products, all but each product's first panel's
+            exposed = max(comm / max(cfg.tp), comm - k * w.mm_fwd)
+        else:
+            exposed = comm - (w.hidden(comm, k) if cfg.async_tp else 0.0)
+        return run + exposed + cl.overlap_cost * (comm - exposed)
 
     edge = block_s(out, tp_out, recomputed=False)  # embedding, final norm, head and loss: never recomputed
     work = M * (per_rank * block_s(blk, tp_blk) + edge)
@@ -236,6 +240,7 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
                         max(1, per_rank), cl, cfg.dp_replicate * dp_span, cfg.dp_replicate)
     hideable = compute_s  # replicas' collectives run beside the step's compute
     dp_exposed = max(first, fsdp_s + ddp_s - hideable + first)
+    dp_exposed += cl.overlap_cost * (fsdp_s + ddp_s - dp_exposed if fsdp_s + ddp_s > dp_exposed else 0.0)
     opt_s = stage_params / cfg.dp_shard * (held + grad_b + held + copy_b) / (cl.hbm_bytes_per_s * cl.hbm_efficiency)
     step = compute_s + bubble_s + dp_exposed + pp_s + opt_s
     tokens = batch * seq
