@@ -9,6 +9,11 @@ measured with the machine loaded.
 
 # test id -> the fast-tier test that covers its path
 SLOW = {
+    # 1D's program at 16 ranks, every position dry-run (10 s): the 2D 8x8 case keeps the dry run's path and
+    # test_estimate's 1D dry run checks 1D's bytes against the estimate on every simulated rank
+    "tests/test_dry_run.py::test_every_position_builds_and_its_bytes_are_the_plan[1d-1x16]":
+        "test_dry_run.py::test_every_position_builds_and_its_bytes_are_the_plan[2d-8x8] and "
+        "test_estimate.py::test_tp_bytes_equal_what_the_program_moves[1d]",
     # every plan the search can choose, against the oracle: 2x2 splits both axes (25 s each grid); the
     # 1x2 and 2x1 grids repeat its rules with one axis whole
     "tests/test_rules_oracle.py::test_every_plan_the_search_can_choose[q1]":
