@@ -20,7 +20,8 @@ def measure_on_rank(rank, grid, sizes, repeats):  # runs on every rank of the po
 
 
 def _check_schema(model, grid, sizes):
-    assert set(model) == set(cal.KEYS), sorted(model)
+    assert set(model) == set(cal.KEYS) | set(cal.OPTIONAL_KEYS), sorted(model)
+    assert model["memory_bytes_per_s"] > 0 and model["op_s"] > 0
     assert model["version"] == 1 and model["source"] == "calibrate"
     assert model["grid"] == list(grid) and model["backend"] == "gloo" and model["device"] == "cpu"
     assert len(model["axes"]) == 2 and model["flops_per_s"] > 0

@@ -166,3 +166,27 @@ def test_cli_estimate_json(capsys, tmp_path):
     assert out["batch"] == 4 and out["parallel"]["tp"] == [2, 2]
     assert main(["estimate", str(cfg), "--devices", "8", "--batch", "2", "--seq", "32", "--tp", "16"]) == 2
     assert "autopar estimate: tp=16 does not divide the model's 8 attention heads" in capsys.readouterr().err
+
+
+def test_a_calibration_file_is_a_cluster(tmp_path):
+    """`autopar calibrate`'s JSON prices a step on the machines it measured: one node of R*C ranks, the
+    slower axis's link, the measured rates reached in full, nothing hidden behind compute; its per-op
+    floor adds op_s per graph op."""
+    from passes.cost.cluster import resolve_cluster
+    from passes.cost.model import save
+
+    cal = {"version": 1, "source": "calibrate", "grid": [2, 2], "backend": "gloo", "device": "cpu",
+           "axes": [{"alpha_s": 1e-3, "beta_bytes_per_s": 5e9, "points": []},
+                    {"alpha_s": 2e-3, "beta_bytes_per_s": 2e9, "points": []}],
+           "flops_per_s": 8e10, "when": "2026-12-06T00:00:00+00:00", "memory_bytes_per_s": 2e10, "op_s": 0.0}
+    path = tmp_path / "cal.json"
+    save(cal, path)
+    cl = resolve_cluster(str(path))
+    assert cl.gpus_per_node == 4 and cl.intra.alpha_s == 2e-3 and cl.intra.beta_bytes_per_s == 2e9
+    assert cl.matmul_efficiency == 1.0 and cl.overlap_cost == 1.0 and cl.peak_flops == 8e10
+    src = tiny()
+    base = estimate(src, devices=4, cluster=str(path), seq=32, global_batch=4, tp=4, precision="fp32")
+    save({**cal, "op_s": 1e-5}, path)
+    floor = estimate(src, devices=4, cluster=str(path), seq=32, global_batch=4, tp=4, precision="fp32")
+    ops = LAYERS * model_profile(src, 32)[0].block.ops + model_profile(src, 32)[0].outer.ops
+    assert floor.step_s - base.step_s == pytest.approx(ops * 1e-5, rel=1e-6)

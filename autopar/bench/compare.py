@@ -58,6 +58,16 @@ def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
     return S.estimate_fixed(gm, grid, cm, strategy, lowering=lowering).time_s
 
 
+def _roofline(model, tp: tuple, assignment, cost_model) -> float:
+    """`autopar.estimate`'s step time (s) for the benchmark's step on this machine, from the calibration
+    (`passes.cost.cluster.from_calibration`): fp32, no recomputation, every rank a tensor-parallel one."""
+    from autopar.planning.estimate import estimate
+
+    tp = (tp[1],) if len(tp) == 2 and tp[0] == 1 else tuple(tp)  # a 1 x p grid is 1D over p
+    return estimate(model, devices=4, cluster=cost_model, seq=common.SEQ, global_batch=common.BATCH, tp=tp,
+                    precision="fp32", assignment=assignment).step_s
+
+
 def calibrate_worker(rank, world, port, out):
     from autopar.planning.calibrate import measure, save, summary
 
@@ -97,8 +107,9 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
     configs[TP_SP] = common.tp_sp(copy.deepcopy(base))
     configs["autopar 1D 1x4"] = autopar.parallelize(copy.deepcopy(base), grid=(1, 4), example_kwargs=common.batch(0),
                                                     strategy="1d")
-    grid, _table = autopar.choose_grid(base, world, (), common.batch(0), cost_model=cost_model)
-    auto = f"autopar auto {grid[0]}x{grid[1]}"
+    grid, _table = autopar.choose_grid(base, world, (), common.batch(0), cost_model=cost_model,
+                                       replica_layouts=False)  # the tensor-parallel arrangements compared here
+    auto, auto_grid = f"autopar auto {grid[0]}x{grid[1]}", tuple(grid)
     configs[auto] = autopar.parallelize(copy.deepcopy(base), grid=grid, example_kwargs=common.batch(0), strategy="auto",
                                         cost_model=cost_model)
     estimates = {"2D 2x2 broadcast": _estimate(base, (2, 2), "2d", cost_model, "broadcast"),
@@ -148,6 +159,10 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
         dist.barrier()
     bar.close()
     res["2D 2x2 broadcast"]["input_check_s"] = _input_check_s(configs["2D 2x2 broadcast"], steps)
+    if rank == 0:  # after the timed rounds: the roofline's estimates of the same steps, on this machine's constants
+        for k, (tp, assignment) in {"2D 2x2 broadcast": ((2, 2), None), "autopar 1D 1x4": ((4,), None),
+                                    auto: (auto_grid, configs[auto].program.choice.assignment)}.items():
+            res[k]["roofline_step_s"] = _roofline(base, tp, assignment, cost_model)
     for k in configs:
         if k.endswith(COMPILED):
             res[k] = dict(res[k[:-len(COMPILED)]])
@@ -161,7 +176,7 @@ def worker(rank, world, port, rounds, steps, out, cost_model, compiled=True):
     if rank == 0:
         merged = {}
         for k in res:
-            merged[k] = {m: (max(r[k][m] for r in everyone if k in r) if m != "assignment" else res[k][m])
+            merged[k] = {m: (max(r[k][m] for r in everyone if m in r.get(k, {})) if m != "assignment" else res[k][m])
                          for m in res[k]}
         with open(out, "w") as f:
             json.dump(merged, f)
@@ -223,6 +238,9 @@ def markdown(res: dict, overhead: dict) -> str:
         lines.append("estimated (alpha-beta, calibrated here) vs measured step: " + "; ".join(
             f"{k} {r['estimated_step_s'] * 1e3:.0f} / {r['step_s'] * 1e3:.0f} ms" for k, r in res.items()
             if "estimated_step_s" in r))
+        lines.append("autopar.estimate's roofline (calibrated here) vs measured step: " + "; ".join(
+            f"{k} {r['roofline_step_s'] * 1e3:.0f} / {r['step_s'] * 1e3:.0f} ms "
+            f"({r['roofline_step_s'] / r['step_s']:.2f}x)" for k, r in res.items() if "roofline_step_s" in r))
     check = res.get("2D 2x2 broadcast", {})
     if "input_check_s" in check:
         lines.append(f"\ninput check (check_inputs=True, the default; every call): {check['input_check_s'] * 1e3:.2f} "

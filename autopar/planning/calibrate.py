@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
-from passes.cost.model import (AXIS_KEYS, DEFAULT, KEYS, RERUN, VERSION, load, save, summary,  # noqa: F401
-                               unit_axis, validate)
+from passes.cost.model import (AXIS_KEYS, DEFAULT, KEYS, OPTIONAL_KEYS, RERUN, VERSION, load, save,  # noqa: F401
+                               summary, unit_axis, validate)
 from passes.cost.volumes import all_reduce_mean_bytes, broadcast_bytes
 from autopar.errors import UsageError
 
@@ -131,6 +131,26 @@ def matmul_seconds(repeats: int, device, timed, n: int = MATMUL_N) -> float:
     return _median_time(lambda: a @ b, repeats, timed)
 
 
+def memory_seconds(repeats: int, device, timed, n: int = 1 << 22) -> tuple:
+    """(median seconds, bytes moved) of one fp32 elementwise add of two n-element tensors into a third:
+    what a memory-bound op reaches on this rank."""
+    a, b, c = (torch.randn(n, device=device) for _ in range(3))
+    return _median_time(lambda: torch.add(a, b, out=c), repeats, timed), 3 * 4 * n
+
+
+def op_seconds(repeats: int, device, timed, ops: int = 200) -> float:
+    """Median seconds one tiny op costs through autograd, forward and backward together: the floor a
+    step of many small ops pays per op whatever their size (the interpreter, the autograd graph)."""
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(ops):
+            y = y * 1.0
+        y.sum().backward()
+    return _median_time(chain, repeats, timed) / ops
+
+
 def check_args(sizes, repeats: int) -> None:
     """UsageError unless every size is a positive multiple of 4 bytes (fp32) and repeats >= 1."""
     bad = [s for s in sizes if not (isinstance(s, int) and s >= 4 and s % 4 == 0)]
@@ -166,6 +186,8 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
         alpha, beta = fit_alpha_beta(points)
         axes.append({"alpha_s": alpha, "beta_bytes_per_s": beta, "points": points})
     (mm,) = _slowest([matmul_seconds(repeats, device, timed)], device)
+    mem_s, mem_bytes = memory_seconds(repeats, device, timed)
+    (mem_s, op_s) = _slowest([mem_s, op_seconds(repeats, device, timed)], device)
     return {
         "version": VERSION,
         "source": "calibrate",
@@ -174,6 +196,8 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
         "device": "cuda" if cuda else "cpu",
         "axes": axes,
         "flops_per_s": 2 * MATMUL_N**3 / mm,
+        "memory_bytes_per_s": mem_bytes / mem_s,  # optional keys (autopar.estimate's roofline reads them)
+        "op_s": op_s,
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

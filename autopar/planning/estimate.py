@@ -102,9 +102,11 @@ def _module_source(module) -> ModelSource:
         raise UsageError("autopar.estimate: an nn.Module without a transformers config: pass its config (or "
                          "config.json) instead, or use autopar.plan for a model of your own")
 
+    from autopar.program.build import cache_off_kwargs
+
     def build():
         return module, lambda n, s: {"input_ids": torch.zeros(n, s, dtype=torch.long),
-                                     "labels": torch.zeros(n, s, dtype=torch.long)}
+                                     "labels": torch.zeros(n, s, dtype=torch.long), **cache_off_kwargs(module)}
     return ModelSource(type(module).__name__, len(blocks), build, getattr(config, "num_attention_heads", None),
                        getattr(config, "num_key_value_heads", None), getattr(config, "vocab_size", None))
 
@@ -166,7 +168,8 @@ def captured(src: ModelSource, seq: int, n: int):
 
         model, inputs = src.build()
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        src.cache[key] = capture(model, (), {k: v.to(device) for k, v in inputs(n, seq).items()}).gm
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs(n, seq).items()}
+        src.cache[key] = capture(model, (), kwargs).gm
     return src.cache[key]
 
 
@@ -184,7 +187,7 @@ def rows(tp: tuple) -> int:
     return tp[0] if len(tp) > 1 else 1
 
 
-def tp_bytes(src: ModelSource, seq: int, tp: tuple, cl: Cluster) -> tuple:
+def tp_bytes(src: ModelSource, seq: int, tp: tuple, cl: Cluster, assignment: dict | None = None) -> tuple:
     """(a block's TPBytes, the outer part's) of layout `tp` for `seq`: the plan's bytes for r and 2r
     sequences (r: `rows(tp)`, so that every row holds whole sequences), read as a line in the sequences."""
     if math.prod(tp) == 1:
@@ -205,10 +208,12 @@ def tp_bytes(src: ModelSource, seq: int, tp: tuple, cl: Cluster) -> tuple:
              for ax in range(2)]
     out = []
     for part in (0, 1):
-        ones = [part_costs(g, mesh, cm, strategy, block)[part].bytes_per_axis for g in (g1, g2)]
+        ones = [part_costs(g, mesh, cm, strategy, block, assignment=assignment)[part].bytes_per_axis
+                for g in (g1, g2)]
         per = tuple((b - a) / r for a, b in zip(*ones))
         fixed = tuple(2 * a - b for a, b in zip(*ones))
-        n_calls = tuple(round(part_costs(g1, mesh, c, strategy, block)[part].time_s) for c in calls)
+        n_calls = tuple(round(part_costs(g1, mesh, c, strategy, block, assignment=assignment)[part].time_s)
+                        for c in calls)
         out.append(TPBytes(per, fixed, n_calls))
     src.cache[key] = tuple(out)
     return src.cache[key]
@@ -276,7 +281,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
              global_batch: int | None = None, tp=1, dp_shard: int | None = None,
              dp_replicate: int = 1, pp: int = 1, schedule: str = "1f1b", microbatches: int | None = None,
              interleave: int = 1, recompute: str = "none", precision: str = "bf16-mixed", compile: bool = False,
-             fp8: bool = False, async_tp: bool = False) -> Estimate:
+             fp8: bool = False, async_tp: bool = False, assignment: dict | None = None) -> Estimate:
     """The estimated step of sequences of `seq` tokens on `devices` GPUs of `cluster` (a preset's name,
     see `passes.cost.cluster.PRESETS`, or a Cluster): `batch` sequences per data-parallel rank
     (torchtitan's local batch size) or `global_batch` in all, split as given:
@@ -285,7 +290,8 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     `microbatches` (None: pp, or the local batch when smaller... at least one per stage) and
     `interleave` stages per rank; `recompute` 'none', 'selective' (per op, torchtitan's) or 'full';
     `precision` 'bf16-mixed' (fp32 master weights, gradients and AdamW states), 'bf16' or 'fp32';
-    `compile` (memory-bound ops fused), `fp8` (FP8 linears), `async_tp` (1D TP collectives overlapped)."""
+    `compile` (memory-bound ops fused), `fp8` (FP8 linears), `async_tp` (1D TP collectives overlapped);
+    `assignment`: with a 2D `tp`, strategy='auto''s per-unit mix (`pmodel.choice.assignment`)."""
     cl = resolve_cluster(cluster)
     if cl is None:
         raise UsageError(f"autopar.estimate: cluster=None: name one of {sorted(PRESETS)} or pass a Cluster")
@@ -311,7 +317,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp)
     check(src, cfg, devices, batch, cl)
     prof = model_profile(src, seq)[0]
-    tb, to = tp_bytes(src, seq, tp, cl)
+    tb, to = tp_bytes(src, seq, tp, cl, assignment)
     cost = price_step(prof, src.layers, tb, to, cfg, cl, batch, seq)
     return Estimate(src.name, devices, cl.name, batch, seq, cfg, cost)
 

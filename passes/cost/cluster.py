@@ -25,12 +25,14 @@ dense bf16 matmul peak; achieved collective bandwidth is lower, so these are opt
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 from passes.cost.model import CostModel
 from passes.errors import UsageError
 
-__all__ = ["Cluster", "Link", "PRESETS", "resolve_cluster"]
+__all__ = ["Cluster", "Link", "PRESETS", "from_calibration", "resolve_cluster"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Cluster:
     overlap_cost: float = 0.2  # seconds of compute lost per second of communication hidden behind it (SMs and
     # memory bandwidth the collective's kernels take)
     reserve_factor: float = 1.07  # the caching allocator's reserved bytes over the tensors' (fragmentation)
+    op_s: float = 0.0  # per op of the graph, forward and backward: the floor an eager CPU step pays per op (on
+    # GPUs launches are asynchronous and overlap the kernels before them: 0)
 
     def link(self, span: int) -> Link:
         """The link an axis whose group spans `span` consecutive ranks uses."""
@@ -103,10 +107,31 @@ PRESETS = {
 }
 
 
+def from_calibration(model: dict, name: str = "calibrated") -> Cluster:
+    """The machines `autopar calibrate` measured (its JSON as a dict) as one node: every rank on it, the
+    slower axis's alpha and beta for its link, the measured matmul rate as the peak (reached: efficiency
+    1), the measured elementwise bandwidth and per-op floor; communication competes with compute for the
+    same cores (overlap_cost 1: nothing is hidden)."""
+    finite = [a for a in model["axes"] if a["beta_bytes_per_s"] and math.isfinite(a["beta_bytes_per_s"])]
+    link = Link(max((a["alpha_s"] for a in finite), default=0.0),
+                min((a["beta_bytes_per_s"] for a in finite), default=math.inf))
+    ranks = model["grid"][0] * model["grid"][1]
+    return Cluster(name, ranks, link, link, model["flops_per_s"], math.inf, peak_flops=model["flops_per_s"],
+                   matmul_efficiency=1.0, attention_efficiency=1.0,
+                   hbm_bytes_per_s=model.get("memory_bytes_per_s", 1e10), hbm_efficiency=1.0, fp8_speedup=1.0,
+                   runtime_bytes=0.0, reserve_factor=1.0, collective_efficiency=1.0, overlap_cost=1.0,
+                   op_s=model.get("op_s", 0.0))
+
+
 def resolve_cluster(spec) -> Cluster | None:
-    """None, a Cluster, or a preset's name (see `PRESETS`)."""
+    """None, a Cluster, a preset's name (see `PRESETS`) or the path of an `autopar calibrate` JSON."""
     if spec is None or isinstance(spec, Cluster):
         return spec
     if isinstance(spec, str) and spec in PRESETS:
         return PRESETS[spec]
-    raise UsageError(f"cluster={spec!r}: expected a Cluster or one of the presets {sorted(PRESETS)}")
+    if isinstance(spec, str) and spec.endswith(".json") and os.path.isfile(spec):
+        from passes.cost.model import load
+
+        return from_calibration(load(spec), os.path.basename(spec))
+    raise UsageError(f"cluster={spec!r}: expected a Cluster, one of the presets {sorted(PRESETS)} or the path of "
+                     f"an `autopar calibrate` JSON")

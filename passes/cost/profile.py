@@ -66,6 +66,7 @@ class Part:
     input_bytes: float = 0.0
     params: int = 0  # elements
     largest_output: float = 0.0  # bytes of the largest tensor an op of this part makes (the logits)
+    ops: int = 0  # graph ops (each pays a per-op floor on an eager CPU step: `Cluster.op_s`)
 
     def groups(self) -> list:
         """The products in runs that read one input (q|k|v, gate|up): each run is what one tensor-parallel
@@ -183,6 +184,7 @@ def _count_ops(gm, parts: dict, outer: Part, part_of, causal) -> set:
             continue
         p, target = part_of(node), str(node.target)
         p.largest_output = max(p.largest_output, _bytes(v))
+        p.ops += 1
         if target in LINEAR:
             shape = _mm_shape(node, target)
             if shape is not None:

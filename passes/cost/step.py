@@ -162,7 +162,9 @@ def _part_time(part: Part, n: float, cfg: Parallel, cl: Cluster) -> _Work:
     ratio = part.sac_recompute_flops / part.mm_flops if part.mm_flops else 0.0
     attn = part.attention_flops * n / t / (cl.peak_flops * cl.attention_efficiency)
     mem = part.memory_bytes * n / t / (cl.hbm_bytes_per_s * cl.hbm_efficiency) * (FUSED if cfg.compile else 1.0)
-    return _Work(mm + attn + mem, mm, mem, ratio * mm + mem, tuple(sum(each[i] for i in g) for g in part.groups()))
+    floor = part.ops * cl.op_s / 3.0  # op_s is forward and backward together; _Work holds a forward
+    return _Work(mm + attn + mem + floor, mm, mem, ratio * mm + mem,
+                 tuple(sum(each[i] for i in g) for g in part.groups()))
 
 
 def _coll_s(nbytes: float, calls: float, cl: Cluster, span: int, size: int) -> float:

@@ -369,17 +369,18 @@ def estimate_assignment(gm: GraphModule, mesh, cm: CostModel, assignment: dict, 
 
 
 def part_costs(gm: GraphModule, mesh, cm: CostModel, strategy: str, block: str | None,
-               options: Options | None = None, lowering: str | None = "broadcast") -> tuple:
+               options: Options | None = None, lowering: str | None = "broadcast",
+               assignment: dict | None = None) -> tuple:
     """(repeated block `block`'s Estimate, the graph's less one such Estimate per block) under one fixed strategy on
     `mesh`: bytes received per mesh axis and the collectives' time (with `cm`'s matmul rate infinite,
     `time_s` is communication alone), every SUMMA product in `lowering`. What `passes.cost.step` scales
-    to a model's depth and batch."""
+    to a model's depth and batch. `assignment`: a searched mix (`Choice.assignment`) instead of `strategy`."""
     from passes.nodes import block_of
 
     units = find_units(gm)
     ev = Evaluator(gm, mesh, CostModel(cm.alpha, cm.beta, math.inf, cm.source), units,
                    DEFAULTS if options is None else options, lowering)
-    ev._set(fixed_assignment(units, strategy))
+    ev._set(assignment if assignment is not None else fixed_assignment(units, strategy))
     nodes = list(gm.graph.nodes)
     layouts = ev._run(nodes)
     inside = [n for n in nodes if block is not None and block_of(n) == block]
