@@ -115,3 +115,48 @@ def test_strategies_parity(pool4, family, grid, options):
         assert "[auto: " in res[0]["explain"] and "strategy auto: estimated step" in res[0]["explain"]
     if options.get("cost_model") is SLOW_LINKS:
         assert any(v == "2d" for k, v in assignment.items() if k.startswith("matmul")), assignment
+
+
+@pytest.mark.parametrize("fused", ["interleave", "regroup"])
+def test_gpt2_1d_matches_one_process(pool4, fused):
+    """GPT-2's Conv1D multiplies a [b*s, h] view of the gathered activation: the gradient all-reduce on
+    that view now runs before it, folded into the gather's backward (a reduce-scatter). Catches a moved
+    GradSync that sums the wrong tensor or the wrong axis: logits, loss and every gradient on every rank
+    against one process, 1D on 1x4, both ways of storing the fused c_attn weight."""
+    res = pool4.run(C.hf_parity, "gpt2", None, 4, 8, (4, 12), None, (1, 4), {"strategy": "1d", "fused": fused})
+    assert_every_rank([r["excess"] for r in res], f"gpt2 1d {fused}")
+
+
+def test_gpt2_1d_moves_what_megatron_sp_moves():
+    """With fused='interleave' and a batch the columns divide, a GPT-2 block's 1D collectives are
+    Megatron's with sequence parallelism: an all-gather and a reduce-scatter per sublayer each way,
+    (t - 1)/t of the [b, s, h] activation each, and the two LayerNorms' weight and bias gradients
+    all-reduced (Megatron's sequence parallelism sums them over the group too); nothing else (it was
+    1.25x: the backward of the gather before each Conv1D was an all-reduce of the whole gradient). The
+    plan's bytes are what a real step counts (tests/test_plan.py); the estimate prices the same."""
+    import math
+
+    import autopar
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from passes import capture
+    from passes.cost.model import CostModel
+    from passes.options import Options
+    from passes.search.strategy import estimate_fixed
+
+    b, s, h, t = 4, 16, 64, 4
+    cfg = GPT2Config(n_embd=h, n_layer=3, n_head=4, vocab_size=256, n_positions=64, use_cache=False,
+                     bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    plan = autopar.plan(model, grid=(1, t), example_kwargs={"input_ids": ids, "labels": ids}, strategy="1d",
+                        fused="interleave")
+    block = [r for r in plan.rows if r.module.startswith("transformer.h.1.") and (r.fwd_bytes or r.bwd_bytes)]
+    norms = 4 * 2 * (t - 1) * h * 4 // t  # all-reduce of ln_1 and ln_2's [h] weight and bias gradients
+    assert sum(r.fwd_bytes + r.bwd_bytes for r in block) == 8 * (t - 1) * b * s * h * 4 // t + norms, \
+        [(r.node, r.fwd_bytes, r.bwd_bytes) for r in block]
+    gm = capture(model, (), {"input_ids": ids.to("meta"), "labels": ids.to("meta")}).gm
+    est = estimate_fixed(gm, (1, t), CostModel((0.0, 0.0), (1.0, 1.0), math.inf, "bytes"), "1d",
+                         Options(strategy="1d", fused="interleave"))
+    assert sum(est.bytes_per_axis) == plan.comm_bytes_per_rank_per_step

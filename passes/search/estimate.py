@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from passes.transforms.insert_collectives import foldable_axes, gradsync_axes
+from passes.transforms.insert_collectives import foldable_axes, gradsync_axes, planned_hoist
 from passes.kernels.cube import CubeSpec
 from passes.kernels.spec import MATMULS, GradSyncSpec, RedistributeSpec, Site, SummaSpec, flops
 from passes.layout import Layout, local_shape, mesh_shape
@@ -140,11 +140,16 @@ class _NodeCost:
 def _node_cost(node, strat, layouts, mesh, grads, cm, lowering=None) -> _NodeCost:
     shared: list[tuple[tuple, list]] = []  # ((input, layout) or (input, layout, axes), terms)
     params = []
+    hoisted = planned_hoist(node, layouts)  # a reshape whose user's GradSync folds into its input's gather
     for inp, need in strat.inputs.items():
         have, v = layouts.get(inp), inp.meta.get("val")
         if not isinstance(v, torch.Tensor) or not isinstance(have, Layout):
             continue
         sync = tuple(a for a in gradsync_axes(node, strat.output, inp, need) if mesh[a] > 1)
+        if have == need and planned_hoist(inp, layouts):
+            sync = tuple(a for a in sync if a not in planned_hoist(inp, layouts))  # folded at the reshape
+        if hoisted and inp is node.args[0]:
+            sync = tuple(sorted(set(sync) | {a for a in hoisted if mesh[a] > 1}))
         folded = foldable_axes(have, need, sync) if have != need else ()  # as insert_collectives folds them
         if have != need:
             moved = Site(inp, (inp,), (have,), need, mesh, (inp in grads,))
@@ -183,7 +188,8 @@ def price(nodes, layouts: dict, mesh, grads: set, cm: CostModel, params_seen: se
         if cache is None:
             nc = _node_cost(node, strat, layouts, mesh, grads, cm, lowering)
         else:
-            key = (rule_key(node, layouts), siblings(node, mesh))
+            key = (rule_key(node, layouts), siblings(node, mesh), planned_hoist(node, layouts),
+                   tuple(planned_hoist(i, layouts) for i in node.all_input_nodes))
             nc = cache.get(key)
             if nc is None:
                 nc = cache[key] = _node_cost(node, strat, layouts, mesh, grads, cm, lowering)

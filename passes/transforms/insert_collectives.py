@@ -18,7 +18,10 @@ that gather when every user of the gathered tensor syncs that axis: all-gather f
 backward (`comm.GatherSum`) instead of an all-reduce of the whole gradient and a cut of this rank's
 block: half the backward bytes. This is Megatron's sequence parallelism: with 1D splits the residual
 stream stays split over the sequence between a row-split matmul's reduce-scatter and the next
-column-split matmul's all-gather, in both directions (`fold_gradsyncs`).
+column-split matmul's all-gather, in both directions (`fold_gradsyncs`). A reshape between the two
+(GPT-2's Conv1D multiplies a [b*s, h] view of the gathered [b, s, h]) does not stop the fold: the
+GradSync moves before the reshape (an all-reduce of the gradient commutes with a reshape), where the
+gather's fold finds it (`hoist_gradsyncs`; `hoisted_axes` says where, for the estimate too).
 
 Each module is built by its spec, which every new node carries in `KERNEL` (what `explain` and
 `passes.cost.planned` ask), with `LAYOUT`; Redistribute and GradSync nodes are marked `INSERTED`; kernels keep
@@ -112,10 +115,75 @@ def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast")
             gm.graph.erase_node(node)
             new.name = node.name
             replaced[node] = new
+    hoist_gradsyncs(gm)
     fold_gradsyncs(gm, grid, lowering)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+            torch.ops.aten.flatten.using_ints, torch.ops.aten.unflatten.int}
+
+
+def hoisted_axes(view: Node, sync: tuple, have: Layout | None, need: Layout | None) -> tuple:
+    """The axes of `sync` (a GradSync on reshape `view`, its only user's input) that fold into the
+    gather of the Redistribute(have -> need) feeding `view`: those it gathers from a plain split.
+    () when `view` is no reshape, has other users, or nothing before it gathers."""
+    if view.op != "call_function" or view.target not in RESHAPES or len(view.users) != 1 or not sync:
+        return ()
+    if not (isinstance(have, Layout) and isinstance(need, Layout)) or have == need:
+        return ()
+    return foldable_axes(have, need, sync)
+
+
+def planned_hoist(view: Node, layouts: dict) -> tuple:
+    """What `hoist_gradsyncs` will do for reshape `view`, read off the propagated strategies before any
+    insertion (the estimate's view of it): the axes its only user's GradSync moves before it and folds
+    into the gather of `view`'s input, or ()."""
+    if view.op != "call_function" or view.target not in RESHAPES or len(view.users) != 1:
+        return ()
+    user, strat = next(iter(view.users)), view.meta.get(STRATEGY)
+    ustrat = user.meta.get(STRATEGY)
+    x = view.args[0] if view.args else None
+    if strat is None or ustrat is None or not isinstance(x, Node) or x not in strat.inputs:
+        return ()
+    need = ustrat.inputs.get(view)
+    if need is None or layouts.get(view) != need:
+        return ()
+    sync = gradsync_axes(user, ustrat.output, view, need)
+    need_x = strat.inputs[x]
+    sharing = [u for u in x.users if getattr(u.meta.get(STRATEGY), "inputs", {}).get(x) == need_x]
+    if len(sharing) != 1:  # the gather is shared with another consumer: its GradSync stays
+        return ()
+    axes = hoisted_axes(view, sync, layouts.get(x), need_x)
+    return axes if axes == tuple(sync) else ()
+
+
+def hoist_gradsyncs(gm: GraphModule) -> None:
+    """Move each GradSync on a reshape of a Redistribute's result before the reshape, over the axes the
+    Redistribute gathers (`hoisted_axes`), so that `fold_gradsyncs` folds it into the gather."""
+    for node in list(gm.graph.nodes):
+        spec = node.meta.get(KERNEL)
+        if node.op != "call_module" or not isinstance(spec, GradSyncSpec):
+            continue
+        view = node.args[0]
+        if not (isinstance(view, Node) and view.op == "call_function" and view.args):
+            continue
+        redist = view.args[0]
+        if not (isinstance(redist, Node) and redist.op == "call_module") or len(redist.users) != 1:
+            continue
+        rspec = redist.meta.get(KERNEL)
+        if not isinstance(rspec, RedistributeSpec):
+            continue
+        if hoisted_axes(view, spec.axes, rspec.src, rspec.dst) != tuple(spec.axes):
+            continue
+        for u in list(node.users):
+            u.replace_input_with(node, view)
+        node.args = (redist,)
+        view.args = (node, *view.args[1:])
+        view.prepend(node)
+        node.meta["val"], node.meta[LAYOUT] = redist.meta.get("val"), redist.meta.get(LAYOUT)
 
 
 def foldable_axes(src: Layout, dst: Layout, sync: tuple) -> tuple:
