@@ -83,7 +83,8 @@ def test_estimate_refuses_what_cannot_run():
         estimate(src, **{**base, "pp": 8})
     with pytest.raises(UsageError, match=r"devices=8 is not a multiple of tp 3 x pp 1"):
         estimate(tiny(num_attention_heads=6, num_key_value_heads=3, hidden_size=48), **{**base, "tp": 3})
-    with pytest.raises(UsageError, match="expected a Cluster or one of the presets"):
+    with pytest.raises(UsageError, match="expected a Cluster, one of the presets .* or the path of an `autopar "
+                                         "calibrate` JSON"):
         estimate(src, **{**base, "cluster": "tpu-v5"})
     with pytest.raises(UsageError, match="batch=8 sequences do not split into 8 data-parallel ranks x 2 micro-batches"):
         estimate(src, **{**base, "microbatches": 2, "pp": 1})
