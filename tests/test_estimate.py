@@ -97,8 +97,23 @@ def test_estimate_refuses_what_cannot_run():
     rows = "tp 2x4 splits each micro-batch's sequences over its 2 rows, but a micro-batch holds 1"
     with pytest.raises(UsageError, match=rows):
         estimate(src, **{**base, "tp": (2, 4), "global_batch": 1})
+    mixtral = AutoConfig.for_model("mixtral", hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS,
+                                   num_key_value_heads=KV, num_hidden_layers=LAYERS, vocab_size=VOCAB,
+                                   num_local_experts=4)
+    with pytest.raises(UsageError, match="MixtralConfig is a mixture of experts .4 experts per block.: the roofline "
+                                         "prices dense blocks only"):
+        estimate(mixtral, **base)
     with pytest.raises(UsageError, match="expected a transformers config"):
         estimate(42, **base)
+
+
+def test_a_config_with_per_layer_fields_is_built_shallow():
+    """Qwen2's config lists a type per layer (`layer_types`); the estimate builds the model with 3 blocks
+    and must cut such lists to match (transformers refused the config before)."""
+    qwen = AutoConfig.for_model("qwen2", hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS,
+                                num_key_value_heads=KV, num_hidden_layers=6, vocab_size=VOCAB)
+    est = estimate(qwen, devices=2, cluster="dgx-h100", seq=32, global_batch=2, tp=2)
+    assert est.step_s > 0 and model_profile(load_model_source(qwen), 32)[0].blocks == 3
 
 
 def test_estimate_terms_follow_the_configuration():

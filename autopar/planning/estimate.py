@@ -76,7 +76,16 @@ def _config_source(config, dtype) -> ModelSource:
     layers = getattr(config, "num_hidden_layers", None)
     if not layers:
         raise UsageError(f"autopar.estimate: {type(config).__name__} has no num_hidden_layers")
-    small = type(config).from_dict({**config.to_dict(), "num_hidden_layers": min(layers, DEPTH), "use_cache": False})
+    experts = next((getattr(config, k) for k in ("num_local_experts", "n_routed_experts", "num_experts")
+                    if isinstance(getattr(config, k, None), int) and getattr(config, k) > 1), None)
+    if experts:
+        raise UsageError(f"autopar.estimate: {type(config).__name__} is a mixture of experts ({experts} experts "
+                         f"per block): the roofline prices dense blocks only (its experts' products and routing "
+                         f"are not counted); use autopar.plan for its bytes")
+    depth = min(layers, DEPTH)
+    fields = {k: v[:depth] if isinstance(v, list) and len(v) == layers else v  # per-layer lists (layer_types)
+              for k, v in config.to_dict().items()}
+    small = type(config).from_dict({**fields, "num_hidden_layers": depth, "use_cache": False})
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(small, key, None) is not None:
             setattr(small, key, 0)
