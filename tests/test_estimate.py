@@ -5,6 +5,7 @@ dry run, the errors a user meets, and the estimate against published, measured r
 import math
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from autopar.errors import MemoryLimitError, UsageError
@@ -144,8 +145,32 @@ def test_choose_plan_beats_the_configurations_it_searches():
     assert plan.best.cost.memory_bytes <= PRESETS["dgx-h100"].memory_bytes
     kw = plan.kwargs
     assert math.prod(kw["grid"]) * getattr(kw.get("pipeline"), "stages", 1) == 8
+    _builds(plan)
     with pytest.raises(MemoryLimitError, match="no configuration of 8 GPUs fits 1.0 KiB per GPU"):
         choose_plan(src, devices=8, global_batch=16, seq=64, memory_limit=1024)
+
+
+def _builds(plan):
+    """`autopar.plan` (the passes parallelize runs, on one process) accepts the keywords of a candidate
+    with pipeline stages over sharded replicas and of one with a 2D grid."""
+    import transformers
+
+    import autopar
+    from autopar.checkpoint.hf import restore_buffers
+    from autopar.planning.search import TrainingPlan
+
+    cfg = AutoConfig.for_model("llama", hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS,
+                               num_key_value_heads=KV, num_hidden_layers=LAYERS, vocab_size=VOCAB,
+                               max_position_embeddings=512, tie_word_embeddings=False, use_cache=False)
+    with autopar.meta_init():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    restore_buffers(model)
+    ids = torch.zeros(16, 64, dtype=torch.long)
+    picks = [next(e for e in plan.table if e.parallel.pp > 1 and e.parallel.dp_shard > 1),
+             next(e for e in plan.table if len(e.parallel.tp) == 2)]
+    for e in picks:
+        kw = TrainingPlan(e, [e], 0, 0.0).kwargs
+        assert autopar.plan(model, example_kwargs={"input_ids": ids, "labels": ids}, **kw) is not None, kw
 
 
 def test_tp_layouts_stay_inside_what_divides():
