@@ -125,7 +125,6 @@ def dry_run_check(est, model) -> dict:
     from autopar.checkpoint.hf import restore_buffers
     from autopar.parallel.dry_run import dry_run
     from autopar.planning.estimate import load_model_source, model_profile, rows, tp_bytes
-    from passes.cost.cluster import resolve_cluster
 
     src = load_model_source(model)
     tp = est.parallel.tp
@@ -136,8 +135,7 @@ def dry_run_check(est, model) -> dict:
     n = rows(tp)  # sequences: whole ones on every row of the grid
     rep = dry_run(m, grid, example_kwargs=inputs(n, est.seq), strategy=strategy, fake=True, lowering="broadcast")
     prof = model_profile(src, est.seq)[0]
-    cl = resolve_cluster(est.cluster)
-    tb, to = tp_bytes(src, est.seq, tp, cl)
+    tb, to = tp_bytes(src, est.seq, tp)
     expected = sum(prof.blocks * b + o for b, o in zip(tb.bytes(n), to.bytes(n)))
     calls = sum(prof.blocks * b + o for b, o in zip(tb.calls, to.calls))
     counted = {r: run.counted.get("grid", 0) for r, run in rep.ranks.items()}

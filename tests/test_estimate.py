@@ -68,7 +68,7 @@ def test_a_widening_cast_reduces_first():
     (t - 1)/t of the [s, h] activation in bf16 (4 forward, 4 backward), plus the two norm weights'
     gradient all-reduces. The plan moved 1.5 times that when the collective ran after the cast."""
     src, seq, t = tiny(), 32, 4
-    block, _ = tp_bytes(src, seq, (t,), PRESETS["dgx-h100"])
+    block, _ = tp_bytes(src, seq, (t,))
     megatron_sp = 8 * (t - 1) * seq * H // t * 2
     norms = 2 * 2 * (t - 1) * H // t * 2  # all-reduce of each [h] bf16 weight gradient: 2 (t-1)/t of it
     assert sum(block.bytes(1)) == megatron_sp + norms

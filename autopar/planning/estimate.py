@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.errors import UsageError
-from passes.cost.cluster import PRESETS, Cluster, resolve_cluster
+from passes.cost.cluster import PRESETS, resolve_cluster
 from passes.cost.profile import profile
 from passes.cost.step import PRECISIONS, Parallel, StepCost, TPBytes, price_step
 
@@ -196,7 +196,7 @@ def rows(tp: tuple) -> int:
     return tp[0] if len(tp) > 1 else 1
 
 
-def tp_bytes(src: ModelSource, seq: int, tp: tuple, cl: Cluster, assignment: dict | None = None) -> tuple:
+def tp_bytes(src: ModelSource, seq: int, tp: tuple, assignment: dict | None = None) -> tuple:
     """(a block's TPBytes, the outer part's) of layout `tp` for `seq`: the plan's bytes for r and 2r
     sequences (r: `rows(tp)`, so that every row holds whole sequences), read as a line in the sequences."""
     if math.prod(tp) == 1:
@@ -256,7 +256,7 @@ def _check_shape(src: ModelSource, tp: tuple, pp: int, interleave: int, devices:
                          f"pp {pp}: use dimensions whose product divides it (its divisors: {ok})")
 
 
-def check(src: ModelSource, cfg: Parallel, devices: int, batch: int, cluster: Cluster) -> None:
+def check(src: ModelSource, cfg: Parallel, devices: int, batch: int) -> None:
     """A clear error for a configuration that cannot run, naming what would."""
     from autopar.program.pipe import SCHEDULES, schedule_refusal
 
@@ -283,7 +283,6 @@ def check(src: ModelSource, cfg: Parallel, devices: int, batch: int, cluster: Cl
         raise UsageError(f"autopar.estimate: recompute={cfg.recompute!r}: expected one of {RECOMPUTE}")
     if cfg.precision not in PRECISIONS:
         raise UsageError(f"autopar.estimate: precision={cfg.precision!r}: expected one of {sorted(PRECISIONS)}")
-    del cluster
 
 
 def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | None = None,
@@ -324,9 +323,9 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     if microbatches is None and pp > 1 and local >= pp:
         m = local  # one sequence per micro-batch, as torchtitan's default micro-batch size of 1
     cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp)
-    check(src, cfg, devices, batch, cl)
+    check(src, cfg, devices, batch)
     prof = model_profile(src, seq)[0]
-    tb, to = tp_bytes(src, seq, tp, cl, assignment)
+    tb, to = tp_bytes(src, seq, tp, assignment)
     cost = price_step(prof, src.layers, tb, to, cfg, cl, batch, seq)
     return Estimate(src.name, devices, cl.name, batch, seq, cfg, cost)
 

@@ -64,6 +64,7 @@ class TrainingPlan:
     table: list  # Estimate per candidate that fits, fastest first
     refused: int  # candidates that did not fit the memory limit
     search_s: float
+    cannot_run: int = 0  # combinations `estimate` refused (a schedule's micro-batch rule, rows without whole sequences)
 
     @property
     def kwargs(self) -> dict:
@@ -89,8 +90,8 @@ class TrainingPlan:
         return out
 
     def __str__(self) -> str:
-        lines = [str(self.best), f"  ({len(self.table)} configurations fit, {self.refused} did not; searched in "
-                 f"{self.search_s:.1f} s)", "  next fastest:"]
+        lines = [str(self.best), f"  ({len(self.table)} configurations fit, {self.refused} did not, {self.cannot_run} "
+                 f"cannot run; searched in {self.search_s:.1f} s)", "  next fastest:"]
         for e in self.table[1:6]:
             lines.append(f"    {e.tokens_per_s_per_gpu:9,.0f} tok/s/GPU  {e.memory_gib_per_rank:6.1f} GiB  "
                          f"{e.parallel.describe()}")
@@ -128,7 +129,7 @@ def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, s
     src = load_model_source(model)
     layouts = [tuple(t) if not isinstance(t, int) else (t,) for t in tp] if tp is not None else \
         tp_layouts(devices, cl.gpus_per_node, src.heads, src.kv_heads)
-    fits, refused, smallest = [], 0, None
+    fits, refused, smallest, cannot = [], 0, None, 0
     for layout in layouts:
         t = math.prod(layout)
         if devices % t:
@@ -153,7 +154,8 @@ def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, s
                             est = estimate(src, devices=devices, cluster=cl, global_batch=batch, seq=seq, tp=layout,
                                            dp_shard=shard, dp_replicate=rep, pp=pp, schedule=sched, microbatches=m,
                                            interleave=v, recompute=rc, compile=compile, fp8=fp8, async_tp=async_tp)
-                        except UsageError:
+                        except UsageError:  # a combination parallelize refuses too: counted, not priced
+                            cannot += 1
                             continue
                         mem = est.cost.memory_bytes
                         if smallest is None or mem < smallest.cost.memory_bytes:
@@ -169,4 +171,4 @@ def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, s
                                f"{format_bytes(limit)} per GPU{where}. Use more GPUs, a smaller batch or a shorter "
                                f"sequence")
     fits.sort(key=lambda e: (-e.tokens_per_s_per_gpu, e.cost.memory_bytes))
-    return TrainingPlan(fits[0], fits, refused, time.perf_counter() - t0)
+    return TrainingPlan(fits[0], fits, refused, time.perf_counter() - t0, cannot)
