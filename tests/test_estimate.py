@@ -207,6 +207,10 @@ def test_cli_estimate_json(capsys, tmp_path):
     assert out["batch"] == 4 and out["parallel"]["tp"] == [2, 2]
     assert main(["estimate", str(cfg), "--devices", "8", "--batch", "2", "--seq", "32", "--tp", "16"]) == 2
     assert "autopar estimate: tp=16 does not divide the model's 8 attention heads" in capsys.readouterr().err
+    assert main(["plan", str(cfg), "--devices", "8", "--global-batch", "16", "--seq", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["best"]["tokens_per_s_per_gpu"] >= max(e["tokens_per_s_per_gpu"] for e in out["next"])
+    assert math.prod(out["parallelize"]["grid"]) * out["best"]["parallel"]["pp"] == 8
 
 
 def test_a_calibration_file_is_a_cluster(tmp_path):
