@@ -130,6 +130,11 @@ def test_estimate_terms_follow_the_configuration():
         rep.cost.memory["parameters_and_optimizer"] / 8)
     few, many = (estimate(src, **{**kw, "global_batch": 32}, pp=2, microbatches=m) for m in (2, 8))
     assert many.cost.bubble_s / many.step_s < few.cost.bubble_s / few.step_s
+    mixed, pure = (estimate(src, **kw, dp_shard=8, precision=p) for p in ("bf16-mixed", "bf16"))
+    # fp32 master weight + AdamW's two fp32 states (12 B) against a bf16 weight with them (10 B); gradients 4 B / 2 B
+    assert pure.cost.memory["parameters_and_optimizer"] == pytest.approx(
+        mixed.cost.memory["parameters_and_optimizer"] * 10 / 12)
+    assert pure.cost.memory["gradients"] == pytest.approx(mixed.cost.memory["gradients"] / 2)
     plain, overlapped = (estimate(src, **kw, tp=4, async_tp=a) for a in (False, True))
     assert overlapped.step_s < plain.step_s and plain.cost.exposed_s["tp intra-node"] > 0
 

@@ -45,7 +45,7 @@ from passes.cost.profile import Part, Profile
 __all__ = ["FUSED", "Parallel", "StepCost", "TPBytes", "price_step"]
 
 FUSED = 0.5  # memory-bound traffic left once torch.compile fuses elementwise chains (inputs read once per chain)
-PRECISIONS = {  # bytes per parameter: (held between steps: master + states, gradient, compute copy)
+PRECISIONS = {  # bytes per parameter: (held between steps: master weight + AdamW's 8, gradient, compute copy)
     "bf16-mixed": (4 + 8, 4, 2),
     "bf16": (2 + 8, 2, 0),
     "fp32": (4 + 8, 4, 0),
@@ -229,7 +229,7 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     fsdp_s = first = 0.0
     if cfg.dp_shard > 1:
         share = (cfg.dp_shard - 1) / cfg.dp_shard
-        gather = 2 if copy_b else 4  # bytes per parameter gathered: the compute copy (bf16) or the weight
+        gather = copy_b or held - 8  # bytes per parameter gathered: the compute copy (bf16), else the weight
         again = 2 if S == 1 else 1  # resharded after forward, gathered again for backward
         units = per_rank + 1
         fsdp_s = _coll_s(share * stage_params * (again * gather + grad_b), units * (again + 1), cl, dp_span,
@@ -254,36 +254,36 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     exposed = {"tp " + tp_link: tp_exposed, "dp " + dp_link: dp_exposed,
                "pp": pp_s}
     comm = {"tp " + tp_link: tp_total, "dp " + dp_link: fsdp_s + ddp_s, "pp": pp_s}
-    memory = _memory(prof, cfg, cl, per_rank, per_stage, n, stage_params, layers)
+    memory = _memory(prof, cfg, cl, per_rank, n, stage_params)
     return StepCost(step, tokens / step / devices, model_flops / step / devices / cl.peak_flops, compute_s,
                     bubble_s, exposed, comm, memory)
 
 
-def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, per_stage: int, n: float,
-            stage_params: float, layers: int) -> dict:
+def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, n: float, stage_params: float) -> dict:
+    """Bytes per GPU at the step's peak, by category (see the module docstring)."""
     held, grad_b, copy_b = PRECISIONS[cfg.precision]
+    weight_b = copy_b or held - 8  # what a gathered parameter takes: the compute copy, else the weight itself
     shard = stage_params / cfg.dp_shard
-    states = shard * held
-    grads = shard * grad_b
+    states, grads = shard * held, shard * grad_b
     block_params = prof.block.params / cfg.tp_size
     if cfg.dp_shard > 1 and cfg.pp == 1:  # FSDP2: the root, the running block and the prefetched one gathered
-        gathered = (prof.outer.params / cfg.tp_size + 2 * block_params) * (copy_b or 2) + 2 * block_params * grad_b
+        gathered = (prof.outer.params / cfg.tp_size + 2 * block_params) * weight_b + 2 * block_params * grad_b
     elif cfg.dp_shard > 1:  # inside a pipeline: the stage stays gathered, its gradients unsharded until the end
-        gathered = stage_params * ((copy_b or 2) + grad_b)
+        gathered = stage_params * (weight_b + grad_b)
     else:
         gathered = stage_params * copy_b
-    keep = {"none": prof.block.saved, "selective": prof.block.sac_saved, "full": prof.block.input_bytes}
     t = cfg.tp_size
-    flight = in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.interleave) if cfg.pp > 1 else 1
-    act_first = keep[cfg.recompute] * n / t * per_rank * flight
-    rebuilt = prof.block.saved * n / t if cfg.recompute != "none" else 0.0
+    keep = {"none": prof.block.saved, "selective": prof.block.sac_saved, "full": prof.block.input_bytes}
+    per_mb = keep[cfg.recompute] * n / t * per_rank  # one micro-batch's saved activations on this rank
+    rebuilt = prof.block.saved * n / t if cfg.recompute != "none" else 0.0  # one block rebuilt in backward
     head = prof.outer.saved * n / t
     temporaries = 2 * prof.outer.largest_output * n / t  # the loss's fp32 logits and their gradient
-    last = keep[cfg.recompute] * n / t * per_rank + head + temporaries
-    activations = max(act_first, last if cfg.pp > 1 else act_first + head + temporaries - temporaries)
-    temps = temporaries if cfg.pp == 1 else 0.0
+    if cfg.pp == 1:
+        activations, temps = per_mb + head, temporaries
+    else:  # the first rank holds the most micro-batches; the last one holds one, with the head and the loss
+        flight = in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.interleave)
+        activations, temps = max(per_mb * flight, per_mb + head + temporaries), 0.0
     tensors = states + grads + gathered + activations + rebuilt + temps
-    total = tensors * cl.reserve_factor + cl.runtime_bytes
     return {"parameters_and_optimizer": states, "gradients": grads, "gathered": gathered,
             "activations": activations + rebuilt, "temporaries": temps, "runtime": cl.runtime_bytes,
-            "reserve": tensors * (cl.reserve_factor - 1), "total": total}
+            "reserve": tensors * (cl.reserve_factor - 1), "total": tensors * cl.reserve_factor + cl.runtime_bytes}
