@@ -295,7 +295,8 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     (torchtitan's local batch size) or `global_batch` in all, split as given:
     `tp` t (1D), (R, C) (2D) or (q, q, q) (3D); `dp_shard` FSDP2 ranks (None: what the devices leave);
     `dp_replicate` replicas around them (HSDP when both > 1); `pp` stages with `schedule`,
-    `microbatches` (None: pp, or the local batch when smaller... at least one per stage) and
+    `microbatches` (None: one sequence per micro-batch and grid row where that gives at least one per
+    stage, else pp) and
     `interleave` stages per rank; `recompute` 'none', 'selective' (per op, torchtitan's) or 'full';
     `precision` 'bf16-mixed' (fp32 master weights, gradients and AdamW states), 'bf16' or 'fp32';
     `compile` (memory-bound ops fused), `fp8` (FP8 linears), `async_tp` (1D TP collectives overlapped);
@@ -320,8 +321,8 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     batch = global_batch
     local = batch // dp
     m = microbatches if microbatches is not None else (max(pp, 1) if pp > 1 else 1)
-    if microbatches is None and pp > 1 and local >= pp:
-        m = local  # one sequence per micro-batch, as torchtitan's default micro-batch size of 1
+    if microbatches is None and pp > 1 and local // rows(tp) >= pp:
+        m = local // rows(tp)  # one sequence per grid row and micro-batch (torchtitan's micro-batch size 1)
     cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp)
     check(src, cfg, devices, batch)
     prof = model_profile(src, seq)[0]
