@@ -221,7 +221,8 @@ def test_cli_estimate_json(capsys, tmp_path):
 def test_a_calibration_file_is_a_cluster(tmp_path):
     """`autopar calibrate`'s JSON prices a step on the machines it measured: one node of R*C ranks, the
     slower axis's link, the measured rates reached in full, nothing hidden behind compute; its per-op
-    floor adds op_s per graph op."""
+    floor adds op_s per graph op; a collective's cost inside a step is the one measured for its group's
+    size (4 ranks on 2 cores: several times that of 2)."""
     from passes.cost.cluster import resolve_cluster
     from passes.cost.model import save
 
@@ -240,3 +241,7 @@ def test_a_calibration_file_is_a_cluster(tmp_path):
     floor = estimate(src, devices=4, cluster=str(path), seq=32, global_batch=4, tp=4, precision="fp32")
     ops = LAYERS * model_profile(src, 32)[0].block.ops + model_profile(src, 32)[0].outer.ops
     assert floor.step_s - base.step_s == pytest.approx(ops * 1e-5, rel=1e-6)
+    save({**cal, "in_step_alpha_s": {"2": 5e-4, "4": 4e-3}}, path)  # measured inside a step, per group size
+    cl = resolve_cluster(str(path))
+    assert cl.group_link(4, 4).alpha_s == 4e-3 and cl.group_link(4, 2).alpha_s == 5e-4
+    assert cl.group_link(4, 4).beta_bytes_per_s == 2e9

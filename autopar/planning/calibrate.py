@@ -151,6 +151,24 @@ def op_seconds(repeats: int, device, timed, ops: int = 200) -> float:
     return _median_time(chain, repeats, timed) / ops
 
 
+def in_step_seconds(group, repeats: int, device, timed, calls: int = 20, n: int = 192) -> float:
+    """Seconds one small all-reduce in `group` costs between pieces of compute, as inside a training step:
+    `calls` rounds of an [n, n] matmul and a 4 KiB all-reduce, less the matmuls alone, per call. Where
+    ranks outnumber cores a collective then waits for a peer that is not running, which back-to-back
+    collectives (`_axis_times`) do not show."""
+    a = torch.randn(n, n, device=device)
+    t = torch.zeros(1024, device=device)
+
+    def work(reduce: bool):
+        for _ in range(calls):
+            a @ a
+            if reduce:
+                dist.all_reduce(t, group=group)
+    both = _median_time(lambda: work(True), repeats, timed, before=lambda: dist.barrier(group=group))
+    alone = _median_time(lambda: work(False), repeats, timed, before=lambda: dist.barrier(group=group))
+    return max(both - alone, 0.0) / calls
+
+
 def check_args(sizes, repeats: int) -> None:
     """UsageError unless every size is a positive multiple of 4 bytes (fp32) and repeats >= 1."""
     bad = [s for s in sizes if not (isinstance(s, int) and s >= 4 and s % 4 == 0)]
@@ -188,6 +206,12 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
     (mm,) = _slowest([matmul_seconds(repeats, device, timed)], device)
     mem_s, mem_bytes = memory_seconds(repeats, device, timed)
     (mem_s, op_s) = _slowest([mem_s, op_seconds(repeats, device, timed)], device)
+    # per group size: a collective's cost inside a step (the axes' groups, and all ranks together)
+    groups = {mesh.size(a): mesh.group(a) for a in (0, 1) if mesh.size(a) > 1}
+    if R * C > max(R, C):
+        groups[R * C] = dist.group.WORLD
+    sized = {g: sec for g, (sec,) in ((g, _slowest([in_step_seconds(grp, repeats, device, timed)], device))
+                                     for g, grp in sorted(groups.items()))}
     return {
         "version": VERSION,
         "source": "calibrate",
@@ -198,6 +222,7 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
         "flops_per_s": 2 * MATMUL_N**3 / mm,
         "memory_bytes_per_s": mem_bytes / mem_s,  # optional keys (autopar.estimate's roofline reads them)
         "op_s": op_s,
+        "in_step_alpha_s": {str(g): sec for g, sec in sized.items()},  # group size -> seconds per call
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -63,6 +63,7 @@ class Cluster:
     reserve_factor: float = 1.07  # the caching allocator's reserved bytes over the tensors' (fragmentation)
     op_s: float = 0.0  # per op of the graph, forward and backward: the floor an eager CPU step pays per op (on
     # GPUs launches are asynchronous and overlap the kernels before them: 0)
+    alpha_by_size: tuple = ()  # ((group size, seconds per collective inside a step), ...) where measured
 
     def link(self, span: int) -> Link:
         """The link an axis whose group spans `span` consecutive ranks uses."""
@@ -73,6 +74,10 @@ class Cluster:
         per member: inside a node NVLink; across nodes each node's members drive a NIC each, and NCCL's
         rings spread the traffic over all of them (one channel per NIC), so the bandwidth per member is
         the node's members times one NIC, at most NVLink's."""
+        if self.alpha_by_size:  # measured per group size (a calibration): the nearest size at or above
+            alpha = next((a for g, a in self.alpha_by_size if g >= size), self.alpha_by_size[-1][1])
+            base = self.intra if span <= self.gpus_per_node else self.inter
+            return Link(alpha, base.beta_bytes_per_s)
         if span <= self.gpus_per_node:
             return self.intra
         per_node = max(1, size * self.gpus_per_node // span)
@@ -110,8 +115,9 @@ PRESETS = {
 def from_calibration(model: dict, name: str = "calibrated") -> Cluster:
     """The machines `autopar calibrate` measured (its JSON as a dict) as one node: every rank on it, the
     slower axis's alpha and beta for its link, the measured matmul rate as the peak (reached: efficiency
-    1), the measured elementwise bandwidth and per-op floor; communication competes with compute for the
-    same cores (overlap_cost 1: nothing is hidden)."""
+    1), the measured elementwise bandwidth and per-op floor, and a collective's cost inside a step per
+    group size where measured; communication competes with compute for the same cores (overlap_cost 1:
+    nothing is hidden)."""
     finite = [a for a in model["axes"] if a["beta_bytes_per_s"] and math.isfinite(a["beta_bytes_per_s"])]
     link = Link(max((a["alpha_s"] for a in finite), default=0.0),
                 min((a["beta_bytes_per_s"] for a in finite), default=math.inf))
@@ -120,7 +126,8 @@ def from_calibration(model: dict, name: str = "calibrated") -> Cluster:
                    matmul_efficiency=1.0, attention_efficiency=1.0,
                    hbm_bytes_per_s=model.get("memory_bytes_per_s", 1e10), hbm_efficiency=1.0, fp8_speedup=1.0,
                    runtime_bytes=0.0, reserve_factor=1.0, collective_efficiency=1.0, overlap_cost=1.0,
-                   op_s=model.get("op_s", 0.0))
+                   op_s=model.get("op_s", 0.0),
+                   alpha_by_size=tuple(sorted((int(g), float(a)) for g, a in model.get("in_step_alpha_s", {}).items())))
 
 
 def resolve_cluster(spec) -> Cluster | None:

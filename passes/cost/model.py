@@ -14,7 +14,7 @@ from passes.errors import UsageError
 VERSION = 1
 KEYS = ("version", "source", "grid", "backend", "device", "axes", "flops_per_s", "when")
 # measured since, read where present (autopar.estimate's roofline: `passes.cost.cluster.from_calibration`)
-OPTIONAL_KEYS = ("memory_bytes_per_s", "op_s")
+OPTIONAL_KEYS = ("memory_bytes_per_s", "op_s", "in_step_alpha_s")
 AXIS_KEYS = ("alpha_s", "beta_bytes_per_s", "points")
 RERUN = "re-run `autopar calibrate --grid RxC` to write a fresh one"
 
