@@ -47,10 +47,13 @@ class ModelSource:
 
 def load_model_source(model, dtype=torch.bfloat16) -> ModelSource:
     """A `ModelSource` from a transformers config, the path of a `config.json`, or an nn.Module."""
-    import transformers
-
     if isinstance(model, ModelSource):
         return model
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("autopar.estimate builds models from transformers configs: pip install 'autopar[hf]' "
+                         "(transformers)") from None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if os.path.isdir(path):

@@ -21,6 +21,20 @@ dense bf16 matmul peak; achieved collective bandwidth is lower, so these are opt
 - 'dgx-a100': 8 A100 SXM 80GB, NVLink 3 at 600 GB/s bidirectional (NVIDIA A100 datasheet), 8 HDR
   InfiniBand NICs at 200 Gb/s = 25 GB/s per GPU (DGX A100 datasheet); 312 TFLOP/s dense bf16 peak,
   150 TFLOP/s assumed reached.
+
+The roofline of `autopar.estimate` (`passes.cost.step`) reads the fields after `memory_bytes`:
+`peak_flops` (dense bf16: 989.4 T for H100 SXM, 312 T for A100, NVIDIA datasheets) and the share of it
+a large GEMM reaches (`matmul_efficiency`: 0.72 on a 700 W DGX H100, 0.55 on Grand Teton's 500 W cap,
+0.80 on A100); flash attention's share (`attention_efficiency`: FlashAttention-2, Dao 2023, reports
+50-73% of A100's peak forward and about a third of H100's; 0.55 / 0.33 / 0.25 taken for forward and
+backward together); HBM bandwidth (`hbm_bytes_per_s`: 3.35 TB/s HBM3, 2.4 TB/s HBM2e on Grand Teton as
+torchtitan's benchmark page gives it, 2.039 TB/s A100 80GB) and the share an eager elementwise kernel
+reaches (`hbm_efficiency` 0.8); the share of a link's line rate an NCCL ring reaches
+(`collective_efficiency` 0.85). Assumptions, not measurements: `fp8_speedup` 1.6 (an FP8 linear over
+its bf16 one, casts included), `overlap_cost` 0.2 (compute lost per second of hidden communication),
+`runtime_bytes` 2.5 GiB (CUDA context, NCCL and cuBLAS workspaces) and `reserve_factor` 1.07 (the
+caching allocator's overhead). `autopar calibrate`'s JSON replaces them for the machines it measured
+(`from_calibration`).
 """
 
 from __future__ import annotations
