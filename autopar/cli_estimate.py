@@ -79,9 +79,8 @@ def run(ns) -> int:
 def _estimate(ns) -> int:
     from autopar.planning.estimate import estimate
 
-    tp = tuple(int(x) for x in str(ns.tp).replace("x", ",").split(","))
     est = estimate(_model(ns.model), devices=ns.devices, cluster=ns.cluster, seq=ns.seq, batch=ns.batch,
-                   global_batch=ns.global_batch, tp=tp if len(tp) > 1 else tp[0], dp_shard=ns.dp_shard,
+                   global_batch=ns.global_batch, tp=ns.tp, dp_shard=ns.dp_shard,
                    dp_replicate=ns.dp_replicate, pp=ns.pp, schedule=ns.schedule, microbatches=ns.microbatches,
                    interleave=ns.interleave, recompute=ns.recompute, precision=ns.precision, compile=ns.compile,
                    fp8=ns.fp8, async_tp=ns.async_tp)

@@ -210,8 +210,9 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
     groups = {mesh.size(a): mesh.group(a) for a in (0, 1) if mesh.size(a) > 1}
     if R * C > max(R, C):
         groups[R * C] = dist.group.WORLD
-    sized = {g: sec for g, (sec,) in ((g, _slowest([in_step_seconds(grp, repeats, device, timed)], device))
-                                     for g, grp in sorted(groups.items()))}
+    sized = {}
+    for g, grp in sorted(groups.items()):  # every rank in its own group of that size, then the slowest
+        (sized[g],) = _slowest([in_step_seconds(grp, repeats, device, timed)], device)
     return {
         "version": VERSION,
         "source": "calibrate",

@@ -190,7 +190,7 @@ def model_profile(src: ModelSource, seq: int) -> tuple:
     key = ("profile", seq)
     if key not in src.cache:
         g = captured(src, seq, 1)
-        src.cache[key] = (profile(g, seq), g)
+        src.cache[key] = (profile(g), g)
     return src.cache[key]
 
 
@@ -235,7 +235,10 @@ def _tp_tuple(tp) -> tuple:
     if isinstance(tp, int):
         return (tp,)
     if isinstance(tp, str):
-        tp = tuple(int(x) for x in tp.replace("x", ",").split(","))
+        try:
+            tp = tuple(int(x) for x in tp.replace("x", ",").split(","))
+        except ValueError:
+            raise UsageError(f"autopar.estimate: tp={tp!r}: expected t, R,C or q,q,q (e.g. 8, 2,4 or 4,4,4)") from None
     tp = tuple(tp)
     if not tp or len(tp) > 3 or any(not isinstance(t, int) or t < 1 for t in tp) or \
             (len(tp) == 3 and len(set(tp)) != 1):
@@ -313,8 +316,8 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     if (batch is None) == (global_batch is None):
         raise UsageError("autopar.estimate: pass batch= (sequences per data-parallel rank) or global_batch= "
                          "(sequences per step in all), one of them")
-    rest = devices // (math.prod(tp) * dp_replicate * pp) if devices % (math.prod(tp) * dp_replicate * pp) == 0 else 0
-    shard = rest if dp_shard is None else dp_shard
+    others = math.prod(tp) * dp_replicate * pp
+    shard = dp_shard if dp_shard is not None else devices // others if devices % others == 0 else 0
     if shard < 1:
         raise UsageError(f"autopar.estimate: devices={devices} is not a multiple of tp {'x'.join(map(str, tp))} x "
                          f"dp_replicate {dp_replicate} x pp {pp}")
@@ -323,7 +326,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
         global_batch = batch * dp
     batch = global_batch
     local = batch // dp
-    m = microbatches if microbatches is not None else (max(pp, 1) if pp > 1 else 1)
+    m = microbatches if microbatches is not None else pp
     if microbatches is None and pp > 1 and local // rows(tp) >= pp:
         m = local // rows(tp)  # one sequence per grid row and micro-batch (torchtitan's micro-batch size 1)
     cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp)

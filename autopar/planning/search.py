@@ -20,6 +20,7 @@ costs a few captures plus microseconds per candidate.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ class TrainingPlan:
             out["lowering"] = "broadcast"  # what the estimate prices (its broadcasts overlap the products)
         if dp > 1:
             out["data_parallel"] = "shard" if p.dp_shard > 1 else "replicate"
+        if p.pp > 1 and p.dp_shard > 1:  # the stage stays gathered through its micro-batches, as priced
+            out["reshard_after_forward"] = False
         if p.pp > 1:
             out["pipeline"] = Pipeline(stages=p.pp, schedule=p.schedule, microbatches=p.microbatches,
                                        stages_per_rank=p.interleave)
@@ -109,6 +112,26 @@ def _microbatches(local: int, stages: int) -> list:
     return out
 
 
+def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int, schedules, data_parallel,
+                recompute):
+    """`estimate`'s keywords for every candidate of the module docstring."""
+    for layout in layouts:
+        t = math.prod(layout)
+        if devices % t:
+            continue
+        cube = len(layout) == 3  # takes every device: no stages, no replicas
+        for pp in _divisors(devices // t) if not cube else (1,):
+            dp = devices // (t * pp)
+            if pp > min(layers, max_stages) or batch % dp or (cube and dp > 1):
+                continue
+            pipes = [("1f1b", 1, 1)] if pp == 1 else \
+                [(s, 2 if s == "interleaved_1f1b" else 1, m) for s in schedules for m in _microbatches(batch // dp, pp)
+                 if not (s == "interleaved_1f1b" and 2 * pp > layers)]
+            for kind, (sched, v, m), rc in itertools.product(data_parallel if dp > 1 else ("shard",), pipes, recompute):
+                yield dict(tp=layout, dp_shard=dp if kind == "shard" else 1, dp_replicate=1 if kind == "shard" else dp,
+                           pp=pp, schedule=sched, microbatches=m, interleave=v, recompute=rc)
+
+
 def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, seq: int, memory_limit=None,
                 recompute=("none", "selective", "full"), schedules=("1f1b", "interleaved_1f1b"),
                 data_parallel=("shard", "replicate"), tp=None, max_stages: int = 32, compile: bool = False,
@@ -130,40 +153,19 @@ def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, s
     layouts = [tuple(t) if not isinstance(t, int) else (t,) for t in tp] if tp is not None else \
         tp_layouts(devices, cl.gpus_per_node, src.heads, src.kv_heads)
     fits, refused, smallest, cannot = [], 0, None, 0
-    for layout in layouts:
-        t = math.prod(layout)
-        if devices % t:
+    for kw in _candidates(layouts, devices, batch, src.layers, max_stages, schedules, data_parallel, recompute):
+        try:
+            est = estimate(src, devices=devices, cluster=cl, global_batch=batch, seq=seq, compile=compile, fp8=fp8,
+                           async_tp=async_tp, **kw)
+        except UsageError:  # a combination parallelize refuses too: counted, not priced
+            cannot += 1
             continue
-        for pp in _divisors(devices // t):
-            if pp > min(src.layers, max_stages) or (pp > 1 and len(layout) == 3):
-                continue
-            dp = devices // (t * pp)
-            if batch % dp:
-                continue
-            local = batch // dp
-            pipes = [("1f1b", 1, 1)] if pp == 1 else \
-                [(s, 2 if s == "interleaved_1f1b" else 1, m) for s in schedules for m in _microbatches(local, pp)
-                 if not (s == "interleaved_1f1b" and 2 * pp > src.layers)]
-            for kind in (data_parallel if dp > 1 else ("shard",)):
-                if len(layout) == 3 and dp > 1:
-                    continue
-                shard, rep = (dp, 1) if kind == "shard" else (1, dp)
-                for sched, v, m in pipes:
-                    for rc in recompute:
-                        try:
-                            est = estimate(src, devices=devices, cluster=cl, global_batch=batch, seq=seq, tp=layout,
-                                           dp_shard=shard, dp_replicate=rep, pp=pp, schedule=sched, microbatches=m,
-                                           interleave=v, recompute=rc, compile=compile, fp8=fp8, async_tp=async_tp)
-                        except UsageError:  # a combination parallelize refuses too: counted, not priced
-                            cannot += 1
-                            continue
-                        mem = est.cost.memory_bytes
-                        if smallest is None or mem < smallest.cost.memory_bytes:
-                            smallest = est
-                        if mem <= limit:
-                            fits.append(est)
-                        else:
-                            refused += 1
+        if smallest is None or est.cost.memory_bytes < smallest.cost.memory_bytes:
+            smallest = est
+        if est.cost.memory_bytes <= limit:
+            fits.append(est)
+        else:
+            refused += 1
     if not fits:
         where = f"; the smallest is {format_bytes(smallest.cost.memory_bytes)} with {smallest.parallel.describe()}" \
             if smallest else ""

@@ -1,8 +1,8 @@
 """What one training step of a captured model costs before it is split: per repeated block and for
 everything outside the blocks (embedding, final norm, head, loss), the work a roofline prices.
 
-Read off the captured (unsplit) graph, once per model and sequence length, for one sequence of the
-batch (every figure but the parameters grows linearly with the batch):
+Read off the captured (unsplit) graph of one sequence, once per model and sequence length (every
+figure but the parameters grows linearly with the batch):
 
 - `mm`: every linear / matmul product as (M, K, N): 2 M K N FLOPs forward, twice that backward;
 - `attention_flops`: scaled-dot-product attention's forward FLOPs, 4 b h s_q s_k d, halved for a
@@ -25,7 +25,6 @@ Bytes assume the dtypes the graph was captured with (capture a bf16 model for bf
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +57,6 @@ class Part:
     mm: list = field(default_factory=list)  # (M, K, N) per product, in graph order
     mm_inputs: list = field(default_factory=list)  # the activation each product reads (its node's name)
     attention_flops: float = 0.0
-    attention_calls: int = 0
     memory_bytes: float = 0.0
     saved: float = 0.0
     sac_saved: float = 0.0
@@ -90,7 +88,6 @@ class Profile:
     outer: Part  # everything else
     blocks: int  # repeated blocks in the captured graph
     block_ids: tuple
-    seq: int
     hidden: int  # the block input's last dim
     param_dtype_bytes: int
 
@@ -122,28 +119,24 @@ def _causal(node) -> bool:
     return False
 
 
-def profile(gm: torch.fx.GraphModule, seq: int, causal: bool | None = None, batch: int = 1) -> Profile:
-    """The profile of captured graph `gm` (for `batch` sequences of `seq` tokens), per sequence.
-    `causal` None: read from each attention call's mask."""
+def profile(gm: torch.fx.GraphModule) -> Profile:
+    """The profile of captured graph `gm`, captured for one sequence."""
     order = list(dict.fromkeys(b for n in gm.graph.nodes if n.op != "placeholder" for b in [block_of(n)] if b))
-    parts = {b: Part() for b in order}
+    parts: dict = {b: Part() for b in order}
     outer = Part()
 
     def part_of(node) -> Part:
-        blk = block_of(node)
-        return parts.get(blk, outer) if blk is not None else outer
+        return parts.get(block_of(node), outer)
 
-    keep = _count_ops(gm, parts, outer, part_of, causal)
+    keep = _count_ops(gm, parts, outer, part_of)
     for name, p in parts.items():
         _block_inputs(gm, name, p, keep)
-    _measure_saved(gm, parts, outer)
+    _measure_saved(gm, part_of)
     rep = order[1] if len(order) > 2 else (order[0] if order else None)
     block = parts[rep] if rep is not None else Part()
-    for p in (block, outer):
-        _per_sequence(p, batch)
     params = [v for n in gm.graph.find_nodes(op="placeholder") for v in [n.meta.get("val")]
               if n.meta.get(ROLE) == "param" and isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
-    return Profile(block, outer, len(order), tuple(order), seq, _hidden(gm, rep),
+    return Profile(block, outer, len(order), tuple(order), _hidden(gm, rep),
                    params[0].element_size() if params else 2)
 
 
@@ -169,7 +162,7 @@ def _mm_shape(node, target: str) -> tuple | None:
     return a.numel() // k, k, b.shape[0] if target == "aten.linear.default" else b.shape[-1]
 
 
-def _count_ops(gm, parts: dict, outer: Part, part_of, causal) -> set:
+def _count_ops(gm, parts: dict, outer: Part, part_of) -> set:
     """Products, attention, memory-bound traffic and parameters into each part; returns the nodes whose
     outputs per-op selective recomputation keeps (every other product of a part, and attention)."""
     keep: set = set()
@@ -195,8 +188,7 @@ def _count_ops(gm, parts: dict, outer: Part, part_of, causal) -> set:
         elif target in ATTENTION:
             q, k = _tensors(node)[:2]
             f = 4.0 * q.numel() * k.shape[-2]  # 4 b h s_q d s_k: the score and value products
-            p.attention_flops += f * (0.5 if (_causal(node) if causal is None else causal) else 1.0)
-            p.attention_calls += 1
+            p.attention_flops += f * (0.5 if _causal(node) else 1.0)
             keep.add(node)
         elif isinstance(v, torch.Tensor) and v.dtype.is_floating_point and target not in VIEWS:
             ins = _tensors(node)
@@ -236,21 +228,12 @@ def _sum_bytes(v) -> float:
     return _bytes(v)
 
 
-def _per_sequence(p: Part, batch: int) -> None:
-    if batch == 1:
-        return
-    p.mm = [(m / batch, k, n) for m, k, n in p.mm]
-    for name in ("attention_flops", "memory_bytes", "saved", "sac_saved", "sac_recompute_flops", "input_bytes",
-                 "largest_output"):
-        setattr(p, name, getattr(p, name) / batch)
-
-
 class _Saved(Interpreter):
     """Runs the graph on fake tensors, noting each node's part while it runs."""
 
-    def __init__(self, gm, part_of):
+    def __init__(self, gm, part_of, note):
         super().__init__(gm)
-        self.part_of, self.current = part_of, None
+        self.part_of, self.note, self.current = part_of, note, None
 
     def run_node(self, n):
         self.current = self.part_of(n)
@@ -273,15 +256,10 @@ class _Saved(Interpreter):
         return v
 
 
-def _measure_saved(gm, parts: dict, outer: Part) -> None:
-    """Bytes autograd saves for backward, per part: the graph run once on fake tensors (nothing is
-    allocated), each saved storage counted once, in the part whose op saved it first."""
+def _measure_saved(gm, part_of) -> None:
+    """Bytes autograd saves for backward, per part (`part_of(node)`): the graph run once on fake tensors
+    (nothing is allocated), each saved storage counted once, in the part whose op saved it first."""
     seen: set[int] = set()
-
-    def part_of(node):
-        blk = block_of(node) if node.op == "call_function" else None
-        return parts.get(blk, outer) if blk is not None else outer
-
     held: list = []  # every tensor noted stays alive: a freed storage's address (its key) is reused
 
     def note(t, part):
@@ -291,8 +269,7 @@ def _measure_saved(gm, parts: dict, outer: Part) -> None:
             held.append(t)
             part.saved += float(t.untyped_storage().nbytes())
 
-    runner = _Saved(gm, part_of)
-    runner.note = note
+    runner = _Saved(gm, part_of, note)
 
     def pack(t):
         note(t, runner.current)
@@ -312,5 +289,3 @@ def _measure_saved(gm, parts: dict, outer: Part) -> None:
                 seen.add(storage_key(args[-1]))
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             runner.run(*args)
-    if math.isnan(outer.saved):
-        outer.saved = 0.0

@@ -36,7 +36,7 @@ the loss's temporaries; the runtime's own bytes; all times the allocator's reser
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 from passes.cost.cluster import Cluster
 from passes.cost.pipeline import bubble, in_flight
@@ -109,14 +109,10 @@ class StepCost:
     exposed_s: dict  # link -> seconds of communication not hidden behind compute
     comm_s: dict  # link -> seconds of communication in all
     memory: dict  # category -> bytes per GPU
-    notes: list = field(default_factory=list)
 
     @property
     def memory_bytes(self) -> float:
         return self.memory["total"]
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def _gemm_s(m: float, k: float, n: float, cl: Cluster, fp8: bool) -> float:
@@ -141,7 +137,6 @@ def _split(m, k, n, tp: tuple) -> tuple[float, float, float]:
 class _Work:
     fwd: float = 0.0  # seconds of one forward
     mm_fwd: float = 0.0  # of which matmuls
-    mem_fwd: float = 0.0
     sac_extra: float = 0.0  # what per-op selective recomputation runs again
     group_mm: tuple = ()  # seconds of each run of products reading one input (`Part.groups`)
 
@@ -163,7 +158,7 @@ def _part_time(part: Part, n: float, cfg: Parallel, cl: Cluster) -> _Work:
     attn = part.attention_flops * n / t / (cl.peak_flops * cl.attention_efficiency)
     mem = part.memory_bytes * n / t / (cl.hbm_bytes_per_s * cl.hbm_efficiency) * (FUSED if cfg.compile else 1.0)
     floor = part.ops * cl.op_s / 3.0  # op_s is forward and backward together; _Work holds a forward
-    return _Work(mm + attn + mem + floor, mm, mem, ratio * mm + mem,
+    return _Work(mm + attn + mem + floor, mm, ratio * mm + mem,
                  tuple(sum(each[i] for i in g) for g in part.groups()))
 
 
@@ -198,7 +193,6 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     # tensor parallelism, per micro-batch: a block's and the outer part's collectives
     tp_blk = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.bytes(n), tp_block.calls, spans))
     tp_out = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_outer.bytes(n), tp_outer.calls, spans))
-    factor = {"none": 3.0, "selective": 3.0, "full": 4.0}[cfg.recompute]
 
     def block_s(w: _Work, comm: float, recomputed: bool = True) -> float:
         mode = cfg.recompute if recomputed else "none"
@@ -217,7 +211,8 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     idle = bubble(cfg.schedule, S, M, V) if S > 1 else 0.0
     bubble_s = work * idle / (1 - idle) if S > 1 else 0.0
     compute_s = work
-    tp_total = M * (per_rank * tp_blk * factor / 3.0 + tp_out)
+    rerun = 4.0 / 3.0 if cfg.recompute == "full" else 1.0  # full recomputation runs the collectives once more
+    tp_total = M * (per_rank * tp_blk * rerun + tp_out)
     # pipeline sends: each micro-batch's activations forward and their gradients back, per stage boundary
     hidden_bytes = n * seq * prof.hidden * prof.param_dtype_bytes / cfg.tp_size
     pp_s = 2 * V * M * _coll_s(hidden_bytes, 1, cl, cfg.tp_size * dp * S, S) if S > 1 else 0.0

@@ -146,8 +146,8 @@ def _node_cost(node, strat, layouts, mesh, grads, cm, lowering=None) -> _NodeCos
         if not isinstance(v, torch.Tensor) or not isinstance(have, Layout):
             continue
         sync = tuple(a for a in gradsync_axes(node, strat.output, inp, need) if mesh[a] > 1)
-        if have == need and planned_hoist(inp, layouts):
-            sync = tuple(a for a in sync if a not in planned_hoist(inp, layouts))  # folded at the reshape
+        moved_up = planned_hoist(inp, layouts) if have == need else ()
+        sync = tuple(a for a in sync if a not in moved_up)  # folded into the gather before the reshape `inp`
         if hoisted and inp is node.args[0]:
             sync = tuple(sorted(set(sync) | {a for a in hoisted if mesh[a] > 1}))
         folded = foldable_axes(have, need, sync) if have != need else ()  # as insert_collectives folds them
