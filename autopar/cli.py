@@ -374,10 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, help="with --pipeline: micro-batches per batch (default S)")
     p.add_argument("--stages-per-rank", type=int, default=1, help="with --pipeline: stages per pipeline rank")
     p.add_argument("--cluster", help="price axes by the nodes they span: dgx-h100, grand-teton-h100, dgx-a100")
-    p.add_argument("--dry-run", nargs="?", const="covering", choices=["covering", "all"], metavar="RANKS",
+    p.add_argument("--dry-run", nargs="?", const="cover", choices=["cover", "covering", "groups", "all"],
+                   metavar="RANKS",
                    help="build and step each simulated rank's program under the fake process group (autopar.dry_run) "
-                        "and check its collectives across ranks: the ranks covering every row, column and replica "
-                        "(default), or all")
+                        "and check its collectives across ranks: 'cover' (default) every row, column and replica "
+                        "index once; 'groups' also a whole row, column and replica group; 'all'")
     p.add_argument("--dot", metavar="FILE", help="write the graph (Graphviz DOT, or HTML for *.html)")
     p.add_argument("--plot", metavar="FILE", help="plot bytes and parameters per rank against p, 2D and 1D "
                                                    "(a sweep up to --sweep or 64; needs matplotlib)")

@@ -24,8 +24,6 @@ def pipeline_cmd(ns, model, grid, args, kwargs, strategy, limit) -> int:
 def dry_run_cmd(ns, model, grid, args, kwargs, strategy, limit) -> int:
     """inspect --dry-run: `autopar.dry_run`'s per-rank table and the checks' verdict (exit status 1 when a
     check fails)."""
-    import math
-
     import autopar
     from autopar.parallel.dry_run import DryRunError
 
@@ -35,7 +33,7 @@ def dry_run_cmd(ns, model, grid, args, kwargs, strategy, limit) -> int:
         from autopar.checkpoint import restore_buffers
 
         restore_buffers(model)
-    ranks = range(math.prod(grid)) if ns.dry_run == "all" else None
+    ranks = "cover" if ns.dry_run == "covering" else ns.dry_run  # 'covering': this option's earlier name
     report = autopar.dry_run(model, grid=grid, example_inputs=args, example_kwargs=kwargs, ranks=ranks, check=False,
                              strategy=strategy, memory_limit=limit, recompute=ns.recompute,
                              data_parallel=ns.data_parallel, reshard_after_forward=ns.reshard_after_forward)

@@ -56,8 +56,8 @@ from passes.errors import TorchVersionError
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
-           "exit_autocast", "fake_store", "fake_tensor_mode", "real_tensors", "static_pipeline_warmup", "storage_key",
-           "custom_op_body",
+           "exit_autocast", "fake_deepcopy", "fake_store", "fake_tensor_mode", "real_tensors",
+           "static_pipeline_warmup", "storage_key", "custom_op_body",
            "data_dependent_errors", "group_timeout",
            "implicit_replication",
            "in_backward", "in_torch_compile_call", "legacy_reduction", "parse_to",
@@ -144,7 +144,8 @@ def static_pipeline_warmup():
     """Make torch's pipeline schedules take the static metadata mode after their P2P warm-up vote (whose
     result travels from the last stage back to the first), as a run whose every stage was given its
     input and output shapes takes it; returns the function that undoes it. For `autopar.dry_run`, which
-    simulates the stages one at a time, so that no vote's answer reaches the first. Through
+    simulates the stages one at a time, so that no vote's answer reaches the first (the vote's tensors real,
+when the step runs on fake ones). Through
     torch.distributed.pipelining.schedules._PipelineSchedule._warmup_p2p and stage.InferenceMode
     (private). Checked on 2.13.0. If they move: a dry run of pipeline stages fails at the first step."""
     from torch.distributed.pipelining import schedules
@@ -154,7 +155,8 @@ def static_pipeline_warmup():
     orig = base._warmup_p2p
 
     def warmup(self, stages, has_backward, p2p_done):
-        orig(self, stages, has_backward, p2p_done)
+        with real_tensors():  # its vote tensors real inside a fake step: the vote reads them on the host
+            orig(self, stages, has_backward, p2p_done)
         for stage in stages:
             if getattr(stage, "_inference_mode", None) is not None:
                 stage._inference_mode = InferenceMode.STATIC
@@ -181,6 +183,19 @@ def fake_tensor_mode(allow_real: bool = False):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=allow_real)  # allow_real: real buffers beside fake parameters
+
+
+def fake_deepcopy(obj, mode):
+    """A deep copy of `obj` whose FakeTensors (of FakeTensorMode `mode`) are copied as new fake tensors of
+    that mode (a FakeTensor refuses the plain deepcopy: it has no data pointer), through torch's
+    FakeCopyMode (torch._subclasses.fake_tensor). Checked on 2.13.0. If it moves: `autopar.dry_run`
+    captures the model once per simulated rank instead of once."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeCopyMode
+
+    with FakeCopyMode(mode):
+        return copy.deepcopy(obj)
 
 
 def is_fake(t) -> bool:

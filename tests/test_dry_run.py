@@ -42,7 +42,7 @@ def test_every_position_builds_and_its_bytes_are_the_plan(grid, options, hidden)
     model, inputs = _gpt(hidden, heads=4 if hidden == 32 else 8)
     report = _dry(model, inputs, grid, fake=False, **options)
     fake = _dry(model, inputs, grid, fake=True, **options)  # the repo's GPT ties its head: one fake weight
-    assert sorted(report.ranks) == covering_ranks(grid), sorted(report.ranks)
+    assert sorted(report.ranks) == covering_ranks(grid, cube=options.get("strategy") == "3d"), sorted(report.ranks)
     for rank, run in report.ranks.items():
         assert run.step and run.counted["grid"] > 0, (rank, run)
         assert run.counted["grid"] == run.planned, (rank, run.counted, run.planned)
@@ -53,16 +53,20 @@ def test_every_position_builds_and_its_bytes_are_the_plan(grid, options, hidden)
 
 
 def test_covering_ranks_cover_every_index():
-    """Each row, column and replica index at least once, and no more ranks than the longest axis."""
-    for grid in ((8, 8), (2, 4), (2, 2, 4), (1, 64)):
-        shape = (1, *grid) if len(grid) == 2 else grid
-        ranks = covering_ranks(grid)
+    """The default set: each stage, replica, row and column index at least once, in as few ranks as the
+    longest axis; 'groups': a cross through the origin on the first and last stage (one replica group, one
+    row and one column whole) and the origin on every stage (one pipeline chain whole)."""
+    for grid, stages in (((8, 8), 1), ((2, 4), 1), ((2, 2, 4), 1), ((1, 64), 1), ((4, 4, 4), 8), ((2, 1, 2), 2)):
+        shape = (stages, *((1, *grid) if len(grid) == 2 else grid))
+        ranks = covering_ranks(grid, stages)
         assert len(ranks) == max(shape), (grid, ranks)
-        d, R, C = shape
-        for axis, n, seen in ((0, d, {k // (R * C) for k in ranks}), (1, R, {k // C % R for k in ranks}),
-                              (2, C, {k % C for k in ranks})):
+        S, d, R, C = shape
+        for axis, n, seen in ((0, S, {k // (d * R * C) for k in ranks}), (1, d, {k // (R * C) % d for k in ranks}),
+                              (2, R, {k // C % R for k in ranks}), (3, C, {k % C for k in ranks})):
             assert seen == set(range(n)), (grid, axis, ranks)
-    assert covering_ranks((2, 2, 2)) == [0, 2, 5, 7]  # a cube's ranks sit on its (2, 4) grid
+    assert covering_ranks((2, 2, 2), cube=True) == [0, 2, 5, 7]  # a cube's ranks sit on its (2, 4) grid
+    # 4 stages of 2x2x2: the cross {000, 100, 010, 001} on stages 0 and 3, the origin on stages 1 and 2
+    assert covering_ranks((2, 2, 2), 4, groups=True) == [0, 1, 2, 4, 8, 16, 24, 25, 26, 28]
 
 
 class _RankBranch(nn.Module):
@@ -97,9 +101,10 @@ def test_a_rank_dependent_program_is_caught():
 def test_pipeline_stages_over_sharded_replicas(grid, stages):
     """Catches a pipeline whose stages' collectives or point-to-point sends differ from what the plan and
     `p2p_traffic()` say: 2 stages x 2 sharded replicas x 1x2 (8 ranks) and 4 x 4 x 2x2 (64 ranks) of a
-    Llama with a layer per stage, 1F1B; each covered position simulated on every stage (a stage receives
-    its layouts from the one before, relayed). Every rank's grid bytes equal its stages' plans times the
-    micro-batches, its sends `p2p_traffic()`."""
+    Llama with a layer per stage, 1F1B; every stage, replica, row and column index simulated (a stage
+    receives its layouts from a simulated rank of the one before, relayed). Every rank's grid bytes equal
+    its stages' plans times the micro-batches, its sends `p2p_traffic()`; on fake tensors the same
+    calls, in order, and bytes."""
     from tests.checks_pipeline import _llama
 
     model, make = _llama(stages)
@@ -107,6 +112,8 @@ def test_pipeline_stages_over_sharded_replicas(grid, stages):
         warnings.simplefilter("ignore")
         report = autopar.dry_run(model, grid=grid, example_kwargs=make(16, 8, 1), pipeline=stages,
                                  data_parallel="shard")
+        fake = autopar.dry_run(model, grid=grid, example_kwargs=make(16, 8, 1), pipeline=stages,
+                               data_parallel="shard", fake=True)
     world = stages * grid[0] * grid[1] * grid[2]
     assert report.world == world and sorted(report.ranks) == covering_ranks(grid, stages), sorted(report.ranks)
     assert {run.at[0] for run in report.ranks.values()} == set(range(stages))
@@ -114,20 +121,19 @@ def test_pipeline_stages_over_sharded_replicas(grid, stages):
         assert run.counted["grid"] == run.planned > 0, (rank, run.counted, run.planned)
         assert run.counted["replicas"] > 0 and run.agrees, (rank, run.counted)
         assert (run.counted["pp"] > 0) and run.counted["pp"] == run.counted["pp_planned"], (rank, run.counted)
+        twin = fake.ranks[rank]  # on fake tensors (the stages cut and run on them): the same calls and bytes
+        assert [c.key() for c in twin.step] == [c.key() for c in run.step] and twin.counted == run.counted, rank
 
 
 def test_dry_run_refusals():
-    """Looped pipeline schedules (not simulated yet), pipeline stages on fake tensors, a bad grid, ranks
-    outside the world: each named."""
+    """Looped pipeline schedules (not simulated yet), a bad grid, ranks outside the world: each named."""
     model, inputs = _gpt()
     with pytest.raises(autopar.UsageError, match="several stages per rank .* not simulated yet"):
         autopar.dry_run(model, grid=(1, 2), example_inputs=inputs,
                         pipeline=autopar.Pipeline(stages=2, schedule="interleaved_1f1b", stages_per_rank=2))
-    with pytest.raises(autopar.UsageError, match="pipeline stages run with real tensors"):
-        autopar.dry_run(model, grid=(1, 2), example_inputs=inputs, pipeline=2, fake=True)
     with pytest.raises(autopar.UsageError, match=r"grid=\(0, 2\): expected \(R, C\)"):
         autopar.dry_run(model, grid=(0, 2), example_inputs=inputs)
-    with pytest.raises(autopar.UsageError, match=r"ranks=\[4\]: expected ranks in \[0, 4\)"):
+    with pytest.raises(autopar.UsageError, match=r"ranks=\[4\]: expected 'cover' .* ranks in \[0, 4\)"):
         autopar.dry_run(model, grid=(2, 2), example_inputs=inputs, ranks=[4])
 
 

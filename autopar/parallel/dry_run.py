@@ -13,29 +13,41 @@ dtype, the root or peer, and autopar's line that issued it.
     report = autopar.dry_run(model, grid=(8, 8), example_kwargs=batch)   # checked: DryRunError names
     print(report)                 # per rank: calls, bytes counted and planned, memory held
 
-By default it simulates a set of ranks that covers every distinct position: each row, column and
-replica index at least once (8 ranks of an 8x8 grid). Rank 0 is always simulated, first: what it
-decides and sends as an object (`strategy="auto"`'s choice) is handed to the ranks simulated after it,
-which the fake group would leave without it. `check()` compares, for every group with two
-or more simulated members, their sequences of (op, shapes, dtype, root) and every simulated pair's
-point-to-point traffic, and looks for an order of calls across groups that would wait for ever (rank
-a before group G's call issues group H's, rank b the other way round); object exchanges
-(parallelize's handshakes, whose pickles the fake group does not move) are compared by op and group
-alone. Each rank's bytes of the step are set beside its plan at its grid position
-(`autopar.planning.explain.graph_rows` of its own program).
+By default (`ranks="cover"`) it simulates a set of ranks that covers every index of every axis at
+least once, in as few ranks as the longest axis: the k-th rank holds index k mod n of each axis of n
+(8 ranks of an 8x8 grid, its diagonal; 8 of 8 stages x 4 replicas x 4x4). Such a set compares groups
+only where two of its ranks share one (a pipeline chain, the world); `ranks="groups"` adds, on the first
+and the last stage, a cross through position (0, 0, 0) (one replica group, one row and one column
+simulated whole) and position (0, 0, 0) on every stage (one pipeline chain whole); `ranks="all"`, or a
+list. Rank 0 is always simulated, first: what it decides and sends as an object (`strategy="auto"`'s
+choice) is handed to the ranks simulated after it, which the fake group would leave without it.
+`check()` compares, for every group with two or more simulated members, their sequences of (op,
+shapes, dtype, root) and every simulated pair's point-to-point traffic, and looks for an order of calls
+across groups that would wait for ever (rank a before group G's call issues group H's, rank b the other
+way round); object exchanges (parallelize's handshakes, whose pickles the fake group does not move) are
+compared by op and group alone. Each rank's bytes of the step are set beside its plan at its grid
+position (`autopar.planning.explain.graph_rows` of its own program), and what it holds beside what the
+estimate says (`held`: parameters, gradients, optimizer state, and the most bytes saved for backward
+alive at once).
 
 A model built on the meta device (`autopar.meta_init()`; transformers' buffers restored by
 `autopar.checkpoint.restore_buffers`) runs on fake tensors by default (`fake=True`): parameters,
 activations and gradients hold no memory and nothing is computed, while autopar's library ops run
-their eager bodies, so every collective is issued, counted and recorded as on real tensors (a 70B
-Llama shape, one rank of an 8x8 grid: 19 s and 0.5 GB here). With `fake=False` each rank computes
-its share for real (1/p of the model, uninitialised where it was on meta): a mixture of experts needs
-that, its routing reading values. Pipeline stages (`pipeline=`, one stage per rank) run with real
-tensors (torch's cut runs the model on values); what a stage sends the next as an object is relayed as
-rank 0's broadcasts are, so every covered position is simulated on every stage. Looped and V schedules
-(several stages per rank) are refused: a rank's later stage waits on a rank simulated after it. Which
-stages read a weight tied across stages is exchanged with an all-gather, which is not relayed: each
-rank sees only its own stage's reads, so the tied gradient's all-reduce is missing from the record.
+their eager bodies, so every collective is issued, counted and recorded as on real tensors. The ranks
+share one capture of the model (and one pipeline cut): the first rank's is kept and each later one
+gets a copy (`autopar.program.memo`), unless the capture asked for the rank (a model that branches on
+it), which each rank then captures itself. Measured here (2 cores), a Llama-3-70B shape at sequence
+1,024: 64 ranks (8x8, the 8 default ranks) 104 s, 0.7 GB; 512 ranks (8 stages x 4 sharded replicas x
+4x4) 76 s, 3.3 GB; 4,096 ranks (8 x 8 x 8x8) 124 s, 11.4 GB. With `fake=False` each rank computes its
+share for real (1/p of the model, uninitialised where it was on meta): a mixture of experts needs that,
+its routing reading values. Pipeline stages (`pipeline=`, one stage per rank) run on fake tensors too
+(torch's cut runs the model on them; a micro-batch's share of the loss, counted from its targets' values
+on the ranks, is equal under fake tensors); what a stage sends the next as an object (its layouts, the
+same at every grid position) is relayed from the simulated rank of the stage before. Looped and V
+schedules (several stages per rank) are refused: a rank's later stage waits on a rank simulated after
+it. Which stages read a weight tied across stages is exchanged with an all-gather, which is not
+relayed: each rank sees only its own stage's reads, so the tied gradient's all-reduce is missing from
+the record.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import contextlib
 import copy
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +64,7 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError, UsageError
 from autopar.parallel.recorder import Collective, EagerOps, Recorder
+from autopar.program.memo import shared_captures
 from autopar.planning.progress import steps as progress
 from passes.compat import data_dependent_errors, fake_store, fake_tensor_mode, pytree, storage_key
 
@@ -218,15 +232,27 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}M"
 
 
-def covering_ranks(grid: tuple, stages: int = 1) -> list:
-    """The ranks whose positions cover every index of every axis of `grid` ((R, C), (d, R, C), or a
-    cube's (q, q, q), whose ranks sit on a (q, q*q) grid): position i holds index i mod n of each axis of
-    n; with `stages` pipeline stages (stage s holds ranks s*d*R*C ...), each such position on every stage
-    (a stage receives what the one before it sends, so both are simulated)."""
-    shape = (1, grid[0], grid[0] ** 2) if _is_cube(grid) else ((1, *grid) if len(grid) == 2 else tuple(grid))
+def covering_ranks(grid: tuple, stages: int = 1, cube: bool = False, groups: bool = False) -> list:
+    """The ranks to simulate by default. Positions are (stage, replica, row, column), or for a cube (whose
+    ranks sit on a (q, q*q) grid, `cube`) (stage, 0, r, c*q + l), numbered row-major.
+
+    `groups=False`: every index of every axis at least once, in as few ranks as the longest axis: the k-th
+    holds index k mod n of each axis of n (an 8x8 grid's diagonal; 8 stages over 4x4x4: stage k at
+    position (k mod 4, k mod 4, k mod 4)). Few ranks share a group so: groups are compared only where two
+    members are simulated.
+    `groups=True`: on the first and the last stage, a cross through position (0, 0, 0) (every index of
+    each axis, the others at 0: one replica group, one row and one column simulated whole); on every stage
+    position (0, 0, 0) (one pipeline chain whole: each send checked against its receive)."""
+    shape = (1, grid[0], grid[0] ** 2) if cube else ((1, *grid) if len(grid) == 2 else tuple(grid))
     d, R, C = shape
-    return sorted({s * d * R * C + (i % d) * R * C + (i % R) * C + (i % C)
-                   for i in range(max(shape)) for s in range(stages)})
+
+    def rank(s: int, k: int, r: int, c: int) -> int:
+        return ((s * d + k) * R + r) * C + c
+
+    if not groups:
+        return sorted({rank(i % stages, i % d, i % R, i % C) for i in range(max(stages, d, R, C))})
+    cross = {(k, 0, 0) for k in range(d)} | {(0, r, 0) for r in range(R)} | {(0, 0, c) for c in range(C)}
+    return sorted({rank(s, *at) for s in {0, stages - 1} for at in cross} | {rank(s, 0, 0, 0) for s in range(stages)})
 
 
 def _stages(pipeline) -> int:
@@ -240,18 +266,15 @@ def _stages(pipeline) -> int:
     return pipeline if isinstance(pipeline, int) and not isinstance(pipeline, bool) else 1
 
 
-def _is_cube(grid) -> bool:
-    return len(grid) == 3 and len(set(grid)) == 1
-
-
 def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks=None, check: bool = True,
             fake: bool | None = None, **options) -> DryRun:
-    """Simulate `ranks` (default `covering_ranks(grid)`) of `parallelize(model, grid, example_inputs,
-    example_kwargs, **options)` in this process (see the module docstring) and return what they did;
-    with `check`, raise DryRunError where two simulated ranks of a group disagree. `fake`: run the step on
-    fake tensors (shapes, no memory, no compute; the default for a model on the meta device), else on
-    real ones (a mixture of experts needs them: its routing reads values). Call it in a process
-    without a process group of its own (it starts and ends a fake one per simulated rank)."""
+    """Simulate `ranks` ('cover', the default, or 'groups': `covering_ranks`; 'all'; or a list) of
+    `parallelize(model, grid, example_inputs, example_kwargs, **options)` in this process (see the
+    module docstring) and return what they did; with `check`, raise DryRunError where two simulated
+    ranks of a group disagree. `fake`: run the step on fake tensors (shapes, no memory, no compute; the
+    default for a model on the meta device), else on real ones (a mixture of experts needs them: its
+    routing reads values). Call it in a process without a process group of its own (it starts and ends
+    a fake one per simulated rank)."""
     if dist.is_available() and dist.is_initialized():
         raise UsageError("autopar.dry_run starts a fake process group per simulated rank: call it in a process "
                          "that has not called torch.distributed.init_process_group (or destroy that group first)")
@@ -260,26 +283,29 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
         raise UsageError("autopar.dry_run: pipelines with several stages per rank (the looped and V schedules) are "
                          "not simulated yet: a rank's later stage waits on what a later rank sends it; dry-run the "
                          "same stages with schedule='1f1b' (one stage per rank) to check their programs")
-    if stages > 1 and (fake or any(p.is_meta for p in model.parameters())):
-        raise UsageError("autopar.dry_run: pipeline stages run with real tensors (torch's cut runs the model on its "
-                         "values): build the model with its parameters on the CPU, and leave fake=True out")
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(
             isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
         raise UsageError(f"autopar.dry_run: grid={grid!r}: expected (R, C), (dp, R, C) or a cube (q, q, q)")
     grid = tuple(grid)
     world = stages * math.prod(grid)
-    chosen = covering_ranks(grid, stages) if ranks is None else list(ranks)
+    cube = options.get("strategy") == "3d"
+    if ranks is None or ranks in ("cover", "groups"):
+        chosen = covering_ranks(grid, stages, cube, groups=ranks == "groups")
+    else:
+        chosen = list(range(world)) if ranks == "all" else list(ranks) if not isinstance(ranks, str) else []
     bad = [r for r in chosen if not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world)]
     if bad or not chosen:
-        raise UsageError(f"autopar.dry_run: ranks={ranks!r}: expected ranks in [0, {world}) of grid {grid}")
+        raise UsageError(f"autopar.dry_run: ranks={ranks!r}: expected 'cover' (the default), 'groups', 'all' or "
+                         f"ranks in [0, {world}) of {stages} stage(s) x grid {grid}")
     chosen = sorted({0, *chosen})  # rank 0 first: what it decides and sends, the others receive
     if fake is None:
         fake = any(p.is_meta for p in model.parameters())
     runs, sent = {}, {}
-    with progress("dry run", len(chosen)) as bar:
+    mode = fake_tensor_mode(allow_real=True) if fake else None  # one for all: their shared captures hold its tensors
+    with progress("dry run", len(chosen)) as bar, shared_captures(mode):
         for rank in chosen:
             runs[rank] = _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, sent,
-                                   bool(fake))
+                                   mode)
             bar.update()
     report = DryRun(world, grid, runs, stages)
     if check:
@@ -287,7 +313,7 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
     return report
 
 
-def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, fake: bool) -> RankRun:
+def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, mode) -> RankRun:
     from autopar.parallel.api import parallelize
     from autopar.parallel.sharded import memory_per_rank
     from autopar.planning.explain import graph_rows
@@ -295,17 +321,17 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, fake:
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
     try:
         model = copy.deepcopy(model)
-        mode = fake_tensor_mode(allow_real=True) if fake else None
         if mode is not None:
             with mode:
                 _fake_parameters(model)
-        with Recorder(rank, sent) as rec, warnings.catch_warnings():
+        stages = _stages(options.get("pipeline"))
+        with Recorder(rank, sent, world // stages if stages > 1 else 0) as rec, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
             pm = parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, **options)
             setup = rec.take()
             pm.materialized = True  # a model built on the meta device: its blocks are allocated, not loaded
             pm.grid.log.reset()
-            with mode or contextlib.nullcontext(), EagerOps() if fake else contextlib.nullcontext():
+            with mode or contextlib.nullcontext(), EagerOps() if mode is not None else contextlib.nullcontext():
                 opt, saved = _step(pm, *_inputs(mode, args, kwargs))
             step = rec.take()
         log, g = pm.grid.log, pm.grid
@@ -331,14 +357,32 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, fake:
 
 
 def _step(pm, args: tuple, kwargs: dict) -> tuple:
-    """One training step: forward, backward of the loss, an AdamW step; (the optimizer, the bytes the
-    forward saved for backward other than parameter blocks)."""
+    """One training step: forward, backward of the loss, an AdamW step; (the optimizer, the most bytes the
+    step's forward passes held saved for backward at once: the storages autograd keeps, each counted once
+    while any tensor saved on it lives, parameters and their views left out)."""
     params = {storage_key(p.to_local()) for p in pm.parameters()}
-    saved: dict = {}
+    live: dict = {}  # storage -> [saved tensors alive on it, its bytes]
+    held = [0, 0]  # bytes now, most bytes at once
 
-    def pack(t):  # kept alive here, so that an id is not reused within the step
-        if storage_key(t) not in params:
-            saved[id(t)] = (t, t.numel() * t.element_size())
+    def release(key) -> None:
+        entry = live[key]
+        entry[0] -= 1
+        if not entry[0]:
+            held[0] -= entry[1]
+            del live[key]
+
+    def pack(t):
+        base = t if t._base is None else t._base
+        key = storage_key(t)
+        if isinstance(base, torch.nn.Parameter) or key in params:  # a weight (an FSDP unit's gathered one too)
+            return t
+        if key in live:
+            live[key][0] += 1
+        else:
+            live[key] = [1, t.untyped_storage().nbytes()]
+            held[0] += live[key][1]
+            held[1] = max(held)
+        weakref.finalize(t, release, key)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -348,7 +392,7 @@ def _step(pm, args: tuple, kwargs: dict) -> tuple:
             _loss(pm(*args, **kwargs)).backward()
     opt = torch.optim.AdamW(pm.parameters())
     opt.step()
-    return opt, sum(n for _, n in saved.values())
+    return opt, held[1]
 
 
 def _fake_parameters(model) -> None:

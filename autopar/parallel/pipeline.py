@@ -232,11 +232,9 @@ class PipelineModule(nn.Module):
                 raise UsageError("train_step: this model's output carries no loss (no 0-dim floating-point output for "
                                  "these inputs); pass target=... and loss_fn=fn, where fn(output, target) is a "
                                  "micro-batch's mean loss (or pass labels= to a transformers model)")
-            weights = _weights(variant, kwargs, m)
-
-            def fn(output, index):  # index: this micro-batch's number (the target is arange(m))
-                return output * weights[int(index)]
-            target = torch.arange(m)
+            def fn(output, weight):  # weight: this micro-batch's (the target is the weights, one per micro-batch)
+                return (output * weight.reshape(())).to(output.dtype)
+            target = torch.tensor(_weights(variant, kwargs, m), dtype=torch.float64)
         else:
             def fn(output, tgt):
                 return loss_fn(output, tgt) / m

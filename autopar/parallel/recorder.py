@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from passes.compat import TorchDispatchMode, custom_op_body, pytree, static_pipeline_warmup
+from passes.compat import TorchDispatchMode, custom_op_body, is_fake, pytree, static_pipeline_warmup
 
 __all__ = ["Collective", "EagerOps", "Recorder"]
 
@@ -74,10 +74,12 @@ class Recorder(contextlib.AbstractContextManager):
     warm-up vote, whose answer travels back from the last stage, is taken as the real run takes it
     (autopar gives every stage its shapes: torch's static mode)."""
 
-    def __init__(self, rank: int, sent: dict):
+    def __init__(self, rank: int, sent: dict, per_stage: int = 0):
         self.calls: list = []
         self.saved: dict = {}
         self.rank, self.sent, self.count = rank, sent, {}
+        self.per_stage = per_stage  # ranks per pipeline stage (0: no stages)
+        self.done: dict = {}  # method -> the fake group's Work of a call on fake tensors (it moves nothing)
 
     def __enter__(self):
         for name in _METHODS:
@@ -99,27 +101,42 @@ class Recorder(contextlib.AbstractContextManager):
 
     def _wrap(self, name, orig):
         def call(pg, *args, **kwargs):
-            c = _record(name, pg, args)
+            c, fake = _record(name, pg, args)
             self.calls.append(c)
+            if fake and name in self.done:  # fake tensors: the fake group's call does nothing but return
+                return self.done[name]
             work = orig(pg, *_fake_accepts(name, args), **kwargs)
+            if fake:
+                self.done[name] = work
             if c.dtype in ("torch.int64", "torch.uint8"):
                 if name == "broadcast" and c.peer == 0:
                     self._relay(c.group, 0, args[0][0])
                 elif name in ("send", "recv"):  # a pipeline stage's layouts, sent to the next stage
                     src, dst = (self.rank, c.peer) if name == "send" else (c.peer, self.rank)
-                    self._relay(("p2p", src, dst), src, args[0][0])
+                    self._relay(("p2p", src, dst), src, args[0][0], self._stages(src, dst))
             return work
         return call
 
-    def _relay(self, channel, source: int, t: torch.Tensor) -> None:
+    def _stages(self, src: int, dst: int):
+        return ("stages", src // self.per_stage, dst // self.per_stage) if self.per_stage else None
+
+    def _relay(self, channel, source: int, t: torch.Tensor, alt=None) -> None:
         """The k-th object tensor on `channel` (a group, or a sender and receiver) from `source`: kept
-        when this rank is the source, copied in when it receives and the source was simulated before."""
-        key = (channel, self.count.get(channel, 0))
-        self.count[channel] = key[1] + 1
+        when this rank is the source, copied in when it receives and the source was simulated before.
+        `alt`: the channel between the sender's and the receiver's pipeline stages, whose k-th object
+        (what any simulated rank of the one stage sent the next: a stage's layouts, the same at every
+        grid position) a receiver takes when its own sender was not simulated."""
+        n = self.count.get(channel, 0)
+        self.count[channel] = n + 1
+        key, other = (channel, n), (alt, n) if alt is not None else None
         if self.rank == source:
             self.sent[key] = t.detach().clone()
-        elif key in self.sent and self.sent[key].shape == t.shape:
-            t.copy_(self.sent[key])
+            if other is not None:
+                self.sent.setdefault(other, self.sent[key])
+            return
+        got = self.sent.get(key, self.sent.get(other) if other is not None else None)
+        if got is not None and got.shape == t.shape:
+            t.copy_(got)
 
 
 def _fake_accepts(name: str, args: tuple) -> tuple:
@@ -134,8 +151,15 @@ def _fake_accepts(name: str, args: tuple) -> tuple:
     return out, inp.new_zeros(1), out_splits, [1] + [0] * (len(in_splits) - 1), opts
 
 
-def _record(name: str, pg, args: tuple) -> Collective:
-    ranks = tuple(dist.get_process_group_ranks(pg))
+_RANKS: dict = {}  # id(process group) -> (the group, its global ranks)
+
+
+def _record(name: str, pg, args: tuple) -> tuple:
+    """(the Collective of this call, whether its tensors are fake)."""
+    known = _RANKS.get(id(pg))
+    if known is None or known[0] is not pg:
+        known = _RANKS[id(pg)] = (pg, tuple(dist.get_process_group_ranks(pg)))
+    ranks = known[1]
     tensors = [t for t in pytree.tree_leaves(list(args)) if isinstance(t, torch.Tensor)]
     peer = None
     opts = args[-1] if args else None
@@ -143,13 +167,25 @@ def _record(name: str, pg, args: tuple) -> Collective:
         peer = ranks[opts.rootRank]
     elif name in ("send", "recv") and len(args) > 1 and isinstance(args[1], int):
         peer = ranks[args[1]]
-    return Collective(name, ranks, tuple(tuple(t.shape) for t in tensors),
-                      str(tensors[0].dtype) if tensors else "", peer, _caller())
+    return (Collective(name, ranks, tuple(tuple(t.shape) for t in tensors),
+                       str(tensors[0].dtype) if tensors else "", peer, _caller()),
+            bool(tensors) and is_fake(tensors[0]))
+
+
+_OURS: dict = {}  # code object -> its file's base name where it is autopar's (not the dry run's own), else None
 
 
 def _caller() -> str:
     """autopar's innermost line on the stack (where the collective was issued)."""
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        if any(part in frame.filename for part in _OWN) and not frame.filename.endswith(("dry_run.py", "recorder.py")):
-            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        name = _OURS.get(code, 0)
+        if name == 0:
+            own = any(part in code.co_filename for part in _OWN) and not code.co_filename.endswith(
+                ("dry_run.py", "recorder.py"))
+            name = _OURS[code] = os.path.basename(code.co_filename) if own else None
+        if name is not None:
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
     return "?"

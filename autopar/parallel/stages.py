@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from autopar.parallel.module import Local, ParallelModule
 from autopar.program.build import capture, compile_captured, signature
 from autopar.program.guards import agree_on_plan
+from autopar.program.memo import own
 from autopar.program.pipe import crossings, rank_of, tied_names
 from passes import Grid
 from passes.capture.export import flatten_inputs
@@ -111,7 +112,7 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
         return out[v[1]] if isinstance(out, tuple) else out
 
     for j in ids:
-        stage_mod = pipe.get_stage_module(j)
+        stage_mod = own(pipe.get_stage_module(j))  # a dry run's ranks share one cut: each changes its own copy
         stage_mod.train(training)
         carry_in = crossing[j - 1] if j else []
         carry_out = crossing[j] if j < n - 1 else []

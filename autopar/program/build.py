@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from autopar.program.consensus import rebuilt
 from autopar.program.guards import check_mixed_dtypes, handshake
+from autopar.program.memo import shared
 from passes import Grid, capture as capture_graph
 from passes.capture.export import Captured, retarget_meta
 from passes.compat import pytree
@@ -131,6 +132,10 @@ def capture(model, args, kwargs) -> Captured:
     graph pointed back at the inputs' device; matmuls mixing integer inputs and floating weights are
     refused by name."""
     refuse_kv_cache(kwargs)
+    return shared("capture", model, signature(args, kwargs, model.training), lambda: _capture(model, args, kwargs))
+
+
+def _capture(model, args, kwargs) -> Captured:
     device = input_device(args, kwargs)
     meta = any(p.is_meta for p in model.parameters())
     if meta:  # trace all on meta (inputs too, so ops mixing them agree), then point the graph at `device`

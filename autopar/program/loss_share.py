@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import UsageError
-from passes.compat import pytree
+from passes.compat import is_fake, pytree
 from passes.nodes import source_line
 
 __all__ = ["LossShare", "loss_leaf", "loss_share"]
@@ -79,7 +79,10 @@ class LossShare:
         """Each micro-batch's count (`feeds`: one dict of model inputs by name per micro-batch)."""
         if self.kind != "targets":
             return [1] * len(feeds)
-        return [int(self.program(*(feed[k] for k in self.inputs))) for feed in feeds]
+        given = [[feed[k] for k in self.inputs] for feed in feeds]
+        if any(is_fake(t) for args in given for t in args if isinstance(t, torch.Tensor)):
+            return [1] * len(feeds)  # a step on fake tensors (`autopar.dry_run`): no values to count, equal shares
+        return [int(self.program(*args)) for args in given]
 
     def weights(self, feeds: list) -> list:
         """Each micro-batch's weight: its mean loss times it, summed, is the batch's loss."""

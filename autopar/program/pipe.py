@@ -19,7 +19,8 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, Sched
                                           SplitPoint, pipeline)
 
 from autopar.errors import UsageError
-from autopar.program.build import cache_off_kwargs
+from autopar.program.build import cache_off_kwargs, signature
+from autopar.program.memo import shared
 from passes.compat import pytree
 from passes.errors import CaptureError
 from passes.nodes import repeated_blocks
@@ -157,6 +158,11 @@ def cut(model: nn.Module, points: tuple, args: tuple, kwargs: dict, n: int):
     """torch's `pipeline()` of the model split at `points`, and each stage module's (inputs, outputs) on
     this micro-batch (detached; `requires_grad` where the value depends on a trained parameter), with
     the model's output on it."""
+    return shared("cut", model, (tuple(points), n, signature(args, kwargs, model.training)),
+                  lambda: _cut(model, points, args, kwargs, n), copied=False)  # a stage module: `own` it
+
+
+def _cut(model: nn.Module, points: tuple, args: tuple, kwargs: dict, n: int):
     # pipeline() replaces each split module's forward in place and leaves it so (torch 2.13): a second cut
     # would then recurse, and the user's model would keep the wrapper; both restored after it
     mods = [model.get_submodule(p) for p in points]
