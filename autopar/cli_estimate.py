@@ -48,9 +48,10 @@ def add_arguments(sub) -> None:
             p.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16", "fp32"),
                            help="bf16-mixed (fp32 master weights, gradients and AdamW states; default), bf16 or "
                                 "fp32")
-            p.add_argument("--dry-run", action="store_true", help="also dry-run the configuration's tensor-parallel "
-                           "program on a fake process group (its stage on its grid, one step): bytes and calls per "
-                           "rank against the estimate")
+            p.add_argument("--dry-run", nargs="?", const="cover", choices=("cover", "groups", "all"), metavar="RANKS",
+                           help="also dry-run the configuration (the whole model on fake tensors, a fake process "
+                                "group, one step; autopar.dry_run's rank set: cover (default), groups or all): the "
+                                "per-rank table, the cross-rank checks, bytes, calls and memory against the estimate")
         else:
             p.add_argument("--global-batch", type=int, required=True, help="sequences per step in all")
             p.add_argument("--memory-limit", help="per GPU, e.g. 70GiB (default: the cluster's memory)")
@@ -86,16 +87,19 @@ def _estimate(ns) -> int:
                    fp8=ns.fp8, async_tp=ns.async_tp)
     out = est.to_json()
     if ns.dry_run:
-        out["dry_run"] = dry_run_check(est, _model(ns.model))
+        out["dry_run"] = dry_run_check(est, _model(ns.model), ranks=ns.dry_run)
     if ns.json:
         print(json.dumps(out, indent=1))
     else:
         print(est)
         if ns.dry_run:
             d = out["dry_run"]
-            print(f"  dry run of one stage's tensor-parallel program ({d['ranks']} ranks simulated, "
-                  f"{d['seconds']:.1f} s): {d['verdict']}; bytes per rank {d['bytes']:,} (estimate "
-                  f"{d['estimated_bytes']:,.0f}), calls {d['calls']} (estimate {d['estimated_calls']})")
+            print(f"\ndry run: {d['ranks']} of {d['world']} ranks simulated in {d['seconds']:.1f} s; {d['verdict']}")
+            print(d["table"])
+            print("per step, one rank of each stage summed (peak: the fullest rank)   dry run         estimate   ratio")
+            for kind, v in d["compare"].items():
+                ratio = v["dry_run"] / v["estimate"] if v["estimate"] else float(v["dry_run"] == 0)
+                print(f"  {kind:<18} {v['dry_run']:>22,.0f} {v['estimate']:>18,.0f}   {ratio:.3f}")
     return 0
 
 
@@ -116,31 +120,75 @@ def _plan(ns) -> int:
     return 0
 
 
-def dry_run_check(est, model) -> dict:
-    """Dry-run `est`'s tensor-parallel program (the model at its captured depth, a sequence per grid row, on a fake
-    process group: `autopar.dry_run`) and compare each simulated rank's bytes with the estimate's."""
+def dry_run_check(est, model, ranks=None) -> dict:
+    """Dry-run `est`'s configuration -- the whole model (every block, on the meta device), its tensor-parallel
+    grid, replicas and pipeline stages, on fake tensors under a fake process group (`autopar.dry_run`, `ranks`
+    its rank set) -- and set what the simulated ranks moved and held beside the estimate: bytes and calls
+    per kind summed over one rank of each stage (`passes.cost.step.step_bytes`, at the model's own dtype),
+    parameters held, and the most bytes saved for backward on a rank beside the estimate's activations."""
     import time
 
     from autopar.checkpoint.hf import restore_buffers
+    from autopar.errors import UsageError
     from autopar.parallel.dry_run import dry_run
-    from autopar.planning.estimate import load_model_source, model_profile, rows, tp_bytes
+    from autopar.planning.estimate import boundary, load_model_source, model_profile, tp_bytes
+    from autopar.program.pipe import Pipeline
+    from passes.cost.step import PRECISIONS, step_bytes
 
-    src = load_model_source(model)
-    tp = est.parallel.tp
+    src, par = load_model_source(model), est.parallel
+    if par.dp_shard > 1 and par.dp_replicate > 1:
+        raise UsageError("autopar estimate --dry-run: sharded replicas inside replicated ones (HSDP) are not a mode of "
+                         "parallelize; dry-run with --dp-shard or --dp-replicate alone")
+    tp, dp = par.tp, par.dp_shard * par.dp_replicate
     grid, strategy = ((1, tp[0]), "1d") if len(tp) == 1 else (tuple(tp), "2d" if len(tp) == 2 else "3d")
-    m, inputs = src.build()
+    options: dict = {"strategy": strategy, "lowering": "broadcast",
+                     "recompute": {"none": False, "selective": "selective", "full": "blocks"}[par.recompute]}
+    if dp > 1:
+        grid = (dp, *grid)
+        options["data_parallel"] = "shard" if par.dp_shard > 1 else "replicate"
+    if par.pp > 1:
+        options["pipeline"] = Pipeline(stages=par.pp, schedule=par.schedule, microbatches=par.microbatches,
+                                       stages_per_rank=par.interleave)
+        if par.dp_shard > 1:
+            options["reshard_after_forward"] = False  # a stage kept gathered over its micro-batches, as priced
+    m = src.whole() if src.whole is not None else src.build()[0]
+    inputs = src.build()[1]
     restore_buffers(m)  # parallelize needs the rotary tables' values
+    dtype = next(p.dtype for p in m.parameters())
+    size = torch_dtype_bytes(dtype)
     t0 = time.perf_counter()
-    n = rows(tp)  # sequences: whole ones on every row of the grid
-    rep = dry_run(m, grid, example_kwargs=inputs(n, est.seq), strategy=strategy, fake=True, lowering="broadcast")
+    rep = dry_run(m, grid, example_kwargs=inputs(est.batch // dp, est.seq), ranks=ranks, fake=True, **options)
+    seconds = time.perf_counter() - t0
     prof = model_profile(src, est.seq)[0]
     tb, to = tp_bytes(src, est.seq, tp)
-    expected = sum(prof.blocks * b + o for b, o in zip(tb.bytes(n), to.bytes(n)))
-    calls = sum(prof.blocks * b + o for b, o in zip(tb.calls, to.calls))
-    counted = {r: run.counted.get("grid", 0) for r, run in rep.ranks.items()}
-    worst = max(counted.values())
-    return {"ranks": len(rep.ranks), "seconds": time.perf_counter() - t0, "bytes": worst,
-            "estimated_bytes": expected, "calls": max(len(run.step) for run in rep.ranks.values()),
-            "estimated_calls": calls, "per_rank_bytes": counted,
-            "verdict": "cross-rank checks passed; bytes " + ("agree" if abs(worst - expected) <= 1e-6 * max(1, expected)
-                                                             else "DIFFER")}
+    crossing = boundary(src, est.seq, tp) if par.pp > 1 else None
+    expected = step_bytes(prof, src.layers, tb, to, par, est.batch, est.seq, size, size, crossing)
+    per_stage: dict = {}  # stage -> its lowest simulated rank's run
+    for rank in sorted(rep.ranks):
+        per_stage.setdefault(rank * par.pp // rep.world, rep.ranks[rank])
+    runs = list(per_stage.values())
+    fsdp = sum(r.tags.get("fsdp:all-gather", 0) + r.tags.get("fsdp:reduce-scatter", 0) for r in runs)
+    got = {"tp": sum(r.counted["grid"] for r in runs), "tp_calls": sum(r.counted["grid_calls"] for r in runs),
+           "fsdp": fsdp, "ddp": sum(r.counted["replicas"] for r in runs) - fsdp,
+           "pp": sum(r.counted.get("pp", 0) for r in runs)}
+    held_b = PRECISIONS[par.precision][0]
+    compare = {k: {"dry_run": got[k], "estimate": expected[k]} for k in got}
+    compare["params_per_rank"] = {"dry_run": max(r.held["params"] for r in rep.ranks.values()) // size,
+                                  "estimate": est.cost.memory["parameters_and_optimizer"] / held_b}
+    compare["saved_bytes_peak"] = {"dry_run": max(r.held["saved"] for r in rep.ranks.values()),
+                                   "estimate": est.cost.memory["activations"]}
+    # FSDP2 pads each parameter's dim 0 to a multiple of the replicas: its bytes a little above the estimate's
+    exact = all(abs(compare[k]["dry_run"] - compare[k]["estimate"]) <= 0.5 for k in ("tp", "tp_calls", "ddp", "pp")) \
+        and compare["fsdp"]["estimate"] <= compare["fsdp"]["dry_run"] <= 1.01 * compare["fsdp"]["estimate"]
+    return {"ranks": len(rep.ranks), "world": rep.world, "seconds": seconds, "compare": compare,
+            "per_rank": {r: {"at": list(run.at), "bytes": run.counted, "calls": len(run.step),
+                             "peak_memory_bytes": run.held} for r, run in sorted(rep.ranks.items())},
+            "verdict": "cross-rank checks passed; bytes and calls " + ("agree with the estimate" if exact else
+                                                                      "DIFFER from the estimate (see compare)"),
+            "table": str(rep)}
+
+
+def torch_dtype_bytes(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()

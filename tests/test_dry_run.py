@@ -182,3 +182,25 @@ def test_an_order_across_groups_that_waits_for_ever_is_caught():
         DryRun(4, (2, 2), ranks).check()
     ranks[1] = RankRun(1, (0, 0, 1), step=[call(a), call(b)])
     DryRun(4, (2, 2), ranks).check()  # one order: no hang
+
+
+def test_a_pipelines_fsdp_units_gather_once_per_step():
+    """Catches FSDP2 inside a pipeline gathering its stage's parameters and reduce-scattering its gradients
+    once per micro-batch (64 micro-batches: 64 times the bytes): with reshard_after_forward=False a step
+    of 2 micro-batches and one of 4 move the same FSDP2 bytes, in as many calls, on every rank."""
+    from tests.checks_pipeline import _llama
+
+    model, make = _llama(2)
+    runs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m in (2, 4):
+            runs[m] = autopar.dry_run(model, grid=(2, 1, 2), example_kwargs=make(8, 8, 1), fake=True,
+                                      pipeline=autopar.Pipeline(stages=2, microbatches=m), data_parallel="shard",
+                                      reshard_after_forward=False)
+    for rank, run in runs[2].ranks.items():
+        twin = runs[4].ranks[rank]
+        fsdp = [[c for c in r.step if c.where.startswith("sharded.py")] for r in (run, twin)]  # FSDP2's calls
+        assert fsdp[0] and len(fsdp[0]) == len(fsdp[1]), (rank, len(fsdp[0]), len(fsdp[1]))
+        assert run.tags["fsdp:all-gather"] == twin.tags["fsdp:all-gather"] > 0, rank
+        assert run.tags["fsdp:reduce-scatter"] == twin.tags["fsdp:reduce-scatter"] > 0, rank

@@ -56,17 +56,16 @@ import contextlib
 import copy
 import math
 import warnings
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError, UsageError
-from autopar.parallel.recorder import Collective, EagerOps, Recorder
+from autopar.parallel.recorder import Collective, EagerOps, Recorder, train_step
 from autopar.program.memo import shared_captures
 from autopar.planning.progress import steps as progress
-from passes.compat import data_dependent_errors, fake_store, fake_tensor_mode, pytree, storage_key
+from passes.compat import data_dependent_errors, fake_store, fake_tensor_mode, pytree
 
 __all__ = ["Collective", "DryRun", "DryRunError", "RankRun", "covering_ranks", "dry_run"]
 
@@ -82,9 +81,10 @@ class RankRun:
     """One simulated rank: `at` its (replica, row, column); `setup` the collectives of `parallelize`,
     `step` those of the training step; `counted` the bytes its grid's CommLog counted in the step (by
     kind: 'grid', 'replicas'), `planned` the grid bytes its program's plan prices at its position;
-    `held` the bytes it holds after the step (parameters, gradients, optimizer state) and what the
-    forward saved for backward (`saved`: the tensors autograd kept, parameters left out); `tags` the
-    step's bytes per CommLog tag (a collective's node, 'pp:send', 'fsdp:all-gather', ...)."""
+    `counted["grid_calls"]` the grid's collective launches; `held` the bytes it holds after the step
+    (parameters, gradients, optimizer state) and the most the step kept saved for backward at once
+    (`saved`, see `_step`); `tags` the step's bytes per CommLog tag (a collective's node, 'pp:send',
+    'fsdp:all-gather', ...)."""
 
     rank: int
     at: tuple
@@ -332,7 +332,7 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, mode)
             pm.materialized = True  # a model built on the meta device: its blocks are allocated, not loaded
             pm.grid.log.reset()
             with mode or contextlib.nullcontext(), EagerOps() if mode is not None else contextlib.nullcontext():
-                opt, saved = _step(pm, *_inputs(mode, args, kwargs))
+                opt, saved = train_step(pm, *_inputs(mode, args, kwargs))
             step = rec.take()
         log, g = pm.grid.log, pm.grid
         replicas, p2p = log.total("dp:") + log.total("fsdp:"), log.total("pp:")
@@ -341,7 +341,8 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, mode)
         planned = m * sum(r.fwd_bytes + r.bwd_bytes + r.recompute_bytes for s in getattr(pm, "stage_modules", [pm])
                           for r in graph_rows(s.program.inspected, g.shape, at=(g.r, g.c)))
         at = (g.stage, g.dp_index, g.r, g.c) if piped else (g.dp_index, g.r, g.c)
-        counted = {"grid": log.total() - replicas - p2p, "replicas": replicas}
+        counted = {"grid": log.total() - replicas - p2p, "replicas": replicas,
+                   "grid_calls": log.calls() - log.calls("dp:") - log.calls("fsdp:") - log.calls("pp:")}
         if piped:
             counted.update(pp=p2p, pp_planned=sum(b for _, b in pm.p2p_traffic().values()))
         tags: dict = {}
@@ -354,45 +355,6 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, mode)
                          f"them. Pass fake=False to compute each rank's share with real tensors") from e
     finally:
         dist.destroy_process_group()
-
-
-def _step(pm, args: tuple, kwargs: dict) -> tuple:
-    """One training step: forward, backward of the loss, an AdamW step; (the optimizer, the most bytes the
-    step's forward passes held saved for backward at once: the storages autograd keeps, each counted once
-    while any tensor saved on it lives, parameters and their views left out)."""
-    params = {storage_key(p.to_local()) for p in pm.parameters()}
-    live: dict = {}  # storage -> [saved tensors alive on it, its bytes]
-    held = [0, 0]  # bytes now, most bytes at once
-
-    def release(key) -> None:
-        entry = live[key]
-        entry[0] -= 1
-        if not entry[0]:
-            held[0] -= entry[1]
-            del live[key]
-
-    def pack(t):
-        base = t if t._base is None else t._base
-        key = storage_key(t)
-        if isinstance(base, torch.nn.Parameter) or key in params:  # a weight (an FSDP unit's gathered one too)
-            return t
-        if key in live:
-            live[key][0] += 1
-        else:
-            live[key] = [1, t.untyped_storage().nbytes()]
-            held[0] += live[key][1]
-            held[1] = max(held)
-        weakref.finalize(t, release, key)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if hasattr(pm, "train_step"):  # pipeline stages: the schedule runs forward and backward
-            pm.train_step(*args, **kwargs)
-        else:
-            _loss(pm(*args, **kwargs)).backward()
-    opt = torch.optim.AdamW(pm.parameters())
-    opt.step()
-    return opt, held[1]
 
 
 def _fake_parameters(model) -> None:
@@ -411,21 +373,3 @@ def _inputs(mode, args: tuple, kwargs: dict) -> tuple:
     if mode is None:
         return args, kwargs
     return pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-
-
-def _loss(out) -> torch.Tensor:
-    """The model's own loss (its 0-dim floating-point output), else the mean of its floating outputs'
-    local blocks (a stand-in whose backward reaches every parameter)."""
-    from autopar.program.loss_share import loss_leaf
-
-    leaves = pytree.tree_leaves(out)
-    at = loss_leaf(out)
-    if at is not None:
-        return leaves[at]
-    floats = [t.to_local() if hasattr(t, "to_local") else t for t in leaves
-              if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not floats:
-        raise UsageError("autopar.dry_run: the model's output has no floating-point tensor to train on")
-    return sum(t.float().mean() for t in floats)
-
-

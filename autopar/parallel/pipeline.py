@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.errors import PlanWarning, UnsupportedError, UsageError
+from autopar.errors import AutoparError, PlanWarning, UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
 from autopar.parallel.module import save_pretrained_extension, set_path
 from autopar.parallel.sharded import is_sharded, shard_replicas
@@ -240,6 +240,10 @@ class PipelineModule(nn.Module):
                 return loss_fn(output, tgt) / m
         losses: list = []
         self._run(variant, kwargs, fn, target, losses)
+        if not all(stage.synced for stage in variant.stages):
+            raise AutoparError(f"train_step: the schedule ({self.pipeline.schedule}) never marked a stage's last "
+                               f"backward, so its FSDP2 gradients were not reduce-scattered; this is a bug in "
+                               f"autopar's pipeline for torch {torch.__version__}: please report it")
         self._tied.sum_gradients(self.stage_modules)  # a weight tied across stages: its copies' gradients add
         if self.grid.dp > 1 and not self.sharded:
             average_over_replicas(self.stage_modules, self.grid, self.stage_module.options.grad_bucket_mb)

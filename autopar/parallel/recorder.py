@@ -1,20 +1,26 @@
 """What `autopar.dry_run` records (`autopar.parallel.dry_run`): every call a torch ProcessGroup receives
-(`Recorder`, patching the group's methods while active), as a `Collective`; and, under fake tensors,
-autopar's library ops running their eager bodies (`EagerOps`), so that they issue their collectives."""
+(`Recorder`, patching the group's methods while active), as a `Collective`; under fake tensors,
+autopar's library ops running their eager bodies (`EagerOps`), so that they issue their collectives;
+and a rank's training step with the most bytes it keeps saved for backward at once (`train_step`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.overrides import TorchFunctionMode
 
-from passes.compat import TorchDispatchMode, custom_op_body, is_fake, pytree, static_pipeline_warmup
+from autopar.errors import UsageError
+from passes.compat import TorchDispatchMode, custom_op_body, is_fake, pytree, static_pipeline_warmup, storage_key
+from passes.cost.profile import ATTENTION as _ATTENTION
 
-__all__ = ["Collective", "EagerOps", "Recorder"]
+__all__ = ["Collective", "EagerOps", "Recorder", "train_step"]
 
 # the ProcessGroup methods torch.distributed's functions call (torch 2.13), each recorded as it is called
 _METHODS = ("broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgather", "allgather_coalesced",
@@ -189,3 +195,101 @@ def _caller() -> str:
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
+
+
+def train_step(pm, args: tuple, kwargs: dict) -> tuple:
+    """One training step: forward, backward of the loss, an AdamW step; (the optimizer, the most bytes the
+    step's forward passes held saved for backward at once: the storages autograd keeps, each counted once
+    while any tensor saved on it lives, parameters and their views left out (an FSDP2 unit's gathered ones
+    too: the estimate counts them apart); an attention counted as a
+    flash kernel saves it, as the estimate counts it (`passes.cost.profile`): its inputs, its output and
+    the fp32 log-sum-exp per query row and head, not the [s, s] scores or mask this CPU run's kernel keeps)."""
+    params = {storage_key(p.to_local()) for p in pm.parameters()}
+
+    def gathered(module, args) -> None:  # an FSDP2 unit's parameters, gathered whole for its forward
+        params.update(storage_key(p.to_local() if hasattr(p, "to_local") else p) for p in module.parameters())
+
+    hooks = [m.register_forward_pre_hook(gathered) for top in getattr(pm, "stage_modules", [pm])
+             for m in top.modules() if isinstance(m, FSDPModule)]
+    live: dict = {}  # storage -> [saved tensors alive on it, its bytes]
+    held = [0, 0]  # bytes now, most bytes at once
+
+    def release(key) -> None:
+        entry = live[key]
+        entry[0] -= 1
+        if not entry[0]:
+            held[0] -= entry[1]
+            del live[key]
+
+    def keep(t, extra: int = 0) -> None:
+        key = storage_key(t)
+        if extra:  # bytes the kernel saves beside t (a log-sum-exp), released with it
+            key = (key, "extra")
+        if key in live:
+            live[key][0] += 1
+        else:
+            live[key] = [1, extra or t.untyped_storage().nbytes()]
+            held[0] += live[key][1]
+            held[1] = max(held)
+        weakref.finalize(t, release, key)
+
+    attention = _FlashSaves(keep)
+
+    def pack(t):
+        base = t if t._base is None else t._base
+        if not attention.inside and not isinstance(base, torch.nn.Parameter) and storage_key(t) not in params:
+            keep(t)  # a weight (an FSDP unit's gathered one too) is no activation
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attention:
+        if hasattr(pm, "train_step"):  # pipeline stages: the schedule runs forward and backward
+            pm.train_step(*args, **kwargs)
+        else:
+            _loss(pm(*args, **kwargs)).backward()
+    for h in hooks:
+        h.remove()
+    opt = torch.optim.AdamW(pm.parameters())
+    opt.step()
+    return opt, held[1]
+
+
+class _FlashSaves(TorchFunctionMode):
+    """While a scaled-dot-product attention runs, what its kernel saves is not counted; its q, k, v, output
+    and log-sum-exp are (`keep`)."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep, self.inside = keep, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func) not in _ATTENTION or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        self.inside += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.inside -= 1
+        q, k, v = args[:3]
+        for t in (q, k, v, out):
+            self.keep(t)
+        self.keep(out, q.numel() // q.shape[-1] * 4)
+        return out
+
+
+def _loss(out) -> torch.Tensor:
+    """The model's own loss (its 0-dim floating-point output), else the mean of its floating outputs'
+    local blocks (a stand-in whose backward reaches every parameter)."""
+    from autopar.program.loss_share import loss_leaf
+
+    leaves = pytree.tree_leaves(out)
+    at = loss_leaf(out)
+    if at is not None:
+        return leaves[at]
+    floats = [t.to_local() if hasattr(t, "to_local") else t for t in leaves
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        raise UsageError("autopar.dry_run: the model's output has no floating-point tensor to train on")
+    return sum(t.float().mean() for t in floats)
+
+

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from autopar.parallel.module import Local, ParallelModule
@@ -35,12 +36,33 @@ from passes.meta import PLACED
 from passes.ops.comm import guarded, tensor_bytes
 from passes.ops.grad_buckets import plan_buckets
 
-__all__ = ["StageRun", "Tied", "Variant", "average_over_replicas", "build"]
+__all__ = ["Stage", "StageRun", "Tied", "Variant", "average_over_replicas", "build"]
 
 def _count(log, phase: str, t: torch.Tensor) -> None:
     """One point-to-point send of `t` to a neighbouring stage, in the grid's CommLog (tag "pp:send")."""
     log.launch("pp:send", phase)
     log.add("pp:send", phase, t.numel() * t.element_size())
+
+
+class Stage(PipelineStage):
+    """torch's PipelineStage, whose stage's FSDP2 units (data_parallel='shard': its ParallelModule is the
+    FSDP2 root, inside StageRun) keep their gradients unsharded over the micro-batches and reduce-scatter
+    them once, after the step's last backward; with reshard_after_forward=False the parameters are gathered
+    once per step too. (torch does this for a stage module that is itself the FSDP2 root.) Without it
+    each micro-batch gathered the stage's parameters again and reduce-scattered its gradients: with 64
+    micro-batches, 64 times the bytes. `synced`: whether this step's last backward ran with the sync on."""
+
+    synced = True
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        root = self.submod.pm
+        if isinstance(root, FSDPModule):
+            last = bool(last_backward) and backward_type != "input"  # the weights' gradients are final
+            root.set_is_last_backward(last)
+            root.set_requires_gradient_sync(last)
+            root.set_reshard_after_backward(last)
+            self.synced = last
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
 class StageRun(nn.Module):
@@ -152,8 +174,8 @@ def build(model: nn.Module, pipe, seen: dict, reference, g: Grid, ids: list, sty
         outs = seen[j][1] if isinstance(seen[j][1], tuple) else (seen[j][1],)
         out_args = (list(outs) if loss_at is None else [outs[loss_at]]) if last else sent
         run = StageRun(pms[j], comp, j, needs[j], carry_in, carry_out, last, loss_at)
-        stage = PipelineStage(run, j, n, device, input_args=tuple(received),
-                              output_args=out_args[0] if len(out_args) == 1 else tuple(out_args), group=g.pp_group)
+        stage = Stage(run, j, n, device, input_args=tuple(received),
+                      output_args=out_args[0] if len(out_args) == 1 else tuple(out_args), group=g.pp_group)
         variant.runs.append(run)
         variant.stages.append(stage)
         variant.sent.append(sent)

@@ -26,7 +26,7 @@ from passes.cost.cluster import PRESETS, resolve_cluster
 from passes.cost.profile import profile
 from passes.cost.step import PRECISIONS, Parallel, StepCost, TPBytes, price_step
 
-__all__ = ["Estimate", "ModelSource", "estimate", "load_model_source", "model_profile", "tp_bytes"]
+__all__ = ["Estimate", "ModelSource", "boundary", "estimate", "load_model_source", "model_profile", "tp_bytes"]
 
 DEPTH = 3  # blocks a config's model is built with: the middle one stands for all
 RECOMPUTE = ("none", "selective", "full")
@@ -43,6 +43,7 @@ class ModelSource:
     kv_heads: int | None = None
     vocab: int | None = None
     cache: dict = field(default_factory=dict)
+    whole: object = None  # () -> the model with all its blocks (on the meta device for a config), or None: build
 
 
 def load_model_source(model, dtype=torch.bfloat16) -> ModelSource:
@@ -94,15 +95,22 @@ def _config_source(config, dtype) -> ModelSource:
             setattr(small, key, 0)
     auto = transformers.AutoModelForCausalLM
 
-    def build():
+    def build(cfg=small):
         """The model with DEPTH blocks on the meta device (its buffers too), and its inputs."""
         with torch.device("meta"):
-            m = auto.from_config(small)
+            m = auto.from_config(cfg)
         return m.to(dtype), lambda n, s: {"input_ids": torch.zeros(n, s, dtype=torch.long),
                                           "labels": torch.zeros(n, s, dtype=torch.long)}
+
+    def whole():
+        full = type(config).from_dict({**config.to_dict(), "use_cache": False})
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(full, key, None) is not None:
+                setattr(full, key, 0)
+        return build(full)[0]
     return ModelSource(getattr(config, "model_type", type(config).__name__), layers, build,
                        getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None),
-                       getattr(config, "vocab_size", None))
+                       getattr(config, "vocab_size", None), whole=whole)
 
 
 def _module_source(module) -> ModelSource:
@@ -197,6 +205,24 @@ def model_profile(src: ModelSource, seq: int) -> tuple:
 def rows(tp: tuple) -> int:
     """The mesh rows that split each micro-batch's sequences: 2D's R, the cube's q, none for 1D."""
     return tp[0] if len(tp) > 1 else 1
+
+
+def boundary(src: ModelSource, seq: int, tp: tuple) -> tuple:
+    """((per sequence, fixed) forward bytes, the same backward) per rank that a pipeline stage boundary
+    (before a block) sends per micro-batch under layout `tp`: the block's outside inputs in the plan's
+    layouts (its hidden state, the attention mask, rotary tables), read as a line in the sequences."""
+    key = ("boundary", seq, tuple(tp))
+    if key not in src.cache:
+        from passes.search.strategy import boundary_bytes
+
+        prof = model_profile(src, seq)[0]
+        r = rows(tp)
+        strategy, mesh = ({1: ("1d", (1, tp[0])), 2: ("2d", tuple(tp)), 3: ("3d", (tp[0], tp[0] * tp[0]))}[len(tp)]
+                          if math.prod(tp) > 1 else ("1d", (1, 1)))
+        block = prof.block_ids[1] if len(prof.block_ids) > 2 else prof.block_ids[0]
+        one, two = (boundary_bytes(captured(src, seq, k), mesh, strategy, block) for k in (r, 2 * r))
+        src.cache[key] = tuple(((b - a) / r, 2 * a - b) for a, b in zip(one, two))
+    return src.cache[key]
 
 
 def tp_bytes(src: ModelSource, seq: int, tp: tuple, assignment: dict | None = None) -> tuple:
@@ -333,6 +359,6 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     check(src, cfg, devices, batch)
     prof = model_profile(src, seq)[0]
     tb, to = tp_bytes(src, seq, tp, assignment)
-    cost = price_step(prof, src.layers, tb, to, cfg, cl, batch, seq)
+    cost = price_step(prof, src.layers, tb, to, cfg, cl, batch, seq, boundary(src, seq, tp) if pp > 1 else None)
     return Estimate(src.name, devices, cl.name, batch, seq, cfg, cost)
 

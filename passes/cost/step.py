@@ -42,7 +42,7 @@ from passes.cost.cluster import Cluster
 from passes.cost.pipeline import bubble, in_flight
 from passes.cost.profile import Part, Profile
 
-__all__ = ["FUSED", "Parallel", "StepCost", "TPBytes", "price_step"]
+__all__ = ["FUSED", "Parallel", "StepCost", "TPBytes", "price_step", "step_bytes"]
 
 FUSED = 0.5  # memory-bound traffic left once torch.compile fuses elementwise chains (inputs read once per chain)
 PRECISIONS = {  # bytes per parameter: (held between steps: master weight + AdamW's 8, gradient, compute copy)
@@ -178,9 +178,46 @@ def _tp_spans(tp: tuple) -> tuple:
     return ((math.prod(tp), tp[0]), (tp[1] * tp[2], tp[1] * tp[2]))
 
 
+def step_bytes(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes, cfg: Parallel, batch: int,
+               seq: int, weight_bytes: int, grad_bytes: int, crossing=None) -> dict:
+    """What one step moves, per grid position summed over the pipeline stages (one rank of each), by kind:
+    'tp' bytes and 'tp_calls' (every micro-batch's blocks and outer part; a fully recomputed block's forward
+    collectives again), 'fsdp' (each parameter gathered at `weight_bytes` -- twice without stages, resharded
+    after forward; once inside a pipeline, kept gathered -- and its gradient reduce-scattered at
+    `grad_bytes`; the root unit, embedding and head, gathered once), 'ddp' (a ring all-reduce of the
+    gradients) and 'pp' (each micro-batch's activation forward and its gradient back across every stage
+    boundary, `crossing` as `price_step` takes it). What `autopar.dry_run` counts, set beside it by
+    `autopar estimate --dry-run`."""
+    dp = cfg.dp_shard * cfg.dp_replicate
+    M, S = cfg.microbatches, cfg.pp
+    n = batch / dp / M
+    again = 4 / 3 if cfg.recompute == "full" else 1.0  # forward's collectives (a third of them) run twice
+    tp = M * (layers * sum(tp_block.bytes(n)) * again + sum(tp_outer.bytes(n)))
+    tp_calls = M * (layers * sum(tp_block.calls) * again + sum(tp_outer.calls))
+    blocks = layers * prof.block.params / cfg.tp_size
+    params = blocks + prof.outer.params / cfg.tp_size  # all stages' at one grid position
+    share = (cfg.dp_shard - 1) / cfg.dp_shard
+    gathered = (2 if S == 1 else 1) * blocks + params - blocks  # FSDP2 keeps the root unit gathered all step
+    fsdp = share * (gathered * weight_bytes + params * grad_bytes) if cfg.dp_shard > 1 else 0.0
+    r = cfg.dp_replicate
+    ddp = 2 * (r - 1) / r * params / cfg.dp_shard * grad_bytes if r > 1 else 0.0
+    pp = M * (S - 1) * _boundary_bytes(prof, cfg, n, seq, crossing)
+    return {"tp": tp, "tp_calls": tp_calls, "fsdp": fsdp, "ddp": ddp, "pp": pp}
+
+
+def _boundary_bytes(prof: Profile, cfg: Parallel, n: float, seq: int, crossing) -> float:
+    """Bytes one stage boundary sends per micro-batch of n sequences, forward and backward: `crossing`, the
+    plan's ((per sequence, fixed) forward, backward) (`autopar.planning.estimate.boundary`), else the hidden
+    state split over the TP ranks each way."""
+    if crossing is None:
+        return 2 * n * seq * prof.hidden * prof.param_dtype_bytes / cfg.tp_size
+    return sum(per * n + fixed for per, fixed in crossing)
+
+
 def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes, cfg: Parallel, cl: Cluster,
-               batch: int, seq: int) -> StepCost:
-    """The step of `batch` sequences of `seq` tokens over `cfg.devices` GPUs (see the module text)."""
+               batch: int, seq: int, crossing=None) -> StepCost:
+    """The step of `batch` sequences of `seq` tokens over `cfg.devices` GPUs (see the module text);
+    `crossing`: what a stage boundary sends (`_boundary_bytes`)."""
     dp = cfg.dp_shard * cfg.dp_replicate
     local = batch / dp  # sequences per data-parallel rank and step
     M = cfg.microbatches
@@ -214,8 +251,8 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     rerun = 4.0 / 3.0 if cfg.recompute == "full" else 1.0  # full recomputation runs the collectives once more
     tp_total = M * (per_rank * tp_blk * rerun + tp_out)
     # pipeline sends: each micro-batch's activations forward and their gradients back, per stage boundary
-    hidden_bytes = n * seq * prof.hidden * prof.param_dtype_bytes / cfg.tp_size
-    pp_s = 2 * V * M * _coll_s(hidden_bytes, 1, cl, cfg.tp_size * dp * S, S) if S > 1 else 0.0
+    sent = _boundary_bytes(prof, cfg, n, seq, crossing)  # forward and backward, per micro-batch
+    pp_s = V * M * _coll_s(sent, 2, cl, cfg.tp_size * dp * S, S) if S > 1 else 0.0
     # data parallelism, per step
     block_params = prof.block.params
     stage_params = (per_rank * block_params + prof.outer.params / (1 if S == 1 else 2)) / cfg.tp_size
@@ -225,10 +262,11 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     if cfg.dp_shard > 1:
         share = (cfg.dp_shard - 1) / cfg.dp_shard
         gather = copy_b or held - 8  # bytes per parameter gathered: the compute copy (bf16), else the weight
-        again = 2 if S == 1 else 1  # resharded after forward, gathered again for backward
+        again = 2 if S == 1 else 1  # a block resharded after forward, gathered again for backward; the root once
         units = per_rank + 1
-        fsdp_s = _coll_s(share * stage_params * (again * gather + grad_b), units * (again + 1), cl, dp_span,
-                         cfg.dp_shard)
+        blocks = per_rank * block_params / cfg.tp_size
+        fsdp_s = _coll_s(share * ((again * blocks + stage_params - blocks) * gather + stage_params * grad_b),
+                         units * (again + 1), cl, dp_span, cfg.dp_shard)
         first = _coll_s(share * block_params / cfg.tp_size * (gather + grad_b), 2, cl, dp_span, cfg.dp_shard)
     ddp_s = 0.0
     if cfg.dp_replicate > 1:
