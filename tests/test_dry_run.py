@@ -97,6 +97,30 @@ def test_a_rank_dependent_program_is_caught():
     report.check()
 
 
+class _RankTwice(nn.Module):
+    """A model whose rank 1 runs its one linear twice: the same weights everywhere, another step."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        h = self.a(x)
+        if dist.get_rank() == 1:
+            h = self.a(h)  # the line the dry run names
+        return h
+
+
+def test_a_rank_dependent_step_names_the_models_line():
+    """The step's first differing collective names the line of the user's model it was issued for."""
+    torch.manual_seed(0)
+    with pytest.raises(DryRunError, match=r"of the step: .*rank 1 .*in the model at .*test_dry_run\.py.*"
+                                          r"h = self\.a\(h\)"):
+        _dry(_RankTwice(), (torch.randn(4, 16),), (1, 2), ranks=[0, 1])
+
+
 @pytest.mark.parametrize("grid, stages", [((2, 1, 2), 2), ((4, 2, 2), 4)], ids=["pp2-shard2-1x2", "pp4-shard4-2x2"])
 def test_pipeline_stages_over_sharded_replicas(grid, stages):
     """Catches a pipeline whose stages' collectives or point-to-point sends differ from what the plan and

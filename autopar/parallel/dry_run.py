@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError, UsageError
-from autopar.parallel.recorder import Collective, EagerOps, Recorder, train_step
+from autopar.parallel.recorder import Collective, EagerOps, Recorder, model_lines, train_step
 from autopar.program.memo import shared_captures
 from autopar.planning.progress import steps as progress
 from passes.compat import data_dependent_errors, fake_store, fake_tensor_mode, pytree
@@ -94,6 +94,7 @@ class RankRun:
     planned: int = 0
     held: dict = field(default_factory=dict)
     tags: dict = field(default_factory=dict)
+    lines: dict = field(default_factory=dict)  # a step collective's `node` -> the model's source line
 
     @property
     def agrees(self) -> bool:
@@ -129,7 +130,7 @@ class DryRun:
             for group, seqs in sorted(self.members(phase).items()):
                 first = min(seqs)
                 for rank in sorted(seqs):
-                    _same(group, phase, exact, first, seqs[first], rank, seqs[rank])
+                    _same(group, phase, exact, first, seqs[first], rank, seqs[rank], self.ranks)
         self._pairs()
         self._order()
 
@@ -217,14 +218,18 @@ def _cycle(after: dict) -> list:
     return []
 
 
-def _same(group, phase, exact, a, seq_a, b, seq_b) -> None:
+def _same(group, phase, exact, a, seq_a, b, seq_b, runs: dict) -> None:
+    def said(rank, c) -> str:  # the call, and the line of the model it was issued for where known
+        line = runs[rank].lines.get(c.node) if c is not None else None
+        return f"{c or 'nothing'}" + (f", in the model at {line}" if line else "")
+
     for k in range(max(len(seq_a), len(seq_b))):
         x = seq_a[k] if k < len(seq_a) else None
         y = seq_b[k] if k < len(seq_b) else None
         if x is None or y is None or x.key(exact) != y.key(exact):
             raise DryRunError(
                 f"dry run: ranks {a} and {b} of group {list(group)} issue different collectives at position {k} "
-                f"of the {phase}: rank {a} {x or 'nothing'}; rank {b} {y or 'nothing'}. On NCCL this hangs or "
+                f"of the {phase}: rank {a} {said(a, x)}; rank {b} {said(b, y)}. On NCCL this hangs or "
                 f"mixes data; a branch on the rank, or on data that differs between ranks, usually causes it")
 
 
@@ -348,7 +353,8 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, mode)
         tags: dict = {}
         for (tag, _), n in log.bytes.items():
             tags[tag] = tags.get(tag, 0) + n
-        return RankRun(rank, at, setup, step, counted, planned, {**memory_per_rank(pm, opt), "saved": saved}, tags)
+        return RankRun(rank, at, setup, step, counted, planned, {**memory_per_rank(pm, opt), "saved": saved}, tags,
+                       model_lines(pm, step))
     except _DATA_DEPENDENT as e:
         raise UsageError(f"autopar.dry_run: this model's step reads values that fake tensors do not have "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); a mixture of experts routes by "

@@ -19,8 +19,10 @@ from torch.overrides import TorchFunctionMode
 from autopar.errors import UsageError
 from passes.compat import TorchDispatchMode, custom_op_body, is_fake, pytree, static_pipeline_warmup, storage_key
 from passes.cost.profile import ATTENTION as _ATTENTION
+from passes.nodes import source_line
+from passes.ops.comm import current_tag
 
-__all__ = ["Collective", "EagerOps", "Recorder", "train_step"]
+__all__ = ["Collective", "EagerOps", "Recorder", "model_lines", "train_step"]
 
 # the ProcessGroup methods torch.distributed's functions call (torch 2.13), each recorded as it is called
 _METHODS = ("broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgather", "allgather_coalesced",
@@ -34,7 +36,8 @@ _OWN = (os.sep + "autopar" + os.sep, os.sep + "passes" + os.sep)
 class Collective:
     """One call a process group received: `op` (the ProcessGroup method), `group` (its global ranks),
     `shapes` and `dtype` of its tensors, `peer` (a broadcast's or reduce's root, a send's destination or
-    a receive's source, as a global rank; None otherwise), `where` (autopar's line that issued it)."""
+    a receive's source, as a global rank; None otherwise), `where` (autopar's line that issued it),
+    `node` (the graph node or other CommLog tag it was issued for)."""
 
     op: str
     group: tuple
@@ -42,6 +45,7 @@ class Collective:
     dtype: str
     peer: int | None
     where: str
+    node: str = ""  # the CommLog tag it was issued under: the graph node ('linear_3'), 'pp:send', ...
 
     def key(self, shapes: bool = True) -> tuple:
         """What the members of a group must agree on: op, dtype, root and shapes; shapes not for an object
@@ -52,7 +56,8 @@ class Collective:
 
     def __str__(self) -> str:
         peer = f" root/peer {self.peer}" if self.peer is not None else ""
-        return f"{self.op}{list(self.shapes)} {self.dtype}{peer} (from {self.where})"
+        node = f" for {self.node}" if self.node else ""
+        return f"{self.op}{list(self.shapes)} {self.dtype}{peer} (from {self.where}{node})"
 
 
 class EagerOps(TorchDispatchMode):
@@ -174,7 +179,7 @@ def _record(name: str, pg, args: tuple) -> tuple:
     elif name in ("send", "recv") and len(args) > 1 and isinstance(args[1], int):
         peer = ranks[args[1]]
     return (Collective(name, ranks, tuple(tuple(t.shape) for t in tensors),
-                       str(tensors[0].dtype) if tensors else "", peer, _caller()),
+                       str(tensors[0].dtype) if tensors else "", peer, _caller(), current_tag() or ""),
             bool(tensors) and is_fake(tensors[0]))
 
 
@@ -293,3 +298,21 @@ def _loss(out) -> torch.Tensor:
     return sum(t.float().mean() for t in floats)
 
 
+def model_lines(pm, calls: list) -> dict:
+    """{CommLog tag of `calls`: the line of the user's model its graph node came from} for the programs of
+    `pm` (each stage's, for pipeline stages); an edge's tag ('a->b') takes its consumer's line, a gradient
+    sync's ('gradsync:x') its node's."""
+    nodes: dict = {}
+    for m in getattr(pm, "stage_modules", [pm]):
+        program = getattr(m, "program", None)
+        for gm in (getattr(program, "gm", None), getattr(getattr(program, "captured", None), "gm", None)):
+            for n in (gm.graph.nodes if gm is not None else ()):
+                nodes.setdefault(n.name, n)
+    out: dict = {}
+    for tag in {c.node for c in calls if c.node}:
+        for name in (tag.split("->")[-1], tag.split("->")[0], tag.split(":")[-1]):
+            line = source_line(nodes[name]) if name in nodes else ""
+            if line:
+                out[tag] = line
+                break
+    return out

@@ -213,7 +213,7 @@ def boundary(src: ModelSource, seq: int, tp: tuple) -> tuple:
     layouts (its hidden state, the attention mask, rotary tables), read as a line in the sequences."""
     key = ("boundary", seq, tuple(tp))
     if key not in src.cache:
-        from passes.search.strategy import boundary_bytes
+        from passes.search.plan_bytes import boundary_bytes
 
         prof = model_profile(src, seq)[0]
         r = rows(tp)
@@ -234,6 +234,7 @@ def tp_bytes(src: ModelSource, seq: int, tp: tuple, assignment: dict | None = No
     if key in src.cache:
         return src.cache[key]
     from passes.cost.model import CostModel
+    from passes.search.plan_bytes import consumed_saved_bytes
     from passes.search.strategy import part_costs
 
     prof = model_profile(src, seq)[0]
@@ -252,7 +253,8 @@ def tp_bytes(src: ModelSource, seq: int, tp: tuple, assignment: dict | None = No
         fixed = tuple(2 * a - b for a, b in zip(*ones))
         n_calls = tuple(round(part_costs(g1, mesh, c, strategy, block, assignment=assignment)[part].time_s)
                         for c in calls)
-        out.append(TPBytes(per, fixed, n_calls))
+        copies = [consumed_saved_bytes(g, mesh, strategy, block if part == 0 else None) for g in (g1, g2)]
+        out.append(TPBytes(per, fixed, n_calls, ((copies[1] - copies[0]) / r, 2 * copies[0] - copies[1])))
     src.cache[key] = tuple(out)
     return src.cache[key]
 

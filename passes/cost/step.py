@@ -94,6 +94,12 @@ class TPBytes:
     per_seq: tuple = (0.0, 0.0)
     fixed: tuple = (0.0, 0.0)
     calls: tuple = (0, 0)
+    saved: tuple = (0.0, 0.0)  # (per sequence, fixed) bytes per rank its products keep beyond saved / tp
+
+    def saved_bytes(self, n: float) -> float:
+        """What the part's products keep for backward beyond its saved bytes split tp ways, for n sequences:
+        the copies they read in another layout (1D's all-gathered inputs; `consumed_saved_bytes`)."""
+        return self.saved[0] * n + self.saved[1]
 
     def bytes(self, n: float) -> tuple:
         return tuple(p * n + f for p, f in zip(self.per_seq, self.fixed))
@@ -287,12 +293,13 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     exposed = {"tp " + tp_link: tp_exposed, "dp " + dp_link: dp_exposed,
                "pp": pp_s}
     comm = {"tp " + tp_link: tp_total, "dp " + dp_link: fsdp_s + ddp_s, "pp": pp_s}
-    memory = _memory(prof, cfg, cl, per_rank, n, stage_params)
+    memory = _memory(prof, cfg, cl, per_rank, n, stage_params, tp_block, tp_outer)
     return StepCost(step, tokens / step / devices, model_flops / step / devices / cl.peak_flops, compute_s,
                     bubble_s, exposed, comm, memory)
 
 
-def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, n: float, stage_params: float) -> dict:
+def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, n: float, stage_params: float,
+            tp_block: TPBytes, tp_outer: TPBytes) -> dict:
     """Bytes per GPU at the step's peak, by category (see the module docstring)."""
     held, grad_b, copy_b = PRECISIONS[cfg.precision]
     weight_b = copy_b or held - 8  # what a gathered parameter takes: the compute copy, else the weight itself
@@ -307,9 +314,10 @@ def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, n: float, 
         gathered = stage_params * copy_b
     t = cfg.tp_size
     keep = {"none": prof.block.saved, "selective": prof.block.sac_saved, "full": prof.block.input_bytes}
-    per_mb = keep[cfg.recompute] * n / t * per_rank  # one micro-batch's saved activations on this rank
-    rebuilt = prof.block.saved * n / t if cfg.recompute != "none" else 0.0  # one block rebuilt in backward
-    head = prof.outer.saved * n / t
+    copies = tp_block.saved_bytes(n) if cfg.recompute != "full" else 0.0  # gathered inputs the products keep
+    per_mb = (keep[cfg.recompute] * n / t + copies) * per_rank  # one micro-batch's saved activations on this rank
+    rebuilt = (prof.block.saved * n / t + tp_block.saved_bytes(n)) if cfg.recompute != "none" else 0.0
+    head = prof.outer.saved * n / t + tp_outer.saved_bytes(n)
     temporaries = 2 * prof.outer.largest_output * n / t  # the loss's fp32 logits and their gradient
     if cfg.pp == 1:
         activations, temps = per_mb + head, temporaries

@@ -24,9 +24,19 @@ from passes.errors import CollectiveError
 
 
 
+_TAGS: list = []  # the tags of the collectives being issued now, innermost last (`current_tag`)
+
+
+def current_tag() -> str | None:
+    """The CommLog tag (the graph node, 'pp:send', 'fsdp:all-gather', ...) of the collective being issued
+    now, for `autopar.dry_run`'s record of where each call came from; None outside one."""
+    return _TAGS[-1] if _TAGS else None
+
+
 @contextlib.contextmanager
 def guarded(grid: Grid, what: str, axis, tag: str):
     """Turn a backend failure into an error that says which collective, where, and what it means."""
+    _TAGS.append(tag)
     try:
         yield
     except CollectiveError:
@@ -41,6 +51,8 @@ def guarded(grid: Grid, what: str, axis, tag: str):
             f"stopped calling the model (ranks must run the same steps); look at the other ranks' logs. "
             f"parallelize(..., timeout=seconds) bounds how long a stuck collective waits."
         ) from e
+    finally:
+        _TAGS.pop()
 
 
 _BACKEND_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "abort", "store")

@@ -54,8 +54,8 @@ from passes.transforms.propagate import Propagation, propagate_node
 from passes.search.recompute_cost import BlockTrade, block_trade
 from passes.errors import MemoryLimitError, SearchWarning
 
-__all__ = ["boundary_bytes", "CostModel", "Estimate", "Choice", "SearchWarning", "Unit", "choose", "apply", "fixed",
-           "block_lowerings",
+__all__ = ["CostModel", "Estimate", "Choice", "SearchWarning", "Unit", "choose", "apply", "fixed", "block_lowerings",
+           "fixed_layouts",
            "estimate_fixed", "estimate_assignment", "fixed_assignment", "find_units", "repeated_blocks",
            "search_groups", "OPTIONS", "EMBED_OPTIONS", "BUDGET_S"]
 
@@ -392,37 +392,11 @@ def part_costs(gm: GraphModule, mesh, cm: CostModel, strategy: str, block: str |
     return one, rest
 
 
-def boundary_bytes(gm: GraphModule, mesh, strategy: str, block: str, options: Options | None = None) -> tuple:
-    """(forward, backward) bytes per rank that cross into repeated block `block` from before it under one fixed
-    `strategy` on `mesh` -- each value the block reads from outside (its hidden state, an attention mask,
-    rotary tables; parameters aside) in the layout its producer leaves it (a partial sum reduce-scattered
-    over its axes), and the gradients of those that need one: what a pipeline stage boundary before this
-    block sends each way per micro-batch."""
-    import torch
-
-    from passes.layout import Partial, local_shape
-    from passes.meta import ROLE
-    from passes.nodes import block_of
-
+def fixed_layouts(gm: GraphModule, mesh, strategy: str, options: Options | None = None) -> tuple:
+    """(an Evaluator of `gm` on `mesh`, each node's layout) under one fixed `strategy`, SUMMA products in the
+    broadcast lowering; the nodes' chosen rules left in their meta (`passes.meta.STRATEGY`)."""
     units = find_units(gm)
     ev = Evaluator(gm, mesh, CostModel((0.0, 0.0), (1.0, 1.0), math.inf, "bytes"), units,
                    DEFAULTS if options is None else options, "broadcast")
     ev._set(fixed_assignment(units, strategy))
-    nodes = list(gm.graph.nodes)
-    layouts = ev._run(nodes)
-    inside = {n for n in nodes if block_of(n) == block}
-    crossing = {a for n in inside for a in n.all_input_nodes
-                if a not in inside and a.op != "get_attr" and a.meta.get(ROLE) not in ("param", "buffer")}
-    fwd = bwd = 0
-    for a in crossing:
-        v = a.meta.get("val")
-        if not isinstance(v, torch.Tensor):
-            continue
-        lay = layouts.get(a)
-        shape = local_shape(tuple(v.shape), lay, ev.mesh, at=(0, 0)) if lay is not None else tuple(v.shape)
-        nbytes = math.prod(shape) * v.element_size()
-        if lay is not None and lay.has_partial:  # a stage's output is never left partial: reduce-scattered
-            nbytes //= math.prod(n for axis, n in enumerate(ev.mesh) if isinstance(lay[axis], Partial))
-        fwd += nbytes
-        bwd += nbytes if a in ev.grads else 0
-    return fwd, bwd
+    return ev, ev._run(list(gm.graph.nodes))
