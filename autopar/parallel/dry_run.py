@@ -307,6 +307,10 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
         fake = any(p.is_meta for p in model.parameters())
     runs, sent = {}, {}
     mode = fake_tensor_mode(allow_real=True) if fake else None  # one for all: their shared captures hold its tensors
+    model = copy.deepcopy(model)  # one copy for all the ranks (parallelize copies weights, it changes no model)
+    if mode is not None:
+        with mode:
+            _fake_parameters(model)
     with progress("dry run", len(chosen)) as bar, shared_captures(mode):
         for rank in chosen:
             runs[rank] = _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, sent,
@@ -325,10 +329,6 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, mode)
 
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
     try:
-        model = copy.deepcopy(model)
-        if mode is not None:
-            with mode:
-                _fake_parameters(model)
         stages = _stages(options.get("pipeline"))
         with Recorder(rank, sent, world // stages if stages > 1 else 0) as rec, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
