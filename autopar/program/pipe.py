@@ -9,6 +9,7 @@ reads and which cross each boundary (a value a later stage reads is relayed by t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, Sched
 from autopar.errors import UsageError
 from autopar.program.build import cache_off_kwargs, signature
 from autopar.program.memo import shared
-from passes.compat import pytree
+from passes.compat import detect_fake_mode, pytree
 from passes.errors import CaptureError
 from passes.nodes import repeated_blocks
 
@@ -187,8 +188,11 @@ def _cut(model: nn.Module, points: tuple, args: tuple, kwargs: dict, n: int):
         seen[i] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (a, o))
 
     hooks = [mod.register_forward_hook(lambda _m, a, o, i=i: keep(i, a, o)) for i, mod in enumerate(subs)]
+    # fake parameters (`autopar.dry_run`): the run inside their mode, so that what it builds from the inputs
+    # alone (an attention mask of batch x seq x seq) is fake too, not allocated
+    fake = detect_fake_mode(list(model.parameters()))
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), fake if fake is not None else contextlib.nullcontext():
             reference = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, pipe(*args, **kwargs))
     finally:
         for h in hooks:
