@@ -37,8 +37,8 @@ their eager bodies, so every collective is issued, counted and recorded as on re
 share one capture of the model (and one pipeline cut): the first rank's is kept and each later one
 gets a copy (`autopar.program.memo`), unless the capture asked for the rank (a model that branches on
 it), which each rank then captures itself. Measured here (2 cores), a Llama-3-70B shape at sequence
-1,024: 64 ranks (8x8, the 8 default ranks) 104 s, 0.7 GB; 512 ranks (8 stages x 4 sharded replicas x
-4x4) 76 s, 3.3 GB; 4,096 ranks (8 x 8 x 8x8) 124 s, 11.4 GB. With `fake=False` each rank computes its
+1,024: 64 ranks (8x8, the 8 default ranks) 96 s, 0.75 GB peak RSS; 512 ranks (8 stages x 4 sharded
+replicas x 4x4) 73 s, 0.7 GB; 4,096 ranks (8 x 8 x 8x8) 95 s, 0.8 GB. With `fake=False` each rank computes its
 share for real (1/p of the model, uninitialised where it was on meta): a mixture of experts needs that,
 its routing reading values. Pipeline stages (`pipeline=`, one stage per rank) run on fake tensors too
 (torch's cut runs the model on them; a micro-batch's share of the loss, counted from its targets' values
