@@ -206,9 +206,9 @@ def train_step(pm, args: tuple, kwargs: dict) -> tuple:
     """One training step: forward, backward of the loss, an AdamW step; (the optimizer, the most bytes the
     step's forward passes held saved for backward at once: the storages autograd keeps, each counted once
     while any tensor saved on it lives, parameters and their views left out (an FSDP2 unit's gathered ones
-    too: the estimate counts them apart); an attention counted as a
-    flash kernel saves it, as the estimate counts it (`passes.cost.profile`): its inputs, its output and
-    the fp32 log-sum-exp per query row and head, not the [s, s] scores or mask this CPU run's kernel keeps)."""
+    too: the estimate counts them apart); an attention counted as a flash kernel saves it, as the estimate
+    counts it (`passes.cost.profile`): its inputs, its output and the fp32 log-sum-exp per query row and
+    head, not the [s, s] scores or mask this CPU run's kernel keeps)."""
     params = {storage_key(p.to_local()) for p in pm.parameters()}
 
     def gathered(module, args) -> None:  # an FSDP2 unit's parameters, gathered whole for its forward
@@ -246,13 +246,15 @@ def train_step(pm, args: tuple, kwargs: dict) -> tuple:
             keep(t)  # a weight (an FSDP unit's gathered one too) is no activation
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attention:
-        if hasattr(pm, "train_step"):  # pipeline stages: the schedule runs forward and backward
-            pm.train_step(*args, **kwargs)
-        else:
-            _loss(pm(*args, **kwargs)).backward()
-    for h in hooks:
-        h.remove()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attention:
+            if hasattr(pm, "train_step"):  # pipeline stages: the schedule runs forward and backward
+                pm.train_step(*args, **kwargs)
+            else:
+                _loss(pm(*args, **kwargs)).backward()
+    finally:
+        for h in hooks:
+            h.remove()
     opt = torch.optim.AdamW(pm.parameters())
     opt.step()
     return opt, held[1]

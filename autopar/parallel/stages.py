@@ -50,14 +50,17 @@ class Stage(PipelineStage):
     them once, after the step's last backward; with reshard_after_forward=False the parameters are gathered
     once per step too. (torch does this for a stage module that is itself the FSDP2 root.) Without it
     each micro-batch gathered the stage's parameters again and reduce-scattered its gradients: with 64
-    micro-batches, 64 times the bytes. `synced`: whether this step's last backward ran with the sync on."""
+    micro-batches, 64 times the bytes. (Zero-bubble schedules, whose backward is split in two, still
+    reduce per micro-batch.) `synced`: whether this step's last backward ran with the sync on."""
 
     synced = True
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         root = self.submod.pm
         if isinstance(root, FSDPModule):
-            last = bool(last_backward) and backward_type != "input"  # the weights' gradients are final
+            # a zero-bubble schedule's split backward (inputs' gradients, then weights'): FSDP2's hooks reduce
+            # after each micro-batch, as before; only a full backward accumulates to the last one
+            last = bool(last_backward) if backward_type == "full" else True
             root.set_is_last_backward(last)
             root.set_requires_gradient_sync(last)
             root.set_reshard_after_backward(last)
