@@ -151,11 +151,10 @@ def dry_run_check(est, model, ranks=None) -> dict:
                                        stages_per_rank=par.interleave)
         if par.dp_shard > 1:
             options["reshard_after_forward"] = False  # a stage kept gathered over its micro-batches, as priced
-    m = src.whole() if src.whole is not None else src.build()[0]
-    inputs = src.build()[1]
+    small, inputs = src.build()
+    m = src.whole() if src.whole is not None else small
     restore_buffers(m)  # parallelize needs the rotary tables' values
-    dtype = next(p.dtype for p in m.parameters())
-    size = torch_dtype_bytes(dtype)
+    size = next(p.dtype for p in m.parameters()).itemsize
     t0 = time.perf_counter()
     rep = dry_run(m, grid, example_kwargs=inputs(est.batch // dp, est.seq), ranks=ranks, fake=True, **options)
     seconds = time.perf_counter() - t0
@@ -187,8 +186,3 @@ def dry_run_check(est, model, ranks=None) -> dict:
                                                                       "DIFFER from the estimate (see compare)"),
             "table": str(rep)}
 
-
-def torch_dtype_bytes(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
