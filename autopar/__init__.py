@@ -18,6 +18,7 @@ _HOME = {
     "plan": "autopar.planning.plan", "Plan": "autopar.planning.plan", "compare_1d": "autopar.planning.plan",
     "choose_grid": "autopar.planning.plan", "choose_pipeline": "autopar.planning.pipeline_plan",
     "CompileWarning": "autopar.errors",
+    "count_host_syncs": "autopar.program.syncs", "flush_checks": "autopar.program.syncs",
     "dry_run": "autopar.parallel.dry_run", "DryRunError": "autopar.parallel.dry_run",
     "estimate": "autopar.planning.estimate", "choose_plan": "autopar.planning.search",
     "max_batch": "autopar.planning.capacity", "AutoparError": "autopar.errors", "AutoparWarning": "autopar.errors",

@@ -91,11 +91,23 @@ set_version_counter = torch._C._autograd._unsafe_set_version_counter
 
 # torch.distributed.all_gather_single / reduce_scatter_single(out, inp, group=...): the single-tensor
 # collectives that 2.13 offers in place of all_gather_into_tensor / reduce_scatter_tensor (deprecated
-# there); pyproject.toml's torch>=2.13 is partly for them. Not in torch's stable API docs. Checked on
-# 2.13.0. If they move or change signature: every all-gather and reduce-scatter autopar inserts
-# (`passes.ops.comm`) fails at run time.
-all_gather_single = dist.all_gather_single
-reduce_scatter_single = dist.reduce_scatter_single
+# there); torch 2.11 and 2.12 have only the older two, which take the same tensors in the same order.
+# Not in torch's stable API docs. Checked on 2.11.0 and 2.13.0. If they move or change signature: every
+# all-gather and reduce-scatter autopar inserts (`passes.ops.comm`) fails at run time.
+if hasattr(dist, "all_gather_single"):
+    all_gather_single = dist.all_gather_single
+    reduce_scatter_single = dist.reduce_scatter_single
+else:  # torch 2.11, 2.12
+
+    def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+        """`dist.all_gather_into_tensor` under 2.13's name: `output_tensor` is `input_tensor` of every rank of
+        `group`, concatenated along dim 0."""
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: A002
+        """`dist.reduce_scatter_tensor` under 2.13's name: `output` is this rank's dim-0 slice of `input`
+        reduced over `group`."""
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
 def call_spec(ep) -> tuple:

@@ -185,6 +185,10 @@ class Options:
         True, "check on every call that the ranks of a grid got the same inputs (one all-reduce of 4 int64)",
         choices=(True, False),
         expected="True (compare every call's inputs across the ranks of a grid) or False")
+    checks: str = option(
+        "auto", "when a run-time check's verdict (inputs agree, ids and targets in range) is read: 'now' (a "
+        "device-to-host sync each), 'late' (at the next call, no sync), 'auto' (now on the CPU, late elsewhere)",
+        choices=("auto", "now", "late"))
     timeout: float | None = option(
         None, "how long every collective of a step waits for its peers before raising a CollectiveError",
         check=lambda v: v is None or (_number(v) and v > 0),

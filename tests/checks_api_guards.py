@@ -202,3 +202,29 @@ def replicas_with_timeout(rank):
     errs = {"norm": excess(total, want, RTOL, 0.0)}
     errs.update({n: excess(p.grad.full_tensor(), params[n].grad, RTOL, atol) for n, p in pm.named_parameters()})
     return errs
+
+
+def host_syncs(rank):
+    """Host syncs per step of a 2x2 TinyGPT (forward with its loss, backward), counted as
+    `autopar.count_host_syncs` counts them, with checks='now' and 'late'; and the errors a late check
+    raises at the next call (an id outside the table, a target outside the vocabulary, a rank's own batch)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=1)
+    ids, tgt = _data(cfg, 4, 8)
+    out = {}
+    for checks in ("now", "late"):
+        pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), checks=checks)
+        counts = []
+        for _ in range(2):
+            with autopar.count_host_syncs() as syncs:
+                pm(ids, tgt)[1].backward()
+            counts.append((syncs.total, dict(syncs.sites)))
+        out[checks] = counts
+    bad_id, bad_tgt = ids.clone(), tgt.clone()
+    bad_id[1, 2] = cfg.vocab_size + 3
+    bad_tgt[2, 5] = -7
+    out["late id"] = (_err(lambda: pm(bad_id, tgt)), _err(lambda: pm(ids, tgt)), _err(lambda: pm(ids, tgt)))
+    out["late target"] = (_err(lambda: pm(ids, bad_tgt)), _err(autopar.flush_checks))
+    own = _data(cfg, 4, 8, seed=100 + rank)
+    out["late own batch"] = (_err(lambda: pm(*own)), _err(lambda: pm(ids, tgt)))
+    return out

@@ -49,6 +49,31 @@ def test_check_inputs_compares_bytes(pool4):
         assert kind == "UsageError" and "input 0 is torch.int64" in msg and "torch.float32" in msg, (rank, msg)
 
 
+def test_no_host_sync_in_a_step_with_late_checks(pool4):
+    """Every call read its checks' verdicts on the host (check_inputs 2 reads, each vocab-split table's id
+    range 2, the cross-entropy targets 1): on a GPU each read stalls the queue. With checks='late' (the
+    default on accelerators) a 2x2 step reads nothing; with 'now' one read per check (4: inputs, two
+    tables, targets). A late verdict raises at the next call, on every rank, naming it as the previous
+    call's, and the call after that runs."""
+    res = pool4.run(C.host_syncs)
+    for rank, r in enumerate(res):
+        assert r["late"] == [(0, {}), (0, {})], (rank, r["late"])
+        for total, sites in r["now"]:
+            assert total == 4 and sum(sites.values()) == 4, (rank, sites)
+            assert sum(n for s, n in sites.items() if s.startswith("inputs.py")) == 1, (rank, sites)
+        first, second, third = r["late id"]
+        assert first == (None, "") and third == (None, ""), (rank, r["late id"])
+        assert second[0] == "IndexRangeError" and "id 67 is outside [0, 64)" in second[1], (rank, second)
+        assert "previous call's check" in second[1], (rank, second)
+        first, flushed = r["late target"]
+        assert first == (None, "") and flushed[0] == "IndexRangeError", (rank, r["late target"])
+        assert ("target -7 is outside [0, 64)" if rank // 2 == 1 else "1 target(s) outside [0, 64)") in flushed[1], \
+            (rank, flushed)
+        first, second = r["late own batch"]
+        assert first == (None, "") and second[0] == "UsageError", (rank, r["late own batch"])
+        assert "were passed different inputs (values)" in second[1] and "checks='now'" in second[1], (rank, second)
+
+
 def test_full_state_dict_and_clipping(pool4):
     """pm.load_state_dict with plain full tensors failed with DTensor's 'mixed Tensor and DTensor';
     pm.clip_grad_norm_ must match torch's on one process for the 2-, inf- and 1-norm (each block

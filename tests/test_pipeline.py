@@ -216,8 +216,8 @@ def test_a_loss_whose_shares_cannot_be_read_is_refused():
     labels[0, 2:] = -100  # counts 1 after the shift, the others 5
     feeds = [{"labels": lb} for lb in labels.chunk(2)]
     plain, aux = share("plain"), share("aux")
-    assert plain.weights(feeds) == [6 / 16, 10 / 16] and plain.others == ()
-    assert aux.weights(feeds) == [6 / 16, 10 / 16] and len(aux.others) == 1 and "mean" in aux.others[0], aux
+    assert plain.weights(feeds).tolist() == [6 / 16, 10 / 16] and plain.others == ()
+    assert aux.weights(feeds).tolist() == [6 / 16, 10 / 16] and len(aux.others) == 1 and "mean" in aux.others[0], aux
     with pytest.raises(UsageError, match=r"cannot tell how the micro-batches' losses add up.*two losses that each "
                                          r"count their own targets.*loss_fn=fn"):
         share("second")

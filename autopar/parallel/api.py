@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 strategy: str = DEFAULTS.strategy, cost_model: object = DEFAULTS.cost_model,
                 memory_limit: float | str | None = DEFAULTS.memory_limit,
                 search_budget: float | None = DEFAULTS.search_budget, check_inputs: bool = DEFAULTS.check_inputs,
-                timeout: float | None = DEFAULTS.timeout, compile: bool = DEFAULTS.compile,
+                checks: str = DEFAULTS.checks, timeout: float | None = DEFAULTS.timeout, compile: bool = DEFAULTS.compile,
                 recompute: str | bool | None = DEFAULTS.recompute, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
                 moe_dispatch: str = DEFAULTS.moe_dispatch,
                 data_parallel: str = DEFAULTS.data_parallel,
@@ -117,6 +117,12 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             dtypes and a checksum of the values; one all-reduce of four int64 per call). On by default:
             every rank of a grid computes on the same batch, so a rank that draws its own (as under
             DDP) raises instead of training on a mix. False compares only the shapes and dtypes.
+        checks: when the verdicts of the run-time checks (the inputs agree; ids and cross-entropy targets lie
+            in their tables; a pipeline's micro-batches each count a target) are read on the host. 'now': at
+            once, by the call that failed (a device-to-host sync per check); 'late': copied to the host
+            without waiting and read by the next call, which raises the error (no sync in the step);
+            'auto' (default): 'now' on the CPU, where reading waits for nothing, 'late' on accelerators.
+            After the last step, `autopar.flush_checks()` reads what is pending.
         compile: run each rank's program under torch.compile (inductor), compiled on the first call of
             each input signature; the collectives run between the compiled regions. The same as calling
             torch.compile(pmodel). A program torch.compile cannot compile runs eagerly, with one
@@ -162,7 +168,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     """
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
-                      search_budget=search_budget, check_inputs=check_inputs, timeout=timeout,
+                      search_budget=search_budget, check_inputs=check_inputs, checks=checks, timeout=timeout,
                       compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
                       moe_dispatch=moe_dispatch, data_parallel=data_parallel,
                       reshard_after_forward=reshard_after_forward, fsdp_prefetch=fsdp_prefetch)

@@ -21,6 +21,7 @@ from autopar.program.guards import bit_sum, fingerprint, position_checksum
 from passes import Grid
 from passes.compat import is_fake, pytree, real_tensors
 from passes.ops import comm
+from passes.ops.verdicts import VERDICTS
 
 __all__ = ["RankStateDict", "check_inputs", "input_names"]
 
@@ -84,17 +85,20 @@ def input_names(comp: Compiled, args, kwargs) -> list[str]:
     return names
 
 
-def check_inputs(grid: Grid, flat: list, device, names, values: bool) -> None:
+def check_inputs(grid: Grid, flat: list, device, names, options) -> None:
     """The inputs of one call: on this rank's device, and the same on every rank of the grid (shapes and
-    dtypes always; values too when `values`, the check_inputs option). `names()`: the user's name of
-    each input, for the errors."""
+    dtypes always; values too with the check_inputs option). `names()`: the user's name of each input,
+    for the errors. First the verdicts the previous call left to be read (the `checks` option:
+    `passes.ops.verdicts`) are read, raising the error of one that failed."""
+    VERDICTS.mode = options.checks
+    VERDICTS.poll()
     for i, t in enumerate(flat):
         if isinstance(t, torch.Tensor) and t.device != device:
             raise UsageError(
                 f"{names()[i]} (shape {tuple(t.shape)}) is on {t.device}, but this rank's parameter blocks are "
                 f"on {device}; pass every input on {device} (the model was parallelized with inputs there)"
             )
-    _same_everywhere(grid, flat, device, names, values)
+    _same_everywhere(grid, flat, device, names, options.check_inputs)
 
 
 def _same_everywhere(grid: Grid, flat: list, device, names, values_too: bool) -> None:
@@ -119,10 +123,17 @@ def _same_everywhere(grid: Grid, flat: list, device, names, values_too: bool) ->
                 values = values + position_checksum(t) * (2 * i + 3)
     both = torch.stack([torch.tensor(digest, dtype=torch.int64, device=device), values])
     both = torch.cat([both, -both])
-    mine = both.tolist()
+    mine = both.clone()
     with comm.guarded(grid, "check_inputs all-reduce", "grid", "check_inputs"):
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=grid.world_group)
-    agreed = both.tolist()
+    if not VERDICTS.now(device):  # read at the next call: the inputs are gone by then, so no names
+        return VERDICTS.check(torch.cat([mine, both]), lambda v: v[:4] == v[4:], lambda v: UsageError(
+            f"check_inputs: the ranks of this grid were passed different inputs "
+            f"({'values' if v[0] == v[4] and v[2] == v[6] else 'shapes or dtypes'}): every rank of a grid computes "
+            f"on the same batch; pass the same inputs on all {grid.world} ranks. Run with checks='now' to "
+            f"have the call itself name the input and the ranks"))
+    got = torch.cat([mine, both]).tolist()  # one read of both: this rank's and the grid's maxima
+    mine, agreed = got[:4], got[4:]
     if agreed == mine:
         return
     base = grid.base

@@ -376,7 +376,7 @@ class ParallelModule(nn.Module):
         self._validate_inputs(flat, comp, lambda: input_names(comp, args, kwargs))
 
     def _validate_inputs(self, flat, comp, names) -> None:
-        check_call_inputs(self.grid, flat, comp.captured.device, names, self._options.check_inputs)
+        check_call_inputs(self.grid, flat, comp.captured.device, names, self._options)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As nn.Module's, and also from plain full tensors (a single-process model's state_dict, the

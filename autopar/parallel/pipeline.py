@@ -234,7 +234,7 @@ class PipelineModule(nn.Module):
                                  "micro-batch's mean loss (or pass labels= to a transformers model)")
             def fn(output, weight):  # weight: this micro-batch's (the target is the weights, one per micro-batch)
                 return (output * weight.reshape(())).to(output.dtype)
-            target = torch.tensor(_weights(variant, kwargs, m), dtype=torch.float64)
+            target = _weights(variant, kwargs, m)  # float64 [m] on the device: no host read
         else:
             def fn(output, tgt):
                 return loss_fn(output, tgt) / m
@@ -247,7 +247,8 @@ class PipelineModule(nn.Module):
         self._tied.sum_gradients(self.stage_modules)  # a weight tied across stages: its copies' gradients add
         if self.grid.dp > 1 and not self.sharded:
             average_over_replicas(self.stage_modules, self.grid, self.stage_module.options.grad_bucket_mb)
-        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else \
+            torch.zeros((), device=self._setup[2])  # on the device: NCCL refuses a CPU tensor
         with guarded(self.grid, "broadcast of the loss from the last stage", "pp", "train_step"):
             dist.broadcast(loss, src=self._last_rank(), group=self.grid.pp_group)
         return loss
@@ -291,9 +292,9 @@ class PipelineModule(nn.Module):
                 wait(work, self.grid, "send to the next stage", "pp", "eval forward")
         ref = pytree.tree_leaves(variant.reference)
         if per:
-            weights = _weights(variant, kwargs, m) if isinstance(variant.share, LossShare) else [1 / m] * m
-            leaves = [sum(w * p[j] for w, p in zip(weights, per)) if r.dim() == 0 else torch.cat([p[j] for p in per])
-                      for j, r in enumerate(ref)]
+            weights = _weights(variant, kwargs, m).unbind() if isinstance(variant.share, LossShare) else [1 / m] * m
+            leaves = [sum((w * p[j]).to(p[j].dtype) for w, p in zip(weights, per)) if r.dim() == 0 else
+                      torch.cat([p[j] for p in per]) for j, r in enumerate(ref)]
         else:
             leaves = [torch.empty((r.shape[0] * m, *r.shape[1:]) if r.dim() else (), dtype=r.dtype,
                                   device=r.device) for r in ref]

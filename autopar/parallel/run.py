@@ -16,6 +16,7 @@ from autopar.program.build import Compiled
 from passes.compat import dynamo_counts, real_tensors
 from passes.mesh import warn
 from passes.ops import comm
+from passes.ops.verdicts import mark_host
 from passes.ops.grad_buckets import StepBuckets, with_arrivals
 from passes.ops.library import INDUCTOR_OPTIONS
 
@@ -89,7 +90,7 @@ class Runner:
         generator (equal on ranks seeded alike, so the user's RNG advances the same everywhere) seeds
         this rank's stream."""
         with real_tensors():  # a draw on the host's generator, real even inside a dry run's fake tensors
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+            seed = int(mark_host(torch.randint(0, 2**62, (1,))).item())  # the CPU generator's: no device sync
         devices = [comp.captured.device] if comp.captured.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((seed + 1_000_003 * (rank + 1)) % 2**63)

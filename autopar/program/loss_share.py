@@ -12,7 +12,7 @@ copies the few nodes that compute its target from the model's inputs into a smal
 counts the targets of one micro-batch:
 
     share = loss_share(last_stage_gm, loss_index=0, inputs=["input_ids", "labels"])
-    share.weights([{"labels": lb} for lb in labels.chunk(4)])   # e.g. [0.25, 0.3125, 0.1875, 0.25]
+    share.weights([{"labels": lb} for lb in labels.chunk(4)])   # e.g. tensor([0.25, 0.3125, 0.1875, 0.25])
 
 (tests/test_pipeline.py runs it on a cut model).
 
@@ -33,6 +33,7 @@ import torch.fx as fx
 from autopar.errors import UsageError
 from passes.compat import is_fake, pytree
 from passes.nodes import source_line
+from passes.ops.verdicts import VERDICTS
 
 __all__ = ["LossShare", "loss_leaf", "loss_share"]
 
@@ -75,32 +76,46 @@ class LossShare:
     what: str = ""  # the loss, for messages ('cross_entropy_loss at model.py:12: ...')
     others: tuple = ()  # terms added to a counted loss and weighed by its counts (an auxiliary loss)
 
-    def counts(self, feeds: list) -> list:
-        """Each micro-batch's count (`feeds`: one dict of model inputs by name per micro-batch)."""
+    def counts(self, feeds: list) -> torch.Tensor:
+        """Each micro-batch's count, an int64 tensor [M] on the inputs' device (`feeds`: one dict of model
+        inputs by name per micro-batch); never read on the host."""
+        device = _device(feeds)
         if self.kind != "targets":
-            return [1] * len(feeds)
+            return torch.ones(len(feeds), dtype=torch.int64, device=device)
         given = [[feed[k] for k in self.inputs] for feed in feeds]
         if any(is_fake(t) for args in given for t in args if isinstance(t, torch.Tensor)):
-            return [1] * len(feeds)  # a step on fake tensors (`autopar.dry_run`): no values to count, equal shares
-        return [int(self.program(*args)) for args in given]
+            # a step on fake tensors (`autopar.dry_run`): no values to count, equal shares
+            return torch.ones(len(feeds), dtype=torch.int64, device=device)
+        return torch.stack([self.program(*args).reshape(()).to(torch.int64) for args in given])
 
-    def weights(self, feeds: list) -> list:
-        """Each micro-batch's weight: its mean loss times it, summed, is the batch's loss."""
-        m = len(feeds)
+    def weights(self, feeds: list) -> torch.Tensor:
+        """Each micro-batch's weight (float64 [M] on the inputs' device): its mean loss times it, summed, is the
+        batch's loss. A batch or micro-batch that counts no target (0/0) is refused by a verdict read when the
+        `checks` option says (`passes.ops.verdicts`): at once on the CPU, at the next call on an accelerator."""
+        m, device = len(feeds), _device(feeds)
         if self.kind == "sum":
-            return [1.0] * m
+            return torch.ones(m, dtype=torch.float64, device=device)
         if self.kind == "elements":
-            return [1 / m] * m
+            return torch.full((m,), 1 / m, dtype=torch.float64, device=device)
         counts = self.counts(feeds)
-        total = sum(counts)
-        if total == 0:
-            raise UsageError(f"train_step: the loss ({self.what}) counts no target in this batch (every one is "
-                             f"ignore_index), so it is 0/0; pass a batch with at least one counted target")
-        if 0 in counts:  # its own mean loss is 0/0: NaN in the sum, though one process's loss is defined
-            raise UsageError(f"train_step: micro-batch {counts.index(0)} of {m} counts no target in the loss "
-                             f"({self.what}: every one is ignore_index); order or pad the batch so that each "
-                             f"micro-batch counts one, or use fewer micro-batches")
-        return [c / total for c in counts]
+        VERDICTS.check(counts, lambda c: 0 not in c, self._empty)
+        return counts.double() / counts.sum().clamp(min=1)
+
+    def _empty(self, counts: list) -> UsageError:
+        m = len(counts)
+        if sum(counts) == 0:
+            return UsageError(f"train_step: the loss ({self.what}) counts no target in this batch (every one is "
+                              f"ignore_index), so it is 0/0; pass a batch with at least one counted target")
+        # its own mean loss is 0/0: NaN in the sum, though one process's loss is defined
+        return UsageError(f"train_step: micro-batch {counts.index(0)} of {m} counts no target in the loss "
+                          f"({self.what}: every one is ignore_index); order or pad the batch so that each "
+                          f"micro-batch counts one, or use fewer micro-batches")
+
+
+def _device(feeds: list) -> torch.device:
+    """The device of the first tensor among the micro-batches' inputs (the CPU when there is none)."""
+    return next((t.device for feed in feeds for t in feed.values() if isinstance(t, torch.Tensor)),
+                torch.device("cpu"))
 
 
 def loss_share(gm: fx.GraphModule, loss_index: int, inputs: list) -> LossShare:

@@ -7,7 +7,9 @@ every rank whole (replicated), so each rank checks them itself and every rank ra
 with no communication. Cross-entropy targets arrive in row blocks: each rank counts the targets of
 its block outside [0, V) (ignore_index aside), the count travels in the loss's existing (loss,
 tokens) all-reduce over the mesh rows, and every rank reads it; only when it is not zero does one
-more all-reduce bring every rank the smallest and largest offending values, for the message.
+more all-reduce bring every rank the smallest and largest offending values, for the message. Each
+verdict is read when the `checks` option says (`passes.ops.verdicts`): at once on the CPU, at the next
+call on an accelerator (no host sync in the step; the message then names this rank's offending values).
 
 >>> import torch
 >>> check_ids(torch.tensor([[0, 5]]), 6, "the table 'wte' (6 rows)")
@@ -25,6 +27,7 @@ import torch
 from passes.errors import IndexRangeError
 from passes.mesh import Grid
 from passes.ops import comm
+from passes.ops.verdicts import VERDICTS
 
 _HINT = {
     "id": "An id must lie in [0, num_embeddings) of the table it looks up: check the tokenizer's vocabulary "
@@ -35,23 +38,26 @@ _HINT = {
 }
 
 
-def _raise(kind: str, lo: int, hi: int, size: int, where: str, ignore: int | None) -> None:
+def _error(kind: str, lo: int, hi: int, size: int, where: str, ignore: int | None) -> IndexRangeError:
     bad = lo if lo < 0 else hi
     others = f" (values seen from {lo} to {hi})" if lo != hi and lo < 0 and hi >= size else ""
     ign = f", or ignore_index {ignore}" if ignore is not None else ""
-    raise IndexRangeError(
+    return IndexRangeError(
         f"{kind} {bad} is outside [0, {size}){ign} at {where}{others}; one process raises IndexError "
         f"here, and autopar does on every rank. {_HINT[kind]}")
 
 
+def _raise(kind: str, lo: int, hi: int, size: int, where: str, ignore: int | None) -> None:
+    raise _error(kind, lo, hi, size, where, ignore)
+
+
 def check_ids(ids: torch.Tensor, size: int, where: str) -> None:
-    """Raise IndexRangeError naming the value and range unless every id lies in [0, size)."""
+    """Raise IndexRangeError naming the value and range unless every id lies in [0, size) (at once, or
+    at the next call: `passes.ops.verdicts`)."""
     if ids.numel() == 0:
         return
-    lo, hi = torch.aminmax(ids)
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= size:
-        _raise("id", lo, hi, size, where, None)
+    ends = torch.stack(torch.aminmax(ids.reshape(-1)))
+    VERDICTS.check(ends, lambda e: 0 <= e[0] and e[1] < size, lambda e: _error("id", e[0], e[1], size, where, None))
 
 
 def out_of_range(target: torch.Tensor, size: int, ignore: int) -> torch.Tensor:
@@ -63,7 +69,9 @@ def check_targets(grid: Grid, axis: int, target: torch.Tensor, size: int, ignore
                   tag: str, where: str) -> None:
     """Raise IndexRangeError on every rank when `count` (the out-of-range targets summed over mesh
     `axis`, -1: this rank's alone) is not zero; the values for the message are gathered over `axis`
-    only then."""
+    only then (read at once), or this rank's own (read at the next call: `passes.ops.verdicts`)."""
+    if not VERDICTS.now(count.device):
+        return _check_targets_late(target, size, ignore, count, where)
     if int(count) == 0:
         return
     bad = target[(target != ignore) & ((target < 0) | (target >= size))].double()
@@ -71,3 +79,22 @@ def check_targets(grid: Grid, axis: int, target: torch.Tensor, size: int, ignore
     if axis >= 0 and grid.size(axis) > 1:
         ends = comm.run_all_reduce(grid, axis, ends.to(target.device), tag, "fwd", op="max")
     _raise("target", int(-ends[0]), int(ends[1]), size, where, ignore)
+
+
+def _check_targets_late(target: torch.Tensor, size: int, ignore: int, count: torch.Tensor, where: str) -> None:
+    """check_targets with its verdict read at the next call: the count and this rank's smallest and largest
+    offending targets, computed on the device without a host read (a boolean index would be one)."""
+    bad = (target != ignore) & ((target < 0) | (target >= size))
+    t = target.to(torch.int64)
+    big = torch.iinfo(torch.int64).max
+    lo = torch.where(bad, t, big).min() if t.numel() else torch.full((), big, device=t.device)
+    hi = torch.where(bad, t, -big).max() if t.numel() else torch.full((), -big, device=t.device)
+    seen = torch.stack([count.to(torch.int64), lo, hi])
+
+    def error(got: list) -> IndexRangeError:
+        if got[1] <= got[2]:  # this rank's rows hold offending targets
+            return _error("target", got[1], got[2], size, where, ignore)
+        return IndexRangeError(f"{got[0]} target(s) outside [0, {size}) (ignore_index {ignore} aside) at {where}, in "
+                               f"rows other ranks hold; one process raises IndexError here. {_HINT['target']}")
+
+    VERDICTS.check(seen, lambda got: got[0] == 0, error)
