@@ -188,6 +188,14 @@ class Grid:
         else:
             self._adopt(self._process_groups())
 
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors this grid's collectives move live: the current device of an accelerator
+        (NCCL's, set by torch.cuda.set_device), else the device type's."""
+        if self.device_type not in ("cpu", "meta") and torch.accelerator.is_available():
+            return torch.device(self.device_type, torch.accelerator.current_device_index())
+        return torch.device(self.device_type)
+
     def _process_groups(self) -> "_Groups":
         """The process groups and DeviceMesh of this grid's shape, built once per shape, replica count,
         device type and timeout under the current default group, then shared by every Grid of that

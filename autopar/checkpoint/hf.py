@@ -42,10 +42,10 @@ def meta_init():
         yield
 
 
-def restore_buffers(model: nn.Module) -> None:
+def restore_buffers(model: nn.Module, device="cpu") -> None:
     """Recompute the meta buffers of a transformers model the way transformers' own loading does:
-    allocate them on the CPU and run the model's `_init_weights` on their module (on a module's meta
-    parameters that is a no-op)."""
+    allocate them on `device` (where the model will run: its example inputs') and run the model's
+    `_init_weights` on their module (on a module's meta parameters that is a no-op)."""
     init = getattr(model, "_init_weights", None)
     for module in model.modules():
         metas = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
@@ -55,7 +55,7 @@ def restore_buffers(model: nn.Module) -> None:
             raise UsageError(f"buffers {metas} of {type(module).__name__} are on the meta device and "
                              f"{type(model).__name__} has no _init_weights to recompute them")
         for n in metas:
-            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+            module._buffers[n] = torch.empty_like(module._buffers[n], device=device)
         with torch.no_grad():
             init(module)
 

@@ -27,6 +27,7 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
 
     from autopar.parallel.api import parallelize
     from autopar.program.build import check_example_inputs
+    from autopar.program.device import model_device
 
     config = transformers.AutoConfig.from_pretrained(path)
     if model_class is None:
@@ -37,7 +38,7 @@ def from_pretrained(path: str, grid=(2, 2), example_inputs=(), example_kwargs=No
         model_class = getattr(transformers, archs[0])
     with meta_init():
         model = model_class(config)
-    restore_buffers(model)
+    restore_buffers(model, model_device(model, example_inputs, example_kwargs))  # the rotary tables: where it runs
     if adapter is not None:
         model = adapters.wrap(model, os.fspath(adapter))
     check_example_inputs(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),

@@ -133,8 +133,8 @@ class Remote:
     """A tensor another pipeline rank holds (`pipeline_tensors`): gathered there over its grid and sent
     whole to rank 0 by that rank's first process."""
 
-    def __init__(self, owner: int, shape: tuple, dtype):
-        self.owner, self.shape, self.dtype = owner, shape, dtype
+    def __init__(self, owner: int, shape: tuple, dtype, device):
+        self.owner, self.shape, self.dtype, self.device = owner, shape, dtype, device
         self.numel_ = math.prod(shape)
 
     def numel(self) -> int:
@@ -144,7 +144,7 @@ class Remote:
         return torch.empty((), dtype=self.dtype).element_size()
 
     def receive(self):
-        out = torch.empty(self.shape, dtype=self.dtype)
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)  # the grid's device (NCCL: the GPU)
         dist.recv(out, src=self.owner)
         return out
 
@@ -153,7 +153,7 @@ def _send_to_rank0(grid, whole) -> None:
     """A pipeline stage's first process sends what its grid gathered to rank 0 (which writes)."""
     stage = getattr(grid, "stage", 0)
     if stage and grid.rank == stage * grid.dp * grid.world:
-        dist.send(whole.detach().cpu().contiguous(), dst=0)
+        dist.send(whole.detach().contiguous(), dst=0)  # where the grid gathered it (NCCL: the GPU)
 
 
 def pipeline_tensors(pmodel) -> dict:
@@ -181,7 +181,7 @@ def pipeline_tensors(pmodel) -> dict:
             out[n] = mine[found]
         else:
             t = full[n]
-            out[n] = Remote(p * grid.dp * grid.world, tuple(t.shape), t.dtype)
+            out[n] = Remote(p * grid.dp * grid.world, tuple(t.shape), t.dtype, grid.device)
     return out
 
 

@@ -15,7 +15,8 @@ from autopar.planning.grids import check_cube, check_device_count
 from autopar.parallel.pipeline import pipeline_parallelize
 from autopar.program.pipe import Pipeline
 from autopar.parallel.sharded import shard_replicas
-from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program, input_device
+from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program
+from autopar.program.device import check_device, model_device
 from autopar.program.guards import agree_on_options, agree_on_plan
 from passes import Grid
 from passes.mesh import Cube
@@ -52,7 +53,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 strategy: str = DEFAULTS.strategy, cost_model: object = DEFAULTS.cost_model,
                 memory_limit: float | str | None = DEFAULTS.memory_limit,
                 search_budget: float | None = DEFAULTS.search_budget, check_inputs: bool = DEFAULTS.check_inputs,
-                checks: str = DEFAULTS.checks, timeout: float | None = DEFAULTS.timeout, compile: bool = DEFAULTS.compile,
+                checks: str = DEFAULTS.checks, timeout: float | None = DEFAULTS.timeout,
+                compile: bool = DEFAULTS.compile,
                 recompute: str | bool | None = DEFAULTS.recompute, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
                 moe_dispatch: str = DEFAULTS.moe_dispatch,
                 data_parallel: str = DEFAULTS.data_parallel,
@@ -195,7 +197,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group "
             "(backend 'gloo' on CPU, 'nccl' on GPUs) on every rank first, or use autopar.launch.spawn"
         )
-    device = input_device(example_inputs, example_kwargs)  # the mesh lives where the inputs do
+    device = model_device(model, example_inputs, example_kwargs)  # the parameters' (a meta model: the inputs')
+    check_device(device)  # before the first object collective: NCCL stages it on the current device
     if isinstance(pipeline, int) and not isinstance(pipeline, bool):
         pipeline = Pipeline(stages=pipeline)
     if pipeline is not None and not isinstance(pipeline, Pipeline):

@@ -23,7 +23,7 @@ def clip_grad_norm(pmodel, max_norm: float, norm_type: float = 2.0, sharded: boo
     params = [p for p in pmodel.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     if not grads:
-        return torch.tensor(0.0)
+        return torch.zeros((), device=grid.device)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     counted = [_counts_here(grid, g) and id(p) not in uncounted for p, g in zip(params, grads)]
     # sharded replicas hold different pieces of every gradient: the norm sums over all dp*R*C ranks

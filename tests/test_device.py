@@ -1,0 +1,43 @@
+"""The device rules of a parallelized model (autopar.program.device), checked on one process: the device
+comes from the parameters, not the example inputs; NCCL gets only CUDA models on the current device."""
+
+import pytest
+import torch
+
+from autopar.errors import UsageError
+from autopar.program.device import check_backend, model_device
+
+
+def test_the_device_is_the_parameters():
+    """The mesh used to take the example inputs' device: CPU example inputs with a CUDA model built a
+    CPU mesh and moved the parameters to the CPU. Now the parameters decide; inputs elsewhere are refused."""
+    lin = torch.nn.Linear(4, 4)
+    assert model_device(lin, (torch.ones(2, 4),), {}) == torch.device("cpu")
+    with pytest.raises(UsageError, match=r"example inputs are on meta but the model's parameters on cpu: pass the "
+                                         r"example inputs \(and every later call's\) on cpu"):
+        model_device(lin, (torch.ones(2, 4, device="meta"),), {})
+    # a model built on the meta device (to be loaded) runs where its inputs are
+    meta = torch.nn.Linear(4, 4, device="meta")
+    assert model_device(meta, (), {"x": torch.ones(2, 4)}) == torch.device("cpu")
+    assert model_device(torch.nn.ReLU(), (), {}) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("device, backend, current, local_rank, gpus, message", [
+    ("cpu", "nccl", None, None, 0, r"uses NCCL, which moves CUDA tensors only, but this rank's model is on cpu"),
+    ("cuda:1", "nccl", 0, None, 8, r"model is on cuda:1 but the current CUDA device is cuda:0.*"
+                                   r"torch.cuda.set_device\(1\)"),
+    ("cuda:0", "nccl", 0, "3", 8, r"LOCAL_RANK is 3 but this rank's current CUDA device is cuda:0.*Duplicate GPU"),
+])
+def test_nccl_refuses_what_it_cannot_move(device, backend, current, local_rank, gpus, message):
+    """Each of these hung or failed inside NCCL with a message naming none of it (the object collectives
+    parallelize opens with are staged on the current device)."""
+    with pytest.raises(UsageError, match=message):
+        check_backend(torch.device(device), backend, current, local_rank, gpus)
+
+
+@pytest.mark.parametrize("device, backend, current, local_rank, gpus", [
+    ("cpu", "gloo", None, None, 0), ("cpu", "cpu:gloo,cuda:nccl", None, None, 0), ("cuda:3", "nccl", 3, "3", 8),
+    ("cuda:0", "nccl", 0, "5", 4),  # LOCAL_RANK past the node's GPUs: a launcher's own numbering, not ours to judge
+])
+def test_what_nccl_and_gloo_can_move_passes(device, backend, current, local_rank, gpus):
+    check_backend(torch.device(device), backend, current, local_rank, gpus)
