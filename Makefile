@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 PLOT_STAMP := $(VENV)/.installed-0.1.0-plot  # matplotlib, for the targets that draw
 
-.PHONY: demo test test-all lint docs bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
+.PHONY: demo test test-all test-compat gpu-check lint docs bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,25 @@ test: lint docs
 # the slow tier too: exhaustive sweeps, every grid, long compiled runs (see README, Contributing)
 test-all: lint docs
 	RUN_SLOW=1 $(BIN)/python -m pytest -q
+
+# the oldest torch autopar supports (pyproject.toml), in a venv of its own: PyPI's 2.11.0 is a CUDA build
+# (about 4.7 GB installed, a minute to fetch here); a parity subset runs on the CPU under it
+COMPAT_TORCH := 2.11.0
+COMPAT := .venv-compat
+COMPAT_TESTS := tests/test_engine_parity.py tests/test_api_guards.py tests/test_device.py tests/test_pipeline.py \
+	tests/test_dry_run.py tests/test_sharded.py tests/test_gpu_check.py
+$(COMPAT)/.installed-$(COMPAT_TORCH): pyproject.toml
+	test -x $(COMPAT)/bin/python || $(PY) -m venv $(COMPAT)
+	$(COMPAT)/bin/pip install -q torch==$(COMPAT_TORCH)
+	$(COMPAT)/bin/pip install -q -e '.[test,hf]'
+	touch $@
+
+test-compat: $(COMPAT)/.installed-$(COMPAT_TORCH)
+	$(COMPAT)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
+# the first-GPU check: nothing but torch needed (autopar from this tree); writes gpu_check.json
+gpu-check:
+	PYTHONPATH=. $(PY) examples/gpu_check.py --out gpu_check.json
 
 # ruff and mypy, configured (and the choice of rules explained) in pyproject.toml
 lint: $(STAMP)

@@ -5,7 +5,8 @@ functions: any release may move or change them. Every such use in `passes/`, `au
 goes through this module, so that an upgrade of torch has one file to check. Each entry says where it
 lives, the torch versions it was checked on, and what stops working if it moves.
 
-pyproject.toml requires torch>=2.13; every entry was checked on 2.13.0 (CPU build). A moved name fails
+pyproject.toml requires torch>=2.11; every entry was checked on 2.13.0 (CPU build), and the fast parity
+subset of `make test-compat` runs on 2.11.0. A moved name fails
 here, when the first compiler module that uses this one is imported, with an ImportError or
 AttributeError naming it, except the two imported on first use (`fake_store`, `fake_tensor_mode`),
 which fail when `autopar.plan` measures activations.
@@ -237,8 +238,13 @@ def register_flattened_mesh(mesh, name: str, flat) -> None:
     axis (the total norm of torch's `clip_grad_norm_`). `DeviceMesh._flatten` would create a new group,
     without the grid's timeout. Checked on 2.13.0. If it moves: `passes.mesh.Grid` fails at
     construction with an AttributeError naming it; without it clipping still works, with DTensor's
-    warning about sequential all-reduces on every rank."""
+    warning about sequential all-reduces on every rank. torch 2.11 and 2.12 find a flattened mesh by its
+    private `_layout` (`_get_slice_mesh_layout` of the dims it spans, coalesced): `flat` gets that layout
+    there (checked on 2.11.0)."""
     mesh._get_root_mesh()._flatten_mapping[name] = flat
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 13) and hasattr(mesh, "_get_slice_mesh_layout"):
+        layout = mesh._get_slice_mesh_layout(tuple(mesh.mesh_dim_names)).coalesce()
+        flat._layout = layout.nest() if len(layout) > 1 else layout
 
 
 def dtensor_parts(dt) -> tuple:

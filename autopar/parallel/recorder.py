@@ -98,14 +98,19 @@ class Recorder(contextlib.AbstractContextManager):
         for name in _METHODS:
             orig = getattr(dist.ProcessGroup, name, None)
             if orig is not None:
-                self.saved[name] = orig
+                # the class's own entry (pybind's instancemethod) is put back, not what getattr returns (the bare
+                # function: a later real group's call of it would lose `self`)
+                self.saved[name] = dist.ProcessGroup.__dict__.get(name)
                 setattr(dist.ProcessGroup, name, self._wrap(name, orig))
         self.restore = static_pipeline_warmup()
         return self
 
     def __exit__(self, *exc) -> None:
         for name, orig in self.saved.items():
-            setattr(dist.ProcessGroup, name, orig)
+            if orig is None:  # inherited: the class had no entry of its own
+                delattr(dist.ProcessGroup, name)
+            else:
+                setattr(dist.ProcessGroup, name, orig)
         self.restore()
 
     def take(self) -> list:
