@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-        cfg, batch, dtype = GPTConfig(vocab_size=50257, max_seq=1024, hidden=768, heads=12, layers=12), 8, torch.bfloat16
+        cfg = GPTConfig(vocab_size=50257, max_seq=1024, hidden=768, heads=12, layers=12)  # GPT-2 small's shapes
+        batch, dtype = 8, torch.bfloat16
     else:
         torch.set_num_threads(min(4, os.cpu_count() or 1))
         cfg, batch, dtype = GPTConfig(layers=2), 2, torch.float32

@@ -6,13 +6,12 @@ goes through this module, so that an upgrade of torch has one file to check. Eac
 lives, the torch versions it was checked on, and what stops working if it moves.
 
 pyproject.toml requires torch>=2.11; every entry was checked on 2.13.0 (CPU build), and the fast parity
-subset of `make test-compat` runs on 2.11.0. A moved name fails
-here, when the first compiler module that uses this one is imported, with an ImportError or
-AttributeError naming it, except the two imported on first use (`fake_store`, `fake_tensor_mode`),
-which fail when `autopar.plan` measures activations.
+subset of `make test-compat` runs on 2.11.0. A moved name fails here, when the first compiler module
+that uses this one is imported, with an ImportError or AttributeError naming it, except the two
+imported on first use (`fake_store`, `fake_tensor_mode`), which fail when `autopar.plan` measures
+activations.
 
-Aliases are the very objects torch defines (`set_grad_enabled is torch._C._set_grad_enabled`), so graphs
-that call them print and compare as before.
+Aliases are the very objects torch defines (`set_grad_enabled is torch._C._set_grad_enabled`): graphs print as before.
 """
 
 from __future__ import annotations
@@ -101,13 +100,11 @@ if hasattr(dist, "all_gather_single"):
 else:  # torch 2.11, 2.12
 
     def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
-        """`dist.all_gather_into_tensor` under 2.13's name: `output_tensor` is `input_tensor` of every rank of
-        `group`, concatenated along dim 0."""
+        """`dist.all_gather_into_tensor` under 2.13's name."""
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
     def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: A002
-        """`dist.reduce_scatter_tensor` under 2.13's name: `output` is this rank's dim-0 slice of `input`
-        reduced over `group`."""
+        """`dist.reduce_scatter_tensor` under 2.13's name."""
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
