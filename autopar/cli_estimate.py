@@ -129,28 +129,19 @@ def dry_run_check(est, model, ranks=None) -> dict:
     import time
 
     from autopar.checkpoint.hf import restore_buffers
-    from autopar.errors import UsageError
     from autopar.parallel.dry_run import dry_run
     from autopar.planning.estimate import boundary, load_model_source, model_profile, tp_bytes
-    from autopar.program.pipe import Pipeline
+    from autopar.program.spec import spec_of_dimensions
     from passes.cost.step import PRECISIONS, step_bytes
 
     src, par = load_model_source(model), est.parallel
-    if par.dp_shard > 1 and par.dp_replicate > 1:
-        raise UsageError("autopar estimate --dry-run: sharded replicas inside replicated ones (HSDP) are not a mode of "
-                         "parallelize; dry-run with --dp-shard or --dp-replicate alone")
+    spec = spec_of_dimensions(par)  # what parallelize builds for it (HSDP is not one of its modes: refused)
     tp, dp = par.tp, par.dp_shard * par.dp_replicate
-    grid, strategy = ((1, tp[0]), "1d") if len(tp) == 1 else (tuple(tp), "2d" if len(tp) == 2 else "3d")
-    options: dict = {"strategy": strategy, "lowering": "broadcast",
+    options: dict = {**spec.kwargs(), "lowering": "broadcast",
                      "recompute": {"none": False, "selective": "selective", "full": "blocks"}[par.recompute]}
-    if dp > 1:
-        grid = (dp, *grid)
-        options["data_parallel"] = "shard" if par.dp_shard > 1 else "replicate"
-    if par.pp > 1:
-        options["pipeline"] = Pipeline(stages=par.pp, schedule=par.schedule, microbatches=par.microbatches,
-                                       stages_per_rank=par.interleave)
-        if par.dp_shard > 1:
-            options["reshard_after_forward"] = False  # a stage kept gathered over its micro-batches, as priced
+    grid = options.pop("grid")
+    if par.pp > 1 and par.dp_shard > 1:
+        options["reshard_after_forward"] = False  # a stage kept gathered over its micro-batches, as priced
     small, inputs = src.build()
     m = src.whole() if src.whole is not None else small
     restore_buffers(m)  # parallelize needs the rotary tables' values

@@ -94,6 +94,12 @@ def pytest_report_header(config):
 
 FAST_TIER_BUDGET_S = 12 * 60  # `make test` on a quiet 2-core machine (README, Contributing)
 _started = time.monotonic()
+_per_file: dict = {}  # test file -> seconds of setup, call and teardown of its tests
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _per_file[path] = _per_file.get(path, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -103,6 +109,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _run_slow() or not whole:
         return
     took = time.monotonic() - _started
+    ranked = sorted(_per_file.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_line("seconds per file: " + ", ".join(f"{os.path.basename(p)} {t:.0f}" for p, t in ranked
+                                                                   if t >= 1))
     word = "within" if took <= FAST_TIER_BUDGET_S else "OVER"
     terminalreporter.write_line(
         f"fast tier: {took:.0f} s, {word} its {FAST_TIER_BUDGET_S // 60}-minute budget on a quiet 2-core machine "

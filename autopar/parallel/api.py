@@ -11,12 +11,11 @@ import torch.nn as nn
 from autopar.errors import CompileWarning, FallbackWarning, NoProcessGroupError, PlanWarning, UsageError
 from autopar.parallel.arrange import arrange
 from autopar.parallel.module import ParallelModule
-from autopar.planning.grids import check_cube, check_device_count
 from autopar.parallel.pipeline import pipeline_parallelize
-from autopar.program.pipe import Pipeline
 from autopar.parallel.sharded import shard_replicas
 from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program
 from autopar.program.device import check_device, model_device
+from autopar.program.spec import parse_spec
 from autopar.program.guards import agree_on_options, agree_on_plan
 from passes import Grid
 from passes.mesh import Cube
@@ -174,14 +173,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                       compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
                       moe_dispatch=moe_dispatch, data_parallel=data_parallel,
                       reshard_after_forward=reshard_after_forward, fsdp_prefetch=fsdp_prefetch)
-    count = isinstance(grid, int) and not isinstance(grid, bool)  # a device count: the search arranges them
-    if count:
-        check_device_count(grid, strategy, pipeline, "autopar.parallelize")
-    elif not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
-              and all(isinstance(g, int) and not isinstance(g, bool) for g in grid)):
-        raise UsageError(f"grid={grid!r}: expected (R, C) of positive ints, e.g. grid=(2, 2) or (2, 4), "
-                         f"(dp, R, C) for dp data-parallel replicas of an R x C grid, or a device count p with "
-                         f"strategy='auto' (the search arranges them)")
+    spec = parse_spec(grid, strategy, pipeline, data_parallel, "autopar.parallelize")
     nested = next((n for n, m in model.named_modules() if isinstance(m, ParallelModule)), None) \
         if isinstance(model, nn.Module) else None
     if nested is not None:
@@ -199,39 +191,32 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         )
     device = model_device(model, example_inputs, example_kwargs)  # the parameters' (a meta model: the inputs')
     check_device(device)  # before the first object collective: NCCL stages it on the current device
-    if isinstance(pipeline, int) and not isinstance(pipeline, bool):
-        pipeline = Pipeline(stages=pipeline)
-    if pipeline is not None and not isinstance(pipeline, Pipeline):
-        raise UsageError(f"pipeline={pipeline!r}: expected None, a number of stages, or autopar.Pipeline(stages=...)")
     # parallelize's own two handshakes wait up to the process group's timeout, not `timeout`: ranks
     # capture and plan at different speeds (seconds apart on a loaded machine, more with strategy='auto')
-    agree_on_options(grid if count else tuple(grid) if pipeline is None else (tuple(grid), pipeline), options,
-                     device.type)
+    agree_on_options(spec.handshake, options, device.type)
     # timeout=None: the process group's own (the grid's groups would otherwise get torch's default, 30 min)
     delta = datetime.timedelta(seconds=timeout) if timeout is not None else \
         group_timeout(torch.distributed.group.WORLD, device.type)
     arranged, table = None, None
-    if count:
-        check_device_count(grid, strategy, pipeline, "autopar.parallelize", torch.distributed.get_world_size())
-        grid, layout, arranged, table = arrange(model, grid, example_inputs, example_kwargs, options)
-    cube = strategy == "3d" or (arranged is not None and layout == "3d")
-    check_cube(grid, strategy, pipeline, data_parallel, "autopar.parallelize")
-    if pipeline is not None:
-        return pipeline_parallelize(model, tuple(grid), pipeline, example_inputs, example_kwargs, options, device,
-                                    delta)
-    g = _cube_grid(grid, device.type, delta) if cube else \
-        Grid(grid[-2], grid[-1], dp=grid[0] if len(grid) == 3 else 1, device_type=device.type, timeout=delta)
+    if spec.grid is None:  # a device count: rank 0's search arranges them
+        spec.check_world(torch.distributed.get_world_size(), "autopar.parallelize")
+        found, layout, arranged, table = arrange(model, spec.devices, example_inputs, example_kwargs, options)
+        spec = spec.arranged(found, layout)
+    if spec.pipeline is not None:
+        return pipeline_parallelize(model, spec, example_inputs, example_kwargs, options, device, delta)
+    g = _cube_grid(spec.grid, device.type, delta) if spec.cube else \
+        Grid(*spec.mesh, dp=spec.dp, device_type=device.type, timeout=delta)
     example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
     comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options, arranged)
     agree_on_plan(comp, layouts, model)
     pmodel = ParallelModule(model, g, comp, layouts, options)
     pmodel.arrangement = table  # grid=p: the search's row per candidate arrangement, for explain
     if strategy == "3d":
-        _name_2d_linears(pmodel, grid[0])
+        _name_2d_linears(pmodel, spec.grid[0])
     if comp.data_parallel == "shard":  # asked for, or data_parallel='auto' where only it fits memory_limit
         shard_replicas(pmodel)
     elif reshard_after_forward is not True or fsdp_prefetch is not None:
         warn(f"reshard_after_forward={reshard_after_forward!r} / fsdp_prefetch={fsdp_prefetch!r} have no effect: the "
-             f"replicas are not sharded (data_parallel={comp.data_parallel!r} on grid {tuple(grid)}); they apply to "
+             f"replicas are not sharded (data_parallel={comp.data_parallel!r} on grid {spec.grid}); they apply to "
              f"data_parallel='shard' on grid=(dp, R, C) with dp > 1", PlanWarning, stacklevel=2)
     return pmodel

@@ -64,7 +64,9 @@ import torch.distributed as dist
 from autopar.errors import AutoparError, UsageError
 from autopar.parallel.recorder import Collective, EagerOps, Recorder, model_lines, train_step
 from autopar.program.memo import shared_captures
+from autopar.program.spec import parse_spec
 from autopar.planning.progress import steps as progress
+from passes.options import DEFAULTS
 from passes.compat import data_dependent_errors, fake_store, fake_tensor_mode, pytree
 
 __all__ = ["Collective", "DryRun", "DryRunError", "RankRun", "covering_ranks", "dry_run"]
@@ -260,17 +262,6 @@ def covering_ranks(grid: tuple, stages: int = 1, cube: bool = False, groups: boo
     return sorted({rank(s, *at) for s in {0, stages - 1} for at in cross} | {rank(s, 0, 0, 0) for s in range(stages)})
 
 
-def _stages(pipeline) -> int:
-    """The pipeline ranks `parallelize(pipeline=...)` asks for (1 without stages)."""
-    from autopar.program.pipe import Pipeline
-
-    if pipeline is None:
-        return 1
-    if isinstance(pipeline, Pipeline):
-        return pipeline.stages
-    return pipeline if isinstance(pipeline, int) and not isinstance(pipeline, bool) else 1
-
-
 def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks=None, check: bool = True,
             fake: bool | None = None, **options) -> DryRun:
     """Simulate `ranks` ('cover', the default, or 'groups': `covering_ranks`; 'all'; or a list) of
@@ -283,17 +274,17 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
     if dist.is_available() and dist.is_initialized():
         raise UsageError("autopar.dry_run starts a fake process group per simulated rank: call it in a process "
                          "that has not called torch.distributed.init_process_group (or destroy that group first)")
-    stages = _stages(options.get("pipeline"))
-    if getattr(options.get("pipeline"), "stages_per_rank", 1) > 1:
+    spec = parse_spec(grid, options.get("strategy", DEFAULTS.strategy), options.get("pipeline"),
+                      options.get("data_parallel", DEFAULTS.data_parallel), "autopar.dry_run")
+    if spec.grid is None:
+        raise UsageError(f"autopar.dry_run: grid={grid!r}: a device count is arranged by a search on rank 0; pass "
+                         f"the arrangement, (R, C), (dp, R, C) or a cube (q, q, q) (autopar.choose_grid shows it)")
+    stages = spec.stages
+    if spec.pipeline is not None and spec.pipeline.stages_per_rank > 1:
         raise UsageError("autopar.dry_run: pipelines with several stages per rank (the looped and V schedules) are "
                          "not simulated yet: a rank's later stage waits on what a later rank sends it; dry-run the "
                          "same stages with schedule='1f1b' (one stage per rank) to check their programs")
-    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(
-            isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
-        raise UsageError(f"autopar.dry_run: grid={grid!r}: expected (R, C), (dp, R, C) or a cube (q, q, q)")
-    grid = tuple(grid)
-    world = stages * math.prod(grid)
-    cube = options.get("strategy") == "3d"
+    grid, world, cube = spec.grid, spec.world, spec.cube
     if ranks is None or ranks in ("cover", "groups"):
         chosen = covering_ranks(grid, stages, cube, groups=ranks == "groups")
     else:
@@ -329,7 +320,7 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, mode)
 
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
     try:
-        stages = _stages(options.get("pipeline"))
+        stages = world // math.prod(grid)
         with Recorder(rank, sent, world // stages if stages > 1 else 0) as rec, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
             pm = parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, **options)

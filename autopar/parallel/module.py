@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import types
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -17,22 +16,21 @@ from passes.compat import in_torch_compile_call, pytree
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from passes import Grid
-from passes.capture.export import flatten_inputs
 from passes.layout import local_shape
 from passes.layout import REPLICATED, Layout
-from passes.ops.grad_buckets import BucketPlan, BucketReduce, StepBuckets
-from passes.meta import PARAM
+from passes.ops.grad_buckets import BucketPlan
 from passes.options import Options
 from autopar.parallel import hf_compat as hf_compat
+from autopar.parallel.programs import ProgramCache
+from autopar.parallel.replicas import replicas_for
 from autopar.parallel.run import Runner
 from autopar.parallel.clip import clip_grad_norm
-from autopar.parallel.sharded import gathered, is_sharded, program_for, refuse_foreign_sharding, replica_traffic
+from autopar.parallel.sharded import refuse_foreign_sharding
 from autopar.program import outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.parallel.inputs import RankStateDict, check_inputs as check_call_inputs, input_names, same_state_everywhere
-from autopar.program.guards import check_dtypes
-from autopar.program.build import Compiled, cache_off_kwargs, compile_program, refuse_kv_cache, signature
-from autopar.errors import NotMaterializedError, UnsupportedError, UsageError
+from autopar.program.build import Compiled, cache_off_kwargs, refuse_kv_cache
+from autopar.errors import NotMaterializedError, UsageError
 
 __all__ = ["Local", "ParallelModule", "save_pretrained_extension", "set_path"]
 
@@ -103,13 +101,10 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_source", model)  # kept to capture new shapes / modes; not a child
         self.grid = grid
         self._options = options
-        self._param_layouts = param_layouts
-        self._compiled = {first.signature: first}
+        self._programs = ProgramCache(model, grid, options, first, param_layouts)
         self._runner = Runner(options.compile)
         self._via_torch_compile = False  # this call came through the user's torch.compile(pmodel)
-        self._bucket_plans: dict = {}  # signature -> BucketPlan of the replicas' gradients (dp > 1)
-        self.replica_sync = True  # dp > 1: average gradients over the replicas in each backward (a pipeline: after)
-        self._last = first
+        self.replicas = replicas_for(grid, options)  # the replica mode: shard_replicas makes it Sharded
         device = first.captured.device
         for name, p in model.named_parameters():
             set_path(self, name, _shard(p, param_layouts.get(name, REPLICATED), grid, device), "param")
@@ -144,16 +139,26 @@ class ParallelModule(nn.Module):
     _tp_size = tp_size
 
     @property
+    def replica_sync(self) -> bool:
+        """dp > 1 replicated: whether each backward averages the gradients over the replicas (a pipeline's
+        stages turn it off and average once per step, after the schedule)."""
+        return self.replicas.sync
+
+    @replica_sync.setter
+    def replica_sync(self, value: bool) -> None:
+        self.replicas.sync = bool(value)
+
+    @property
     def program(self) -> Compiled:
         """The compiled program (`autopar.program.build.Compiled`) of the most recent call; before the first
         call, the one compiled for parallelize's example inputs. For inspection (`explain`, benchmarks)."""
-        return self._last
+        return self._programs.last
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
         """The per-rank graph of `program` (for inspection): the most recent call's, or before the
         first call the one compiled for parallelize's example inputs."""
-        return self._last.gm
+        return self._programs.last.gm
 
     @property
     def source_model(self) -> nn.Module:
@@ -202,18 +207,18 @@ class ParallelModule(nn.Module):
     @property
     def param_layouts(self) -> types.MappingProxyType:
         """Parameter name -> the Layout its blocks are stored in (read-only): every later compile keeps it."""
-        return types.MappingProxyType(self._param_layouts)
+        return types.MappingProxyType(self._programs.param_layouts)
 
     @property
     def programs(self) -> types.MappingProxyType:
         """Input signature -> Compiled, every program compiled so far (read-only), parallelize's first."""
-        return types.MappingProxyType(self._compiled)
+        return self._programs.view
 
     @property
     def choice(self):
         """strategy='auto': the search's Choice (`passes.search.strategy.Choice`), which every later
         compile (new shapes, a generation phase following the forward's plan) repeats; else None."""
-        return next(iter(self._compiled.values())).choice
+        return self._programs.first.choice
 
     @property
     def compile_stats(self) -> dict:
@@ -234,43 +239,12 @@ class ParallelModule(nn.Module):
         return self._runner(comp, locals_)
 
     def _get(self, args, kwargs):
-        key = signature(args, kwargs, self.training)
-        first = next(iter(self._compiled.values()))
-        if key not in self._compiled:  # a cached key already matched the dtypes of its compile
-            same = next((c for k, c in self._compiled.items() if k[1] == key[1]), None)  # same keywords
-            if same is not None:
-                check_dtypes(same, flatten_inputs(same.captured, args, kwargs))
-            model = self._source
-            was = model.training
-            model.train(self.training)
-            try:
-                comp, _ = compile_program(model, args, kwargs, self.grid, self._options, first.choice,
-                                          pinned=self._param_layouts)
-            finally:
-                model.train(was)
-            self.check_parameters(comp, args, kwargs)
-            self._compiled[key] = comp
-        comp = self._compiled[key]
-        return comp, flatten_inputs(comp.captured, args, kwargs)
+        return self._programs.get(args, kwargs, self.training, lambda name: self.get_parameter(name).shape)
 
     def check_parameters(self, comp: Compiled, args, kwargs) -> None:
         """A recompile keeps every parameter's stored layout (pinned); what it cannot keep is a parameter
-        that is new or has another shape than when the model was parallelized."""
-        for node in comp.captured.gm.graph.nodes:
-            name = node.meta.get(PARAM)
-            if name is None or not isinstance(node.meta.get("val"), torch.Tensor):
-                continue
-            now = tuple(node.meta["val"].shape)
-            was = tuple(self.get_parameter(name).shape) if name in self._param_layouts else None
-            if now != was:
-                shapes = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-                raise UnsupportedError(
-                    f"parameter {name!r} has shape {now} in a call with input shapes {shapes}, but "
-                    + (f"shape {was} when the model was parallelized" if was else "did not exist when the model "
-                       "was parallelized (a parameter created during a call)")
-                    + "; its stored blocks cannot serve this call. Give it its final shape before parallelize "
-                    "(run one call of the original model first), or call with the shapes it was parallelized for"
-                )
+        that is new or has another shape than when the model was parallelized (`ProgramCache`)."""
+        self._programs.check_parameters(comp, args, kwargs, lambda name: self.get_parameter(name).shape)
 
     @torch.compiler.disable
     def _wrapped_call_impl(self, *args, **kwargs):
@@ -314,10 +288,9 @@ class ParallelModule(nn.Module):
         """comp's program on this rank's blocks and `flat` (its user inputs in placeholder order, each whole,
         or this rank's block where its placeholder is `PLACED`), unchecked; returns its output leaves as
         this rank's blocks of `comp.out_layouts`. What a call runs after its checks; a pipeline stage's way in."""
-        self._last = comp
-        run, fetched = program_for(self, comp) if is_sharded(self) else (comp, frozenset())
-        # a sharded program whose blocks are not calls of their FSDP2 units: every unit gathered for it
-        with gathered(self, not torch.is_grad_enabled()) if run is comp and is_sharded(self) else nullcontext():
+        self._programs.last = comp
+        run, fetched = self.replicas.program(comp)  # sharded replicas: blocks as calls of their FSDP2 units
+        with self.replicas.around(comp, run):
             return pytree.tree_leaves(self._run_program(comp, run, fetched, flat))
 
     def outputs_of(self, comp: Compiled, leaves: list):
@@ -332,9 +305,7 @@ class ParallelModule(nn.Module):
         for role, key in comp.captured.sources:
             if role == "param" and key not in cache:
                 cache[key] = None if key in fetched else self.get_parameter(key).to_local()
-        # sharded replicas: FSDP2 reduce-scatters the gradients over the replicas after backward
-        buckets = self.grid.dp > 1 and torch.is_grad_enabled() and not is_sharded(self) and self.replica_sync
-        step = self._replica_buckets(comp, cache) if buckets else None
+        step = self.replicas.step(comp, self, cache)  # replicated: gradient buckets averaged during backward
         for role, key in comp.captured.sources:
             if role == "param":
                 locals_.append(cache[key])
@@ -362,9 +333,7 @@ class ParallelModule(nn.Module):
         'forward' (the forward's plan), '2d', '1d' or 'auto' to plan that phase on its own (see
         `autopar.generate.phases`). Runs under torch.no_grad(). With data_parallel='shard' the grid
         blocks are gathered over the replicas for the call and released after it."""
-        if not is_sharded(self):
-            return generate_tokens(self, input_ids, attention_mask, **kwargs)
-        with gathered(self, release=True):  # FSDP2's units: this rank's grid blocks, gathered over the replicas
+        with self.replicas.generating():  # sharded: FSDP2's units gathered over the replicas for the call
             return generate_tokens(self, input_ids, attention_mask, **kwargs)
 
     def check_inputs(self, *args, **kwargs) -> None:
@@ -416,30 +385,12 @@ class ParallelModule(nn.Module):
     def replica_traffic(self):
         """With data_parallel='shard': what FSDP2 moves over the replicas per rank and training step
         (`passes.cost.replicas.FSDPTraffic`); None otherwise."""
-        return replica_traffic(self) if is_sharded(self) else None
+        return self.replicas.traffic()
 
     def grad_bucket_plan(self, comp=None) -> BucketPlan:
         """With grid=(d, R, C), d > 1: how the gradients of `comp` (default: the latest program) are
         averaged over the replicas, one all-reduce per bucket (`passes.ops.grad_buckets`)."""
-        comp = comp or self.program
-        plan = self._bucket_plans.get(comp.signature)
-        if plan is None:
-            blocks = {n: p.to_local() for n, p in self.named_parameters() if p.requires_grad}
-            plan = self._bucket_plans[comp.signature] = BucketPlan.build(
-                comp.gm, comp.captured.sources, blocks, self._options.grad_bucket_mb * 2**20)
-        return plan
-
-    def _replica_buckets(self, comp, blocks: dict) -> StepBuckets | None:
-        """This step's replica gradient buckets, the parameter blocks in `blocks` (name -> block)
-        replaced by their bucketed twins; None when no block needs a gradient."""
-        plan = self.grad_bucket_plan(comp)
-        if not plan.buckets:
-            return None
-        step = StepBuckets(plan, self.grid, blocks[plan.keys[0]].device)
-        for b, slots in enumerate(plan.buckets):
-            outs = BucketReduce.apply(step, b, *(blocks[plan.keys[s]] for s in slots))
-            blocks.update((plan.keys[s], o) for s, o in zip(slots, outs))
-        return step
+        return self.replicas.bucket_plan(comp or self.program, self)
 
     def _wrap(self, out, lay_shape):
         if lay_shape is None or not isinstance(out, torch.Tensor):

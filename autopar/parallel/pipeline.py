@@ -318,12 +318,12 @@ class PipelineModule(nn.Module):
         return is_sharded(self.stage_module)
 
 
-def pipeline_parallelize(model: nn.Module, grid, pipe_opts: Pipeline, example_inputs: tuple, example_kwargs,
-                         options, device, timeout) -> PipelineModule:
-    """`parallelize(..., pipeline=pipe_opts)`: this rank's stages, parallelized on its grid (its groups
-    built with `timeout`, a timedelta, as parallelize builds a grid's)."""
-    dp = grid[0] if len(grid) == 3 else 1
-    need, world = pipe_opts.stages * dp * grid[-2] * grid[-1], dist.get_world_size()
+def pipeline_parallelize(model: nn.Module, spec, example_inputs: tuple, example_kwargs, options, device,
+                         timeout) -> PipelineModule:
+    """`parallelize(..., pipeline=...)`: this rank's stages of `spec` (`autopar.program.spec.ParallelSpec`),
+    parallelized on its grid (its groups built with `timeout`, a timedelta, as parallelize builds a grid's)."""
+    grid, pipe_opts, dp = spec.grid, spec.pipeline, spec.dp
+    need, world = spec.world, dist.get_world_size()
     if need != world:
         raise UsageError(f"{pipe_opts.stages} pipeline stages of grid={tuple(grid)} needs {need} processes but the "
                          f"default process group has world size {world}; start {need} processes, or change the "

@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import PlanWarning, UsageError
+from autopar.parallel.replicas import Replicas
 from passes.transforms.units import BlockCall, unit_blocks, unit_program
 from passes.compat import FSDPAllGather, FSDPReduceScatter, all_gather_single, in_backward, reduce_scatter_single
 from passes.cost.replicas import FSDPTraffic, fsdp_traffic, shard_rows, unit_groups
@@ -47,14 +48,51 @@ from passes.mesh import warn
 from passes.nodes import block_of
 from passes.ops.comm import guarded, tensor_bytes
 
-__all__ = ["shard_replicas", "program_for", "gathered", "units", "is_sharded",
+__all__ = ["Sharded", "shard_replicas", "program_for", "gathered", "units", "is_sharded",
            "refuse_foreign_sharding", "replica_traffic", "memory_per_rank",
            "grid_placements", "replica_shard", "is_cube_weight"]
 
-_SHARDED = "_autopar_fsdp"  # set on a ParallelModule that autopar itself wrapped in fully_shard
-_BLOCKS = "_autopar_fsdp_blocks"  # name -> (grid block shape, element size, trained) before sharding
-_UNITS = "_autopar_fsdp_units"  # the repeated blocks that are FSDP2 units, in program order
-_PROGRAMS = "_autopar_fsdp_programs"  # signature -> (program with block calls, names the calls fetch)
+class Sharded(Replicas):
+    """The shard mode's state of one ParallelModule (`pmodel.replicas` once `shard_replicas` ran): what
+    FSDP2 was given and the programs rewritten for its units."""
+
+    mode = "shard"
+
+    def __init__(self, pmodel, blocks: dict, units: tuple):
+        super().__init__(pmodel.grid, pmodel.options)
+        self.blocks = blocks  # name -> (grid block shape, element size, trained) before sharding
+        self.units = units  # the repeated blocks that are FSDP2 units, in program order
+        self.programs: dict = {}  # signature -> (program with block calls, names the calls fetch)
+        self._module = weakref.ref(pmodel)  # the module owns this record
+
+    def program(self, comp) -> tuple:
+        """(the program to run for `comp` on sharded replicas, the parameter names its block calls fetch
+        themselves). A program whose blocks cannot be calls runs as it is, every unit gathered for it
+        (`around`), and fetches nothing itself."""
+        if comp.signature not in self.programs:
+            gm = unit_program(comp.gm, comp.captured.sources, list(self.units)) if self.units else None
+            if gm is None:
+                self.programs[comp.signature] = comp, frozenset()
+            else:
+                calls = [m for m in gm.children() if isinstance(m, BlockCall)]
+                for call in calls:
+                    call.enter = functools.partial(_enter, self._module)
+                keys = frozenset(k for call in calls for k in call.keys)
+                self.programs[comp.signature] = dataclasses.replace(comp, gm=gm), keys
+        return self.programs[comp.signature]
+
+    def around(self, comp, run):
+        """A program whose blocks are not calls of their FSDP2 units: every unit gathered for it."""
+        return gathered(self._module(), not torch.is_grad_enabled()) if run is comp else contextlib.nullcontext()
+
+    def generating(self):
+        """Generation: every unit gathered for the call and released after it."""
+        return gathered(self._module(), release=True)
+
+    def traffic(self) -> FSDPTraffic:
+        """The all-gather and reduce-scatter over the replicas of one training step on this rank, from the
+        parameters' grid blocks: (dp - 1)/dp of each block padded to a multiple of dp on its first dim."""
+        return fsdp_traffic(unit_groups(self.blocks, self.units), self.grid.dp, self.options.reshard_after_forward)
 
 
 def shard_replicas(pmodel) -> None:
@@ -93,10 +131,7 @@ def shard_replicas(pmodel) -> None:
         for i, unit in enumerate(blocks_):
             unit.set_modules_to_forward_prefetch(blocks_[i + 1:i + 1 + k])
             unit.set_modules_to_backward_prefetch(blocks_[max(0, i - k):i][::-1])
-    object.__setattr__(pmodel, _BLOCKS, blocks)
-    object.__setattr__(pmodel, _UNITS, tuple(names))
-    object.__setattr__(pmodel, _PROGRAMS, {})
-    object.__setattr__(pmodel, _SHARDED, True)
+    pmodel.replicas = Sharded(pmodel, blocks, tuple(names))
 
 
 class _Unit(nn.Module):
@@ -110,23 +145,8 @@ class _Unit(nn.Module):
 
 
 def program_for(pmodel, comp):
-    """(the program to run for `comp` on sharded replicas, the parameter names its block calls fetch
-    themselves). A program whose blocks cannot be calls runs as it is, every unit gathered for it
-    (`gathered`), and fetches nothing itself."""
-    programs = getattr(pmodel, _PROGRAMS)
-    if comp.signature not in programs:
-        units = getattr(pmodel, _UNITS)
-        gm = unit_program(comp.gm, comp.captured.sources, list(units)) if units else None
-        if gm is None:
-            programs[comp.signature] = comp, frozenset()
-        else:
-            ref = weakref.ref(pmodel)
-            calls = [m for m in gm.children() if isinstance(m, BlockCall)]
-            for call in calls:
-                call.enter = functools.partial(_enter, ref)
-            keys = frozenset(k for call in calls for k in call.keys)
-            programs[comp.signature] = dataclasses.replace(comp, gm=gm), keys
-    return programs[comp.signature]
+    """`Sharded.program` of a sharded ParallelModule."""
+    return pmodel.replicas.program(comp)
 
 
 def _enter(ref, call: BlockCall, *inputs):
@@ -136,7 +156,7 @@ def _enter(ref, call: BlockCall, *inputs):
 
 def units(pmodel) -> list:
     """The FSDP2 units of a sharded ParallelModule: each repeated block's, then the root."""
-    return [*(pmodel.get_submodule(n) for n in getattr(pmodel, _UNITS, ())), pmodel]
+    return [*(pmodel.get_submodule(n) for n in pmodel.replicas.units), pmodel]
 
 
 @contextlib.contextmanager
@@ -203,7 +223,7 @@ def _done(work) -> None:
 
 def is_sharded(pmodel) -> bool:
     """Whether autopar split `pmodel`'s blocks over its replicas (data_parallel='shard', dp > 1)."""
-    return bool(getattr(pmodel, _SHARDED, False))
+    return isinstance(getattr(pmodel, "replicas", None), Sharded)
 
 
 def refuse_foreign_sharding(pmodel) -> None:
@@ -225,10 +245,8 @@ def refuse_foreign_sharding(pmodel) -> None:
 
 
 def replica_traffic(pmodel) -> FSDPTraffic:
-    """The all-gather and reduce-scatter over the replicas of one training step on this rank, from the
-    parameters' grid blocks: (dp - 1)/dp of each block padded to a multiple of dp on its first dim."""
-    blocks, names = getattr(pmodel, _BLOCKS, {}), getattr(pmodel, _UNITS, ())
-    return fsdp_traffic(unit_groups(blocks, names), pmodel.grid.dp, pmodel.options.reshard_after_forward)
+    """`Sharded.traffic` of a sharded ParallelModule."""
+    return pmodel.replicas.traffic()
 
 
 def is_cube_weight(tensor) -> bool:

@@ -34,7 +34,7 @@ from passes.search import strategy as strategies
 from autopar.errors import UsageError
 from autopar.program.build import cache_off_kwargs, capture, check_example_inputs
 
-__all__ = ["GridChoice", "candidates", "describe", "replica_inputs", "check_cube", "check_device_count", "cube_side",
+__all__ = ["GridChoice", "candidates", "describe", "replica_inputs", "cube_side",
            "search_grids", "SEARCHED"]
 
 SEARCHED = 8  # candidates that get the per-unit search, the fastest by their fixed schemes
@@ -181,34 +181,3 @@ def search_grids(model, devices: int, example_inputs=(), example_kwargs=None, op
     best = min(ok, key=lambda row: row["auto_s"])
     best["picked"] = True
     return GridChoice(best["grid"], rows)
-
-
-def check_cube(grid, strategy: str, pipeline, data_parallel: str, who: str) -> None:
-    """strategy='3d' runs on a cube, grid=(q, q, q), with no pipeline stages and no replicas: anything
-    else asked with it is refused rather than dropped."""
-    if strategy != "3d":
-        return
-    extra = " and pipeline stages" if pipeline is not None else \
-        " and data_parallel='shard'" if data_parallel == "shard" else ""
-    if extra or len(grid) != 3 or len(set(grid)) != 1:
-        raise UsageError(f"{who}: strategy='3d' with grid={tuple(grid)}{extra}: 3D tensor parallelism runs on a "
-                         f"cube, grid=(q, q, q) on q**3 ranks (e.g. (2, 2, 2) on 8), without pipeline stages or "
-                         f"replicas (its third axis takes the place of the replica axis); for (dp, R, C) replicas of "
-                         f"a 2D grid use strategy='2d'")
-
-
-def check_device_count(devices, strategy: str, pipeline, who: str, world: int | None = None) -> None:
-    """`grid=p` (a device count) is for the search to arrange: it needs strategy='auto', no pipeline
-    stages and, where ranks run, p equal to their number."""
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise UsageError(f"{who}: grid={devices!r}: a device count must be a positive int")
-    if strategy != "auto":
-        raise UsageError(f"{who}: grid={devices} (a device count) asks the search to arrange the devices, which "
-                         f"needs strategy='auto' (got {strategy!r}); for a fixed strategy pass the arrangement, e.g. "
-                         f"grid=(R, C) with R * C = {devices}")
-    if pipeline is not None:
-        raise UsageError(f"{who}: grid={devices} (a device count) with pipeline stages: pass each stage's grid as "
-                         f"grid=(R, C), or use autopar.choose_pipeline to arrange stages and grids")
-    if world is not None and devices != world:
-        raise UsageError(f"{who}: grid={devices} but the process group has {world} ranks: pass grid={world}, or "
-                         f"start {devices} processes")

@@ -35,9 +35,9 @@ from autopar.program.build import cache_off_kwargs, check_example_inputs, compil
 from passes.meta import LAYOUT
 from passes.options import DEFAULTS, Options, format_bytes
 from autopar.planning.explain import graph_rows
-from autopar.planning.grids import GridChoice, check_cube, check_device_count, search_grids
+from autopar.planning.grids import GridChoice, search_grids
+from autopar.program.spec import parse_spec
 from autopar.planning.pipeline_plan import plan_pipeline
-from autopar.program.pipe import Pipeline
 from passes.cost.cluster import resolve_cluster
 from autopar.planning.progress import steps
 from autopar.planning.replicas import ReplicaPlan, plan_replicas
@@ -241,30 +241,20 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
                       recompute=recompute, moe_dispatch=moe_dispatch, grad_bucket_mb=grad_bucket_mb,
                       data_parallel=data_parallel, reshard_after_forward=reshard_after_forward)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    spec = parse_spec(grid, strategy, pipeline, data_parallel, "autopar.plan")
     picked = None
-    if isinstance(grid, int) and not isinstance(grid, bool):  # a device count: the search arranges them
-        check_device_count(grid, strategy, pipeline, "autopar.plan")
+    if spec.grid is None:  # a device count: the search arranges them
         if cluster is not None:
             raise UsageError(f"autopar.plan: grid={grid} (a device count) with cluster={cluster!r}: a cluster prices "
                              f"each axis by the links its ranks cross, which needs the arrangement; pass grid=(R, C), "
                              f"or cost_model= for the search")
-        picked = search_grids(model, grid, example_inputs, example_kwargs, options, replicas=False,
+        picked = search_grids(model, spec.devices, example_inputs, example_kwargs, options, replicas=False,
                               who="autopar.plan")
-        grid = picked.grid
-    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3)
-            and all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)):
-        raise UsageError(f"grid={grid!r}: expected (R, C), e.g. (2, 2) or (2, 4), (dp, R, C) for dp "
-                         f"data-parallel replicas of an R x C grid, or a device count for strategy='auto' to arrange")
-    check_cube(grid, strategy, pipeline, data_parallel, "autopar.plan")
-    cube = strategy == "3d" or (picked is not None and picked.layout == "3d")
-    dp = grid[0] if len(grid) == 3 and not cube else 1
-    mesh = (grid[0], grid[0] ** 2) if cube else tuple(grid[-2:])  # a cube's (q, q*q) grid
+        spec = spec.arranged(picked.grid, picked.layout)
+    dp, mesh = spec.dp, spec.mesh  # a cube's (q, q*q) grid
     check_example_inputs(model, example_inputs, example_kwargs, "autopar.plan")
-    if pipeline is not None:
-        pipe = Pipeline(stages=pipeline) if isinstance(pipeline, int) and not isinstance(pipeline, bool) else pipeline
-        if not isinstance(pipe, Pipeline):
-            raise UsageError(f"pipeline={pipeline!r}: expected None, a number of stages, or autopar.Pipeline(...)")
-        return plan_pipeline(model, tuple(grid), pipe, example_inputs, example_kwargs, options,
+    if spec.pipeline is not None:
+        return plan_pipeline(model, spec.grid, spec.pipeline, example_inputs, example_kwargs, options,
                              resolve_cost_model(cost_model), resolve_cluster(cluster))
     if cluster is not None:
         mesh_cm = resolve_cluster(cluster).cost_model(1, dp, *mesh)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from autopar.errors import MemoryLimitError, UsageError
 from autopar.planning.estimate import Estimate, estimate, load_model_source
+from autopar.program.spec import spec_of_dimensions
 from passes.cost.cluster import resolve_cluster
 from passes.options import Options, format_bytes
 
@@ -70,26 +71,12 @@ class TrainingPlan:
     @property
     def kwargs(self) -> dict:
         """What to pass `autopar.parallelize` for this configuration."""
-        from autopar.program.pipe import Pipeline
-
         p = self.best.parallel
-        dp = p.dp_shard * p.dp_replicate
-        if len(p.tp) == 3:
-            grid, strategy = p.tp, "3d"
-        elif len(p.tp) == 2:
-            grid, strategy = (dp, *p.tp) if dp > 1 else p.tp, "2d"
-        else:
-            grid, strategy = (dp, 1, p.tp[0]) if dp > 1 else (1, p.tp[0]), "1d"
-        out = {"grid": grid, "strategy": strategy, "recompute": RECOMPUTE_KWARG[p.recompute]}
-        if strategy != "1d":
+        out = {**spec_of_dimensions(p).kwargs(), "recompute": RECOMPUTE_KWARG[p.recompute]}
+        if len(p.tp) > 1:
             out["lowering"] = "broadcast"  # what the estimate prices (its broadcasts overlap the products)
-        if dp > 1:
-            out["data_parallel"] = "shard" if p.dp_shard > 1 else "replicate"
         if p.pp > 1 and p.dp_shard > 1:  # the stage stays gathered through its micro-batches, as priced
             out["reshard_after_forward"] = False
-        if p.pp > 1:
-            out["pipeline"] = Pipeline(stages=p.pp, schedule=p.schedule, microbatches=p.microbatches,
-                                       stages_per_rank=p.interleave)
         return out
 
     def __str__(self) -> str:
