@@ -114,18 +114,32 @@ def require_matplotlib(what: str):
 
 
 def plot(rows: list, path: str) -> None:
-    """Bytes and parameter memory per rank against p, 2D and 1D (needs matplotlib)."""
+    """Bytes and parameter memory per rank against p, 2D and 1D (needs matplotlib). p is on a log axis
+    with a tick at each p swept; every tick is labelled as a plain number (no 10^x minor labels, which
+    crowd each other on an axis spanning one or two decades)."""
     plt = require_matplotlib("autopar inspect --plot")
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
     rows = [r for r in rows if "p" in r]
     ps = [r["p"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
     ok = [r for r in rows if not r["2d_ops_unsplit"]]  # grids q does not divide the model for are left out
     for ax, kind in ((a, "comm"), (b, "param")):
-        ax.plot([r["p"] for r in ok], [r[f"2d_{kind}_bytes"] / 2**20 for r in ok], marker="o", label="2D")
+        ax.plot([r["p"] for r in ok], [r[f"2d_{kind}_bytes"] / 2**20 for r in ok], marker="o", label="2D (q x q grid)")
         ax.plot(ps, [r[f"1d_{kind}_bytes"] / 2**20 for r in rows], marker="o", label="1D")
-    a.set(xlabel="p", ylabel="MiB received per rank per step", xscale="log")
-    b.set(xlabel="p", ylabel="MiB of parameters per rank", xscale="log", yscale="log")
-    a.legend()
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator(ps))
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("p (ranks)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    a.set_ylabel("MiB received per rank per step")
+    a.set_ylim(bottom=0)
+    b.set_yscale("log")
+    b.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    b.yaxis.set_major_formatter(plain)
+    b.yaxis.set_minor_formatter(NullFormatter())
+    b.set_ylabel("MiB of parameters per rank")
+    fig.savefig(path, dpi=120)
