@@ -113,7 +113,7 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     prop = propagate(cap.gm, grid.shape, options, pinned)
     if grid.world > 1:
         # a SUMMA node without a LOWERING mark (none under lowering='auto') runs the broadcast lowering
-        gm = insert_collectives(cap.gm, grid, options.fixed_lowering or "broadcast")
+        gm = insert_collectives(cap.gm, grid, lowering=options.fixed_lowering or "broadcast")
         localize(gm, grid.shape, (grid.r, grid.c))
         group_siblings(gm, grid)
     else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is

@@ -24,8 +24,8 @@ def two_linears(rank, q, lowering):
     x = activation_block(cube, X).requires_grad_()
     w1, w2 = weight_block(cube, W1).requires_grad_(), weight_block(cube, W2).requires_grad_()
     cube.log.reset()
-    y = cube_linear(cube, x, w1, "l1", lowering)
-    z = cube_linear(cube, y, w2, "l2", lowering)
+    y = cube_linear(cube, x, w1, "l1", lowering=lowering)
+    z = cube_linear(cube, y, w2, "l2", lowering=lowering)
     (z * activation_block(cube, G)).sum().backward()
     Xf, W1f, W2f = (t.clone().requires_grad_() for t in (X, W1, W2))
     Yf = Xf @ W1f
@@ -69,7 +69,7 @@ def refusals(rank):
     for name, x, w in (("mismatch", torch.randn(4, 3), torch.randn(2, 3)),
                        ("uneven N", torch.randn(4, 2), torch.randn(2, 3))):
         try:
-            cube_linear(cube, x, w, name)
+            cube_linear(cube, x, w, name, lowering="broadcast")
             out[name] = ("none", "")
         except UsageError as e:
             out[name] = (type(e).__name__, str(e))

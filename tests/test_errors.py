@@ -179,6 +179,38 @@ def test_memory_limits_and_other_ranks_errors_are_ours():
         assert type(e.value) is cls and isinstance(e.value, builtin), (failure, e.value)
 
 
+def test_a_search_on_one_rank_reaches_or_fails_every_rank():
+    """`decided_once` (rank 0's strategy search and its arrangement of the ranks, sent to every rank):
+    catches a search error raised on the searcher alone (the others would wait in the broadcast until
+    the timeout), one that reaches the others as another class or text, and a search run again off
+    the searcher. The broadcast is simulated: every other rank's box receives the searcher's."""
+    import contextlib
+
+    from autopar.program.consensus import decided_once
+
+    sent: list = []
+    searcher = (True, lambda box: sent.__setitem__(slice(None), box))
+    other = (False, lambda box: box.__setitem__(0, sent[0]))
+
+    def never():
+        raise AssertionError("searched off the searcher")
+
+    assert decided_once(lambda: (2, 4), *searcher, contextlib.nullcontext()) == (2, 4)
+    assert decided_once(never, *other, contextlib.nullcontext()) == (2, 4)
+
+    def too_small():
+        raise autopar.MemoryLimitError("no arrangement of 8 devices fits memory_limit=1.0 MiB per rank")
+
+    def broken():
+        raise KeyError("grid")
+
+    for search, cls, text in ((too_small, autopar.MemoryLimitError, "^no arrangement of 8 devices fits"),
+                              (broken, autopar.RankFailedError, "'grid'")):
+        for rank in (searcher, other):
+            with pytest.raises(cls, match=text):
+                decided_once(search if rank is searcher else never, *rank, contextlib.nullcontext())
+
+
 def test_old_names_keep_working():
     """Catches a move of an error class that breaks code importing it from where it was."""
     from passes.capture.export import CaptureError

@@ -41,13 +41,15 @@ from autopar.bench.common import BATCH, CONFIG, SEQ, FunctionalCommBytes
 from autopar.launch import close, init_local
 from autopar.planning.progress import steps as progress_steps
 from passes.compat import peak_tensor_bytes
+from passes.options import DEFAULTS, Options
 
 RECOMPUTE = ("blocks", "selective")  # 2D 2x2 (broadcast) with each recompute mode
 TP_SP = "PyTorch 1D TP+SP (4 ranks)"  # torchtitan's plan: sequence parallel, loss over vocabulary blocks
 
 
-def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
-    """The planner's estimated step time (s) of one configuration (alpha-beta model)."""
+def _estimate(model, grid, strategy, cost_model, lowering=DEFAULTS.lowering) -> float:
+    """The planner's estimated step time (s) of one configuration (alpha-beta model), its SUMMA products
+    in `lowering` as `parallelize(lowering=)` runs them ('auto': each at the one it prices faster)."""
     from passes.search import strategy as S
     from autopar.program.build import capture, resolve_cost_model
 
@@ -55,7 +57,7 @@ def _estimate(model, grid, strategy, cost_model, lowering="broadcast") -> float:
     cm = resolve_cost_model(cost_model)
     if strategy == "auto":
         return S.choose(gm, grid, cm).estimate.time_s
-    return S.estimate_fixed(gm, grid, cm, strategy, lowering=lowering).time_s
+    return S.estimate_fixed(gm, grid, cm, strategy, lowering=Options(lowering=lowering).fixed_lowering).time_s
 
 
 def _roofline(model, tp: tuple, assignment, cost_model) -> float:
@@ -309,15 +311,29 @@ def run(ns) -> int:
         print(f"Llama-style model {CONFIG}, batch {BATCH} x {SEQ} tokens, gloo on CPU\n")
         print(markdown(res, overhead))
     if plt is not None:
-        names = list(res)
-        fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-        labels = ("step time (s)", "received per rank per step (B)", "saved for backward per rank (B)")
-        for ax, key, label in zip(axes, ("step_s", "bytes", "saved_bytes"), labels):
-            ax.barh(names, [res[n][key] for n in names])
-            ax.set_xlabel(label)
-        fig.tight_layout()
-        fig.savefig(ns.plot)
+        plot(plt, res, ns.plot)
     return 0
+
+
+PANELS = (("step_s", 1e3, "{:.0f}", "step time (ms)"), ("bytes", 2**-20, "{:.1f}", "MiB received per rank per step"),
+          ("saved_bytes", 2**-20, "{:.1f}", "MiB saved for backward per rank"))
+
+
+def plot(plt, res: dict, path: str) -> None:
+    """One bar per configuration of `res` (what --json prints under "results") for step time, bytes
+    received and bytes saved for backward, in ms and MiB, each bar labelled with its value. The units
+    keep the ticks short, so no offset text ("1e7") sits on the axis label; the configurations' names
+    are written once, on the left."""
+    names = list(res)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(12, 0.45 * len(names) + 1.5), sharey=True,
+                             layout="constrained")
+    for ax, (key, scale, fmt, label) in zip(axes, PANELS):
+        bars = ax.barh(names, [res[n][key] * scale for n in names])
+        ax.bar_label(bars, fmt=fmt, padding=3)
+        ax.margins(x=0.2)  # room for the labels of the longest bars
+        ax.set_xlabel(label)
+    axes[0].invert_yaxis()  # the configurations top to bottom, in the table's order
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ Per rank and training step (forward and backward, fp16/bf16: 2 bytes per element
 the blocks and the LM head: bytes received, parameter bytes held, the bytes of the linears' inputs held
 for backward, and the bytes received over the Loomis-Whitney lower bound of each product
 (`matmul_lower_bound`, which counts what a rank sends or receives, so a ratio below 1 is possible for
-an algorithm whose sends are not counted as received). 1D is Megatron's: four all-reduces of [M, h]
-per block (attention and MLP, forward and backward), the LM head's vocabulary split, its input
-all-reduced once backward; 2D is SUMMA on R x C (`passes.cost.cube.summa_linear_bytes`); 3D the depth
+an algorithm whose sends are not counted as received). 1D is Megatron's (`passes.cost.cube.megatron_bytes`,
+what `autopar.compare_1d` prices): four all-reduces of [M, h] per block (attention and MLP, forward and
+backward) and one for the vocabulary split; 2D is SUMMA on R x C (`summa_linear_bytes`); 3D the depth
 algorithm on q x q x q (`cube_linear_bytes`). Attention, norms and the loss are not counted.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from passes.cost.cube import cube_linear_bytes, matmul_lower_bound, summa_linear_bytes
+from passes.cost.cube import cube_linear_bytes, matmul_lower_bound, megatron_bytes, summa_linear_bytes
 
 E = 2  # bf16
 SHAPES = {  # hidden, intermediate, layers, key/value width, vocabulary, tokens per step
@@ -41,7 +41,7 @@ def row(s: dict, layout: tuple) -> dict:
     shapes = [(K, N, L) for K, N in linears(s)] + [(h, V, 1)]
     params = sum(K * N * n for K, N, n in shapes)
     if kind == "1d":
-        received = L * 4 * 2 * (p - 1) * M * h * E // p + 2 * (p - 1) * M * h * E // p  # blocks, LM head
+        received = sum(megatron_bytes(M, h, L, p, E))
         held_inputs = L * (2 * M * h + M * h // p + M * f // p) + M * h  # q|k|v and gate|up read x whole
     else:
         one = (lambda K, N: summa_linear_bytes(M, K, N, layout[1], layout[2], E)) if kind == "2d" else \

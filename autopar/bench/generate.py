@@ -34,7 +34,7 @@ import autopar
 from autopar.bench import common
 from autopar.bench.common import CONFIG, FunctionalCommBytes
 from autopar.launch import close, init_local
-from passes.cost.volumes import all_reduce_mean_bytes
+from passes.cost.cube import megatron_bytes
 from autopar.parallel.module import ParallelModule
 from passes.search.strategy import SearchWarning
 
@@ -139,13 +139,16 @@ def projection(cost_model=None) -> list:
 
 
 def megatron_1d(cfg, p: int, *, batch: int, prompt: int, elem: int = 2) -> list:
-    """Megatron 1D at `p` ranks, analytically (heads assumed divisible by p): per layer two ring
-    all-reduces of the [tokens, hidden] activations forward, plus one for the vocab-parallel embedding;
-    2(p-1)/p x tokens x hidden x elem bytes received per rank each."""
-    per_token = all_reduce_mean_bytes((2 * cfg.num_hidden_layers + 1) * cfg.hidden_size * elem, p)
-    return [{"phase": phase, "grid": (1, p), "strategy": "Megatron 1D (analytic)", "tokens": tokens,
-             "bytes_per_rank": int(per_token * tokens), "bytes_per_rank_per_token": per_token, "estimated_s": None,
-             "kv_cache_bytes_per_rank": None} for phase, tokens in (("prefill", batch * prompt), ("decode", batch))]
+    """Megatron 1D at `p` ranks, analytically (heads assumed divisible by p): the forward of
+    `passes.cost.cube.megatron_bytes`, per layer two ring all-reduces of the [tokens, hidden]
+    activations, plus one for the vocab-parallel embedding."""
+    rows = []
+    for phase, tokens in (("prefill", batch * prompt), ("decode", batch)):
+        fwd, _ = megatron_bytes(tokens, cfg.hidden_size, cfg.num_hidden_layers, p, elem)
+        rows.append({"phase": phase, "grid": (1, p), "strategy": "Megatron 1D (analytic)", "tokens": tokens,
+                     "bytes_per_rank": fwd, "bytes_per_rank_per_token": fwd / tokens, "estimated_s": None,
+                     "kv_cache_bytes_per_rank": None})
+    return rows
 
 
 def markdown(res: dict, proj: list) -> str:

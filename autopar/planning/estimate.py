@@ -29,6 +29,7 @@ from passes.cost.step import PRECISIONS, Parallel, StepCost, TPBytes, price_step
 __all__ = ["Estimate", "ModelSource", "boundary", "estimate", "load_model_source", "model_profile", "tp_bytes"]
 
 DEPTH = 3  # blocks a config's model is built with: the middle one stands for all
+SUMMA_LOWERING = "broadcast"  # every SUMMA product's, in the plan's bytes and calls that `tp_bytes` scales
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -247,11 +248,12 @@ def tp_bytes(src: ModelSource, seq: int, tp: tuple, assignment: dict | None = No
              for ax in range(2)]
     out = []
     for part in (0, 1):
-        ones = [part_costs(g, mesh, cm, strategy, block, assignment=assignment)[part].bytes_per_axis
-                for g in (g1, g2)]
+        ones = [part_costs(g, mesh, cm, strategy, block, lowering=SUMMA_LOWERING,
+                           assignment=assignment)[part].bytes_per_axis for g in (g1, g2)]
         per = tuple((b - a) / r for a, b in zip(*ones))
         fixed = tuple(2 * a - b for a, b in zip(*ones))
-        n_calls = tuple(round(part_costs(g1, mesh, c, strategy, block, assignment=assignment)[part].time_s)
+        n_calls = tuple(round(part_costs(g1, mesh, c, strategy, block, lowering=SUMMA_LOWERING,
+                                         assignment=assignment)[part].time_s)
                         for c in calls)
         copies = [consumed_saved_bytes(g, mesh, strategy, block if part == 0 else None) for g in (g1, g2)]
         out.append(TPBytes(per, fixed, n_calls, ((copies[1] - copies[0]) / r, 2 * copies[0] - copies[1])))

@@ -44,7 +44,7 @@ from autopar.planning.replicas import ReplicaPlan, plan_replicas
 from autopar.generate.cache import kv_cache_bytes_per_rank
 from autopar.program.uneven import most_received
 from passes.compat import fake_store, fake_tensor_mode, pytree
-from passes.cost.volumes import all_reduce_bytes
+from passes.cost.cube import megatron_bytes
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Cube, Grid
 from passes.ops.cube import CubeLinear
@@ -325,8 +325,7 @@ def compare_1d(pl: Plan, model, tokens: int, layers: int, hidden: int, dtype_byt
     received per rank with ring all-reduce), plus one forward all-reduce for a vocab-parallel
     embedding; matmul weights and embeddings split p ways, norms and biases replicated."""
     p = pl.grid[0] * pl.grid[1]
-    ar = all_reduce_bytes(tokens * hidden * dtype_bytes, p)  # one ring all-reduce of [B, h]
-    comm = layers * 4 * ar + ar
+    comm = sum(megatron_bytes(tokens, hidden, layers, p, dtype_bytes))  # (forward, backward)
     params = 0
     for v in pl.params.values():
         params += v.bytes_total // p if len(v.shape) >= 2 and v.shape[0] % p == 0 else v.bytes_total

@@ -25,7 +25,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from autopar.program.consensus import rebuilt
+from autopar.program.consensus import decided_once
 from autopar.program.guards import check_mixed_dtypes, handshake
 from autopar.program.memo import shared
 from passes import Grid, capture as capture_graph
@@ -160,22 +160,16 @@ def _choose(cap: Captured, grid: Grid, options: Options):
         return search()
     # one searcher: global rank 0, or with pipeline stages each stage's first rank (its program is its own)
     first = (grid.stage * grid.dp * grid.world) if getattr(grid, "stages", 1) > 1 else 0
-    box = [None]
-    if dist.get_rank() == first:
-        try:
-            box[0] = ("ok", search())
-        except (MemoryError, ValueError) as e:  # raised on every rank below, with rank 0's text
-            box[0] = ("error", type(e).__name__, str(e))
-    with handshake("sending rank 0's strategy choice"):
+
+    def send(box):
         if first == 0 and getattr(grid, "stages", 1) == 1:
             dist.broadcast_object_list(box, src=0)
-        else:  # to the stage's replicas (their grid position (0, 0)), then within each replica's grid
-            if grid.dp > 1 and grid.r == grid.c == 0:
-                dist.broadcast_object_list(box, src=first, group=grid.dp_group)
-            dist.broadcast_object_list(box, src=grid.base, group=grid.world_group)
-    if box[0][0] == "error":
-        raise rebuilt(box[0][1], box[0][2])
-    choice = box[0][1]
+            return
+        if grid.dp > 1 and grid.r == grid.c == 0:  # to the stage's replicas (their grid position (0, 0))
+            dist.broadcast_object_list(box, src=first, group=grid.dp_group)
+        dist.broadcast_object_list(box, src=grid.base, group=grid.world_group)  # then within each replica's grid
+
+    choice = decided_once(search, dist.get_rank() == first, send, handshake("sending rank 0's strategy choice"))
     if dist.get_rank() != first:  # the searcher's search marked its graph; mark this rank's the same way
         strategies.apply(cap.gm, strategies.find_units(cap.gm), choice.assignment, choice.lowerings,
                          choice.alternatives)

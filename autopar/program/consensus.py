@@ -94,6 +94,27 @@ def on_rank0(grid, fn, *args) -> BaseException | None:
     return None
 
 
+def decided_once(decide, decider: bool, send, guard):
+    """What `decide()` returns on the one rank where `decider` is true (a search: one run spares the
+    others' CPU, and a search stopped by its time budget could end elsewhere on another rank), on
+    every rank. `send(box)` carries the one-item list `box` from the decider to every other rank (one
+    broadcast, or a route of them), under `guard` (as `all_gather_objects`). If `decide` raises, every
+    rank raises the error `rebuilt` from its class name and text (the decider's chained to the one it
+    caught): none waits for a result that never comes."""
+    box: list = [None]
+    failure = None
+    if decider:
+        try:
+            box[0] = ("ok", decide())
+        except Exception as e:  # sent, then raised on every rank below
+            failure, box[0] = e, ("error", type(e).__name__, str(e))
+    with guard:
+        send(box)
+    if box[0][0] == "error":
+        raise rebuilt(box[0][1], box[0][2]) from failure
+    return box[0][1]
+
+
 def all_gather_objects(obj, group, guard) -> list:
     """Every rank's `obj` (any picklable value), in the rank order of `group` (None: the default
     group). `guard`: the context manager that turns a failed or timed-out exchange into the caller's

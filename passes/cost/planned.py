@@ -213,4 +213,4 @@ def node_calls(gm: torch.fx.GraphModule, node: Node, mesh, grads: set, at: tuple
     if spec is None:
         return 0, 0
     lowering = getattr(gm.get_submodule(node.target), "lowering", "broadcast")
-    return spec.inserted_calls(node, mesh, grads, lowering, at)
+    return spec.inserted_calls(node, mesh, grads, lowering=lowering, at=at)

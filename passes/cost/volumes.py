@@ -50,8 +50,8 @@ def all_reduce_bytes(n, g, exact: bool = False):
 
 
 def all_reduce_mean_bytes(n, g) -> float:
-    """`all_reduce_bytes` unfloored, 2(g-1)n/g: what a calibration fit and the analytic 1D baselines
-    use, a rate per byte rather than a count."""
+    """`all_reduce_bytes` unfloored, 2(g-1)n/g: what a calibration fit uses, a rate per byte rather
+    than a count."""
     return 2 * (g - 1) * n / g
 
 

@@ -142,15 +142,16 @@ class KernelSpec:
         """`cost` of `node`, a module of the rewritten graph this spec describes, at grid position `at`."""
         return self.cost(Site.inserted(node, mesh, grads, at))
 
-    def calls(self, site: Site, lowering: str = "broadcast") -> tuple:
+    def calls(self, site: Site, *, lowering: str) -> tuple:
         """Collective calls this rank launches in one training step, (forward, backward): one per
-        step on an axis with more than one member (`passes.mesh.CommLog` counts the same)."""
+        step on an axis with more than one member (`passes.mesh.CommLog` counts the same). `lowering`:
+        the one a SUMMA product's module runs ('broadcast', 'allgather' or 'ring')."""
         steps = self.steps(site, self.values(site), exact=False)
         return tuple(sum(1 for a, ph, _ in steps if ph == phase and site.mesh[a] > 1) for phase in ("fwd", "bwd"))
 
-    def inserted_calls(self, node: Node, mesh, grads: set, lowering: str = "broadcast", at: tuple = (0, 0)) -> tuple:
+    def inserted_calls(self, node: Node, mesh, grads: set, *, lowering: str, at: tuple = (0, 0)) -> tuple:
         """`calls` of `node`, a module of the rewritten graph this spec describes, at grid position `at`."""
-        return self.calls(Site.inserted(node, mesh, grads, at), lowering)
+        return self.calls(Site.inserted(node, mesh, grads, at), lowering=lowering)
 
     def terms(self, site: Site) -> list:
         """(axis, bytes, launches) of each collective call that moves data (axes of one member left out)."""
@@ -290,7 +291,7 @@ class SummaSpec(KernelSpec):
                 per_phase[phase] += product_calls(kind, site.mesh, site.at, *roles[dims])
         return per_phase["fwd"], per_phase["bwd"]
 
-    def calls(self, site, lowering="broadcast"):
+    def calls(self, site, *, lowering):
         """`launches` per product and axis: the forward product, then the backward ones that run. With
         `rows_whole` an upper bound, as the bytes (the weight gradient's product sends fewer pieces).
         In a group of siblings (`passes.transforms.group_siblings`) the lead launches the group's calls, as many

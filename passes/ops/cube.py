@@ -84,9 +84,10 @@ def _check(cube: Cube, x: torch.Tensor, w: torch.Tensor, tag: str) -> None:
                          f"{q * q} or a 2D grid")
 
 
-def cube_linear(cube: Cube, x: torch.Tensor, w: torch.Tensor, tag: str, lowering: str = "broadcast") -> torch.Tensor:
+def cube_linear(cube: Cube, x: torch.Tensor, w: torch.Tensor, tag: str, *, lowering: str) -> torch.Tensor:
     """x [..., K/q^2] (this rank's block: its rows of the flattened leading dims, columns K_(c,l)) times
-    this rank's weight block w [K/q^2, N/q] = W[K_(r,l), N_c] -> y [..., N/q^2], in x's layout."""
+    this rank's weight block w [K/q^2, N/q] = W[K_(r,l), N_c] -> y [..., N/q^2], in x's layout; the depth
+    products in `lowering` ('broadcast', 'allgather' or 'ring', as `passes.ops.summa`'s)."""
     _check(cube, x, w, tag)
     lead = x.shape[:-1]
     y = SummaAB.apply(x.reshape(math.prod(lead), x.shape[-1]), w, cube.depth, tag, lowering)  # [m, N/q]
@@ -119,7 +120,7 @@ class CubeLinear(torch.nn.Module):
         if cube is None:
             raise UsageError(f"{self.tag}: a 3D linear runs on a cube's grid (strategy='3d', grid=(q, q, q)); "
                              f"this grid {self.grid} has none")
-        y = cube_linear(cube, x, w.t() if self.flip else w, self.tag, self.lowering)
+        y = cube_linear(cube, x, w.t() if self.flip else w, self.tag, lowering=self.lowering)
         return y if b is None else y + b.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -90,9 +90,9 @@ def product(a: torch.Tensor, b: torch.Tensor, grid: int, kind: str, tag: str, ph
     `full`: the global size of the dim the grid does not divide (torch.chunk blocks)."""
     g = grid_of(grid)
     if kind == "atb":
-        return summa.atb(g, a, b, tag, phase, lowering, rows_whole, full)
+        return summa.atb(g, a, b, tag, phase, lowering=lowering, rows_whole=rows_whole, full=full)
     product = summa.abt if kind == "abt" else summa.ab
-    return product(g, a, b, tag, phase, lowering, full)
+    return product(g, a, b, tag, phase, lowering=lowering, full=full)
 
 
 @product.register_fake

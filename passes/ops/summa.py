@@ -15,7 +15,8 @@ split C ways in one operand and R ways in the other, so it is cut at both sets o
 The all-gather lowering gathers the whole row/column panel first and runs one matmul; it moves the
 same bytes with fewer, larger calls and more temporary memory. The rotating (ring) lowering
 (`passes.ops.ring`) moves the broadcast lowering's pieces point to point, in Cannon's rotated order:
-the same bytes, no collective.
+the same bytes, no collective. Every product takes its `lowering` ('broadcast', 'allgather' or
+'ring') by name: the option's 'auto' is resolved per product before it runs (`passes.search.lowering`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase, empty: 
     return _post_reduce_steps(grid, axis, partials, dim, tag, phase, empty).wait()
 
 
-def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast", full: int | None = None):
+def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", *, lowering: str, full: int | None = None):
     """`full`: the contracted dim's global size K, given when the grid does not divide it."""
     a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [K/R, n]
     R, C = grid.shape
@@ -123,7 +124,7 @@ def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcas
     return out.to(a.dtype)
 
 
-def abt(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast", full: int | None = None):
+def abt(grid: Grid, a, b, tag: str, phase: str = "fwd", *, lowering: str, full: int | None = None):
     """`full`: the output's dim N (b's rows) when the grid does not divide it."""
     a, b = a.contiguous(), b.contiguous()  # a [m, K/C]  b [N/R, K/C]  ->  [m, N/C]
     R, C = grid.shape
@@ -140,7 +141,7 @@ def abt(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadca
     return _reduce_steps(grid, AXIS_SAME_ROW, partials, 1, tag, phase, a.new_zeros(a.shape[0], 0))
 
 
-def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", lowering: str = "broadcast", rows_whole: bool = False,
+def atb(grid: Grid, a, b, tag: str, phase: str = "fwd", *, lowering: str, rows_whole: bool = False,
         full: int | None = None):
     """`rows_whole`: every mesh row holds all m rows of a and b (a batch the rows do not divide), so
     each row forms its own [K/R, n] block in full and nothing is summed over the rows. `full`: the

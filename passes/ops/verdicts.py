@@ -35,7 +35,7 @@ import torch
 
 from passes.compat import is_fake
 
-__all__ = ["MODES", "Verdicts", "VERDICTS", "host_buffers", "is_host_buffer", "mark_host"]
+__all__ = ["MODES", "Verdicts", "VERDICTS", "is_host_buffer", "mark_host"]
 
 MODES = ("auto", "now", "late")
 
@@ -53,11 +53,6 @@ def mark_host(t: torch.Tensor) -> torch.Tensor:
 def is_host_buffer(t) -> bool:
     """Whether `t` was noted by `mark_host`."""
     return _HOST.get(id(t)) is t
-
-
-def host_buffers() -> int:
-    """How many verdict host copies are alive (for tests: pending ones are released once read)."""
-    return len(_HOST)
 
 
 class Verdicts:
@@ -111,11 +106,9 @@ class Verdicts:
         self.pending = keep
         if failed is not None:
             self.pending = []  # the step that raised them is over: what it left pending is moot
-            try:
-                late = type(failed)(f"{failed} (found by the previous call's check)")
-            except TypeError:  # an error class with other arguments: as it is
-                late = failed
-            raise late from None
+            if failed.args and isinstance(failed.args[0], str):  # its message, said to come from a call before
+                failed.args = (f"{failed.args[0]} (found by the previous call's check)", *failed.args[1:])
+            raise failed from None
 
     def flush(self) -> None:
         """Wait for every pending verdict and raise the first failed one (the end of training, a save)."""

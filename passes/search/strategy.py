@@ -370,12 +370,12 @@ def estimate_assignment(gm: GraphModule, mesh, cm: CostModel, assignment: dict, 
 
 
 def part_costs(gm: GraphModule, mesh, cm: CostModel, strategy: str, block: str | None,
-               options: Options | None = None, lowering: str | None = "broadcast",
-               assignment: dict | None = None) -> tuple:
+               options: Options | None = None, *, lowering: str | None, assignment: dict | None = None) -> tuple:
     """(repeated block `block`'s Estimate, the graph's less one such Estimate per block) under one fixed strategy on
     `mesh`: bytes received per mesh axis and the collectives' time (with `cm`'s matmul rate infinite,
-    `time_s` is communication alone), every SUMMA product in `lowering`. What `passes.cost.step` scales
-    to a model's depth and batch. `assignment`: a searched mix (`Choice.assignment`) instead of `strategy`."""
+    `time_s` is communication alone), every SUMMA product in `lowering` (None: each at its faster one).
+    What `passes.cost.step` scales to a model's depth and batch. `assignment`: a searched mix
+    (`Choice.assignment`) instead of `strategy`."""
     from passes.nodes import block_of
 
     units = find_units(gm)

@@ -68,7 +68,9 @@ def _add_module(gm: GraphModule, before: Node, name: str, spec, built: tuple, la
     return new
 
 
-def insert_collectives(gm: GraphModule, grid: Grid, lowering: str = "broadcast") -> GraphModule:
+def insert_collectives(gm: GraphModule, grid: Grid, *, lowering: str) -> GraphModule:
+    """The pass on `gm` for this rank of `grid`: a SUMMA or 3D product runs the lowering marked on its node
+    (`passes.meta.LOWERING`), else `lowering` ('broadcast', 'allgather' or 'ring'; never 'auto')."""
     cache: dict = {}
     replaced: dict = {}  # node swapped for a kernel -> its kernel node
     for node in list(gm.graph.nodes):
