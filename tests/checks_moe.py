@@ -167,3 +167,23 @@ def moe_routed_bytes(rank, grid: tuple) -> dict:
         exact["fwd"] += a2a_in + a2a_back + 2 * cols + counts + offsets
         exact["bwd"] += a2a_in + a2a_back + 2 * cols
     return {"counted": counted, "exact": exact, "at": (r, c)}
+
+
+def moe_syncs(rank, grid: tuple) -> dict:
+    """Host syncs of one training step (forward and backward, after a first one) of a Mixtral of 8 experts
+    with checks='late' (the input checks' verdicts read by the next call, without a wait): by site, and
+    the expert kernels the program calls."""
+    torch.manual_seed(0)
+    model, make = hf_families.build("mixtral", num_local_experts=8)
+    kw = make(sweep_hf.BATCH, sweep_hf.SEQ, 1)
+    pm = autopar.parallelize(model, grid=grid, example_kwargs=kw, checks="late")
+    pm(**kw).loss.backward()  # the first step: programs compiled, the checks' host buffers made
+    with autopar.count_host_syncs() as syncs:
+        pm(**kw).loss.backward()
+    kernels: dict = {}
+    for m in pm.program.gm.modules():
+        if getattr(m, "split", True):  # ExpertBlockMM with its experts whole runs transformers' op as captured
+            kernels[type(m).__name__] = kernels.get(type(m).__name__, 0) + 1
+    autopar.flush_checks()
+    return {"sites": dict(syncs.sites), "total": syncs.total,
+            "ours": syncs.own, "kernels": kernels}

@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import sys
@@ -97,9 +98,13 @@ _started = time.monotonic()
 _per_file: dict = {}  # test file -> seconds of setup, call and teardown of its tests
 
 
+_per_test: dict = {}  # test id -> seconds, written to $AUTOPAR_TEST_TIMES (JSON) where it is set
+
+
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::", 1)[0]
     _per_file[path] = _per_file.get(path, 0.0) + report.duration
+    _per_test[report.nodeid] = _per_test.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -119,6 +124,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("AUTOPAR_TEST_TIMES"):
+        with open(os.environ["AUTOPAR_TEST_TIMES"], "w") as f:
+            json.dump(dict(sorted(_per_test.items(), key=lambda kv: -kv[1])), f, indent=1)
     for pool in _pools.values():
         pool.close()
     if _OWN_CACHE:

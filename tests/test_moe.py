@@ -8,7 +8,7 @@ the loss with the load-balancing term, every gradient against one process (tests
 import pytest
 
 from tests.compare import assert_every_rank
-from tests.checks_moe import moe_parity
+from tests.checks_moe import moe_parity, moe_syncs
 
 HELD = 1.3  # x 1/p: the most of the model's parameters one rank may hold
 CASES = {
@@ -263,3 +263,17 @@ def test_routing_ops_whole_have_the_gradients_of_what_they_replace():
     assert torch.autograd.gradcheck(lambda h: torch.ops.autopar.moe_dispatch(h, ids, 2, 4), (h,))
     assert torch.autograd.gradcheck(lambda y, w: torch.ops.autopar.moe_combine(y, w, ids, 2, 4), (y, w))
     assert torch.ops.autopar.moe_offsets(ids, 4).tolist() == [2, 2, 5, 6]
+
+
+def test_a_routed_step_reads_the_device_once_per_routing_and_expert_block(pool4):
+    """Host syncs of a training step of Mixtral (8 experts over 2 rows): each dispatch and combine reads
+    every row's counts per expert once (the all-to-all's split sizes, which the exchange needs on the host),
+    each expert block its run's two edges once, backward nothing. Catches routing tables read value by
+    value (46 reads per layer before: an `int()` per count and per run of the received rows), and a new
+    read in the step. The rest of the step reads nothing with checks='late'; transformers' own fp32
+    grouped-matmul fallback reads its offsets once per call, forward and backward (not autopar's)."""
+    for rank, r in enumerate(pool4.run(moe_syncs, (2, 2))):
+        k = r["kernels"]
+        assert k["ExpertDispatch"] == k["ExpertCombine"] == 2 and k["ExpertBlockMM"] == 4, (rank, k)
+        assert r["ours"] == k["ExpertDispatch"] + k["ExpertCombine"] + k["ExpertBlockMM"], (rank, r["sites"])
+        assert r["total"] - r["ours"] == 2 * k["ExpertBlockMM"], (rank, r["sites"])  # the fallback's offsets

@@ -10,7 +10,7 @@ def test_bad_input_messages(pool4):
     res = pool4.run(C.bad_inputs)
     r0 = res[0]
     kind, msg = r0["zero grid"]
-    assert kind == "UsageError" and "every entry must be a positive int" in msg
+    assert kind == "UsageError" and "grid=(0, 0): expected (R, C) of positive ints" in msg
     kind, msg = r0["structure"]
     assert kind == "SignatureError" and "captured with 2 positional input(s)" in msg and "called with 1" in msg
     kind, msg = r0["device"]

@@ -26,6 +26,7 @@ import sys
 import torch
 
 from passes.ops.verdicts import VERDICTS, is_host_buffer
+from passes.ops.verdicts import __file__ as VERDICTS_FILE
 
 __all__ = ["SyncCount", "count_host_syncs", "flush_checks"]
 
@@ -33,14 +34,16 @@ __all__ = ["SyncCount", "count_host_syncs", "flush_checks"]
 _READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 _SHAPED = ("nonzero", "masked_select", "unique", "unique_consecutive")
 _TORCH = os.sep + "torch" + os.sep
+_OWN = tuple(os.path.dirname(os.path.dirname(p)) + os.sep for p in (__file__, VERDICTS_FILE))  # autopar/, passes/
 
 
 class SyncCount:
-    """The host syncs seen: `total`, and `sites`, a Counter of "file.py:line (what)" of the first frame
-    outside torch that made each."""
+    """The host syncs seen: `total`, `own` (those made by autopar's own code, `autopar/` and `passes/`), and
+    `sites`, a Counter of "file.py:line (what)" of the first frame outside torch that made each."""
 
     def __init__(self):
         self.total = 0
+        self.own = 0
         self.sites: collections.Counter = collections.Counter()
 
     def add(self, what: str) -> None:
@@ -49,10 +52,11 @@ class SyncCount:
         while frame is not None and (_TORCH in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
             frame = frame.f_back
         where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame is not None else "?"
+        self.own += frame is not None and frame.f_code.co_filename.startswith(_OWN)
         self.sites[f"{where} ({what})"] += 1
 
     def __repr__(self) -> str:
-        return f"SyncCount(total={self.total}, sites={dict(self.sites)})"
+        return f"SyncCount(total={self.total}, own={self.own}, sites={dict(self.sites)})"
 
 
 def _counted(count: SyncCount, name: str, orig, index: bool = False):

@@ -7,8 +7,8 @@ row r holds experts [lo, hi), whose rows of x are the contiguous run offs[lo-1]:
 multiplies that run alone and leaves every other row zero. Summed over the grid's rows this is the
 whole product, each row coming from exactly one member: the layout `passes.rules.moe.experts.EXPERT_ROWS`.
 
-The offsets are read on the host (one `int()` per block edge, as transformers' own fallback reads
-them all with `tolist()`), so the run's length is known when the matmul starts. A planning run on
+The run's two edges are read on the host in one read (transformers' own fallback reads every offset
+with `tolist()`), so the run's length is known when the matmul starts. A planning run on
 fake tensors has no offsets to read: it takes the routing as spread evenly over the experts.
 """
 
@@ -39,8 +39,10 @@ def _run(offs: torch.Tensor, lo: int, hi: int, rows: int, experts: int) -> tuple
     """[start, stop) of the rows that experts [lo, hi) own."""
     if is_fake(offs):
         return rows * lo // experts, rows * hi // experts
-    start = int(offs[lo - 1]) if lo > 0 else 0
-    return start, int(offs[hi - 1]) if hi > lo else start
+    if hi == lo:  # no experts on this row
+        return (0, 0) if lo == 0 else tuple(offs[lo - 1:lo].tolist()) * 2
+    ends = offs[hi - 1:hi].tolist() if lo == 0 else offs[lo - 1:hi:hi - lo].tolist()  # one host read
+    return (0, ends[0]) if lo == 0 else (ends[0], ends[1])
 
 
 class ExpertBlockMM(nn.Module):

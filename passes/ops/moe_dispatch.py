@@ -35,6 +35,7 @@ run is exactly those global rows. Sizes depend on the routing; the planner price
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -154,24 +155,33 @@ class Routing:
             self._balanced(len(ids), R, me)
             return
         counts = _counts(ids, experts).unsqueeze(0)  # [1, E]
-        table = comm.all_gather(grid, ROWS, counts, 0, tag, phase)  # [R, E]
+        # the routing's one host read: every row's pairs per expert, the all-to-all's split sizes (on an
+        # accelerator a sync the exchange cannot do without: its sizes are given on the host)
+        table = comm.all_gather(grid, ROWS, counts, 0, tag, phase).tolist()  # [R][E]
         edges = [chunk_range(experts, R, d) for d in range(R)]
         lo, hi = edges[me]
-        self.send = [int(counts[0, a:b].sum()) for a, b in edges]
-        mine = table[:, lo:hi]  # [R, E/R]: pairs from row s for my expert e
-        self.recv = [int(n) for n in mine.sum(1)]
-        self.start, self.total = int(table[:, :lo].sum()), int(table.sum())
-        first = (mine.flatten().cumsum(0) - mine.flatten()).view(mine.shape)  # received offset of (s, e)
-        runs = [torch.arange(int(first[s, e]), int(first[s, e] + mine[s, e]))
-                for e in range(hi - lo) for s in range(R)]
-        self.regroup = torch.cat(runs) if runs else torch.zeros(0, dtype=torch.long)
-        self.n = len(self.regroup)
+        self.send = [sum(table[me][a:b]) for a, b in edges]
+        mine = [row[lo:hi] for row in table]  # [R][E/R]: pairs from row s for my expert e
+        self.recv = [sum(row) for row in mine]
+        self.start, self.total = sum(sum(row[:lo]) for row in table), sum(map(sum, table))
+        self.n = sum(self.recv)
+        # received rows are by source row, then expert; `regroup` puts them expert-major: the run of
+        # (s, e) starts at the rows received before it, built on the device from the E numbers
+        sizes = [n for row in mine for n in row]
+        starts = [0, *itertools.accumulate(sizes)][:-1]
+        E = hi - lo
+        order = [s * E + e for e in range(E) for s in range(R)]
+        lengths = ids.new_tensor([sizes[i] for i in order])
+        begin = ids.new_tensor([starts[i] for i in order])
+        at = torch.cumsum(lengths, 0) - lengths  # where each run starts in the regrouped order
+        self.regroup = (torch.arange(self.n, device=ids.device)
+                        + torch.repeat_interleave(begin - at, lengths, output_size=self.n))
 
     def _balanced(self, pairs: int, R: int, me: int) -> None:
         self.send = [hi - lo for lo, hi in (chunk_range(pairs, R, d) for d in range(R))]
         self.recv = self.send[me:me + 1] * R
         self.n, self.start, self.total = sum(self.recv), me * pairs, R * pairs
-        self.regroup = torch.arange(self.n)
+        self.regroup = torch.arange(self.n, device=self.order.device)
 
     def to_experts(self, grid, x, tag, phase):
         """[pairs sorted, K] of this row -> [n, K] of its experts' pairs, expert-major."""
