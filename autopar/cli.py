@@ -281,17 +281,27 @@ def calibrate_cmd(ns) -> int:
 
     import torch
 
-    from autopar.planning.calibrate import SIZES, check_args, main_worker
+    from autopar.errors import UsageError
+    from autopar.planning.calibrate import SIZES, check_args, main_worker, model_shapes, parse_shapes
     from autopar.launch import run
+
+    from passes.cost.cluster import PRESETS
 
     (R, C), sizes = ns.grid, tuple(ns.sizes or SIZES)
     try:
         check_args(sizes, ns.repeats)
+        shapes = parse_shapes(ns.shapes) if ns.shapes else None
+        if ns.model:
+            shapes = (shapes or ()) + model_shapes(ns.model, ns.seq, ns.batch)
+        if ns.cluster is not None and ns.cluster not in PRESETS:
+            raise UsageError(f"calibrate --cluster {ns.cluster!r}: expected one of the presets {sorted(PRESETS)}")
     except ValueError as e:
         raise SystemExit(f"autopar {e}") from None
+    peak = PRESETS[ns.cluster].peak_flops if ns.cluster else None
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     backend = "nccl" if torchrun and torch.cuda.is_available() else "gloo"
-    run(functools.partial(main_worker, grid=(R, C), out_path=ns.out, sizes=sizes, repeats=ns.repeats), R * C, backend)
+    run(functools.partial(main_worker, grid=(R, C), out_path=ns.out, sizes=sizes, repeats=ns.repeats, dtype=ns.dtype,
+                          shapes=shapes, peak_flops=peak), R * C, backend)
     return 0
 
 
@@ -392,6 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=int, nargs="+", metavar="BYTES",
                    help="message sizes in bytes, multiples of 4 (default 4096 65536 1048576 4194304)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per size (median taken)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                   help="the matmuls' dtype (default: bf16 on a GPU, fp32 on the CPU)")
+    p.add_argument("--shapes", metavar="MxKxN,...", help="products to time (default: one 1024x1024x1024)")
+    p.add_argument("--model", help="time the products of this model (config.json, its folder, or a published "
+                   "architecture: llama3-8b, ...) on --batch sequences of --seq tokens")
+    p.add_argument("--seq", type=int, default=4096, help="with --model: tokens per sequence (default 4096)")
+    p.add_argument("--batch", type=int, default=1, help="with --model: sequences per product (default 1)")
+    p.add_argument("--cluster", help="a preset (dgx-h100, ...) whose dense peak the matmul rate is compared with")
     return parser
 
 

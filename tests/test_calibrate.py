@@ -15,8 +15,8 @@ SIZES = (4096, 65536)  # small: the test checks the plumbing, not this machine's
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
 
-def measure_on_rank(rank, grid, sizes, repeats):  # runs on every rank of the pool
-    return cal.measure(tuple(grid), sizes, repeats)
+def measure_on_rank(rank, grid, sizes, repeats, **matmul):  # runs on every rank of the pool
+    return cal.measure(tuple(grid), sizes, repeats, **matmul)
 
 
 def _check_schema(model, grid, sizes):
@@ -41,10 +41,17 @@ def _check_schema(model, grid, sizes):
 def test_measure_2x2_save_load(pool4, tmp_path):
     """Schema, fit bounds and points on a 2x2 grid; every rank returns the same figures (max over
     ranks); save -> load through a real file gives the model back."""
-    per_rank = pool4.run(measure_on_rank, (2, 2), SIZES, 2)
+    shapes = ((64, 32, 16), (128, 64, 32))
+    per_rank = pool4.run(measure_on_rank, (2, 2), SIZES, 2, dtype="bf16", shapes=shapes, peak_flops=1e12)
     for model in per_rank:
         _check_schema(model, (2, 2), SIZES)
         assert model["axes"] == per_rank[0]["axes"] and model["flops_per_s"] == per_rank[0]["flops_per_s"]
+        mm = model["matmul"]  # the model's dtype and shapes, each timed; the rate is theirs together
+        assert mm["dtype"] == "bf16" and mm["tf32"] is None and mm == per_rank[0]["matmul"]
+        assert [(r["m"], r["k"], r["n"]) for r in mm["shapes"]] == list(shapes)
+        flops = sum(2 * m * k * n for m, k, n in shapes)
+        assert model["flops_per_s"] == pytest.approx(flops / sum(r["seconds"] for r in mm["shapes"]), rel=1e-12)
+        assert mm["peak_flops"] == 1e12 and mm["peak_fraction"] == pytest.approx(model["flops_per_s"] / 1e12)
     path = tmp_path / "cal.json"
     cal.save(per_rank[0], path)
     assert cal.load(path) == per_rank[0]
@@ -55,6 +62,9 @@ def test_measure_1x4_unit_axis_is_null_in_json(pool4, tmp_path):
     load; axis 1 is measured over all 4 ranks."""
     model = pool4.run(measure_on_rank, (1, 4), SIZES, 2)[0]
     _check_schema(model, (1, 4), SIZES)
+    mm = model["matmul"]  # the defaults: fp32 on the CPU, one 1024^3 product, no preset to compare with
+    assert mm["dtype"] == "fp32" and [(r["m"], r["k"], r["n"]) for r in mm["shapes"]] == [(1024, 1024, 1024)]
+    assert mm["peak_fraction"] is None
     path = tmp_path / "cal.json"
     cal.save(model, path)
     raw = json.loads(path.read_text())
@@ -105,9 +115,25 @@ def test_cli_end_to_end(tmp_path):
     """`python -m autopar calibrate` spawns its own 2 gloo ranks and writes a loadable file."""
     out = tmp_path / "cal.json"
     cmd = [sys.executable, "-m", "autopar", "calibrate", "--grid", "1x2", "--out", str(out),
-           "--repeats", "2", "--sizes", "4096", "65536"]
+           "--repeats", "2", "--sizes", "4096", "65536", "--dtype", "bf16", "--shapes", "64x64x64,32x64x128",
+           "--cluster", "dgx-h100"]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "mesh axis 1: alpha" in proc.stdout and "GFLOP/s" in proc.stdout, proc.stdout
+    assert "mesh axis 1: alpha" in proc.stdout and "GFLOP/s (bf16, 2 shape(s))" in proc.stdout, proc.stdout
+    assert "32x64x128: " in proc.stdout and "of the preset's dense peak (989.4 TFLOP/s)" in proc.stdout, proc.stdout
     model = cal.load(out)
     _check_schema(model, (1, 2), (4096, 65536))
+
+
+def test_the_model_s_products_and_bad_shapes():
+    """`calibrate --model` times the products of a block and the LM head at the model's sizes (Llama 3 8B:
+    q|o, k|v, gate|up, down, the head); `--shapes` and `--cluster` refuse what they cannot read."""
+    assert cal.model_shapes("llama3-8b", 1024, 2) == ((2048, 4096, 4096), (2048, 4096, 1024), (2048, 4096, 14336),
+                                                      (2048, 14336, 4096), (2048, 4096, 128256))
+    assert cal.parse_shapes("8x4x2,1x1x1") == ((8, 4, 2), (1, 1, 1))
+    for text, words in (("8x4", "is not MxKxN"), ("8x0x2", "must be positive")):
+        with pytest.raises(ValueError, match=words):
+            cal.parse_shapes(text)
+    cmd = [sys.executable, "-m", "autopar", "calibrate", "--grid", "1x2", "--cluster", "dgx-h900"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "expected one of the presets" in proc.stderr, proc.stderr

@@ -28,7 +28,8 @@ from passes.cost.volumes import all_reduce_mean_bytes, broadcast_bytes
 from autopar.errors import UsageError
 
 SIZES = (4096, 65536, 1 << 20, 4 << 20)  # bytes per collective: latency-bound up to bandwidth-bound
-MATMUL_N = 1024  # fp32 [n, n] @ [n, n] for the matmul rate
+MATMUL_N = 1024  # [n, n] @ [n, n]: the matmul rate's shape unless the model's are given
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # ----------------------------------------------------------------------------------------- pure parts
 
@@ -124,11 +125,57 @@ def _axis_times(grid, axis: int, sizes, repeats: int, device, timed) -> list[tup
     return out
 
 
-def matmul_seconds(repeats: int, device, timed, n: int = MATMUL_N) -> float:
-    """Median seconds of one fp32 [n, n] @ [n, n] on this rank, with the threads the caller set."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+def matmul_seconds(repeats: int, device, timed, n: int = MATMUL_N, dtype=torch.float32, shape=None) -> float:
+    """Median seconds of one [m, k] @ [k, n] (`shape`; default [n, n] @ [n, n]) in `dtype` on this rank, with
+    the threads the caller set."""
+    m, k, n = shape or (n, n, n)
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
     return _median_time(lambda: a @ b, repeats, timed)
+
+
+def default_dtype(device) -> str:
+    """What a model trains in there: bf16 on an accelerator, fp32 on the CPU."""
+    return "fp32" if torch.device(device).type == "cpu" else "bf16"
+
+
+def parse_shapes(text: str) -> tuple:
+    """'MxKxN,MxKxN' -> ((M, K, N), ...): the products `calibrate --shapes` times."""
+    out = []
+    for word in text.split(","):
+        try:
+            m, k, n = (int(x) for x in word.lower().split("x"))
+        except ValueError:
+            raise UsageError(f"calibrate --shapes {text!r}: {word!r} is not MxKxN (e.g. 8192x4096x4096)") from None
+        if min(m, k, n) < 1:
+            raise UsageError(f"calibrate --shapes {text!r}: {word!r}: every size must be positive")
+        out.append((m, k, n))
+    return tuple(out)
+
+
+def model_shapes(model, seq: int, batch: int = 1) -> tuple:
+    """The distinct products (M, K, N) of `model` (a transformers config, its config.json or folder, or a
+    published architecture's name: what `autopar.estimate` reads; one block and the rest: the LM head) on
+    `batch` sequences of `seq` tokens, unsplit: what `calibrate --model` times."""
+    from autopar.planning.architectures import MODELS, published_model
+    from autopar.planning.estimate import load_model_source, model_profile
+
+    named = isinstance(model, str) and not os.path.exists(model) and model in MODELS
+    prof = model_profile(published_model(model) if named else load_model_source(model), seq)[0]  # M = seq
+    return tuple(dict.fromkeys((batch * m, k, n) for m, k, n in (*prof.block.mm, *prof.outer.mm)))
+
+
+def matmul_rates(repeats: int, device, timed, dtype: str, shapes) -> dict:
+    """Each product of `shapes` timed in `dtype` ('fp32', 'bf16', 'fp16'): per shape its seconds and FLOP/s,
+    and the rate of all of them together (their FLOPs over their seconds: what the model's products reach
+    one after another). On CUDA, whether fp32 products may use TF32 (`torch.backends.cuda.matmul.allow_tf32`)."""
+    rows, flops, seconds = [], 0, 0.0
+    for m, k, n in shapes:
+        sec = matmul_seconds(repeats, device, timed, dtype=DTYPES[dtype], shape=(m, k, n))
+        rows.append({"m": m, "k": k, "n": n, "seconds": sec, "flops_per_s": 2 * m * k * n / sec})
+        flops, seconds = flops + 2 * m * k * n, seconds + sec
+    tf32 = bool(torch.backends.cuda.matmul.allow_tf32) if torch.device(device).type == "cuda" else None
+    return {"dtype": dtype, "tf32": tf32, "shapes": rows, "flops_per_s": flops / seconds}
 
 
 def memory_seconds(repeats: int, device, timed, n: int = 1 << 22) -> tuple:
@@ -179,11 +226,14 @@ def check_args(sizes, repeats: int) -> None:
         raise UsageError(f"calibrate: repeats={repeats}: must be >= 1 (5 is the default)")
 
 
-def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
+def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5, dtype: str | None = None, shapes=None,
+            peak_flops: float | None = None) -> dict:
     """Measure the alpha-beta model of both mesh axes and the matmul rate; call on every rank of an
     initialized default process group of world size R*C. Every rank returns the same dict (times are
     the max over ranks of each rank's median). On CUDA with nccl tensors live on the current device
-    and timings synchronize it."""
+    and timings synchronize it. The matmul rate is that of `shapes` (the model's products, `model_shapes`;
+    default one [1024, 1024] product) in `dtype` (default `default_dtype`); with `peak_flops` (a cluster
+    preset's dense peak) also its fraction of it."""
     from passes.mesh import Grid
 
     check_args(sizes, repeats)
@@ -203,7 +253,16 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
         points = [[nbytes, sec] for (nbytes, _), sec in zip(local, worst)]
         alpha, beta = fit_alpha_beta(points)
         axes.append({"alpha_s": alpha, "beta_bytes_per_s": beta, "points": points})
-    (mm,) = _slowest([matmul_seconds(repeats, device, timed)], device)
+    dtype = dtype or default_dtype(device)
+    if dtype not in DTYPES:
+        raise UsageError(f"calibrate: dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    rates = matmul_rates(repeats, device, timed, dtype, shapes or ((MATMUL_N,) * 3,))
+    slow = _slowest([r["seconds"] for r in rates["shapes"]], device)  # each shape's slowest rank
+    for row, sec in zip(rates["shapes"], slow):
+        row.update(seconds=sec, flops_per_s=2 * row["m"] * row["k"] * row["n"] / sec)
+    rates["flops_per_s"] = sum(2 * r["m"] * r["k"] * r["n"] for r in rates["shapes"]) / sum(slow)
+    rates["peak_flops"] = peak_flops
+    rates["peak_fraction"] = rates["flops_per_s"] / peak_flops if peak_flops else None
     mem_s, mem_bytes = memory_seconds(repeats, device, timed)
     (mem_s, op_s) = _slowest([mem_s, op_seconds(repeats, device, timed)], device)
     # per group size: a collective's cost inside a step (the axes' groups, and all ranks together)
@@ -220,7 +279,8 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
         "backend": backend,
         "device": "cuda" if cuda else "cpu",
         "axes": axes,
-        "flops_per_s": 2 * MATMUL_N**3 / mm,
+        "flops_per_s": rates["flops_per_s"],
+        "matmul": rates,  # dtype, TF32, per shape, the preset's peak and the share of it reached
         "memory_bytes_per_s": mem_bytes / mem_s,  # optional keys (autopar.estimate's roofline reads them)
         "op_s": op_s,
         "in_step_alpha_s": {str(g): sec for g, sec in sized.items()},  # group size -> seconds per call
@@ -228,12 +288,13 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5) -> dict:
     }
 
 
-def main_worker(rank: int, grid, out_path, sizes=SIZES, repeats: int = 5) -> dict:
+def main_worker(rank: int, grid, out_path, sizes=SIZES, repeats: int = 5, dtype: str | None = None, shapes=None,
+                peak_flops: float | None = None) -> dict:
     """One rank of `autopar calibrate`: measure, and on rank 0 save to `out_path` and print a summary.
     Under nccl it first binds this process to its GPU (LOCAL_RANK, as torchrun sets it)."""
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-    model = measure(tuple(grid), tuple(sizes), repeats)
+    model = measure(tuple(grid), tuple(sizes), repeats, dtype, shapes, peak_flops)
     if rank == 0:
         save(model, out_path)
         print(summary(model))

@@ -14,7 +14,7 @@ from passes.errors import UsageError
 VERSION = 1
 KEYS = ("version", "source", "grid", "backend", "device", "axes", "flops_per_s", "when")
 # measured since, read where present (autopar.estimate's roofline: `passes.cost.cluster.from_calibration`)
-OPTIONAL_KEYS = ("memory_bytes_per_s", "op_s", "in_step_alpha_s")
+OPTIONAL_KEYS = ("memory_bytes_per_s", "op_s", "in_step_alpha_s", "matmul")
 AXIS_KEYS = ("alpha_s", "beta_bytes_per_s", "points")
 RERUN = "re-run `autopar calibrate --grid RxC` to write a fresh one"
 
@@ -84,7 +84,13 @@ def summary(model: dict) -> str:
         else:
             lines.append(f"  mesh axis {axis}: alpha {ax['alpha_s'] * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s "
                          f"({len(ax['points'])} points)")
-    lines.append(f"  matmul: {model['flops_per_s'] / 1e9:.1f} GFLOP/s")
+    mm = model.get("matmul") or {}
+    what = f" ({mm['dtype']}, {len(mm['shapes'])} shape(s){', TF32 allowed' if mm.get('tf32') else ''})" if mm else ""
+    lines.append(f"  matmul: {model['flops_per_s'] / 1e9:.1f} GFLOP/s{what}")
+    for row in mm.get("shapes", []) if len(mm.get("shapes", [])) > 1 else []:
+        lines.append(f"    {row['m']}x{row['k']}x{row['n']}: {row['flops_per_s'] / 1e9:.1f} GFLOP/s")
+    if mm.get("peak_fraction") is not None:
+        lines.append(f"  {mm['peak_fraction']:.1%} of the preset's dense peak ({mm['peak_flops'] / 1e12:.1f} TFLOP/s)")
     return "\n".join(lines)
 
 
