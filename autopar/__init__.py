@@ -19,6 +19,7 @@ _HOME = {
     "choose_grid": "autopar.planning.plan", "choose_pipeline": "autopar.planning.pipeline_plan",
     "CompileWarning": "autopar.errors",
     "count_host_syncs": "autopar.program.syncs", "flush_checks": "autopar.program.syncs",
+    "audit_devices": "autopar.program.audit",
     "dry_run": "autopar.parallel.dry_run", "DryRunError": "autopar.parallel.dry_run",
     "estimate": "autopar.planning.estimate", "choose_plan": "autopar.planning.search",
     "max_batch": "autopar.planning.capacity", "AutoparError": "autopar.errors", "AutoparWarning": "autopar.errors",

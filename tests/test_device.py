@@ -41,3 +41,32 @@ def test_nccl_refuses_what_it_cannot_move(device, backend, current, local_rank, 
 ])
 def test_what_nccl_and_gloo_can_move_passes(device, backend, current, local_rank, gpus):
     check_backend(torch.device(device), backend, current, local_rank, gpus)
+
+
+def test_the_audit_finds_a_host_tensor_in_a_collective(pool4):
+    """`autopar.audit_devices` without a GPU: a tensor made without a device, and what is computed from it,
+    handed to an all-reduce is named with the line that made it and the line that issued the call; tensors
+    made on the device or moved there are not (every rank)."""
+    import os
+
+    from tests.checks_audit import caught
+
+    for rank, r in enumerate(pool4.run(caught, os.path.dirname(os.path.abspath(__file__)))):
+        assert len(r["findings"]) == 1, (rank, r)
+        assert r["findings"][0].startswith("allreduce of a [] torch.float32 tensor made on the host at "
+                                           "checks_audit.py:"), (rank, r)
+        assert "issued at checks_audit.py:" in r["findings"][0], (rank, r)
+
+
+@pytest.mark.parametrize("paths", [
+    ("pipeline",),  # the loss broadcast of the stages without a loss, the stages' sends, clip, save_pretrained
+    ("replicas", "generate", "moe"),
+])
+def test_autopar_hands_collectives_no_host_tensor(pool4, tmp_path, paths):
+    """Catches a tensor autopar makes on the host for a collective, which NCCL refuses on a GPU node (the
+    pipeline's loss broadcast did: `torch.zeros(())`): pipeline training, evaluation, clipping and saving;
+    replicated and sharded replicas; generation; a mixture of experts, every rank under the audit."""
+    from tests.checks_audit import audited
+
+    for rank, r in enumerate(pool4.run(audited, paths, str(tmp_path))):
+        assert r == {p: [] for p in paths}, (rank, r)

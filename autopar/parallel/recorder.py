@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.overrides import TorchFunctionMode
 
 from autopar.errors import UsageError
+from autopar.program.audit import PROCESS_GROUP_METHODS as _METHODS
 from passes.compat import TorchDispatchMode, custom_op_body, is_fake, pytree, static_pipeline_warmup, storage_key
 from passes.cost.profile import ATTENTION as _ATTENTION
 from passes.nodes import source_line
@@ -24,13 +25,6 @@ from passes.ops.comm import current_tag
 
 __all__ = ["Collective", "EagerOps", "Recorder", "model_lines", "train_step"]
 
-# the ProcessGroup methods torch.distributed's functions call (torch 2.13; 2.11's single-tensor gather and
-# scatter call the `_base` ones), each recorded as it is called
-_METHODS = ("broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgather", "allgather_coalesced",
-            "all_gather_single", "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
-            "reduce_scatter_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
-            "send", "recv", "barrier", "_allgather_base", "_reduce_scatter_base", "allgather_into_tensor_coalesced",
-            "reduce_scatter_tensor_coalesced")
 _OWN = (os.sep + "autopar" + os.sep, os.sep + "passes" + os.sep)
 
 
