@@ -23,18 +23,10 @@ import torch.multiprocessing as mp
 from autopar.launch import free_port, init_local
 
 
-def _pin(rank: int) -> None:
-    """Each rank on one core (rank mod cores): ranks outnumber cores here, and left to the scheduler they
-    migrate between the cores at every wait; pinned, the parity tests ran 13-17% faster on 2 cores."""
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
-
-
 def _worker(rank, world, port, inbox, outbox, parent, stacks):
     # kept open for the process's life: faulthandler writes to its descriptor from a signal handler
     dump = open(stacks, "w")
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
-    _pin(rank)
     init_local(rank, world, port)
     while True:
         try:
@@ -55,7 +47,6 @@ def _worker(rank, world, port, inbox, outbox, parent, stacks):
 def _fresh_worker(fn, stacks, rank, world, port, *args):
     dump = open(stacks, "w")  # kept open: faulthandler writes to its descriptor from a signal handler
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
-    _pin(rank)
     fn(rank, world, port, *args)
 
 
