@@ -155,14 +155,14 @@ def static_pipeline_warmup():
     result travels from the last stage back to the first), as a run whose every stage was given its
     input and output shapes takes it; returns the function that undoes it. For `autopar.dry_run`, which
     simulates the stages one at a time, so that no vote's answer reaches the first (the vote's tensors real,
-when the step runs on fake ones). Through
-    torch.distributed.pipelining.schedules._PipelineSchedule._warmup_p2p and stage.InferenceMode
-    (private). Checked on 2.13.0. If they move: a dry run of pipeline stages fails at the first step."""
-    from torch.distributed.pipelining import schedules
-    from torch.distributed.pipelining.stage import InferenceMode
+    when the step runs on fake ones). Through schedules._PipelineSchedule._warmup_p2p and stage.InferenceMode
+    (private; 2.11 has neither, nor the vote: nothing to do). Checked on 2.13.0 and 2.11.0."""
+    from torch.distributed.pipelining import schedules, stage as stage_module
 
     base = schedules._PipelineSchedule
-    orig = base._warmup_p2p
+    orig, InferenceMode = getattr(base, "_warmup_p2p", None), getattr(stage_module, "InferenceMode", None)
+    if orig is None or InferenceMode is None:
+        return lambda: None
 
     def warmup(self, stages, has_backward, p2p_done):
         with real_tensors():  # its vote tensors real inside a fake step: the vote reads them on the host

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.errors import AutoparError, PlanWarning, UnsupportedError, UsageError
+from autopar.errors import AutoparError, PlanWarning, TorchVersionError, UnsupportedError, UsageError
 from autopar.parallel.clip import clip_grad_norm
 from autopar.parallel.module import save_pretrained_extension, set_path
 from autopar.parallel.sharded import is_sharded, shard_replicas
@@ -323,6 +323,12 @@ def pipeline_parallelize(model: nn.Module, spec, example_inputs: tuple, example_
     """`parallelize(..., pipeline=...)`: this rank's stages of `spec` (`autopar.program.spec.ParallelSpec`),
     parallelized on its grid (its groups built with `timeout`, a timedelta, as parallelize builds a grid's)."""
     grid, pipe_opts, dp = spec.grid, spec.pipeline, spec.dp
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+        raise TorchVersionError(
+            f"autopar pipelines need torch >= 2.13 (this is {torch.__version__}): torch 2.11's PipelineStage asks "
+            f"for gradients of every tensor crossing a stage boundary, integer masks and position ids included, "
+            f"and fails ('only Tensors of floating point dtype can require gradients'; 2.12 not checked). Upgrade "
+            f"torch, or parallelize without pipeline= (tensor parallelism and replicas run on 2.11)")
     need, world = spec.world, dist.get_world_size()
     if need != world:
         raise UsageError(f"{pipe_opts.stages} pipeline stages of grid={tuple(grid)} needs {need} processes but the "
