@@ -25,7 +25,6 @@ class Replicas:
     """One replica: nothing to gather before a program, nothing to average after it. The base of the modes
     (each overrides what its replicas do)."""
 
-    mode = "none"
 
     def __init__(self, grid, options):
         self.grid, self.options = grid, options
@@ -65,7 +64,6 @@ class Replicas:
 class Replicated(Replicas):
     """grid=(dp, R, C), data_parallel='replicate' (see the module docstring)."""
 
-    mode = "replicate"
 
     def step(self, comp, pmodel, blocks: dict) -> StepBuckets | None:
         """The parameter blocks in `blocks` (name -> block) replaced by their bucketed twins, whose gradients

@@ -56,7 +56,6 @@ class Sharded(Replicas):
     """The shard mode's state of one ParallelModule (`pmodel.replicas` once `shard_replicas` ran): what
     FSDP2 was given and the programs rewritten for its units."""
 
-    mode = "shard"
 
     def __init__(self, pmodel, blocks: dict, units: tuple):
         super().__init__(pmodel.grid, pmodel.options)

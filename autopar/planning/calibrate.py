@@ -165,17 +165,15 @@ def model_shapes(model, seq: int, batch: int = 1) -> tuple:
     return tuple(dict.fromkeys((batch * m, k, n) for m, k, n in (*prof.block.mm, *prof.outer.mm)))
 
 
-def matmul_rates(repeats: int, device, timed, dtype: str, shapes) -> dict:
-    """Each product of `shapes` timed in `dtype` ('fp32', 'bf16', 'fp16'): per shape its seconds and FLOP/s,
-    and the rate of all of them together (their FLOPs over their seconds: what the model's products reach
-    one after another). On CUDA, whether fp32 products may use TF32 (`torch.backends.cuda.matmul.allow_tf32`)."""
-    rows, flops, seconds = [], 0, 0.0
-    for m, k, n in shapes:
-        sec = matmul_seconds(repeats, device, timed, dtype=DTYPES[dtype], shape=(m, k, n))
-        rows.append({"m": m, "k": k, "n": n, "seconds": sec, "flops_per_s": 2 * m * k * n / sec})
-        flops, seconds = flops + 2 * m * k * n, seconds + sec
+def matmul_rates(dtype: str, shapes, seconds: list, device) -> dict:
+    """The products `shapes` timed in `dtype` ('fp32', 'bf16', 'fp16') at `seconds` each: per shape its seconds
+    and FLOP/s, and the rate of all of them together (their FLOPs over their seconds: what the model's products
+    reach one after another). On CUDA, whether fp32 products may use TF32 (`torch.backends.cuda.matmul.allow_tf32`)."""
+    rows = [{"m": m, "k": k, "n": n, "seconds": sec, "flops_per_s": 2 * m * k * n / sec}
+            for (m, k, n), sec in zip(shapes, seconds)]
     tf32 = bool(torch.backends.cuda.matmul.allow_tf32) if torch.device(device).type == "cuda" else None
-    return {"dtype": dtype, "tf32": tf32, "shapes": rows, "flops_per_s": flops / seconds}
+    return {"dtype": dtype, "tf32": tf32, "shapes": rows,
+            "flops_per_s": sum(2 * m * k * n for m, k, n in shapes) / sum(seconds)}
 
 
 def memory_seconds(repeats: int, device, timed, n: int = 1 << 22) -> tuple:
@@ -256,11 +254,9 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5, dtype: str | N
     dtype = dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise UsageError(f"calibrate: dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-    rates = matmul_rates(repeats, device, timed, dtype, shapes or ((MATMUL_N,) * 3,))
-    slow = _slowest([r["seconds"] for r in rates["shapes"]], device)  # each shape's slowest rank
-    for row, sec in zip(rates["shapes"], slow):
-        row.update(seconds=sec, flops_per_s=2 * row["m"] * row["k"] * row["n"] / sec)
-    rates["flops_per_s"] = sum(2 * r["m"] * r["k"] * r["n"] for r in rates["shapes"]) / sum(slow)
+    shapes = tuple(shapes or ((MATMUL_N,) * 3,))
+    mine = [matmul_seconds(repeats, device, timed, dtype=DTYPES[dtype], shape=shape) for shape in shapes]
+    rates = matmul_rates(dtype, shapes, _slowest(mine, device), device)  # each shape's slowest rank
     rates["peak_flops"] = peak_flops
     rates["peak_fraction"] = rates["flops_per_s"] / peak_flops if peak_flops else None
     mem_s, mem_bytes = memory_seconds(repeats, device, timed)

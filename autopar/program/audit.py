@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from passes.compat import pytree
 
-__all__ = ["PROCESS_GROUP_METHODS", "DeviceAudit", "Finding", "audit_devices"]
+__all__ = ["PROCESS_GROUP_METHODS", "DeviceAudit", "Finding", "audit_devices", "package_dirs"]
 
 # the ProcessGroup methods torch.distributed's functions call (torch 2.13; 2.11's single-tensor gather and
 # scatter call the `_base` ones)
@@ -49,7 +49,8 @@ _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, to
 _TORCH = os.sep + "torch" + os.sep
 
 
-def _package_dirs() -> tuple:
+def package_dirs() -> tuple:
+    """The source folders of autopar's own code: `autopar/` and `passes/`."""
     import passes
 
     return (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
@@ -78,7 +79,7 @@ class DeviceAudit(TorchFunctionMode):
 
     def __init__(self, roots: tuple = ()):
         super().__init__()
-        self.roots = _package_dirs() + tuple(roots)
+        self.roots = package_dirs() + tuple(roots)
         self.findings: list = []
         self._made: dict = {}  # id(tensor) -> (weakref, the line that made it on the host)
         self._saved: dict = {}

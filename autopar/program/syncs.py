@@ -26,7 +26,7 @@ import sys
 import torch
 
 from passes.ops.verdicts import VERDICTS, is_host_buffer
-from passes.ops.verdicts import __file__ as VERDICTS_FILE
+from autopar.program.audit import package_dirs
 
 __all__ = ["SyncCount", "count_host_syncs", "flush_checks"]
 
@@ -34,7 +34,7 @@ __all__ = ["SyncCount", "count_host_syncs", "flush_checks"]
 _READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 _SHAPED = ("nonzero", "masked_select", "unique", "unique_consecutive")
 _TORCH = os.sep + "torch" + os.sep
-_OWN = tuple(os.path.dirname(os.path.dirname(p)) + os.sep for p in (__file__, VERDICTS_FILE))  # autopar/, passes/
+_OWN = package_dirs()  # autopar/, passes/
 
 
 class SyncCount:

@@ -90,7 +90,7 @@ def summary(model: dict) -> str:
     for row in mm.get("shapes", []) if len(mm.get("shapes", [])) > 1 else []:
         lines.append(f"    {row['m']}x{row['k']}x{row['n']}: {row['flops_per_s'] / 1e9:.1f} GFLOP/s")
     if mm.get("peak_fraction") is not None:
-        lines.append(f"  {mm['peak_fraction']:.1%} of the preset's dense peak ({mm['peak_flops'] / 1e12:.1f} TFLOP/s)")
+        lines.append(f"  {mm['peak_fraction']:.2%} of the preset's dense peak ({mm['peak_flops'] / 1e12:.1f} TFLOP/s)")
     return "\n".join(lines)
 
 
