@@ -228,3 +228,39 @@ def host_syncs(rank):
     own = _data(cfg, 4, 8, seed=100 + rank)
     out["late own batch"] = (_err(lambda: pm(*own)), _err(lambda: pm(ids, tgt)))
     return out
+
+
+def skips_one_broadcast(rank, world, port, outdir):
+    """Run as a fresh process group with timeout=3: after one good step, rank 3 skips the third SUMMA
+    broadcast of its second step's forward (as a rank whose program took another branch would), then every
+    rank goes on stepping. Each rank writes the error it got, how long after the bad step began, and the
+    error's text."""
+    from autopar.launch import init_local
+    from passes.ops import comm
+
+    init_local(rank, world, port)
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=1)
+    ids, tgt = _data(cfg, 4, 8)
+    torch.distributed.barrier()  # start together: groups built with timeout=3 also connect within 3 s
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=3, lowering="broadcast")
+    pm(ids, tgt)[1].backward()
+    if rank == 3:
+        real, seen = comm.broadcast, []
+
+        def skipping(*args, **kwargs):
+            seen.append(1)
+            return None if len(seen) == 3 else real(*args, **kwargs)  # None: nothing to wait for
+
+        comm.broadcast = skipping
+    start = time.time()
+
+    def steps():
+        for _ in range(4):
+            pm(ids, tgt)[1].backward()
+
+    kind, msg = _err(steps)
+    with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{kind}\n{time.time() - start:.1f}\n{msg}")
+    time.sleep(3)  # rank 0 hosts the store here: it stays up for the slower ranks' reports, as torchrun's does
+    os._exit(0)

@@ -124,3 +124,23 @@ def test_replicas_with_timeout(pool4):
     for rank, errs in enumerate(pool4.run(C.replicas_with_timeout)):
         bad = {k: v for k, v in errs.items() if not v <= 1}
         assert not bad, (rank, bad)
+
+
+def test_a_skipped_collective_is_named_by_every_rank(tmp_path, monkeypatch):
+    """Rank 3 skips one broadcast of a step (timeout=3). Every rank's CollectiveError carries the hang
+    diagnosis within 10 s of the step's start: the reports it heard, the first call number at which the
+    members of one group disagree -- naming rank 3 and the graph node -- and where each rank waits."""
+    monkeypatch.setenv("AUTOPAR_FLIGHT_DIR", str(tmp_path))  # inherited by the spawned ranks
+    hung = spawn_fresh(C.skips_one_broadcast, 4, str(tmp_path)).join(timeout=90)
+    assert not hung, hung
+    for rank in range(4):
+        kind, secs, msg = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 2)
+        assert kind == "CollectiveError", (rank, kind, msg)
+        assert float(secs) < 10, (rank, secs, msg)
+        assert "hang diagnosis: " in msg and "first disagreement: " in msg, (rank, msg)
+        first = msg.split("first disagreement: ", 1)[1].split("\n  rank", 1)[0]
+        detail = msg.split("first disagreement: ", 1)[1]
+        assert "rank 3 issued broadcast" in detail or "rank 3 has issued only" in detail, (rank, msg)
+        assert "call #" in first, (rank, first)
+        assert f"rank {rank} waits " in msg, (rank, msg)
+        assert (tmp_path / f"autopar-flight-rank{rank}.json").exists(), rank

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from passes.compat import all_gather_single, reduce_scatter_single
 from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_bytes, reduce_scatter_bytes
 from passes.layout import chunk_range
+from passes.ops import flight
 from passes.mesh import Grid
 from passes.errors import CollectiveError
 
@@ -34,25 +36,43 @@ def current_tag() -> str | None:
 
 
 @contextlib.contextmanager
-def guarded(grid: Grid, what: str, axis, tag: str):
-    """Turn a backend failure into an error that says which collective, where, and what it means."""
+def guarded(grid: Grid, what: str, axis, tag: str, tensor: torch.Tensor | None = None, waiting: bool = False):
+    """Turn a backend failure into an error that says which collective, where, and what it means, with the
+    hang diagnosis of `passes.ops.flight` (which notes every call made inside this: `tensor`, the one it
+    moves, for its shape and dtype; `waiting`, a wait for a collective launched before)."""
     _TAGS.append(tag)
+    call = flight.record(grid, what, axis, tag, tensor, waiting)
     try:
         yield
     except CollectiveError:
+        call.state = "failed"
         raise
     except RuntimeError as e:
         if not _from_backend(e):  # a local error (autograd, shapes) is not a peer's failure: say it as is
+            call.state = "failed"
             raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
+        diagnosis = flight.diagnose(call, _window_s(grid))
+        call.state = "failed"
         raise CollectiveError(
             f"autopar: {what} over mesh axis {axis} for {tag!r} failed on rank {grid.rank} "
             f"(grid position r={grid.r}, c={grid.c}): {first}\n  A peer rank has probably exited, crashed or "
             f"stopped calling the model (ranks must run the same steps); look at the other ranks' logs. "
             f"parallelize(..., timeout=seconds) bounds how long a stuck collective waits."
+            + (f"\n  {diagnosis}" if diagnosis else "")
         ) from e
+    else:
+        call.state = "done"
     finally:
         _TAGS.pop()
+
+
+def _window_s(grid: Grid) -> float:
+    """How long before this failure another rank's report can have been written and still belong to it: the
+    grid's collective timeout (at most 10 minutes), and the wait for reports."""
+    timeout = getattr(grid, "timeout", None)
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 60.0
+    return min(seconds, 600.0) + 2 * flight.REPORT_WAIT_S
 
 
 _BACKEND_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "abort", "store")
@@ -65,7 +85,7 @@ def _from_backend(e: RuntimeError) -> bool:
 
 
 def wait(work, grid: Grid, what: str, axis, tag: str) -> None:
-    with guarded(grid, what, axis, tag):
+    with guarded(grid, what, axis, tag, waiting=True):
         work.wait()
 
 
@@ -97,7 +117,7 @@ def broadcast(grid: Grid, axis: int, t: torch.Tensor, src: int, tag: str, phase:
     if grid.index(axis) != src:
         grid.log.add(tag, phase, broadcast_bytes(tensor_bytes(t)))
     grid.log.launch(tag, phase)
-    with guarded(grid, "broadcast", axis, tag):
+    with guarded(grid, "broadcast", axis, tag, t):
         return dist.broadcast(t, src=grid.global_rank(axis, src), group=grid.group(axis), async_op=async_op)
 
 
@@ -106,7 +126,7 @@ def reduce(grid: Grid, axis: int, t: torch.Tensor, dst: int, tag: str, phase: st
     if grid.index(axis) == dst:
         grid.log.add(tag, phase, reduce_bytes(tensor_bytes(t), grid.size(axis)))
     grid.log.launch(tag, phase)
-    with guarded(grid, "reduce", axis, tag):
+    with guarded(grid, "reduce", axis, tag, t):
         return dist.reduce(t, dst=grid.global_rank(axis, dst), group=grid.group(axis), async_op=async_op)
 
 
@@ -158,7 +178,7 @@ def run_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, p
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((grid.size(axis) * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     _count(grid, tag, phase, all_gather_bytes(tensor_bytes(t), grid.size(axis)), received)
-    with guarded(grid, "all-gather", axis, tag):
+    with guarded(grid, "all-gather", axis, tag, moved):
         all_gather_single(out, moved, group=grid.group(axis))
     return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
 
@@ -214,7 +234,7 @@ def _launch_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // grid.size(axis),) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     _count(grid, tag, phase, reduce_scatter_bytes(tensor_bytes(t), grid.size(axis)), received)
-    with guarded(grid, "reduce-scatter", axis, tag):
+    with guarded(grid, "reduce-scatter", axis, tag, moved):
         work = reduce_scatter_single(out, moved, group=grid.group(axis), async_op=async_op)
     works = [(work, "reduce-scatter", axis)] if async_op else []
     return Posted(grid, tag, works, lambda: out.movedim(0, dim).contiguous(), (moved, out))
@@ -249,7 +269,7 @@ def run_all_reduce(grid: Grid, axis: int, t: torch.Tensor, tag: str, phase: str,
     t = t.clone(memory_format=torch.contiguous_format)
     grid.log.add(tag, phase, all_reduce_bytes(tensor_bytes(t), grid.size(axis)))
     grid.log.launch(tag, phase)
-    with guarded(grid, "all-reduce", axis, tag):
+    with guarded(grid, "all-reduce", axis, tag, t):
         dist.all_reduce(t, op=REDUCE_OPS[op], group=grid.group(axis))
     return t
 
