@@ -1,7 +1,7 @@
 """A flight recorder of this process's collectives, and the hang diagnosis built on it.
 
 Every collective autopar issues passes through `passes.ops.comm.guarded`, which notes it here: a bounded
-ring buffer (`FLIGHT_CALLS` entries, 2,000 by default: `AUTOPAR_FLIGHT_CALLS`) of `Call`s, each with its
+ring buffer (`FLIGHT_CALLS` entries, 2,000 by default: `AUTOPAR_FLIGHT_CALLS`; 0 turns it off) of `Call`s, each with its
 number among the calls on its process group (`seq`), the operation, the group (its global ranks and the
 mesh axis it spans), the tensor's shape and dtype, the graph node or other CommLog tag it was issued for,
 and whether it is in progress, done or failed. A wait for an asynchronous collective is noted as a call of
@@ -84,6 +84,8 @@ class Flight:
         self.counts: dict = {}  # (group name, members) -> calls issued on it
 
     def record(self, op: str, group: str, members, tensor=None, node: str = "", waiting: bool = False) -> Call:
+        if self.calls.maxlen == 0:  # AUTOPAR_FLIGHT_CALLS=0: the recorder is off
+            return Call(None, op, group, members, None, None, node)
         shape = tuple(tensor.shape) if tensor is not None else None
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
         if waiting:  # the launch it waits for (a few calls back at most) gives its number and shape
