@@ -30,6 +30,11 @@ if _OWN_CACHE:
 # build for it fails the compiled tests instead of falling back quietly. A value the caller set is kept.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
+# A rank whose collective fails waits up to AUTOPAR_FLIGHT_WAIT s for its peers' hang reports
+# (`passes.ops.flight`); the checks that kill or freeze a rank on purpose would each wait out its 5 s for the
+# silent one. 1 s here; the test of the diagnosis itself sets 5.
+os.environ.setdefault("AUTOPAR_FLIGHT_WAIT", "1")
+
 _pools: dict = {}  # world -> live pool, least recently used first
 # Idle ranks cost memory (~0.4 GB each), not CPU: the 4-rank pool most tests use stays up while a
 # file alternates it with a 6- or 9-rank grid, instead of paying a fresh start (8-20 s) per switch.

@@ -131,6 +131,7 @@ def test_a_skipped_collective_is_named_by_every_rank(tmp_path, monkeypatch):
     diagnosis within 10 s of the step's start: the reports it heard, the first call number at which the
     members of one group disagree -- naming rank 3 and the graph node -- and where each rank waits."""
     monkeypatch.setenv("AUTOPAR_FLIGHT_DIR", str(tmp_path))  # inherited by the spawned ranks
+    monkeypatch.setenv("AUTOPAR_FLIGHT_WAIT", "5")  # the library's default (the suite's is 1 s)
     hung = spawn_fresh(C.skips_one_broadcast, 4, str(tmp_path)).join(timeout=90)
     assert not hung, hung
     for rank in range(4):
