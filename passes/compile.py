@@ -19,6 +19,7 @@ outputs and the fallbacks it runs. `autopar.program.build` captures a model's ca
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 
@@ -28,7 +29,7 @@ from passes.cost.model import CostModel
 from passes.errors import FallbackWarning, MemoryLimitError
 from passes.mesh import Grid, warn
 from passes.meta import LAYOUT
-from passes.nodes import arg
+from passes.nodes import arg, module_path
 from passes.options import Options
 from passes.search import strategy as strategies
 from passes.search.lowering import fixed_estimate, pick_lowerings
@@ -139,7 +140,15 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
         mode, only = "blocks", set(chosen.recompute_blocks)
     if mode:
         flat, gm = gm, recompute(gm, grid, mode, only)
+    grid.places = MappingProxyType({**grid.places, **_places(flat if flat is not None else gm)})
     return Compiled(gm, cap, outs, prop.fallbacks, random, chosen, sharding, key, flat), prop.param_layouts
+
+
+def _places(gm) -> dict:
+    """Each op node's module path, for the hang diagnosis (`passes.ops.flight`): its collectives' tags are
+    these node names."""
+    return {n.name: path for n in gm.graph.nodes
+            if n.op in ("call_function", "call_module") and (path := module_path(n))}
 
 
 def _data_parallel(options: Options) -> str | None:

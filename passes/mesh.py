@@ -18,7 +18,9 @@ import contextlib
 import itertools
 import warnings
 import weakref
+from types import MappingProxyType
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -157,6 +159,9 @@ class Grid:
     # waits for it after (`passes.ops.overlap`); False: one after the other. A compiled program keeps
     # the value it was traced with.
     overlap_grad_reduce: bool = True
+    # graph node -> the module it came from ('model.layers.3.mlp.up_proj'), of the programs compiled on this
+    # grid: the hang diagnosis names it (`passes.ops.flight`); replaced, never changed in place
+    places: Mapping[str, str] = MappingProxyType({})
 
     def __init__(self, rows: int, cols: int, dp: int = 1, device_type: str = "cpu", timeout=None, stages: int = 1):
         shape = f"({dp}, {rows}, {cols})" if dp > 1 else f"({rows}, {cols})"

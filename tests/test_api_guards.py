@@ -1,6 +1,8 @@
 """Guards of parallelize and of a call: nothing hangs, nothing silently wrong."""
 
 
+import re
+
 import pytest
 
 from tests.dist_pool import spawn_fresh
@@ -143,5 +145,8 @@ def test_a_skipped_collective_is_named_by_every_rank(tmp_path, monkeypatch):
         detail = msg.split("first disagreement: ", 1)[1]
         assert "rank 3 issued broadcast" in detail or "rank 3 has issued only" in detail, (rank, msg)
         assert "call #" in first, (rank, first)
+        # the graph node and the model's module it came from
+        assert re.search(r"rank 3 issued broadcast \[\d+, \d+\] float32 for 'linear\w*' \([\w.]+\)", detail) or \
+            "rank 3 has issued only" in detail, (rank, detail)
         assert f"rank {rank} waits " in msg, (rank, msg)
         assert (tmp_path / f"autopar-flight-rank{rank}.json").exists(), rank

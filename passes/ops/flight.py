@@ -16,7 +16,8 @@ reporter is blocked in -- for up to `REPORT_WAIT_S` seconds, and says:
 - which ranks did not report (they are not inside one of autopar's collectives: running other code, stuck
   in the user's code, or gone);
 - the first disagreement: on which group, at which call number, one member issued something other than
-  another (op, shape, dtype, root or graph node), or had not issued it at all;
+  another (op, shape, dtype or graph node, with the module the node came from: `Grid.places`), or had not
+  issued it at all;
 - where every reporting rank is blocked (op, call number, group, graph node).
 
 Nothing here reads a tensor's values or synchronises the device: a record is a few Python values per call.
@@ -47,23 +48,27 @@ class Call:
     """One collective (or a wait for one) this process issued. `seq`: its number among the calls on its
     group, from 1 (None for a wait); `state`: 'in progress', 'done' or 'failed'."""
 
-    __slots__ = ("seq", "op", "group", "members", "shape", "dtype", "node", "state", "time", "waiting")
+    __slots__ = ("seq", "op", "group", "members", "shape", "dtype", "node", "state", "time", "waiting", "place")
 
-    def __init__(self, seq, op, group, members, shape, dtype, node):
+    def __init__(self, seq, op, group, members, shape, dtype, node, place=""):
         self.seq, self.op, self.group, self.members = seq, op, group, members
-        self.shape, self.dtype, self.node = shape, dtype, node
+        self.shape, self.dtype, self.node, self.place = shape, dtype, node, place
         self.state, self.time, self.waiting = "in progress", time.time(), False
 
     def key(self) -> tuple:
         """What every member of the group must agree on at this call number."""
         return self.op, self.shape, self.dtype, self.node
 
+    def node_text(self) -> str:
+        """The graph node (or other tag) it was issued for, and the module that node came from."""
+        return f"{self.node!r}" + (f" ({self.place})" if self.place else "")
+
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
 
     def __str__(self) -> str:
         what = self.op if self.seq is None else f"{self.op} #{self.seq}"
-        return f"{what}{self.tensor_text()} on {_group_text(self.group, self.members)} for {self.node!r}"
+        return f"{what}{self.tensor_text()} on {_group_text(self.group, self.members)} for {self.node_text()}"
 
     def tensor_text(self) -> str:
         return f" {list(self.shape)} {self.dtype}" if self.shape is not None else ""
@@ -83,7 +88,8 @@ class Flight:
         self.calls: collections.deque = collections.deque(maxlen=size)
         self.counts: dict = {}  # (group name, members) -> calls issued on it
 
-    def record(self, op: str, group: str, members, tensor=None, node: str = "", waiting: bool = False) -> Call:
+    def record(self, op: str, group: str, members, tensor=None, node: str = "", waiting: bool = False,
+               place: str = "") -> Call:
         if self.calls.maxlen == 0:  # AUTOPAR_FLIGHT_CALLS=0: the recorder is off
             return Call(None, op, group, members, None, None, node)
         shape = tuple(tensor.shape) if tensor is not None else None
@@ -96,12 +102,12 @@ class Flight:
                 if c.seq is not None and c.op == op and c.members == members and c.node == node:
                     seq, shape, dtype = c.seq, c.shape, c.dtype
                     break
-            call = Call(seq, "wait for " + op, group, members, shape, dtype, node)
+            call = Call(seq, "wait for " + op, group, members, shape, dtype, node, place)
             call.waiting = True
         else:
             k = (group, members)
             seq = self.counts[k] = self.counts.get(k, 0) + 1
-            call = Call(seq, op, group, members, shape, dtype, str(node))
+            call = Call(seq, op, group, members, shape, dtype, str(node), place)
         self.calls.append(call)
         return call
 
@@ -144,7 +150,7 @@ def members_of(grid, axis):
 def record(grid, what: str, axis, tag: str, tensor=None, waiting: bool = False) -> Call:
     """Note a collective (or a wait for one) about to run over `axis` of `grid`."""
     name, members = members_of(grid, axis)
-    return FLIGHT.record(what, name, members, tensor, tag, waiting)
+    return FLIGHT.record(what, name, members, tensor, tag, waiting, getattr(grid, "places", {}).get(tag, ""))
 
 
 def _report_dir() -> str:
@@ -198,7 +204,7 @@ def _calls(report: dict) -> list:
 
 def _call_of(d: dict) -> Call:
     c = Call(d["seq"], d["op"], d["group"], tuple(d["members"]) if d["members"] else None,
-             tuple(d["shape"]) if d["shape"] is not None else None, d["dtype"], d["node"])
+             tuple(d["shape"]) if d["shape"] is not None else None, d["dtype"], d["node"], d.get("place", ""))
     c.state, c.time, c.waiting = d["state"], d["time"], d.get("waiting", False)
     return c
 
@@ -233,7 +239,7 @@ def _first_disagreement(reports: dict) -> str:
     lines = [f"first disagreement: {_group_text(name, members)}, call #{seq}:"]
     for r, c in issued.items():
         lines.append(f"  rank {r} has issued only {highs[r]} call(s) on this group" if c is None else
-                     f"  rank {r} issued {c.op}{c.tensor_text()} for {c.node!r}")
+                     f"  rank {r} issued {c.op}{c.tensor_text()} for {c.node_text()}")
     return "\n  ".join(lines)
 
 
