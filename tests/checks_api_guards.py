@@ -230,11 +230,11 @@ def host_syncs(rank):
     return out
 
 
-def skips_one_broadcast(rank, world, port, outdir):
-    """Run as a fresh process group with timeout=3: after one good step, rank 3 skips the third SUMMA
+def skips_one_broadcast(rank, world, port, outdir, timeout=3):
+    """Run as a fresh process group with `timeout`: after one good step, rank 3 skips the third SUMMA
     broadcast of its second step's forward (as a rank whose program took another branch would), then every
-    rank goes on stepping. Each rank writes the error it got, how long after the bad step began, and the
-    error's text."""
+    rank goes on stepping. Each rank writes when the bad step began (start<rank>.txt), then the error it got,
+    how long after the bad step began, and the error's text (rank<rank>.txt)."""
     from autopar.launch import init_local
     from passes.ops import comm
 
@@ -243,7 +243,8 @@ def skips_one_broadcast(rank, world, port, outdir):
     cfg = GPTConfig(layers=1)
     ids, tgt = _data(cfg, 4, 8)
     torch.distributed.barrier()  # start together: groups built with timeout=3 also connect within 3 s
-    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=3, lowering="broadcast")
+    pm = autopar.parallelize(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, tgt), timeout=timeout,
+                             lowering="broadcast")
     pm(ids, tgt)[1].backward()
     if rank == 3:
         real, seen = comm.broadcast, []
@@ -254,6 +255,8 @@ def skips_one_broadcast(rank, world, port, outdir):
 
         comm.broadcast = skipping
     start = time.time()
+    with open(os.path.join(outdir, f"start{rank}.txt"), "w") as f:
+        f.write(f"{start}")
 
     def steps():
         for _ in range(4):

@@ -2,6 +2,7 @@
 
 
 import re
+import time
 
 import pytest
 
@@ -118,6 +119,8 @@ def test_timeout_bounds_every_collective(tmp_path, what):
             assert kind not in ("None", ""), (rank, kind, msg)
         else:
             assert kind == "CollectiveError" and "failed on rank" in msg, (rank, kind, msg)
+            # the hang diagnosis: rank 3 sleeps outside any collective, so it cannot report
+            assert "hang diagnosis: " in msg and "rank(s) 3 did not report" in msg, (rank, msg)
 
 
 def test_replicas_with_timeout(pool4):
@@ -150,3 +153,27 @@ def test_a_skipped_collective_is_named_by_every_rank(tmp_path, monkeypatch):
             "rank 3 has issued only" in detail, (rank, detail)
         assert f"rank {rank} waits " in msg, (rank, msg)
         assert (tmp_path / f"autopar-flight-rank{rank}.json").exists(), rank
+
+
+def test_a_hang_is_diagnosed_while_it_waits(tmp_path, monkeypatch):
+    """With AUTOPAR_HANG_AFTER=2 and the collectives' own timeout at 60 s (NCCL's case: a timed-out
+    collective never raises there), each rank's watcher diagnoses the skipped broadcast while every rank
+    still waits, within 10 s of the bad step's start, into autopar-hang-rank<N>.txt."""
+    monkeypatch.setenv("AUTOPAR_FLIGHT_DIR", str(tmp_path))
+    monkeypatch.setenv("AUTOPAR_FLIGHT_WAIT", "5")
+    monkeypatch.setenv("AUTOPAR_HANG_AFTER", "2")
+    ranks = spawn_fresh(C.skips_one_broadcast, 4, str(tmp_path), 60)
+    files = [tmp_path / f"autopar-hang-rank{r}.txt" for r in range(4)]
+    deadline = time.time() + 60
+    while time.time() < deadline and not all(f.exists() and f.read_text().endswith("\n") for f in files):
+        time.sleep(0.5)
+    ranks.join(timeout=0.1)  # they still wait in their collectives: killed
+    for rank, f in enumerate(files):
+        assert f.exists(), f"rank {rank} wrote no diagnosis"
+        text = f.read_text()
+        began = float((tmp_path / f"start{rank}.txt").read_text())
+        assert f.stat().st_mtime - began < 10, (rank, f.stat().st_mtime - began, text)
+        assert not (tmp_path / f"rank{rank}.txt").exists(), rank  # no collective had failed yet
+        assert f"autopar: rank {rank} has waited " in text and "first disagreement: " in text, (rank, text)
+        detail = text.split("first disagreement: ", 1)[1]
+        assert "rank 3 issued broadcast" in detail or "rank 3 has issued only" in detail, (rank, text)

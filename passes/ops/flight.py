@@ -28,14 +28,20 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 import tempfile
+import threading
 import time
 
 import torch.distributed as dist
 
-__all__ = ["Call", "FLIGHT", "FLIGHT_CALLS", "REPORT_WAIT_S", "diagnose", "explain", "members_of", "record"]
+__all__ = ["Call", "FLIGHT", "FLIGHT_CALLS", "HANG_AFTER_S", "REPORT_WAIT_S", "diagnose", "explain", "members_of",
+           "record", "watch"]
 
 FLIGHT_CALLS = int(os.environ.get("AUTOPAR_FLIGHT_CALLS", "2000"))  # entries kept per process
+# a collective in progress for this many seconds is diagnosed by a watcher thread while it still waits (`watch`);
+# unset: only when the collective fails
+HANG_AFTER_S = float(os.environ.get("AUTOPAR_HANG_AFTER", "0")) or None
 REPORT_WAIT_S = float(os.environ.get("AUTOPAR_FLIGHT_WAIT", "5"))  # how long a failing rank waits for reports
 _KEY = "autopar/flight/{}"
 _SHOWN = 8  # ranks named per line of the diagnosis (the rest counted)
@@ -149,6 +155,8 @@ def members_of(grid, axis):
 
 def record(grid, what: str, axis, tag: str, tensor=None, waiting: bool = False) -> Call:
     """Note a collective (or a wait for one) about to run over `axis` of `grid`."""
+    if HANG_AFTER_S is not None and _WATCHER is None:
+        watch(HANG_AFTER_S)
     name, members = members_of(grid, axis)
     return FLIGHT.record(what, name, members, tensor, tag, waiting, getattr(grid, "places", {}).get(tag, ""))
 
@@ -273,3 +281,46 @@ def explain(call: Call, reports: dict, silent: set, path: str, waited_s: float) 
 
 def _ranks(ranks: list) -> str:
     return ", ".join(map(str, ranks[:_SHOWN])) + (f", ... ({len(ranks)} in all)" if len(ranks) > _SHOWN else "")
+
+
+_WATCHER: threading.Thread | None = None
+
+
+def watch(seconds: float) -> None:
+    """Start this process's watcher (once): a daemon thread that, when the innermost collective in progress
+    has waited `seconds`, diagnoses it (`diagnose`) while it still waits, and writes the text to stderr and to
+    `autopar-hang-rank<N>.txt` beside the buffer's file. It runs where a timed-out collective never raises in
+    Python (NCCL without TORCH_NCCL_BLOCKING_WAIT, whose watchdog aborts the process instead) and long before
+    the process group's own timeout (30 minutes by default). It is armed by the first collective of a compiled
+    program that completes (one whose graph node `Grid.places` knows), so start-up's waits (rank 0 searching
+    while the others wait for its choice) are not taken for hangs. Each stuck call is diagnosed once."""
+    global _WATCHER
+    if _WATCHER is not None:
+        return
+    _WATCHER = threading.Thread(target=_watch, args=(float(seconds),), name="autopar-flight-watcher", daemon=True)
+    _WATCHER.start()
+
+
+def _watch(seconds: float) -> None:
+    told: set = set()
+    armed = False
+    while True:
+        time.sleep(min(1.0, seconds / 4))
+        calls = list(FLIGHT.calls)  # one C-level copy under the GIL: the main thread appends meanwhile
+        armed = armed or any(c.place and c.state == "done" for c in calls)
+        blocked = [c for c in calls if c.state == "in progress"]
+        if not armed or not blocked or id(blocked[-1]) in told:
+            continue
+        call = blocked[-1]
+        if time.time() - call.time < seconds:
+            continue
+        told.add(id(call))
+        try:
+            text = diagnose(call, seconds + 2 * REPORT_WAIT_S)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            head = f"autopar: rank {rank} has waited {time.time() - call.time:.0f} s in {call}"
+            with open(os.path.join(_report_dir(), f"autopar-hang-rank{rank}.txt"), "w") as f:
+                f.write(head + "\n  " + text + "\n")
+            print(head + "\n  " + text, file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 (the watcher must never take the process down)
+            print(f"autopar: the hang watcher failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
