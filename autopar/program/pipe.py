@@ -22,7 +22,7 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, Sched
 from autopar.errors import UsageError
 from autopar.program.build import cache_off_kwargs, signature
 from autopar.program.memo import shared
-from passes.compat import detect_fake_mode, pytree
+from passes.compat import detect_fake_mode, no_stack_traces, pytree
 from passes.errors import CaptureError
 from passes.nodes import repeated_blocks
 
@@ -168,8 +168,9 @@ def _cut(model: nn.Module, points: tuple, args: tuple, kwargs: dict, n: int):
     # would then recurse, and the user's model would keep the wrapper; both restored after it
     mods = [model.get_submodule(p) for p in points]
     saved = [{k: m.__dict__[k] for k in ("forward", "_orig_forward") if k in m.__dict__} for m in mods]
-    try:
-        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec={p: SplitPoint.BEGINNING for p in points})
+    try:  # the cut's nodes are never named in a message (each stage is captured again, with its lines)
+        with no_stack_traces():
+            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec={p: SplitPoint.BEGINNING for p in points})
     except Exception as e:  # torch.export could not trace the model whole
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise CaptureError(f"pipeline=: torch.distributed.pipelining could not split the model at {list(points)} "
