@@ -172,7 +172,8 @@ def diagnose(call: Call, window_s: float) -> str:
     if not dist.is_initialized():
         return ""
     rank, start = dist.get_rank(), time.monotonic()
-    mine = {"rank": rank, "time": time.time(), "calls": [c.as_dict() for c in FLIGHT.calls]}
+    mine = {"rank": rank, "time": time.time(), "calls": [c.as_dict() for c in list(FLIGHT.calls)]}  # a copy:
+    # the watcher runs this in its own thread
     path = os.path.join(_report_dir(), f"autopar-flight-rank{rank}.json")
     try:
         with open(path, "w") as f:
