@@ -53,8 +53,7 @@ from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 
 from passes.errors import TorchVersionError
 
-__all__ = ["no_stack_traces",
-           "HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
+__all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
            "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys",
            "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
            "exit_autocast", "fake_deepcopy", "fake_store", "fake_tensor_mode", "real_tensors",
@@ -194,23 +193,6 @@ def fake_tensor_mode(allow_real: bool = False):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=allow_real)  # allow_real: real buffers beside fake parameters
-
-
-@contextlib.contextmanager
-def no_stack_traces():
-    """FX tracing (torch.export) inside it records no stack trace per node (torch.fx.config's
-    `do_not_emit_stack_traces`): for a trace whose nodes no message ever names. Checked on 2.13.0 and
-    2.11.0; where the switch is missing, traces keep their stack traces (slower, nothing else)."""
-    config = torch.fx.config
-    if not hasattr(config, "do_not_emit_stack_traces"):
-        yield
-        return
-    before = config.do_not_emit_stack_traces
-    config.do_not_emit_stack_traces = True
-    try:
-        yield
-    finally:
-        config.do_not_emit_stack_traces = before
 
 
 def fake_deepcopy(obj, mode):

@@ -22,7 +22,8 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, Sched
 from autopar.errors import UsageError
 from autopar.program.build import cache_off_kwargs, signature
 from autopar.program.memo import shared
-from passes.compat import detect_fake_mode, no_stack_traces, pytree
+from passes.capture.export import no_stack_traces
+from passes.compat import detect_fake_mode, pytree
 from passes.errors import CaptureError
 from passes.nodes import repeated_blocks
 

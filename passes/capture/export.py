@@ -200,3 +200,20 @@ def flatten_inputs(captured: Captured, args: tuple, kwargs: dict | None) -> list
             f"example_inputs / example_kwargs were given (same positions, same nesting)"
         )
     return flat
+
+
+@contextlib.contextmanager
+def no_stack_traces():
+    """FX tracing (torch.export) inside it records no stack trace per node (torch.fx.config's
+    `do_not_emit_stack_traces`): for a trace whose nodes no message ever names. Checked on 2.13.0; where
+    a torch lacks the switch, traces keep their stack traces (slower, nothing else)."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
