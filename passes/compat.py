@@ -54,15 +54,13 @@ from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 from passes.errors import TorchVersionError
 
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
-           "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys",
-           "all_gather_single", "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast",
-           "exit_autocast", "fake_deepcopy", "fake_store", "fake_tensor_mode", "real_tensors",
-           "static_pipeline_warmup", "storage_key", "custom_op_body",
-           "data_dependent_errors", "group_timeout",
-           "implicit_replication",
-           "in_backward", "in_torch_compile_call", "legacy_reduction", "parse_to",
-           "pytree", "reduce_scatter_single", "register_flattened_mesh", "register_ordered", "set_grad_enabled",
-           "set_version_counter", "keep_effect_order_in_inductor", "CACHEABLE_EFFECTS"]
+           "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys", "default_store", "all_gather_single", "call_spec",
+           "disable_torch_function_subclass", "dtensor_parts", "enter_autocast", "exit_autocast", "fake_deepcopy",
+           "fake_store", "fake_tensor_mode", "real_tensors", "static_pipeline_warmup", "storage_key", "custom_op_body",
+           "data_dependent_errors", "group_timeout", "implicit_replication", "in_backward", "in_torch_compile_call",
+           "legacy_reduction", "parse_to", "pytree", "reduce_scatter_single", "register_flattened_mesh",
+           "register_ordered", "set_grad_enabled", "set_version_counter", "keep_effect_order_in_inductor",
+           "CACHEABLE_EFFECTS"]
 
 # torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.capture.regions` inlines
 # no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
@@ -142,8 +140,7 @@ def custom_op_body(name: str):
 
 
 def data_dependent_errors() -> tuple:
-    """The errors fake tensors raise where a step reads a value (`.item()`, a data-dependent shape).
-    Checked on 2.13.0."""
+    """The errors fake tensors raise where a step reads a value (`.item()`, a data-dependent shape); 2.13.0."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -219,12 +216,15 @@ def is_fake(t) -> bool:
 def group_timeout(group, device_type: str):
     """The timeout `group` (a ProcessGroup) was created with, e.g. init_process_group(timeout=...), as a
     timedelta; None where torch does not say. Its backend keeps it in the private `options._timeout`.
-    Checked on 2.13.0 (gloo). If it moves: None, and the grid's groups get torch's default timeout
-    instead of the process group's."""
+    Checked on 2.13.0 (gloo). If it moves: None, and the grid's groups get torch's default timeout."""
     try:
         return group._get_backend(torch.device(device_type)).options._timeout
     except (AttributeError, RuntimeError, TypeError):
         return None
+
+
+# init_process_group's store, for the hang reports (`passes.ops.flight`; None: each rank's own). Checked on 2.13.0.
+default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
 
 
 def register_flattened_mesh(mesh, name: str, flat) -> None:

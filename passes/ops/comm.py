@@ -42,18 +42,17 @@ def guarded(grid: Grid, what: str, axis, tag: str, tensor: torch.Tensor | None =
     moves, for its shape and dtype; `waiting`, a wait for a collective launched before)."""
     _TAGS.append(tag)
     call = flight.record(grid, what, axis, tag, tensor, waiting)
+    done = False
     try:
         yield
+        done = True
     except CollectiveError:
-        call.state = "failed"
         raise
     except RuntimeError as e:
         if not _from_backend(e):  # a local error (autograd, shapes) is not a peer's failure: say it as is
-            call.state = "failed"
             raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        diagnosis = flight.diagnose(call, _window_s(grid))
-        call.state = "failed"
+        diagnosis = flight.diagnose(call, _window_s(grid))  # while the call still shows as in progress
         raise CollectiveError(
             f"autopar: {what} over mesh axis {axis} for {tag!r} failed on rank {grid.rank} "
             f"(grid position r={grid.r}, c={grid.c}): {first}\n  A peer rank has probably exited, crashed or "
@@ -61,9 +60,8 @@ def guarded(grid: Grid, what: str, axis, tag: str, tensor: torch.Tensor | None =
             f"parallelize(..., timeout=seconds) bounds how long a stuck collective waits."
             + (f"\n  {diagnosis}" if diagnosis else "")
         ) from e
-    else:
-        call.state = "done"
-    finally:
+    finally:  # whatever left the block (any exception too): no longer in progress, so never taken for a hang
+        call.state = "done" if done else "failed"
         _TAGS.pop()
 
 

@@ -35,6 +35,8 @@ import time
 
 import torch.distributed as dist
 
+from passes.compat import default_store
+
 __all__ = ["Call", "FLIGHT", "FLIGHT_CALLS", "HANG_AFTER_S", "REPORT_WAIT_S", "diagnose", "explain", "members_of",
            "record", "watch"]
 
@@ -96,8 +98,6 @@ class Flight:
 
     def record(self, op: str, group: str, members, tensor=None, node: str = "", waiting: bool = False,
                place: str = "") -> Call:
-        if self.calls.maxlen == 0:  # AUTOPAR_FLIGHT_CALLS=0: the recorder is off
-            return Call(None, op, group, members, None, None, node)
         shape = tuple(tensor.shape) if tensor is not None else None
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
         if waiting:  # the launch it waits for (a few calls back at most) gives its number and shape
@@ -116,10 +116,6 @@ class Flight:
             call = Call(seq, op, group, members, shape, dtype, str(node), place)
         self.calls.append(call)
         return call
-
-    def blocked(self) -> list:
-        """The calls still in progress, innermost last."""
-        return [c for c in self.calls if c.state == "in progress"]
 
 
 FLIGHT = Flight()
@@ -155,6 +151,8 @@ def members_of(grid, axis):
 
 def record(grid, what: str, axis, tag: str, tensor=None, waiting: bool = False) -> Call:
     """Note a collective (or a wait for one) about to run over `axis` of `grid`."""
+    if FLIGHT.calls.maxlen == 0:  # AUTOPAR_FLIGHT_CALLS=0: the recorder is off
+        return Call(None, what, "", None, None, None, tag)
     if HANG_AFTER_S is not None and _WATCHER is None:
         watch(HANG_AFTER_S)
     name, members = members_of(grid, axis)
@@ -181,10 +179,12 @@ def diagnose(call: Call, window_s: float) -> str:
     except OSError:
         path = ""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        if default_store is None:  # torch no longer offers it: only this rank's own view
+            raise LookupError("no default store")
+        store = default_store()
         store.set(_KEY.format(rank), json.dumps(mine))
     except Exception:  # the store's host is gone: only this rank's own view  # noqa: BLE001
-        return explain(call, {rank: mine}, set(), path, 0.0)
+        return explain({rank: mine}, set(), path, 0.0)
     reports = {rank: mine}
     want = set(call.members or range(dist.get_world_size()))
     oldest = mine["time"] - window_s
@@ -204,11 +204,11 @@ def diagnose(call: Call, window_s: float) -> str:
         if want <= reports.keys() or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
-    return explain(call, reports, want - reports.keys(), path, time.monotonic() - start)
+    return explain(reports, want - reports.keys(), path, time.monotonic() - start)
 
 
 def _calls(report: dict) -> list:
-    return [c if isinstance(c, Call) else _call_of(c) for c in report["calls"]]
+    return [_call_of(c) for c in report["calls"]]
 
 
 def _call_of(d: dict) -> Call:
@@ -252,7 +252,7 @@ def _first_disagreement(reports: dict) -> str:
     return "\n  ".join(lines)
 
 
-def explain(call: Call, reports: dict, silent: set, path: str, waited_s: float) -> str:
+def explain(reports: dict, silent: set, path: str, waited_s: float) -> str:
     """The diagnosis text from the reports gathered (`diagnose`)."""
     heard = sorted(reports)
     lines = [f"hang diagnosis: {len(heard)} rank(s) reported in {waited_s:.1f} s ({_ranks(heard)})"]
