@@ -20,6 +20,7 @@ _HOME = {
     "CompileWarning": "autopar.errors",
     "count_host_syncs": "autopar.program.syncs", "flush_checks": "autopar.program.syncs",
     "audit_devices": "autopar.program.audit",
+    "verify": "autopar.debug.verify", "VerifyReport": "autopar.debug.verify",
     "dry_run": "autopar.parallel.dry_run", "DryRunError": "autopar.parallel.dry_run",
     "estimate": "autopar.planning.estimate", "choose_plan": "autopar.planning.search",
     "max_batch": "autopar.planning.capacity", "AutoparError": "autopar.errors", "AutoparWarning": "autopar.errors",

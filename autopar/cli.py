@@ -10,93 +10,13 @@ example_kwargs).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import sys
 
+from autopar.cli_common import build_callable, build_hf, option_flag, parse_grid, parse_value
+
 # torch, transformers and autopar's modules are imported where a command needs them: `--help` and
 # argument errors answer in a fraction of a second instead of the seconds importing torch takes
-
-
-def _value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def build_hf(model_type: str, overrides: dict, batch: int, seq: int):
-    """A transformers model of `model_type` on the meta device, and one step's inputs."""
-    import torch
-    import transformers
-
-    import autopar
-
-    try:
-        config = transformers.AutoConfig.for_model(model_type)
-    except ValueError as e:
-        raise SystemExit(f"autopar inspect: unknown model type {model_type!r} ({e})") from None
-    bad = [k for k in overrides if not hasattr(config, k)]
-    if bad:
-        keys = sorted(k for k in config.to_dict() if not k.startswith("_"))
-        raise SystemExit(f"autopar inspect: {type(config).__name__} has no key(s) {bad}; valid keys: {', '.join(keys)}")
-    # built again from the overrides (not set afterwards): derived fields such as head_dim follow them
-    with _rejected(model_type, overrides):
-        config = transformers.AutoConfig.for_model(model_type, **overrides)
-    config.use_cache = False
-    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
-                 "AutoModelForImageClassification"):
-        cls = getattr(transformers, auto)
-        if type(config) in cls._model_mapping:
-            break
-    else:
-        raise SystemExit(f"autopar inspect: no LM or classification head for {type(config).__name__}")
-    with autopar.meta_init(), _rejected(model_type, overrides):
-        model = cls.from_config(config)
-    if auto == "AutoModelForImageClassification":
-        size = getattr(config, "image_size", 224)
-        kwargs = dict(pixel_values=torch.zeros(batch, getattr(config, "num_channels", 3), size, size),
-                      labels=torch.zeros(batch, dtype=torch.long))
-    else:
-        ids = torch.zeros(batch, seq, dtype=torch.long)
-        kwargs = dict(input_ids=ids, labels=ids)
-    return model, (), kwargs
-
-
-@contextlib.contextmanager
-def _rejected(model_type: str, overrides: dict):
-    """transformers' refusal of a config value (a ValueError from the config's validation or the
-    model's constructor, ~10 frames deep) as one line naming the values given and the reason."""
-    try:
-        yield
-    except Exception as e:  # huggingface_hub's validation error is no ValueError; its cause is
-        cause = e.__cause__ if e.__cause__ is not None else e
-        if not isinstance(cause, (ValueError, TypeError)):
-            raise
-        given = " ".join(f"--set {k}={json.dumps(v)}" for k, v in overrides.items()) or "the class defaults"
-        reason = " ".join(str(cause).split())
-        raise SystemExit(f"autopar inspect: {model_type} rejects {given}: {reason}") from None
-
-
-def build_callable(spec: str):
-    mod, _, fn = spec.partition(":")
-    out = getattr(importlib.import_module(mod), fn)()
-    model, args = out[0], out[1]
-    kwargs = out[2] if len(out) > 2 else None
-    return model, args if isinstance(args, tuple) else (args,), kwargs
-
-
-def parse_grid(text: str) -> tuple:
-    """'RxC' (e.g. 2x4): the grid syntax of every autopar command. As an argparse `type`, its
-    ArgumentTypeError becomes a usage error naming the flag."""
-    try:
-        r, c = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected RxC, e.g. 2x2 or 1x4") from None
-    if min(r, c) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: both R and C must be positive, e.g. 2x2 or 1x4")
-    return r, c
 
 
 def _inspect_grid(text: str):
@@ -167,7 +87,7 @@ def inspect_cmd(ns) -> int:
     import autopar
 
     overrides = dict(kv.split("=", 1) for kv in ns.set)
-    overrides = {k: _value(v) for k, v in overrides.items()}
+    overrides = {k: parse_value(v) for k, v in overrides.items()}
     if ns.max_batch:
         return max_batch_cmd(ns, overrides)
     if ":" in ns.model:
@@ -329,18 +249,6 @@ def parse_size(text: str):
     return n
 
 
-def _option_flag(parser, name: str, note: str, **differs) -> None:
-    """`--name` for the parallelize option `name`, from its declaration (`passes.options.OPTIONS`): its
-    string choices (None and False stay out, being the flag's absence) and its meaning; `note` and
-    `differs` say what the command line does otherwise (a unit, a default that follows another flag)."""
-    from passes.options import OPTION
-
-    declared = OPTION[name]
-    choices = [c for c in declared.choices if isinstance(c, str)] or None
-    flag = dict(choices=choices, default=declared.default, help=f"{declared.help} ({note})")
-    parser.add_argument("--" + name.replace("_", "-"), **{**flag, **differs})
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="2D tensor parallelism planner")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -354,14 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the grid, e.g. 8x8 or 2x4 (default 2x2); DxRxC for D data-parallel replicas of it (8x8x8); "
                         "'auto' picks the shape for --devices")
     p.add_argument("--devices", type=int, help="with --grid auto: the number of ranks to arrange")
-    _option_flag(p, "strategy", "default 2d; auto with --grid auto", default=None)
-    _option_flag(p, "data_parallel", "with a DxRxC grid")
+    option_flag(p, "strategy", "default 2d; auto with --grid auto", default=None)
+    option_flag(p, "data_parallel", "with a DxRxC grid")
     p.add_argument("--keep-after-forward", dest="reshard_after_forward", action="store_false",
                    help="with --data-parallel shard: keep each block's gathered parameters from its forward to its "
                         "backward (reshard_after_forward=False: one all-gather per block and step, not two)")
-    _option_flag(p, "cost_model", "JSON from `autopar calibrate`; default: published NVLink/InfiniBand figures",
+    option_flag(p, "cost_model", "JSON from `autopar calibrate`; default: published NVLink/InfiniBand figures",
                  metavar="FILE")
-    _option_flag(p, "memory_limit", "a size per rank: 80GiB, 500MB, or bytes; also --max-batch's limit",
+    option_flag(p, "memory_limit", "a size per rank: 80GiB, 500MB, or bytes; also --max-batch's limit",
                  type=parse_size, metavar="SIZE")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
@@ -370,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", choices=["1d"], help="also report Megatron-style 1D at the same p")
     p.add_argument("--sweep", type=int, metavar="N", help="compare all square grids and 1D with p <= N")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    _option_flag(p, "recompute", "", help="activation recomputation: 'blocks' (each repeated block run again in "
+    option_flag(p, "recompute", "", help="activation recomputation: 'blocks' (each repeated block run again in "
                  "backward) or 'selective' (the local ops between matmuls recomputed); without the flag, as "
                  "parallelize's default: none unless a memory limit asks")
     p.add_argument("--max-batch", action="store_true",
@@ -395,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     from autopar.cli_estimate import add_arguments as add_estimate_arguments
 
     add_estimate_arguments(sub)
+    from autopar.cli_verify import add_arguments as add_verify_arguments
+
+    add_verify_arguments(sub)
     p = sub.add_parser("calibrate", help="measure the alpha-beta communication model and matmul rate here")
     p.add_argument("--grid", nargs="+", required=True, metavar="RxC",
                    help="the grid to measure on, e.g. 2x2 (the older form `--grid 2 2` is read too)")
@@ -425,6 +336,10 @@ def main(argv=None) -> int:
         from autopar.cli_estimate import run
 
         return run(ns)
+    if ns.cmd == "verify":
+        from autopar.cli_verify import run as verify_run
+
+        return verify_run(ns)
     for kv in ns.set:
         if "=" not in kv:
             parser.error(f"--set {kv!r}: expected KEY=VALUE")

@@ -40,7 +40,7 @@ from passes.transforms.propagate import propagate
 from passes.transforms.recompute import recompute
 from passes.transforms.route_experts import route_experts
 
-__all__ = ["Compiled", "compile_captured"]
+__all__ = ["Compiled", "RANDOM_OPS", "compile_captured"]
 
 
 @dataclass
@@ -64,7 +64,8 @@ class Compiled:
         return self.flat if self.flat is not None else self.gm
 
 
-_RANDOM = {"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+RANDOM_OPS = {  # the aten ops that draw random numbers
+   "dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
            "feature_dropout", "alpha_dropout", "randint", "randint_like", "randperm", "uniform", "uniform_",
            "normal", "normal_", "exponential", "exponential_", "multinomial", "poisson", "rrelu",
            "rrelu_with_noise", "cauchy_", "geometric_", "log_normal_", "random_"}
@@ -75,7 +76,7 @@ def _draws_random(gm) -> bool:
         if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
             continue
         name = n.target.overloadpacket.__name__
-        if name in _RANDOM or (name == "scaled_dot_product_attention" and arg(n, 4, "dropout_p", 0.0)):
+        if name in RANDOM_OPS or (name == "scaled_dot_product_attention" and arg(n, 4, "dropout_p", 0.0)):
             return True
     return False
 

@@ -474,4 +474,15 @@ SLOW = {
     # the 64-rank pipeline dry run (17 s): the 8-rank one runs the same relay, stages and replicas
     "tests/test_dry_run.py::test_pipeline_stages_over_sharded_replicas[pp4-shard4-2x2]":
         "test_dry_run.py::test_pipeline_stages_over_sharded_replicas[pp2-shard2-1x2]",
+    # verify's sweep of clean programs (2 s each; compiled 58 s): the fast tier keeps the 2D grid and the
+    # pipeline (the two ways nodes are matched with the model's), the injected wrong rule and wrong backward
+    **{f"tests/test_verify.py::test_a_correct_program_matches_at_every_node[{case}]":
+       "test_verify.py::test_a_correct_program_matches_at_every_node[grid=(2, 2)] and "
+       "test_verify.py::test_a_wrong_rule_is_named_with_its_source_line"
+       for case in ("grid=(2, 2)-strategy=1d", "grid=(2, 2)-lowering=allgather", "grid=(2, 2)-lowering=ring",
+                    "grid=(2, 2)-recompute=blocks", "grid=(2, 1, 2)-data_parallel=shard", "grid=(2, 1, 2)",
+                    "grid=(2, 2)-compile=True")},
+    # the command line (14 s: its own 2 processes and a Llama): the same verify as the fast tier's
+    "tests/test_verify.py::test_command_line_exit_status":
+        "test_verify.py::test_a_correct_program_matches_at_every_node[grid=(2, 2)]",
 }

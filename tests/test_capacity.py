@@ -9,7 +9,7 @@ import pytest
 
 import autopar
 from autopar import cli
-from autopar.cli import build_hf
+from autopar.cli_common import build_hf
 from autopar.program.build import capture, resolve_cost_model
 from passes.search import strategy as S
 from passes.options import Options

@@ -34,7 +34,7 @@ LAYERS = [
     ("autopar.planning",),
     ("autopar.parallel",),
     ("autopar.checkpoint",),
-    ("autopar.hf",),
+    ("autopar.hf", "autopar.debug"),
     ("autopar",),
     ("autopar.bench",),
     ("autopar.cli",),

@@ -6,6 +6,8 @@ signature; `autopar.parallel.run` runs the programs."""
 
 from __future__ import annotations
 
+import contextlib
+
 import sys
 import types
 
@@ -237,6 +239,17 @@ class ParallelModule(nn.Module):
         """comp's graph on `locals_` (this rank's blocks and inputs, in `comp.captured.sources` order),
         with compile=True under torch.compile (compiled on first use): how `generate` runs its programs."""
         return self._runner(comp, locals_)
+
+    @contextlib.contextmanager
+    def observing(self, observer):
+        """Within: each eager call of a program runs as `observer(gm, args)` (which returns gm's outputs)
+        instead of `gm(*args)`; compiled programs run as they are. `autopar.debug.verify` records every
+        node's value this way."""
+        was, self._runner.observer = self._runner.observer, observer
+        try:
+            yield
+        finally:
+            self._runner.observer = was
 
     def _get(self, args, kwargs):
         return self._programs.get(args, kwargs, self.training, lambda name: self.get_parameter(name).shape)

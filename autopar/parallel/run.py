@@ -44,6 +44,9 @@ class Runner:
         self.stats: dict = {}  # signature -> CompileStats of its first compiled call (compile=True)
         self._callables: dict = {}  # (signature, compiled?) -> the callable running that program
         self._arrival_programs: dict = {}  # signature -> the eager program with its buckets' Arrive calls
+        # observer(gm, args) -> outputs runs each eager call instead of gm(*args) while set: how
+        # `autopar.debug.verify` reads every node's value (ParallelModule.observing)
+        self.observer = None
 
     def __call__(self, comp: Compiled, locals_: list, step: StepBuckets | None = None, compile: bool = False):
         """comp's graph on `locals_` (this rank's blocks and inputs, in `comp.captured.sources` order),
@@ -53,6 +56,10 @@ class Runner:
         same program, so all of them fail and fall back alike. `step`: the replicas' gradient buckets;
         an eager program then runs with their `Arrive` calls."""
         compile = compile or self.compile
+        if self.observer is not None and not compile:
+            if step is not None:
+                return self.observer(self._with_arrivals(comp, step), (*locals_, step))
+            return self.observer(comp.gm, tuple(locals_))
         key = (comp.signature, compile)
         runner = self._callables.get(key)
         if step is not None and runner is comp.gm:

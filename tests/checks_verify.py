@@ -1,0 +1,124 @@
+"""Rank-side checks of `autopar.verify`: bugs injected through the rule registry and into a collective's
+backward, each restored before the check returns (the pool's processes are reused)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+import autopar
+from models import GPTConfig, TinyGPT
+from passes.layout import REPLICATED
+from passes.ops import comm
+from passes.rules.registry import RULES, Strategy
+
+aten = torch.ops.aten
+
+
+class SoftMLP(nn.Module):
+    """A softmax over the hidden features between two linears: under 2D the features are split over the
+    grid's columns, so the softmax needs them whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.softmax(self.fc1(x), dim=-1)
+        return self.fc2(h)
+
+
+def _softmax_on_blocks(node, layouts, mesh):
+    """A wrong rule: the softmax run on each block as it is (a per-block normalisation)."""
+    x = node.args[0]
+    lay = layouts[x] or REPLICATED
+    return Strategy({x: lay}, lay)
+
+
+def _summary(report) -> dict:
+    d = report.divergence
+    return {"ok": report.ok, "text": str(report), "nodes": report.nodes,
+            "mismatched": sorted({f.category for f in report.mismatches}),
+            "worst": {k: f.error for k, f in report.worst().items()},
+            "divergence": None if d is None else {
+                "direction": d.direction, "node": d.node, "op": d.op, "source": d.source, "layout": d.layout,
+                "inputs": d.inputs, "users": d.users, "module": d.module}}
+
+
+def wrong_rule(rank) -> dict:
+    """SoftMLP on 2x2 with the right softmax rule, then with `_softmax_on_blocks` registered in its place."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+    def loss(out):
+        return out.float().pow(2).mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = {"right": _summary(autopar.verify(SoftMLP(), (x,), grid=(2, 2), loss=loss))}
+        saved = {op: RULES[op] for op in (aten._softmax.default, aten.softmax.int)}
+        try:
+            RULES.update({op: _softmax_on_blocks for op in saved})
+            torch.manual_seed(0)
+            out["wrong"] = _summary(autopar.verify(SoftMLP(), (x,), grid=(2, 2), loss=loss))
+        finally:
+            RULES.update(saved)
+    return out
+
+
+def _tiny(layers=1):
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=layers)
+    ids = torch.randint(0, cfg.vocab_size, (4, 8), generator=torch.Generator().manual_seed(1))
+    return TinyGPT(cfg), (ids, ids)
+
+
+def backward_bug(rank) -> dict:
+    """TinyGPT under 1D (sequence-parallel gathers whose backward reduce-scatters) with that reduce-scatter's
+    result doubled: the forward is right, the backward wrong."""
+    model, args = _tiny()
+    was = comm.GatherSum.backward
+
+    def doubled(ctx, g):
+        out = was(ctx, g)
+        return (out[0] * 2, *out[1:])
+
+    comm.GatherSum.backward = staticmethod(doubled)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _summary(autopar.verify(model, args, grid=(2, 2), strategy="1d"))
+    finally:
+        comm.GatherSum.backward = staticmethod(was)
+
+
+def clean(rank, layers=1, **options) -> dict:
+    """TinyGPT verified with `options` (pipeline=S: S stages), every node compared (nodes='always'), two steps."""
+    if isinstance(options.get("pipeline"), int):
+        options["pipeline"] = autopar.Pipeline(stages=options["pipeline"])
+    model, args = _tiny(layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _summary(autopar.verify(model, args, steps=2, nodes="always", **options))
+
+
+def refusals(rank) -> dict:
+    """What verify says to a model with dropout, to steps=0 and to an unknown `nodes`."""
+    out = {}
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=1, dropout=0.1)
+    ids = torch.randint(0, cfg.vocab_size, (4, 8))
+    for name, call in (("dropout", lambda: autopar.verify(TinyGPT(cfg), (ids, ids), grid=(2, 2))),
+                       ("steps", lambda: autopar.verify(TinyGPT(cfg), (ids, ids), steps=0)),
+                       ("nodes", lambda: autopar.verify(TinyGPT(cfg), (ids, ids), nodes="sometimes"))):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                call()
+            out[name] = None
+        except autopar.UsageError as e:
+            out[name] = str(e)
+    return out
