@@ -87,8 +87,8 @@ class VerifyReport:
         for cat, f in self.worst().items():
             lines.append(f"  largest {cat} error: {f.error:.3g} ({f.name}, rank {f.rank})")
         for f in self.mismatches[:10]:
-            lines.append(f"  MISMATCH {f.category} {f.name} on rank {f.rank}: error {f.error:.3g}, "
-                         f"{f.excess:.3g}x the tolerance")
+            what = f.name if f.name.startswith(f.category) else f"{f.category} {f.name}"
+            lines.append(f"  MISMATCH {what} on rank {f.rank}: error {f.error:.3g}, {f.excess:.3g}x the tolerance")
         if len(self.mismatches) > 10:
             lines.append(f"  ... and {len(self.mismatches) - 10} more")
         compared, skipped = self.nodes
