@@ -122,3 +122,51 @@ def refusals(rank) -> dict:
         except autopar.UsageError as e:
             out[name] = str(e)
     return out
+
+
+def step_report(rank, out) -> dict:
+    """Two AdamW steps of TinyGPT on 2x2 recorded by `autopar.report`, and the same two steps of a second
+    copy without it: the parameters after both, this rank's trace events, the report's rows; then the
+    refusals and the note for fewer steps marked than asked for."""
+    def train(report):
+        model, args = _tiny()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autopar.parallelize(model, grid=(2, 2), example_inputs=args)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+        def step():
+            pm(*args)[1].backward()
+            opt.step()
+            opt.zero_grad()
+
+        rep = None
+        if report:
+            pm.grid.log.reset()
+            with autopar.report(pm, steps=2, out=out) as rep:
+                for _ in range(2):
+                    step()
+                    rep.step()
+        else:
+            for _ in range(2):
+                step()
+        return pm, rep
+
+    pm, rep = train(True)
+    plain, _ = train(False)
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(pm.parameters(), plain.parameters()))
+    out_ = {"same": same, "rows": rep.rows, "text": str(rep), "files": rep.files, "calls": pm.grid.log.calls(),
+            "tags": dict(pm.grid.log.launches)}
+    errors = {}
+    for name, call in (("steps", lambda: autopar.report(pm, steps=0)), ("model", lambda: autopar.report(object()))):
+        try:
+            call()
+            errors[name] = None
+        except autopar.UsageError as e:
+            errors[name] = str(e)
+    with autopar.report(pm, steps=3, out=None) as few:
+        pm(*_tiny()[1])[1].backward()
+        few.step()
+    errors["few"] = few.notes
+    out_["errors"] = errors
+    return out_

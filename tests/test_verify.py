@@ -87,3 +87,40 @@ def test_command_line_exit_status():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "autopar verify: every value matches" in done.stdout, done.stdout
     assert "largest gradient error" in done.stdout, done.stdout
+
+
+def test_step_report_traces_every_collective_and_changes_nothing(tmp_path):
+    """Catches a report that changes training (parameters after two AdamW steps must be bit-identical to a
+    run without it), a trace that is not valid JSON or misses collectives (each rank's collective events
+    per step are the collectives the dry run predicts for that rank, tag for tag), bytes the estimate
+    prices differently from what the run moved, and refusals that do not say what to pass."""
+    import collections
+    import json
+
+    import autopar
+    from models import GPTConfig, TinyGPT
+
+    per_rank = get_pool(4).run(C.step_report, str(tmp_path))
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert (tmp_path / "report.json").exists() and "written: " in per_rank[0]["text"], per_rank[0]["text"]
+    torch_ = __import__("torch")
+    torch_.manual_seed(0)
+    cfg = GPTConfig(layers=1)
+    ids = torch_.randint(0, cfg.vocab_size, (4, 8), generator=torch_.Generator().manual_seed(1))
+    predicted = autopar.dry_run(TinyGPT(cfg), grid=(2, 2), example_inputs=(ids, ids), ranks="all")
+    for rank, r in enumerate(per_rank):
+        assert r["same"], f"rank {rank}: parameters differ after the steps recorded by the report"
+        events = [e for e in trace["traceEvents"] if e.get("pid") == rank and e.get("tid") == 3 and e["ph"] == "X"
+                  and not e["name"].startswith("wait-for-")]  # a wait for a launched collective: no call of its own
+        traced = collections.Counter(e["name"].split(" ", 1)[1] for e in events)
+        want = collections.Counter(c.node for c in predicted.ranks[rank].step
+                                   if any(t == c.node for t, _ in r["tags"]))  # the program's (not the input check's)
+        assert traced == collections.Counter({t: 2 * n for t, n in want.items()}), (rank, traced, want)
+        assert sum(traced.values()) == r["calls"], (rank, sum(traced.values()), r["calls"])
+        for row in r["rows"]:
+            if row["estimated_bytes"]:
+                assert row["estimated_bytes"] == row["measured_bytes"], row
+        errors = r["errors"]
+        assert errors["steps"] and "steps=0" in errors["steps"], errors
+        assert errors["model"] and "autopar.parallelize returned" in errors["model"], errors
+        assert errors["few"] == ["1 step(s) were marked, 3 asked for: the figures are per marked step"], errors

@@ -27,6 +27,18 @@ from passes.errors import CollectiveError
 
 
 _TAGS: list = []  # the tags of the collectives being issued now, innermost last (`current_tag`)
+_PROFILED = [False]  # `profiled`: each collective a named torch.profiler range
+
+
+@contextlib.contextmanager
+def profiled():
+    """Within: every collective autopar issues runs inside a torch.profiler range named
+    'autopar::comm <op> <tag>' (a step report, `autopar.debug.report`, attributes time to it)."""
+    was, _PROFILED[0] = _PROFILED[0], True
+    try:
+        yield
+    finally:
+        _PROFILED[0] = was
 
 
 def current_tag() -> str | None:
@@ -43,8 +55,13 @@ def guarded(grid: Grid, what: str, axis, tag: str, tensor: torch.Tensor | None =
     _TAGS.append(tag)
     call = flight.record(grid, what, axis, tag, tensor, waiting)
     done = False
+    ranged = contextlib.ExitStack()
+    if _PROFILED[0]:
+        kind = f"wait-for-{what}" if waiting else what
+        ranged.enter_context(torch.profiler.record_function(f"autopar::comm {kind} {tag}"))
     try:
-        yield
+        with ranged:
+            yield
         done = True
     except CollectiveError:
         raise
