@@ -37,14 +37,18 @@ import torch.distributed as dist
 
 from passes.compat import default_store
 
-__all__ = ["Call", "FLIGHT", "FLIGHT_CALLS", "HANG_AFTER_S", "REPORT_WAIT_S", "diagnose", "explain", "members_of",
-           "record", "watch"]
+__all__ = ["Call", "FLIGHT", "FLIGHT_CALLS", "HANG_AFTER_S", "HANG_EXIT", "HANG_EXIT_CODE", "REPORT_WAIT_S",
+           "diagnose", "explain", "members_of", "record", "watch"]
 
 FLIGHT_CALLS = int(os.environ.get("AUTOPAR_FLIGHT_CALLS", "2000"))  # entries kept per process
 # a collective in progress for this many seconds is diagnosed by a watcher thread while it still waits (`watch`);
 # unset: only when the collective fails
 HANG_AFTER_S = float(os.environ.get("AUTOPAR_HANG_AFTER", "0")) or None
 REPORT_WAIT_S = float(os.environ.get("AUTOPAR_FLIGHT_WAIT", "5"))  # how long a failing rank waits for reports
+# with AUTOPAR_HANG_AFTER: after its diagnosis the watcher ends the process with this status, so that the
+# launcher (torchrun) stops the job: a step timeout of its own, shorter than the process group's
+HANG_EXIT = os.environ.get("AUTOPAR_HANG_EXIT", "0") not in ("", "0")
+HANG_EXIT_CODE = 3
 _KEY = "autopar/flight/{}"
 _SHOWN = 8  # ranks named per line of the diagnosis (the rest counted)
 
@@ -325,3 +329,16 @@ def _watch(seconds: float) -> None:
             print(head + "\n  " + text, file=sys.stderr, flush=True)
         except Exception as e:  # noqa: BLE001 (the watcher must never take the process down)
             print(f"autopar: the hang watcher failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if HANG_EXIT:
+            _exit(seconds)
+
+
+def _exit(seconds: float) -> None:
+    """AUTOPAR_HANG_EXIT=1: end this process after its diagnosis (status `HANG_EXIT_CODE`). Rank 0, which
+    hosts the job's store, stays up while the others may still read its report."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        time.sleep(2 * REPORT_WAIT_S + 1)
+    print(f"autopar: rank {rank} ends its process after a collective waited {seconds:g} s "
+          f"(AUTOPAR_HANG_EXIT=1; exit status {HANG_EXIT_CODE})", file=sys.stderr, flush=True)
+    os._exit(HANG_EXIT_CODE)
