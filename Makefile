@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 PLOT_STAMP := $(VENV)/.installed-0.1.0-plot  # matplotlib, for the targets that draw
 
-.PHONY: demo test test-all test-compat gpu-check lint docs bench bench-load bench-plan bench-compare bench-strategy hf-example sweep-hf clean
+.PHONY: demo test test-all test-compat gpu-check lint docs bench bench-load bench-plan bench-compare bench-strategy bench-debug hf-example sweep-hf clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -70,6 +70,10 @@ bench-compare: $(PLOT_STAMP)
 
 bench-strategy: $(STAMP)
 	$(BIN)/python examples/bench_strategy.py
+
+# the flight recorder and autopar.report against the recorder off, per training step
+bench-debug: $(STAMP)
+	$(BIN)/python examples/bench_debug.py
 
 bench-plan: $(STAMP)
 	$(BIN)/python examples/bench_plan.py
