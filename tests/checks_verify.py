@@ -111,7 +111,21 @@ def refusals(rank) -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig(layers=1, dropout=0.1)
     ids = torch.randint(0, cfg.vocab_size, (4, 8))
-    for name, call in (("dropout", lambda: autopar.verify(TinyGPT(cfg), (ids, ids), grid=(2, 2))),
+    import autopar.debug.verify as V
+
+    was = V.available_bytes
+    V.available_bytes = lambda device: 2**10  # a rank with 1 KiB free: TinyGPT's reference needs 300 KiB
+    try:
+        autopar.verify(TinyGPT(GPTConfig(layers=1)), (ids, ids))
+        out["fits"] = None
+    except autopar.UsageError as e:
+        out["fits"] = str(e)
+    finally:
+        V.available_bytes = was
+    with torch.device("meta"):
+        meta = TinyGPT(GPTConfig(layers=1))
+    for name, call in (("meta", lambda: autopar.verify(meta, (ids, ids))),
+                       ("dropout", lambda: autopar.verify(TinyGPT(cfg), (ids, ids), grid=(2, 2))),
                        ("steps", lambda: autopar.verify(TinyGPT(cfg), (ids, ids), steps=0)),
                        ("nodes", lambda: autopar.verify(TinyGPT(cfg), (ids, ids), nodes="sometimes"))):
         try:

@@ -69,9 +69,12 @@ def test_a_correct_program_matches_at_every_node(options):
 
 def test_refusals_name_what_to_change():
     """Catches dropout verified against one process (each block draws its own mask: a mismatch that is no
-    bug), and steps or nodes values accepted that mean nothing."""
+    bug), a reference that cannot fit attempted anyway, a model without weights, and steps or nodes
+    values accepted that mean nothing."""
     per_rank = get_pool(4).run(C.refusals)
     for r in per_rank:
+        assert r["fits"] and "GiB free on this rank" in r["fits"] and "fewer layers" in r["fits"], r
+        assert r["meta"] and "meta device" in r["meta"], r
         assert r["dropout"] and "dropout" in r["dropout"] and "probabilities at 0" in r["dropout"], r
         assert r["steps"] and "steps=0" in r["steps"], r
         assert r["nodes"] and "nodes='sometimes'" in r["nodes"], r

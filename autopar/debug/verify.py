@@ -31,7 +31,7 @@ from autopar.errors import UsageError
 from passes.compat import pytree
 from passes.nodes import module_path
 
-__all__ = ["TOLERANCES", "Finding", "VerifyReport", "verify"]
+__all__ = ["TOLERANCES", "Finding", "VerifyReport", "available_bytes", "verify"]
 
 # dtype -> (rtol, atol as a fraction of the group's largest magnitude); fp32 as autopar's own parity tests
 TOLERANCES = {torch.float64: (1e-9, 1e-10), torch.float32: (1e-4, 1e-5), torch.bfloat16: (3e-2, 1e-2),
@@ -170,6 +170,8 @@ def verify(model: torch.nn.Module, example_inputs=(), example_kwargs=None, *, gr
                          "(or under `torchrun`, or `python -m autopar verify` which starts the ranks)")
     from autopar.parallel.api import parallelize
 
+    _check_reference_fits(model)
+
     kwargs = dict(example_kwargs or {})
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     make_opt = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6))
@@ -226,6 +228,38 @@ def verify(model: torch.nn.Module, example_inputs=(), example_kwargs=None, *, gr
         notes.append("the compiled program is what differs here; run verify again with compile=False to find the "
                      "first diverging node (node values are read from the eager program)")
     return _report(found, losses, divergence, counted, (rtol, frac), notes)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory where the reference would live: the device's free bytes on a GPU, the host's
+    MemAvailable on Linux; None where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_reference_fits(model) -> None:
+    """The one-process reference holds the whole model, its gradients and two AdamW states: refused, saying
+    so, where that is more than the free memory (or the model has no weights yet)."""
+    params = list(model.parameters())
+    if any(p.is_meta for p in params):
+        raise UsageError("verify: the model's parameters are on the meta device (no values to compare); build it "
+                         "with its weights (or load them) before verify")
+    need = 4 * sum(p.numel() * p.element_size() for p in params)
+    device = params[0].device if params else torch.device("cpu")
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise UsageError(f"verify: the one-process reference needs about {need / 2**30:.1f} GiB (the whole model, its "
+                         f"gradients and AdamW's two states) and {device} has {free / 2**30:.1f} GiB free on this rank; "
+                         f"verify a smaller configuration of the same model (fewer layers: the same rules and "
+                         f"collectives run per layer). A layer-by-layer mode is not built yet")
 
 
 _DROPOUTS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"}
