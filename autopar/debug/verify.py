@@ -256,10 +256,10 @@ def _check_reference_fits(model) -> None:
     device = params[0].device if params else torch.device("cpu")
     free = available_bytes(device)
     if free is not None and need > free:
-        raise UsageError(f"verify: the one-process reference needs about {need / 2**30:.1f} GiB (the whole model, its "
-                         f"gradients and AdamW's two states) and {device} has {free / 2**30:.1f} GiB free on this rank; "
-                         f"verify a smaller configuration of the same model (fewer layers: the same rules and "
-                         f"collectives run per layer). A layer-by-layer mode is not built yet")
+        raise UsageError(f"verify: the one-process reference needs about {need / 2**30:.1f} GiB (the whole model, "
+                         f"its gradients and AdamW's two states) and {device} has {free / 2**30:.1f} GiB free on "
+                         f"this rank; verify a smaller configuration of the same model (fewer layers: the same rules "
+                         f"and collectives run per layer). A layer-by-layer mode is not built yet")
 
 
 _DROPOUTS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"}
