@@ -100,6 +100,8 @@ def clean(rank, layers=1, **options) -> dict:
     if isinstance(options.get("pipeline"), int):
         options["pipeline"] = autopar.Pipeline(stages=options["pipeline"])
     model, args = _tiny(layers)
+    if options.pop("bf16", False):
+        model = model.to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _summary(autopar.verify(model, args, steps=2, nodes="always", **options))

@@ -50,7 +50,8 @@ def test_a_wrong_collective_backward_is_traced_to_it():
 CLEAN = [dict(grid=(2, 2)),  # fast tier
          dict(grid=(2, 2), strategy="1d"), dict(grid=(2, 2), lowering="allgather"), dict(grid=(2, 2), lowering="ring"),
          dict(grid=(2, 2), recompute="blocks"), dict(grid=(2, 1, 2), data_parallel="shard"),
-         dict(grid=(2, 1, 2)), dict(grid=(1, 2), layers=2, pipeline=2), dict(grid=(2, 2), compile=True)]
+         dict(grid=(2, 1, 2)), dict(grid=(1, 2), layers=2, pipeline=2), dict(grid=(2, 2), compile=True),
+         dict(grid=(2, 2), bf16=True)]  # bf16 weights and activations: bf16's tolerance
 
 
 @pytest.mark.parametrize("options", CLEAN, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
