@@ -36,6 +36,8 @@ def add_arguments(sub) -> None:
     for name in ("strategy", "lowering", "data_parallel", "recompute"):
         option_flag(p, name, "as parallelize's")
     p.add_argument("--compile", action="store_true", help="run the parallel program under torch.compile")
+    p.add_argument("--pipeline", type=int, metavar="S", help="S pipeline stages of the grid each (world S*R*C)")
+    p.add_argument("--microbatches", type=int, help="with --pipeline: micro-batches per batch (default S)")
 
 
 def _model(ns):
@@ -72,6 +74,8 @@ def _worker(rank: int, ns, out: str) -> None:
     grid = (ns.replicas, *ns.grid) if ns.replicas > 1 else ns.grid
     options = {k: getattr(ns, k) for k in ("strategy", "lowering", "data_parallel", "recompute")
                if getattr(ns, k) is not None}
+    if ns.pipeline:
+        options["pipeline"] = autopar.Pipeline(stages=ns.pipeline, microbatches=ns.microbatches)
     report = autopar.verify(model, args, kwargs, grid=grid, steps=ns.steps, compile=ns.compile,
                             nodes=ns.nodes or True, **options)
     if rank == 0:
@@ -83,7 +87,7 @@ def _worker(rank: int, ns, out: str) -> None:
 def run(ns) -> int:
     from autopar.launch import run as launch
 
-    ns.world = ns.replicas * ns.grid[0] * ns.grid[1]
+    ns.world = (ns.pipeline or 1) * ns.replicas * ns.grid[0] * ns.grid[1]
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "verify")
