@@ -95,16 +95,26 @@ def backward_bug(rank) -> dict:
         comm.GatherSum.backward = staticmethod(was)
 
 
-def clean(rank, layers=1, **options) -> dict:
-    """TinyGPT verified with `options` (pipeline=S: S stages), every node compared (nodes='always'), two steps."""
+def clean(rank, layers=1, family="tinygpt", **options) -> dict:
+    """TinyGPT (or a transformers `family` of tests.checks_hf.build, dropout off) verified with `options`
+    (pipeline=S: S stages), every node compared (nodes='always'), two steps."""
     if isinstance(options.get("pipeline"), int):
         options["pipeline"] = autopar.Pipeline(stages=options["pipeline"])
-    model, args = _tiny(layers)
+    kwargs: dict = {}
+    if family == "tinygpt":
+        model, args = _tiny(layers)
+    else:
+        from tests.checks_hf import build
+
+        torch.manual_seed(0)
+        model, make = build(family, **(dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if family == "gpt2"
+                                       else {}))
+        args, kwargs = (), make(4, 8, 1)
     if options.pop("bf16", False):
         model = model.to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _summary(autopar.verify(model, args, steps=2, nodes="always", **options))
+        return _summary(autopar.verify(model, args, kwargs, steps=2, nodes="always", **options))
 
 
 def refusals(rank) -> dict:

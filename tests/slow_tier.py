@@ -481,7 +481,8 @@ SLOW = {
        "test_verify.py::test_a_wrong_rule_is_named_with_its_source_line"
        for case in ("grid=(2, 2)-strategy=1d", "grid=(2, 2)-lowering=allgather", "grid=(2, 2)-lowering=ring",
                     "grid=(2, 2)-recompute=blocks", "grid=(2, 1, 2)-data_parallel=shard", "grid=(2, 1, 2)",
-                    "grid=(2, 2)-compile=True", "grid=(2, 2)-bf16=True")},
+                    "grid=(2, 2)-compile=True", "grid=(2, 2)-bf16=True",
+                    "family=gpt2-grid=(2, 1, 2)-data_parallel=shard", "family=gpt2-grid=(1, 4)-strategy=1d")},
     # the command line (14 s: its own 2 processes and a Llama): the same verify as the fast tier's
     "tests/test_verify.py::test_command_line_exit_status":
         "test_verify.py::test_a_correct_program_matches_at_every_node[grid=(2, 2)]",

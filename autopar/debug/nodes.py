@@ -17,6 +17,7 @@ went wrong, and the culprit is among that node's users.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -190,6 +191,17 @@ def _moved(node):
     return node
 
 
+def _counterpart(node, ref_gm) -> str | None:
+    """The reference node of the same name; for an item of a tuple, the item of the same index of the
+    same-named node (a program with sharded replicas runs each block as one call whose items have the
+    names the model's graph gave others)."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        src, index = node.args[0].name, node.args[1]
+        return next((r.name for r in ref_gm.graph.find_nodes(op="call_function", target=operator.getitem)
+                     if isinstance(r.args[0], torch.fx.Node) and r.args[0].name == src and r.args[1] == index), None)
+    return node.name
+
+
 def op_keys(gm) -> dict:
     """node name -> (module path, op name, its count among such ops in that module before it): names a
     node the same way in the whole model's graph and in a pipeline stage's graph, whose node names
@@ -206,14 +218,16 @@ def op_keys(gm) -> dict:
 
 
 def partial_gradients(gm) -> set:
-    """The nodes whose output gradient holds only this rank's share by design, completed by a collective
-    in backward further up: a GradSync's output (all-reduced in its backward), a gather with a
-    gradient sync folded in (reduce-scattered), a reshape between either and its consumer (the sync
-    hoisted before it); placeholders too (parameters are compared whole, after the replicas' average)."""
+    """The nodes whose output gradient is not the whole gradient of the value it stands for, so not
+    comparable with the model's: a GradSync's output (this rank's share, all-reduced in its backward), a
+    gather with a gradient sync folded in (reduce-scattered), a reshape between either and its consumer
+    (the sync hoisted before it), every inserted collective (only the part of its source's gradient that
+    flows through it: the source's other consumers add theirs at the source), and placeholders
+    (parameters are compared whole, after the replicas' average)."""
     out = set()
     for n in gm.graph.nodes:
         spec = n.meta.get(KERNEL)
-        if n.op == "placeholder" or isinstance(spec, GradSyncSpec) or (
+        if n.op == "placeholder" or n.meta.get(INSERTED) or isinstance(spec, GradSyncSpec) or (
                 isinstance(spec, RedistributeSpec) and spec.synced):
             out.add(n.name)
         elif n.op == "call_function" and n.target in RESHAPES and any(
@@ -245,7 +259,7 @@ def first_divergence(par: Recorder, ref: Recorder, grid, rtol: float, atol_frac:
         mine = op_keys(par.gm)
         to_ref = {n.name: by_key.get(mine.get(_moved(n).name)) for n in nodes}
     else:
-        to_ref = {n.name: _moved(n).name for n in nodes}
+        to_ref = {n.name: _counterpart(_moved(n), ref.gm) for n in nodes}
     ref_nodes = {n.name: n for n in ref.gm.graph.nodes}
 
     def compare(values: dict, refs: dict, scale: float | None, leave=frozenset()):
