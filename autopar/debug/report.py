@@ -186,6 +186,9 @@ class StepReport:
                              "estimated_bytes": planned.get(node.name, e[2]),
                              "measured_fwd_s": fwd / 1e6 / n, "measured_bwd_s": bwd / 1e6 / n,
                              "measured_comm_s": cus / 1e6 / n, "collectives": calls // n, "measured_bytes": moved // n})
+        if not self._timed.graphs:
+            self.notes.append("no program ran eagerly here (compile=True or torch.compile(pmodel)): times per node and "
+                              "the collective lane are not measured, bytes and step times are")
         steps_s = [b - a for a, b in zip(self._marks, self._marks[1:])]
         memory = _memory(self.pmodel.grid)
         every = [None] * dist.get_world_size()
