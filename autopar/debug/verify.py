@@ -12,8 +12,8 @@ gradient, every parameter; a node: its own largest). Steps past the first compar
 the last, every parameter.
 
 The node-level search (`autopar.debug.nodes`) runs on the first step of the eager programs of a grid
-or of each pipeline stage; under compile=True the compiled program is what is compared, and a
-mismatch says to run again with compile=False to find the node.
+or of each pipeline stage; under compile=True the compiled step is what is compared, and on a mismatch
+the same step runs again eagerly through the recorder (its gradients put back) to find the node.
 """
 
 from __future__ import annotations
@@ -213,6 +213,9 @@ def verify(model: torch.nn.Module, example_inputs=(), example_kwargs=None, *, gr
                                              if p.grad is not None and refs[n].grad is not None}, rank, rtol, frac)
                 missing = sorted(n for n, p in pm.named_parameters() if (p.grad is None) != (refs[n].grad is None))
                 found += [Finding("gradient", f"{n} (None on one side)", rank, math.inf, math.inf) for n in missing]
+                compiled = bool(options.get("compile")) and nodes is not False
+                if compiled and (nodes == "always" or _anywhere(any(not f.ok for f in found))):
+                    recorders = _eager_rerun(pm, piped, args, kwargs, loss_fn)  # the same step, node by node
                 if recorders and (nodes == "always" or _anywhere(any(not f.ok for f in found))):
                     wrong = [f.name for f in found if f.category == "gradient" and not f.ok]
                     micro = pm.pipeline.n_microbatches if piped else 0
@@ -224,9 +227,9 @@ def verify(model: torch.nn.Module, example_inputs=(), example_kwargs=None, *, gr
         refs = dict(ref.named_parameters(remove_duplicate=False))
         found += _group("parameter", {f"{n} after {steps} step(s)": (_whole(p), refs[n])
                                       for n, p in pm.named_parameters()}, rank, rtol, frac)
-    if options.get("compile") and any(not f.ok for f in found):
-        notes.append("the compiled program is what differs here; run verify again with compile=False to find the "
-                     "first diverging node (node values are read from the eager program)")
+    if options.get("compile") and any(not f.ok for f in found) and nodes is not False:
+        notes.append("compile=True: the nodes were read from the same step run again eagerly; where none differs, "
+                     "the compiled program is what differs from the eager one (a torch.compile issue)")
     return _report(found, losses, divergence, counted, (rtol, frac), notes)
 
 
@@ -297,8 +300,9 @@ def _refuse_random(pm, piped: bool) -> None:
 
 
 @contextlib.contextmanager
-def _observed(pm, piped: bool, on: bool, recorders: list):
-    """Record every eager program call of the grid (or of each of this rank's pipeline stages) while on."""
+def _observed(pm, piped: bool, on: bool, recorders: list, eager: bool = False):
+    """Record every eager program call of the grid (or of each of this rank's pipeline stages) while on;
+    `eager`: compiled programs' calls too, run eagerly."""
     if not on:
         yield
         return
@@ -306,8 +310,23 @@ def _observed(pm, piped: bool, on: bool, recorders: list):
         for stage in (pm.stage_modules if piped else [pm]):
             rec = Recorder(first_call=piped)
             recorders.append((stage, rec))
-            stack.enter_context(stage.observing(rec))
+            stack.enter_context(stage.observing(rec, eager))
         yield
+
+
+def _eager_rerun(pm, piped: bool, args, kwargs, loss_fn) -> list:
+    """A compiled program's first step again, eagerly and node by node, its gradients put back as they were
+    (the comparison already read them; the optimizer steps on the compiled step's)."""
+    saved = {id(p): (None if p.grad is None else p.grad.detach().clone()) for p in pm.parameters()}
+    recorders: list = []
+    with _observed(pm, piped, True, recorders, eager=True):
+        if piped:
+            pm.train_step(*args, **kwargs)
+        else:
+            loss_fn(pm(*args, **kwargs)).backward()
+    for p in pm.parameters():
+        p.grad = saved[id(p)]
+    return recorders
 
 
 def _localize(recorders: list, model, args, kwargs, loss_fn, micro: int, wrong: list, rtol, frac) -> tuple:

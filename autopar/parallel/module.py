@@ -241,15 +241,17 @@ class ParallelModule(nn.Module):
         return self._runner(comp, locals_)
 
     @contextlib.contextmanager
-    def observing(self, observer):
+    def observing(self, observer, eager: bool = False):
         """Within: each eager call of a program runs as `observer(gm, args)` (which returns gm's outputs)
-        instead of `gm(*args)`; compiled programs run as they are. `autopar.debug.verify` records every
-        node's value this way."""
-        was, self._runner.observer = self._runner.observer, observer
+        instead of `gm(*args)`; compiled programs run as they are, or with `eager` eagerly through the
+        observer too. `autopar.debug.verify` records every node's value this way."""
+        runner = self._runner
+        was = runner.observer, runner.observe_compiled
+        runner.observer, runner.observe_compiled = observer, eager
         try:
             yield
         finally:
-            self._runner.observer = was
+            runner.observer, runner.observe_compiled = was
 
     def _get(self, args, kwargs):
         return self._programs.get(args, kwargs, self.training, lambda name: self.get_parameter(name).shape)

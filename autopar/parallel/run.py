@@ -47,6 +47,7 @@ class Runner:
         # observer(gm, args) -> outputs runs each eager call instead of gm(*args) while set: how
         # `autopar.debug.verify` reads every node's value (ParallelModule.observing)
         self.observer = None
+        self.observe_compiled = False  # the observer runs compiled programs' calls too (eagerly)
 
     def __call__(self, comp: Compiled, locals_: list, step: StepBuckets | None = None, compile: bool = False):
         """comp's graph on `locals_` (this rank's blocks and inputs, in `comp.captured.sources` order),
@@ -56,7 +57,7 @@ class Runner:
         same program, so all of them fail and fall back alike. `step`: the replicas' gradient buckets;
         an eager program then runs with their `Arrive` calls."""
         compile = compile or self.compile
-        if self.observer is not None and not compile:
+        if self.observer is not None and (not compile or self.observe_compiled):
             if step is not None:
                 return self.observer(self._with_arrivals(comp, step), (*locals_, step))
             return self.observer(comp.gm, tuple(locals_))
