@@ -23,6 +23,7 @@ resident set (since it started). The same ops run in the same order: results are
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import time
@@ -38,7 +39,9 @@ from autopar.planning.explain import graph_rows
 from passes.cost.model import CostModel
 from passes.cost.planned import nodes_needing_grad
 from passes.kernels.spec import Site, flops
-from passes.meta import KERNEL
+from passes.errors import ShardingError
+from passes.layout import Layout, local_shape
+from passes.meta import KERNEL, LAYOUT
 from passes.nodes import module_path
 from passes.ops import comm
 
@@ -98,7 +101,7 @@ class StepReport:
         self._stack = [s.observing(self._timed) for s in self.stages] + [comm.profiled()]
         for cm in self._stack:
             cm.__enter__()
-        self._prof = profile(activities=activities)
+        self._prof = profile(activities=activities, profile_memory=True)
         self._prof.__enter__()
         self._step_range = record_function(_STEP + "0")
         self._step_range.__enter__()
@@ -130,8 +133,10 @@ class StepReport:
 
     # ------------------------------------------------------------------ measuring
     def _measured(self, events) -> tuple:
-        """(per node: [fwd us, bwd us, collective us, collective calls], trace events of this rank)."""
-        per: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+        """(per node: [fwd us, bwd us, collective us, collective calls, bytes its forward left allocated],
+        trace events of this rank)."""
+        per: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0, 0])
+        cuda = self.pmodel.grid.device_type == "cuda"
         owner: dict = {}  # sequence number of a forward op -> its node
         lanes = []
         rank = dist.get_rank()
@@ -151,6 +156,7 @@ class StepReport:
             if e.name.startswith(_NODE):
                 name = e.name[len(_NODE):]
                 per[name][0] += e.time_range.elapsed_us()
+                per[name][4] += e.device_memory_usage if cuda else e.cpu_memory_usage
                 lanes.append(_event(name, e, rank, 1))
                 walk(e, name, 1)
             elif e.name.startswith(_STEP):
@@ -171,12 +177,13 @@ class StepReport:
             grid, gm = stage.grid, stage.program.gm
             got = {t: v - self._log[k].get(t, 0) for t, v in grid.log.bytes.items()}
             est = _estimates(gm, grid, CostModel.resolve(stage.options.cost_model))
+            grads = nodes_needing_grad(gm)
             planned = {r.node: r.fwd_bytes + r.bwd_bytes for r in graph_rows(stage.program.inspected, grid.shape,
                                                                             (grid.r, grid.c))}
             for node in gm.graph.nodes:
                 if node.name not in per and node.name not in est:
                     continue
-                fwd, bwd, cus, calls = per.get(node.name, (0.0, 0.0, 0.0, 0))
+                fwd, bwd, cus, calls, held = per.get(node.name, (0.0, 0.0, 0.0, 0, 0))
                 e = est.get(node.name, (0.0, 0.0, 0))
                 spec = node.meta.get(KERNEL)
                 mine = {getattr(spec, "tag", "") or node.name}  # the CommLog tag its collectives count under
@@ -185,7 +192,9 @@ class StepReport:
                              "estimated_fwd_s": e[0], "estimated_bwd_s": e[1],
                              "estimated_bytes": planned.get(node.name, e[2]),
                              "measured_fwd_s": fwd / 1e6 / n, "measured_bwd_s": bwd / 1e6 / n,
-                             "measured_comm_s": cus / 1e6 / n, "collectives": calls // n, "measured_bytes": moved // n})
+                             "measured_comm_s": cus / 1e6 / n, "collectives": calls // n, "measured_bytes": moved // n,
+                             "estimated_saved_bytes": _saved(node, grid, grads),
+                             "measured_allocated_bytes": held // n})
         if not self._timed.graphs:
             self.notes.append("no program ran eagerly here (compile=True or torch.compile(pmodel)): times per node and "
                               "the collective lane are not measured, bytes and step times are")
@@ -203,14 +212,15 @@ class StepReport:
     def __str__(self) -> str:
         head = (f"autopar report: {self.done} step(s); step time per rank (mean): "
                 + ", ".join(f"{sum(s) / len(s) * 1e3:.1f} ms" for s in self.steps_s if s))
-        lines = [head, f"{'node':<28} {'op':<30} {'est. ms':>9} {'meas. ms':>9} {'comm ms':>8} {'calls':>5} "
-                       f"{'est. bytes':>11} {'meas. bytes':>11}"]
+        lines = [head, f"{'node':<28} {'op':<22} {'est. ms':>8} {'meas. ms':>8} {'comm ms':>8} {'calls':>5} "
+                       f"{'est. bytes':>10} {'meas. bytes':>11} {'est. saved':>10} {'allocated':>10}"]
         top = sorted(self.rows, key=lambda r: -(r["measured_fwd_s"] + r["measured_bwd_s"]))[:20]
         for r in top:
-            lines.append(f"{r['node'][:28]:<28} {r['op'][:30]:<30} "
-                         f"{(r['estimated_fwd_s'] + r['estimated_bwd_s']) * 1e3:9.3f} "
-                         f"{(r['measured_fwd_s'] + r['measured_bwd_s']) * 1e3:9.3f} {r['measured_comm_s'] * 1e3:8.3f} "
-                         f"{r['collectives']:5d} {r['estimated_bytes']:11d} {r['measured_bytes']:11d}")
+            lines.append(f"{r['node'][:28]:<28} {r['op'][:22]:<22} "
+                         f"{(r['estimated_fwd_s'] + r['estimated_bwd_s']) * 1e3:8.3f} "
+                         f"{(r['measured_fwd_s'] + r['measured_bwd_s']) * 1e3:8.3f} {r['measured_comm_s'] * 1e3:8.3f} "
+                         f"{r['collectives']:5d} {r['estimated_bytes']:10d} {r['measured_bytes']:11d} "
+                         f"{r['estimated_saved_bytes']:10d} {r['measured_allocated_bytes']:10d}")
         lines.append("memory per rank: " + ", ".join(f"{m['kind']} {m['peak_bytes'] / 2**20:.0f} MiB"
                                                      for m in self.memory))
         lines += [f"note: {t}" for t in self.notes]
@@ -252,6 +262,18 @@ def _estimates(gm, grid, cm: CostModel) -> dict:
                     moved += int(nbytes)
         out[node.name] = (t["fwd"], t["bwd"], moved)
     return out
+
+
+def _saved(node, grid, grads: set) -> int:
+    """The bytes of this rank's block of the node's output where it needs a gradient (the estimate's
+    activation memory: what autograd may keep for backward, an upper bound), else 0."""
+    v, lay = node.meta.get("val"), node.meta.get(LAYOUT)
+    if node not in grads or not isinstance(v, torch.Tensor) or not isinstance(lay, Layout):
+        return 0
+    try:
+        return math.prod(local_shape(tuple(v.shape), lay, grid.shape, at=(grid.r, grid.c))) * v.element_size()
+    except ShardingError:
+        return 0
 
 
 def _memory(grid) -> dict:
