@@ -334,11 +334,10 @@ def _watch(seconds: float) -> None:
 
 
 def _exit(seconds: float) -> None:
-    """AUTOPAR_HANG_EXIT=1: end this process after its diagnosis (status `HANG_EXIT_CODE`). Rank 0, which
-    hosts the job's store, stays up while the others may still read its report."""
+    """AUTOPAR_HANG_EXIT=1: end this process after its diagnosis (status `HANG_EXIT_CODE`), once the other
+    ranks, diagnosing about now, can have read its report; rank 0, which hosts the job's store, last."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        time.sleep(2 * REPORT_WAIT_S + 1)
+    time.sleep(REPORT_WAIT_S if rank else 2 * REPORT_WAIT_S + 1)
     print(f"autopar: rank {rank} ends its process after a collective waited {seconds:g} s "
           f"(AUTOPAR_HANG_EXIT=1; exit status {HANG_EXIT_CODE})", file=sys.stderr, flush=True)
     os._exit(HANG_EXIT_CODE)
