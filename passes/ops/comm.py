@@ -28,6 +28,7 @@ from passes.errors import CollectiveError
 
 _TAGS: list = []  # the tags of the collectives being issued now, innermost last (`current_tag`)
 _PROFILED = [False]  # `profiled`: each collective a named torch.profiler range
+_NO_RANGE = contextlib.nullcontext()  # reentrant and stateless: one for every collective outside a report
 
 
 @contextlib.contextmanager
@@ -55,10 +56,9 @@ def guarded(grid: Grid, what: str, axis, tag: str, tensor: torch.Tensor | None =
     _TAGS.append(tag)
     call = flight.record(grid, what, axis, tag, tensor, waiting)
     done = False
-    ranged = contextlib.ExitStack()
-    if _PROFILED[0]:
-        kind = f"wait-for-{what}" if waiting else what
-        ranged.enter_context(torch.profiler.record_function(f"autopar::comm {kind} {tag}"))
+    # a named range only inside a step report (`profiled`); otherwise nothing built per collective
+    ranged = torch.profiler.record_function(f"autopar::comm {'wait-for-' if waiting else ''}{what} {tag}") \
+        if _PROFILED[0] else _NO_RANGE
     try:
         with ranged:
             yield
