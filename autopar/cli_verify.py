@@ -1,7 +1,8 @@
 """`autopar verify MODEL --grid RxC`: run `autopar.verify` on local gloo processes (or, under torchrun,
 on torchrun's ranks) and print its report; the exit status is 0 when every value matches, 1 otherwise.
 
-    python -m autopar verify llama --grid 2x2 --steps 2 --set num_hidden_layers=2 --set hidden_size=64
+    python -m autopar verify llama --grid 2x2 --steps 2 --set num_hidden_layers=2 --set hidden_size=64 \
+        --set intermediate_size=128 --set num_attention_heads=4 --set num_key_value_heads=2 --set vocab_size=256
     python -m autopar verify mypkg.models:build --grid 1x4 --strategy 1d
 
 MODEL is a transformers model type (its config class with the class defaults plus `--set` overrides,
