@@ -95,7 +95,8 @@ def _out_tensor(x):
 
 def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extra=None, grid=(2, 2), options=None):
     """Logits, the HF loss and every gradient against the unmodified model on one process; then the
-    same at another batch size and sequence length; placement facts for the memory table. `extra`
+    same at another batch size and sequence length (`other_shape`; None: the first shape only);
+    placement facts for the memory table. `extra`
     kwargs go to every call (e.g. the Trainer's num_items_in_batch, which makes HF sum the loss);
     `options` go to parallelize (strategy=..., cost_model=...)."""
     torch.manual_seed(0)
@@ -114,7 +115,8 @@ def hf_parity(rank, family, over=None, batch=4, seq=8, other_shape=(8, 12), extr
     ref_params = dict(ref.named_parameters())
     # the DTensors are the original matrices (fused ones included), moved not computed: bit equality
     errs = {f"state dict {n}": excess(p.full_tensor(), ref_params[n], 0.0, 0.0) for n, p in pm.named_parameters()}
-    for tag, (b, s) in (("", (batch, seq)), (" other shape", other_shape)):
+    shapes = (("", (batch, seq)),) + (((" other shape", other_shape),) if other_shape else ())
+    for tag, (b, s) in shapes:
         kw = make(b, s, 7 if tag else 1)
         out, want = pm(**kw), ref(**kw)
         errs.update(group_excess({f"logits{tag}": (_out_tensor(out.logits), want.logits)}))

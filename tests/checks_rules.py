@@ -74,11 +74,11 @@ def module_parity(rank, kv, grid):
 def hf_parity(rank, family, grid, force_gqa=False, over=None):
     """checks_hf.hf_parity on a family of checks_hf.build (config overrides `over`), with transformers'
     SDPA path forced to pass fewer KV heads with enable_gqa=True (it does so on CUDA when there is no
-    mask) when asked; adds the parameter bytes this rank holds."""
+    mask) when asked; adds the parameter bytes this rank holds. One input shape."""
     if force_gqa:
         os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     try:
-        res = checks_hf.hf_parity(rank, family, over, grid=grid)
+        res = checks_hf.hf_parity(rank, family, over, grid=grid, other_shape=None)  # a second shape: test_hf.py
         model, _ = checks_hf.build(family, **(over or {}))
         res["full_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         return res

@@ -36,6 +36,7 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 os.environ.setdefault("AUTOPAR_FLIGHT_WAIT", "1")
 
 _pools: dict = {}  # world -> live pool, least recently used first
+_starts: list = []  # (world, seconds) of every pool started, printed after a whole run
 # Idle ranks cost memory (~0.4 GB each), not CPU: the 4-rank pool most tests use stays up while a
 # file alternates it with a 6- or 9-rank grid, instead of paying a fresh start (8-20 s) per switch.
 MAX_IDLE_RANKS = 13
@@ -52,7 +53,9 @@ def get_pool(world: int):
             order = sorted(_pools, key=lambda w: w == 4)  # stable: least recently used first otherwise
             enough = [w for w in order if sum(_pools) - w + world <= MAX_IDLE_RANKS]
             _pools.pop((enough or order)[0]).close()
+        began = time.monotonic()
         pool = start(world)
+        _starts.append((world, time.monotonic() - began))
     _pools[world] = pool  # re-inserted: now the most recently used
     return pool
 
@@ -122,6 +125,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     ranked = sorted(_per_file.items(), key=lambda kv: -kv[1])
     terminalreporter.write_line("seconds per file: " + ", ".join(f"{os.path.basename(p)} {t:.0f}" for p, t in ranked
                                                                    if t >= 1))
+    terminalreporter.write_line(f"pools started: {len(_starts)} ({sum(s for _, s in _starts):.0f} s; worlds "
+                                + ", ".join(str(w) for w, _ in _starts) + ")")
     word = "within" if took <= FAST_TIER_BUDGET_S else "OVER"
     terminalreporter.write_line(
         f"fast tier: {took:.0f} s, {word} its {FAST_TIER_BUDGET_S // 60}-minute budget on a quiet 2-core machine "

@@ -101,11 +101,12 @@ def test_compiled_collectives_keep_the_program_order(pool4):
 
 def test_a_new_shape_compiles_once(pool4):
     """Catches a program recompiled on every call, or on every return to a shape already seen (guards
-    that fail on a value that changes per call). Its first step is the MLP case of
-    test_compiled_program_has_no_graph_breaks (one process's loss and gradients, one graph, the eager
-    step's collectives, at 1x4): the fast tier's parity check of parallelize(compile=True)."""
-    res = pool4.run(C.compile_graphs, "mlp", (1, 4), batches=(6, 4, 6))
-    _assert_one_graph(res, "mlp at (1, 4)")
+    that fail on a value that changes per call). Its first step is the checks of
+    test_compiled_program_has_no_graph_breaks on the MLP at 2x2 (one process's loss and gradients, one
+    graph, the eager step's SUMMA collectives in their order): the fast tier's parity check of
+    parallelize(compile=True); the compiled TinyGPT, Llama and GPT-2 cases are the slow tier's."""
+    res = pool4.run(C.compile_graphs, "mlp", (2, 2), batches=(6, 4, 6))
+    _assert_one_graph(res, "mlp at (2, 2)")
     for rank, r in enumerate(res):
         assert r["seen"] == [1, 2, 2, 2], f"rank {rank}: graphs compiled after each step {r['seen']}, want [1, 2, 2, 2]"
 
