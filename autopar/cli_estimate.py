@@ -22,7 +22,8 @@ def add_arguments(sub) -> None:
                                  "recompute)")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("model", help="a transformers config.json (or its folder), or a published architecture's "
-                                     "name (llama3-8b, llama3-70b, llama3-405b, llama2-13b, llama2-70b)")
+                                     "name (llama3-8b, llama3-70b, llama3-405b, llama2-13b, llama2-70b, "
+                                     "megatron-gpt-1.7b ... megatron-gpt-462b)")
         p.add_argument("--devices", type=int, required=True, help="GPUs in all")
         p.add_argument("--cluster", default="dgx-h100", help="a cluster preset: dgx-h100 (default), "
                                                              "grand-teton-h100, dgx-a100")
@@ -39,6 +40,9 @@ def add_arguments(sub) -> None:
             p.add_argument("--tp", default="1", help="tensor parallel: t (1D), R,C (2D SUMMA) or q,q,q (3D)")
             p.add_argument("--dp-shard", type=int, help="FSDP2 ranks (default: what the devices leave)")
             p.add_argument("--dp-replicate", type=int, default=1, help="replicas (HSDP with --dp-shard)")
+            p.add_argument("--shard-optimizer", action="store_true",
+                           help="the replicas split the master weights and AdamW states (ZeRO-1, Megatron's "
+                                "distributed optimizer)")
             p.add_argument("--pp", type=int, default=1, help="pipeline stages")
             p.add_argument("--schedule", default="1f1b", help="pipeline schedule (1f1b, interleaved_1f1b, gpipe, ...)")
             p.add_argument("--microbatches", type=int, help="micro-batches per step (default: one sequence each)")
@@ -84,7 +88,7 @@ def _estimate(ns) -> int:
                    global_batch=ns.global_batch, tp=ns.tp, dp_shard=ns.dp_shard,
                    dp_replicate=ns.dp_replicate, pp=ns.pp, schedule=ns.schedule, microbatches=ns.microbatches,
                    interleave=ns.interleave, recompute=ns.recompute, precision=ns.precision, compile=ns.compile,
-                   fp8=ns.fp8, async_tp=ns.async_tp)
+                   fp8=ns.fp8, async_tp=ns.async_tp, shard_optimizer=ns.shard_optimizer)
     out = est.to_json()
     if ns.dry_run:
         out["dry_run"] = dry_run_check(est, _model(ns.model), ranks=ns.dry_run)

@@ -153,6 +153,29 @@ def test_estimate_terms_follow_the_configuration():
     assert overlapped.step_s < plain.step_s and plain.cost.exposed_s["tp intra-node"] > 0
 
 
+def test_a_sharded_optimizer_splits_the_states_over_the_replicas():
+    """shard_optimizer (ZeRO-1, Megatron's distributed optimizer) on 8 replicas: the master weights and AdamW
+    states (12 B per parameter under bf16-mixed) split 8 ways, the fp32 gradients kept whole, and the
+    replicas' exchange a reduce-scatter of the gradients (4 B) and an all-gather of the bf16 weights (2 B)
+    per parameter instead of an all-reduce of the gradients (2 x 4 B), each times 7/8."""
+    from passes.cost.step import step_bytes
+
+    src = tiny()
+    kw = dict(devices=8, cluster="dgx-h100", seq=64, global_batch=16, dp_shard=1, dp_replicate=8)
+    plain, zero1 = (estimate(src, **kw, shard_optimizer=z) for z in (False, True))
+    assert zero1.cost.memory["parameters_and_optimizer"] == pytest.approx(
+        plain.cost.memory["parameters_and_optimizer"] / 8, rel=1e-12)
+    assert zero1.cost.memory["gradients"] == plain.cost.memory["gradients"]
+    prof = model_profile(src, 64)[0]
+    params = LAYERS * prof.block.params + prof.outer.params
+    moved = [step_bytes(prof, LAYERS, *tp_bytes(src, 64, (1,)), e.parallel, 16, 64, 2, 4)["ddp"]
+             for e in (plain, zero1)]
+    assert moved == [7 / 8 * params * 8, 7 / 8 * params * 6]
+    assert zero1.step_s < plain.step_s and "optimizer sharded" in str(zero1)
+    with pytest.raises(UsageError, match="shard_optimizer"):  # parallelize does not build it: nothing to dry-run
+        dry_run_check(zero1, src)
+
+
 def test_choose_plan_beats_the_configurations_it_searches():
     """The pick is estimated at least as fast as every configuration in its space that fits (FSDP
     alone, TP inside the node, pipelines), fits the limit, and maps to parallelize's keywords."""
@@ -199,12 +222,14 @@ def test_tp_layouts_stay_inside_what_divides():
 
 
 def test_published_runs_within_the_issues_bounds():
-    """Every published, measured run (torchtitan's Llama 3 H100 and A100 tables) estimated in its own
-    configuration: throughput within 0.8-1.25x of the measurement, memory within 0.85-1.2x where the
-    source gives it. The measurements are the sources' (autopar.bench.published cites each)."""
-    from autopar.bench.published import run_rows
+    """Every published, measured run the issue lists (torchtitan's Llama 3 H100 and A100 tables) estimated
+    in its own configuration: throughput within 0.8-1.25x of the measurement, memory within 0.85-1.2x where
+    the source gives it. The measurements are the sources' (autopar.bench.published cites each). Megatron-LM's
+    H100 table, which the issue does not list, is reported by `bench --published` and not held to the
+    bounds here: its configurations' schedule and recomputation are assumed (see the module's sources)."""
+    from autopar.bench.published import ROWS, run_rows
 
-    for res in run_rows(progress=False):
+    for res in run_rows([r for r in ROWS if r.source.startswith("tt-")], progress=False):
         assert 0.8 <= res.speed_ratio <= 1.25, (res.row.name, res.speed_ratio)
         if res.memory_ratio is not None:
             assert 0.85 <= res.memory_ratio <= 1.2, (res.row.name, res.memory_ratio)

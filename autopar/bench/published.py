@@ -13,6 +13,16 @@ Sources:
   64 A100 80 GB; sequence length 8192 (Llama 3) and 4096 (Llama 2).
 - [tt-async] torchtitan, benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (same platform as
   [tt-h100]), the bf16 70B run: FSDP 32 x TP 8, local batch 16, full AC, torch.compile.
+- [mlm-h100] Megatron-LM's README ("Training Speed and Scalability", images/model_table.png, Megatron-Core
+  r0.8.0, July 2024): GPT models of 1.7B-462B on 48-6,144 H100 GPUs (DGX H100), weak-scaled with 48
+  data-parallel replicas, vocabulary 131,072, sequences of 4,096, data-parallel, tensor-parallel and pipeline
+  communication overlapped with computation. The table gives teraFLOP/s per GPU; tokens per second here are
+  those divided by the FLOPs per token of Megatron's own count at that commit (`megatron_flops_per_token`).
+  Not stated by the source, assumed: bf16 with Megatron's distributed optimizer (`shard_optimizer`: the
+  fp32 master weights and AdamW states split over the 48 replicas; without it the larger rows do not fit
+  80 GB), no activation recomputation, one sequence per micro-batch, the interleaved schedule where the
+  layers per stage split evenly (`_megatron_schedule`), TP with sequence parallelism (which its TP overlap
+  requires). The source publishes no memory.
 """
 
 from __future__ import annotations
@@ -21,9 +31,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from autopar.planning.architectures import MODELS, published_model
+from autopar.planning.architectures import MEGATRON_GPT, MODELS, published_model
 
-__all__ = ["MODELS", "ROWS", "Row", "run_rows", "table"]
+__all__ = ["MODELS", "ROWS", "Row", "megatron_flops_per_token", "run_rows", "table"]
 
 @dataclass(frozen=True)
 class Row:
@@ -83,6 +93,41 @@ ROWS = [
 ]
 
 
+
+def megatron_flops_per_token(model: str, seq: int) -> float:
+    """The FLOPs Megatron-LM counts per token of a training step for its GPT models (forward and backward,
+    no recomputation; megatron/training/training.py's num_floating_point_operations at the commit of the
+    H100 table): 12 l h^2 (2 + s/h + 4 + V / (2 l h)) for full multi-head attention and a 4h MLP."""
+    heads, h, layers = MEGATRON_GPT[model]
+    vocab = MODELS[model]["vocab_size"]
+    return 12 * layers * h * h * (2 + seq / h + 4 + vocab / (2 * layers * h))
+
+
+def _megatron_schedule(model: str, pp: int) -> dict:
+    """Pipeline keywords for a Megatron run of `pp` stages: the interleaved schedule with the most virtual
+    stages up to 4 that the layers per stage divide into (Megatron's --num-layers-per-virtual-pipeline-stage
+    must divide them); 1F1B where none does."""
+    if pp == 1:
+        return {}
+    per_stage = MEGATRON_GPT[model][2] // pp
+    v = max(k for k in (1, 2, 3, 4) if per_stage % k == 0)
+    return dict(pp=pp, schedule="interleaved_1f1b", interleave=v) if v > 1 else dict(pp=pp, schedule="1f1b")
+
+
+# (model, tensor-parallel, pipeline, GPUs, global batch, teraFLOP/s per GPU): the rows of [mlm-h100]
+_MLM_H100 = [("megatron-gpt-1.7b", 1, 1, 48, 192, 408.8), ("megatron-gpt-7.1b", 2, 1, 96, 192, 465.9),
+             ("megatron-gpt-16b", 4, 1, 192, 192, 489.1), ("megatron-gpt-32b", 8, 1, 384, 192, 459.6),
+             ("megatron-gpt-70b", 8, 2, 768, 384, 419.7), ("megatron-gpt-119b", 8, 4, 1536, 768, 420.5),
+             ("megatron-gpt-177b", 8, 6, 2304, 1152, 432.8), ("megatron-gpt-314b", 8, 8, 3072, 1536, 474.4),
+             ("megatron-gpt-462b", 8, 16, 6144, 3072, 459.9)]
+ROWS += [
+    Row(f"Megatron GPT {m.rsplit('-', 1)[1].upper()} TP {tp} x PP {pp} x DP 48", "mlm-h100", m, gpus, "dgx-h100",
+        batch, 4096, dict(tp=tp, dp_shard=1, dp_replicate=48, shard_optimizer=True, recompute="none",
+                          async_tp=tp > 1, **_megatron_schedule(m, pp)),
+        tflops * 1e12 / megatron_flops_per_token(m, 4096), None, f"{tflops} teraFLOP/s per GPU measured")
+    for m, tp, pp, gpus, batch, tflops in _MLM_H100]
+
+
 @dataclass
 class Result:
     row: Row
@@ -137,21 +182,27 @@ def table(results: list) -> str:
 
 
 def plot(results: list, path: str) -> None:
+    """Estimate / measured against the measured throughput, one colour per source, the 0.8-1.25 band
+    shaded: no point labels to overlap (the table names each row)."""
     from autopar.planning.report import require_matplotlib
 
     plt = require_matplotlib("autopar bench --published --plot")
-    fig, ax = plt.subplots(figsize=(5.5, 5))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     xs = [r.row.tokens_per_s_per_gpu for r in results]
-    ys = [r.estimate.tokens_per_s_per_gpu for r in results]
-    ax.loglog(xs, ys, "o")
-    lo, hi = min(xs + ys) / 1.5, max(xs + ys) * 1.5
-    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="estimate = measured")
-    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.25, hi * 1.25], color="0.9", label="0.8-1.25x")
-    for r, x, y in zip(results, xs, ys):
-        ax.annotate(r.row.name, (x, y), fontsize=6, xytext=(3, -3), textcoords="offset points")
+    lo, hi = min(xs) / 1.5, max(xs) * 1.5
+    ax.fill_between([lo, hi], [0.8, 0.8], [1.25, 1.25], color="0.92", label="0.8-1.25x")
+    ax.axhline(1.0, color="k", lw=0.8)
+    groups = {"torchtitan H100": "tt-h100", "torchtitan async TP": "tt-async", "torchtitan A100": "tt-a100",
+              "Megatron-LM H100": "mlm-h100"}
+    for (label, prefix), marker in zip(groups.items(), "osD^"):
+        pts = [(r.row.tokens_per_s_per_gpu, r.speed_ratio) for r in results if r.row.source.startswith(prefix)]
+        if pts:
+            ax.semilogx(*zip(*pts), marker, label=f"{label} ({len(pts)})", alpha=0.85)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(0.6, 1.4)
     ax.set_xlabel("measured tokens/s/GPU (published)")
-    ax.set_ylabel("autopar.estimate tokens/s/GPU")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("autopar.estimate / measured")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -4,7 +4,7 @@ the meta device, no weights."""
 
 from __future__ import annotations
 
-__all__ = ["MODELS", "published_model"]
+__all__ = ["MEGATRON_GPT", "MODELS", "published_model"]
 
 _LLAMA3 = dict(model_type="llama", num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
                max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -22,6 +22,23 @@ MODELS = {  # the published architectures (Llama 3.1 and Llama 2 model cards)
     "llama2-70b": dict(_LLAMA2, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
                        num_key_value_heads=8, num_hidden_layers=80),
 }
+
+# Megatron-LM's GPT models of its H100 weak-scaling table (README of NVIDIA/Megatron-LM, "Training Speed and
+# Scalability", images/model_table.png, July 2024): GPT-3's blocks (pre-LayerNorm, full multi-head attention,
+# a GeLU MLP of 4h), vocabulary 131,072, sequences of 4,096. Among transformers' families GPT-NeoX with
+# sequential residuals has those products and runs attention through SDPA (its rotary positions for GPT's
+# learned ones cost no products). OPT, the closest in its positions, flattens tokens before its MLP, and
+# autopar's 1D plan of it moves 3.5-6x Megatron-SP's bytes (docs/guide/limitations.md).
+_MEGATRON_GPT = dict(model_type="gpt_neox", vocab_size=131072, max_position_embeddings=4096,
+                     use_parallel_residual=False, tie_word_embeddings=True)
+MEGATRON_GPT = {  # name -> (attention heads, hidden size, layers), the table's columns
+    "megatron-gpt-1.7b": (16, 2048, 24), "megatron-gpt-7.1b": (32, 4096, 30), "megatron-gpt-16b": (48, 6144, 32),
+    "megatron-gpt-32b": (56, 7168, 48), "megatron-gpt-70b": (64, 8192, 84), "megatron-gpt-119b": (80, 10240, 92),
+    "megatron-gpt-177b": (96, 12288, 96), "megatron-gpt-314b": (128, 16384, 96),
+    "megatron-gpt-462b": (144, 18432, 112),
+}
+MODELS.update({name: dict(_MEGATRON_GPT, num_attention_heads=n, hidden_size=h, intermediate_size=4 * h,
+                          num_hidden_layers=layers) for name, (n, h, layers) in MEGATRON_GPT.items()})
 
 
 def published_model(name: str, cache: dict | None = None):

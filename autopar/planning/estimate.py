@@ -325,7 +325,8 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
              global_batch: int | None = None, tp=1, dp_shard: int | None = None,
              dp_replicate: int = 1, pp: int = 1, schedule: str = "1f1b", microbatches: int | None = None,
              interleave: int = 1, recompute: str = "none", precision: str = "bf16-mixed", compile: bool = False,
-             fp8: bool = False, async_tp: bool = False, assignment: dict | None = None) -> Estimate:
+             fp8: bool = False, async_tp: bool = False, shard_optimizer: bool = False,
+             assignment: dict | None = None) -> Estimate:
     """The estimated step of sequences of `seq` tokens on `devices` GPUs of `cluster` (a preset's name,
     see `passes.cost.cluster.PRESETS`, or a Cluster): `batch` sequences per data-parallel rank
     (torchtitan's local batch size) or `global_batch` in all, split as given:
@@ -336,6 +337,8 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     `interleave` stages per rank; `recompute` 'none', 'selective' (per op, torchtitan's) or 'full';
     `precision` 'bf16-mixed' (fp32 master weights, gradients and AdamW states), 'bf16' or 'fp32';
     `compile` (memory-bound ops fused), `fp8` (FP8 linears), `async_tp` (1D TP collectives overlapped);
+    `shard_optimizer`: the replicas split the master weights and AdamW states (ZeRO-1, Megatron's distributed
+    optimizer; priced, not built by `parallelize`);
     `assignment`: with a 2D `tp`, strategy='auto''s per-unit mix (`pmodel.choice.assignment`)."""
     cl = resolve_cluster(cluster)
     if cl is None:
@@ -359,7 +362,8 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     m = microbatches if microbatches is not None else pp
     if microbatches is None and pp > 1 and local // rows(tp) >= pp:
         m = local // rows(tp)  # one sequence per grid row and micro-batch (torchtitan's micro-batch size 1)
-    cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp)
+    cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp,
+                   shard_optimizer)
     check(src, cfg, devices, batch)
     prof = model_profile(src, seq)[0]
     tb, to = tp_bytes(src, seq, tp, assignment)

@@ -145,6 +145,10 @@ def spec_of_dimensions(par) -> ParallelSpec:
     builds for the configuration `autopar.estimate` prices. Sharded replicas inside replicated ones (HSDP)
     are not a mode of parallelize, nor are replicas of a cube: refused."""
     dp = par.dp_shard * par.dp_replicate
+    if getattr(par, "shard_optimizer", False):
+        raise UsageError("shard_optimizer (the replicas splitting the optimizer states, ZeRO-1) is priced by "
+                         "autopar.estimate but not built by autopar.parallelize: dry-run the configuration without "
+                         "it (the program is the same but for the replicas' gradient exchange)")
     if par.dp_shard > 1 and par.dp_replicate > 1:
         raise UsageError(f"dp_shard={par.dp_shard} inside dp_replicate={par.dp_replicate} (HSDP) is not a mode of "
                          f"autopar.parallelize: give the replicas one mode, dp_shard or dp_replicate alone")

@@ -29,8 +29,10 @@ Time, per GPU and step:
 Memory, per GPU, at the step's peak: parameters, gradients and optimizer states as the precision
 keeps them ('bf16-mixed': fp32 master weights, fp32 gradients, fp32 AdamW states, bf16 copies for
 compute, as FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) trains), sharded over
-dp_shard; FSDP2's gathered units; saved activations of the micro-batches in flight (`in_flight`);
-the loss's temporaries; the runtime's own bytes; all times the allocator's reserve factor.
+dp_shard; with `shard_optimizer` the master weights and AdamW states also split over dp_replicate
+(Megatron's distributed optimizer, ZeRO-1: gradients reduce-scattered, updated weights all-gathered);
+FSDP2's gathered units; saved activations of the micro-batches in flight (`in_flight`); the loss's
+temporaries; the runtime's own bytes; all times the allocator's reserve factor.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Parallel:
     compile: bool = False
     fp8: bool = False
     async_tp: bool = False
+    shard_optimizer: bool = False  # master weights and AdamW states split over the replicas (ZeRO-1)
 
     @property
     def tp_size(self) -> int:
@@ -80,7 +83,8 @@ class Parallel:
     def describe(self) -> str:
         tp = "x".join(map(str, self.tp))
         parts = [f"TP {tp}" if self.tp_size > 1 else "", f"FSDP {self.dp_shard}" if self.dp_shard > 1 else "",
-                 f"DP {self.dp_replicate}" if self.dp_replicate > 1 else "",
+                 (f"DP {self.dp_replicate}" + (" (optimizer sharded)" if self.shard_optimizer else ""))
+                 if self.dp_replicate > 1 else "",
                  f"PP {self.pp} ({self.schedule}{f', V={self.interleave}' if self.interleave > 1 else ''}, "
                  f"M={self.microbatches})" if self.pp > 1 else "", f"recompute {self.recompute}"]
         return ", ".join(p for p in parts if p)
@@ -206,9 +210,16 @@ def step_bytes(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     gathered = (2 if S == 1 else 1) * blocks + params - blocks  # FSDP2 keeps the root unit gathered all step
     fsdp = share * (gathered * weight_bytes + params * grad_bytes) if cfg.dp_shard > 1 else 0.0
     r = cfg.dp_replicate
-    ddp = 2 * (r - 1) / r * params / cfg.dp_shard * grad_bytes if r > 1 else 0.0
+    ddp = (r - 1) / r * params / cfg.dp_shard * _replica_bytes(cfg, grad_bytes, weight_bytes) if r > 1 else 0.0
     pp = M * (S - 1) * _boundary_bytes(prof, cfg, n, seq, crossing)
     return {"tp": tp, "tp_calls": tp_calls, "fsdp": fsdp, "ddp": ddp, "pp": pp}
+
+
+def _replica_bytes(cfg: Parallel, grad_bytes: float, weight_bytes: float) -> float:
+    """Bytes per parameter times (r-1)/r that the replicas move per step: a ring all-reduce of the gradients
+    (twice their bytes), or with the optimizer sharded a reduce-scatter of the gradients and an all-gather of
+    the updated weights (Megatron's distributed optimizer)."""
+    return grad_bytes + weight_bytes if cfg.shard_optimizer else 2 * grad_bytes
 
 
 def _boundary_bytes(prof: Profile, cfg: Parallel, n: float, seq: int, crossing) -> float:
@@ -277,12 +288,14 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     ddp_s = 0.0
     if cfg.dp_replicate > 1:
         shard_params = stage_params / cfg.dp_shard
-        ddp_s = _coll_s(2 * (cfg.dp_replicate - 1) / cfg.dp_replicate * shard_params * grad_b,
+        ddp_s = _coll_s((cfg.dp_replicate - 1) / cfg.dp_replicate * shard_params
+                        * _replica_bytes(cfg, grad_b, copy_b or held - 8),
                         max(1, per_rank), cl, cfg.dp_replicate * dp_span, cfg.dp_replicate)
     hideable = compute_s  # replicas' collectives run beside the step's compute
     dp_exposed = max(first, fsdp_s + ddp_s - hideable + first)
     dp_exposed += cl.overlap_cost * (fsdp_s + ddp_s - dp_exposed if fsdp_s + ddp_s > dp_exposed else 0.0)
-    opt_s = stage_params / cfg.dp_shard * (held + grad_b + held + copy_b) / (cl.hbm_bytes_per_s * cl.hbm_efficiency)
+    updated = stage_params / cfg.dp_shard / (cfg.dp_replicate if cfg.shard_optimizer else 1)  # this rank's update
+    opt_s = updated * (held + grad_b + held + copy_b) / (cl.hbm_bytes_per_s * cl.hbm_efficiency)
     step = compute_s + bubble_s + dp_exposed + pp_s + opt_s
     tokens = batch * seq
     model_flops = 3.0 * (layers * (prof.block.mm_flops + prof.block.attention_flops)
@@ -304,7 +317,7 @@ def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, n: float, 
     held, grad_b, copy_b = PRECISIONS[cfg.precision]
     weight_b = copy_b or held - 8  # what a gathered parameter takes: the compute copy, else the weight itself
     shard = stage_params / cfg.dp_shard
-    states, grads = shard * held, shard * grad_b
+    states, grads = shard * held / (cfg.dp_replicate if cfg.shard_optimizer else 1), shard * grad_b
     block_params = prof.block.params / cfg.tp_size
     if cfg.dp_shard > 1 and cfg.pp == 1:  # FSDP2: the root, the running block and the prefetched one gathered
         gathered = (prof.outer.params / cfg.tp_size + 2 * block_params) * weight_b + 2 * block_params * grad_b
