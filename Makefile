@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 PLOT_STAMP := $(VENV)/.installed-0.1.0-plot  # matplotlib, for the targets that draw
 
-.PHONY: demo test test-all test-compat gpu-check lint docs bench bench-load bench-plan bench-compare bench-strategy bench-debug hf-example sweep-hf clean
+.PHONY: demo test test-all test-compat gpu-check lint docs bench bench-load bench-plan bench-compare bench-strategy bench-debug bench-dry-run hf-example sweep-hf clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -74,6 +74,10 @@ bench-strategy: $(STAMP)
 # the flight recorder and autopar.report against the recorder off, per training step
 bench-debug: $(STAMP)
 	$(BIN)/python examples/bench_debug.py
+
+# autopar.dry_run of a Llama-3-70B shape at 64, 512 and 4,096 ranks: seconds and peak RSS each
+bench-dry-run: $(STAMP)
+	$(BIN)/python examples/bench_dry_run.py
 
 bench-plan: $(STAMP)
 	$(BIN)/python examples/bench_plan.py
