@@ -93,12 +93,11 @@ ROWS = [
 ]
 
 
-
 def megatron_flops_per_token(model: str, seq: int) -> float:
     """The FLOPs Megatron-LM counts per token of a training step for its GPT models (forward and backward,
     no recomputation; megatron/training/training.py's num_floating_point_operations at the commit of the
     H100 table): 12 l h^2 (2 + s/h + 4 + V / (2 l h)) for full multi-head attention and a 4h MLP."""
-    heads, h, layers = MEGATRON_GPT[model]
+    _, h, layers = MEGATRON_GPT[model]
     vocab = MODELS[model]["vocab_size"]
     return 12 * layers * h * h * (2 + seq / h + 4 + vocab / (2 * layers * h))
 

@@ -145,7 +145,7 @@ def spec_of_dimensions(par) -> ParallelSpec:
     builds for the configuration `autopar.estimate` prices. Sharded replicas inside replicated ones (HSDP)
     are not a mode of parallelize, nor are replicas of a cube: refused."""
     dp = par.dp_shard * par.dp_replicate
-    if getattr(par, "shard_optimizer", False):
+    if par.shard_optimizer:
         raise UsageError("shard_optimizer (the replicas splitting the optimizer states, ZeRO-1) is priced by "
                          "autopar.estimate but not built by autopar.parallelize: dry-run the configuration without "
                          "it (the program is the same but for the replicas' gradient exchange)")

@@ -274,11 +274,11 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     block_params = prof.block.params
     stage_params = (per_rank * block_params + prof.outer.params / (1 if S == 1 else 2)) / cfg.tp_size
     held, grad_b, copy_b = PRECISIONS[cfg.precision]
+    gather = copy_b or held - 8  # bytes per parameter gathered: the compute copy (bf16), else the weight
     dp_span = cfg.dp_shard * cfg.tp_size
     fsdp_s = first = 0.0
     if cfg.dp_shard > 1:
         share = (cfg.dp_shard - 1) / cfg.dp_shard
-        gather = copy_b or held - 8  # bytes per parameter gathered: the compute copy (bf16), else the weight
         again = 2 if S == 1 else 1  # a block resharded after forward, gathered again for backward; the root once
         units = per_rank + 1
         blocks = per_rank * block_params / cfg.tp_size
@@ -289,7 +289,7 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     if cfg.dp_replicate > 1:
         shard_params = stage_params / cfg.dp_shard
         ddp_s = _coll_s((cfg.dp_replicate - 1) / cfg.dp_replicate * shard_params
-                        * _replica_bytes(cfg, grad_b, copy_b or held - 8),
+                        * _replica_bytes(cfg, grad_b, gather),
                         max(1, per_rank), cl, cfg.dp_replicate * dp_span, cfg.dp_replicate)
     hideable = compute_s  # replicas' collectives run beside the step's compute
     dp_exposed = max(first, fsdp_s + ddp_s - hideable + first)
