@@ -127,6 +127,47 @@ def test_gpt2_1d_matches_one_process(pool4, fused):
     assert_every_rank([r["excess"] for r in res], f"gpt2 1d {fused}")
 
 
+def _block_bytes(family, batch, t=4, seq=8):
+    """Bytes per rank of one block's 1D collectives (a two-block plan less a one-block plan, fused
+    projections stored interleaved), and Megatron-SP's for the same block: an all-gather and a
+    reduce-scatter per sublayer each way, (t - 1)/t of the [b, s, h] fp32 activation each, plus the
+    two LayerNorms' weight and bias gradients all-reduced."""
+    import warnings
+
+    import autopar
+
+    def total(layers):
+        over = {"n_layer": layers} if family == "gpt2" else {"num_hidden_layers": layers}
+        model, make = C.build(family, **over)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.plan(model, grid=(1, t), example_kwargs=make(batch, seq, 1), strategy="1d",
+                                fused="interleave").comm_bytes_per_rank_per_step
+
+    h = 32
+    norms = 4 * 2 * (t - 1) * h * 4 // t
+    return total(2) - total(1), 8 * (t - 1) * batch * seq * h * 4 // t + norms
+
+
+@pytest.mark.parametrize("family, batch", [("gpt2", 1), ("gpt2", 2), ("opt", 1)])
+def test_1d_of_one_sequence_moves_what_megatron_sp_moves(family, batch):
+    """A 1 x t grid's size-1 row axis splits nothing; it used to take the token dim (a matmul or norm
+    split 'the first lead dim' over it), which pushed the columns' sequence split onto a batch dim of
+    one: GPT-2 then moved 21x Megatron-SP's bytes per block with one sequence per micro-batch, OPT
+    (which flattens tokens before its MLP) 5.6x, its LayerNorms hidden-split and fc1 row-parallel with
+    a 4h-wide partial sum. Now a block moves exactly Megatron-SP's bytes."""
+    got, megatron_sp = _block_bytes(family, batch)
+    assert got == megatron_sp, (family, batch, got, megatron_sp)
+
+
+def test_opt_1d_of_one_sequence_matches_one_process(pool4):
+    """OPT's 1D plan with one sequence (norms on sequence blocks of the flattened tokens, whole over
+    the columns where 1D column splits read them): logits, loss and every gradient on every rank
+    against one process at 1 x 4."""
+    res = pool4.run(C.hf_parity, "opt", None, 1, 8, None, None, (1, 4), {"strategy": "1d", "fused": "interleave"})
+    _parity(res, "opt 1d, one sequence")
+
+
 def test_gpt2_1d_moves_what_megatron_sp_moves():
     """With fused='interleave' and a batch the columns divide, a GPT-2 block's 1D collectives are
     Megatron's with sequence parallelism: an all-gather and a reduce-scatter per sublayer each way,

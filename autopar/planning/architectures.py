@@ -28,7 +28,8 @@ MODELS = {  # the published architectures (Llama 3.1 and Llama 2 model cards)
 # a GeLU MLP of 4h), vocabulary 131,072, sequences of 4,096. Among transformers' families GPT-NeoX with
 # sequential residuals has those products and runs attention through SDPA (its rotary positions for GPT's
 # learned ones cost no products). OPT, the closest in its positions, flattens tokens before its MLP, and
-# autopar's 1D plan of it moves 3.5-6x Megatron-SP's bytes (docs/guide/limitations.md).
+# autopar's 1D plan of it moves 1.25x Megatron-SP's bytes with two or more sequences per micro-batch
+# (docs/guide/limitations.md).
 _MEGATRON_GPT = dict(model_type="gpt_neox", vocab_size=131072, max_position_embeddings=4096,
                      use_parallel_residual=False, tie_word_embeddings=True)
 MEGATRON_GPT = {  # name -> (attention heads, hidden size, layers), the table's columns

@@ -149,6 +149,10 @@ def one_d_strategy(node, layouts, mesh, x, w, bias, n_first: bool, kind: str) ->
         split_in = lay is not None and split_dim(lay.normalized(last + 1)[1]) == last
         kind = "row" if split_in and (K % C == 0 or uneven) else "col"
     rows, out_rows = _rows(node, x, layouts, mesh)
+    if R == 1 and kept_row_split(layouts.get(x), len(shape(x))) is None:
+        # one row: a split over it is no split, but it would hold the token dim the columns split
+        # between blocks (sequence parallelism) and push their split onto a batch of one
+        rows = out_rows = Replicate()
     out_last = len(val(node).shape) - 1
     if kind == "col":
         k = fused_parts(node)

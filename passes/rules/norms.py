@@ -24,10 +24,26 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.kernels.local import BatchNormSpec, NormSpec
 from passes.layout import REPLICATED, Layout, uneven_ok
+from passes.meta import CHOICE
 from passes.rules.registry import Strategy, Unsupported, kept_row_split, register
+from passes.rules.views import TRANSPOSES, VIEWS, is_cast
 from passes.nodes import arg, shape
 
 aten = torch.ops.aten
+NORMS = (aten.layer_norm.default, aten.rms_norm.default)
+
+
+def consumer_choices(node) -> tuple:
+    """The strategy choices (`CHOICE`) of the products that read a norm's output, through views,
+    transposes and casts: what `norm_strategy` lays its output out for (and part of its rule's key)."""
+    out, todo = [], list(node.users)
+    while todo:
+        u = todo.pop(0)
+        if u.op == "call_function" and (u.target in VIEWS or u.target in TRANSPOSES or is_cast(u)):
+            todo.extend(u.users)
+        else:
+            out.append(u.meta.get(CHOICE))
+    return tuple(out)
 
 
 def _rows(lay, shape_, rows: int):
@@ -37,7 +53,8 @@ def _rows(lay, shape_, rows: int):
     kept = kept_row_split(lay, nd)
     if kept is not None:
         return kept
-    return Shard(0) if nd >= 2 and shape_[0] % rows == 0 else Replicate()
+    # one row splits nothing, and a split of the token dim over it would keep the columns off it
+    return Shard(0) if nd >= 2 and shape_[0] % rows == 0 and rows > 1 else Replicate()
 
 
 def _sequence_block(lay, xs, rows, columns: int):
@@ -46,7 +63,7 @@ def _sequence_block(lay, xs, rows, columns: int):
     a partial sum over the columns (a row-split product's output, a vocabulary-split embedding's),
     the first such dim the columns divide, which a reduce-scatter fills; None otherwise."""
     nd = len(xs)
-    if lay is None or nd < 3 or columns == 1:
+    if lay is None or nd < 2 or columns == 1:
         return None
     col = lay.normalized(nd)[1]
     taken = rows.dim if isinstance(rows, Shard) else None
@@ -68,6 +85,15 @@ def norm_strategy(node, layouts, mesh, x, params, n_norm):
         need = {x: Layout((rows, seq))}
         need.update({p: REPLICATED for p in params if p is not None})
         return Strategy(need, need[x], note="norm on sequence blocks (sequence parallel)")
+    lay = layouts.get(x)
+    whole = lay is not None and isinstance(lay.normalized(nd).placements[1], Replicate)
+    users = consumer_choices(node)
+    if whole and mesh[1] > 1 and users and all(c in ("1d", "col") for c in users):
+        # whole over the columns (tokens gathered before a flattening view) and read by 1D column
+        # splits, which want it whole: a hidden split here would make them row splits with partial sums
+        need = {x: Layout((rows, Replicate()))}
+        need.update({p: REPLICATED for p in params if p is not None})
+        return Strategy(need, need[x], note="norm whole over the columns (read by 1D column splits)")
     split = xs[-1] % mesh[1] == 0 or uneven_ok(mesh)  # uneven: torch.chunk blocks; the kernel divides by n
     x_lay = Layout((rows, Shard(nd - 1) if split else Replicate()))
     p_lay = Layout((Replicate(), Shard(0) if split else Replicate()))

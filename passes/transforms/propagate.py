@@ -40,6 +40,7 @@ from passes.options import DEFAULTS, Options
 from passes.rules.registry import Strategy, Unsupported, lookup
 from passes.nodes import tensor_inputs, val
 from passes.rules.fallback import creation, fallback
+from passes.rules.norms import NORMS, consumer_choices
 from passes.rules.views import TRANSPOSES, is_cast, permutation
 from passes.errors import UnsupportedError
 
@@ -157,7 +158,8 @@ def _refuse_fallback(node: Node, why: str) -> None:
 
 def rule_key(node: Node, layouts: dict) -> tuple:
     """What a rule's result depends on: the node, its strategy choice and its inputs' layouts."""
-    return node, node.meta.get(CHOICE), tuple(layouts.get(n) for n in node.all_input_nodes)
+    readers = consumer_choices(node) if node.target in NORMS else ()
+    return node, node.meta.get(CHOICE), tuple(layouts.get(n) for n in node.all_input_nodes), readers
 
 
 def propagate_node(node: Node, layouts: dict, res: Propagation, mesh: tuple, options: Options,
