@@ -188,6 +188,41 @@ def test_fake_tensors_issue_what_real_ones_do():
             assert twin.counted == run.counted and twin.planned == run.planned == run.counted["grid"], rank
 
 
+@pytest.mark.parametrize("grid, strategy", [((1, 8), "1d"), ((2, 4), "2d")])
+def test_a_fused_weight_regroups_in_one_all_to_all(grid, strategy):
+    """GPT-2's fused c_attn stored as plain blocks (fused='regroup', the default) is read interleaved
+    (block c of q, of k and of v): one all-to-all of the chunks other members hold for the weight and
+    one for the bias, forward and (inverse) backward, instead of an all-gather of each. Which chunks a
+    column receives depends on its index (of 8 columns, member 1 holds none of its own 3, members 0 and
+    2 one each): every column's counted bytes equal its plan at its own position, on real and on fake
+    tensors; under 1D each column moves at most 3 chunks of 1/(3t) of the weight and bias each way
+    more than the interleaved layout (which regroups nothing). It moved an all-gather of the whole
+    weight each way (2.5x Megatron-SP's bytes for a block of hidden 1,024 with one sequence of 512 at
+    1 x 8; now 1.14x)."""
+    from tests.checks_hf import build
+
+    model, make = build("gpt2", n_embd=96, n_head=8, n_layer=1)
+    kw = make(1, 32, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = autopar.dry_run(model, grid=grid, example_kwargs=kw, strategy=strategy, fake=False)
+        fake = autopar.dry_run(model, grid=grid, example_kwargs=kw, strategy=strategy, fake=True)
+        gathered = autopar.plan(model, grid=grid, example_kwargs=kw, strategy=strategy, fused="interleave")
+    counted = []
+    for rank, run in real.ranks.items():
+        assert run.counted["grid"] == run.planned, (rank, run.counted, run.planned)
+        twin = fake.ranks[rank]
+        assert [c.key() for c in twin.step] == [c.key() for c in run.step] and twin.counted == run.counted, rank
+        a2a = [c for c in run.step if c.op == "all_to_all_single"]
+        assert len(a2a) == 4, (rank, [c.op for c in run.step])  # c_attn's weight and bias, forward and backward
+        counted.append(run.counted["grid"])
+    assert len(set(counted)) > 1 or grid[1] == 4, counted  # 8 columns: rank-dependent chunks
+    if strategy == "1d":
+        t, h = grid[1], 96
+        weight = (h + 1) * 3 * h * 4  # and bias; each way a column receives at most 3 chunks of 1/(3t) of them
+        assert max(counted) - gathered.comm_bytes_per_rank_per_step <= 2 * 3 * weight // (3 * t), counted
+
+
 def test_an_order_across_groups_that_waits_for_ever_is_caught():
     """Catches the hang no single group shows: ranks 0 and 1 share groups A = [0, 1] and B = [0, 1, 2, 3]
     and each group's calls agree in kind, but rank 0 issues A's before B's and rank 1 B's before A's, so

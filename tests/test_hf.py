@@ -110,7 +110,9 @@ def test_strategies_parity(pool4, family, grid, options):
         assert res[0]["explain"].count("SummaGroup(AB x2") == 1, res[0]["explain"]  # gate|up of the one layer
     assignment = res[0]["assignment"]
     if options["strategy"] == "auto":
-        assert len(set(assignment.values())) >= 2, assignment  # a mixed plan, not one fixed scheme
+        # a mixed plan, not one fixed scheme (with slow links SUMMA may take every unit: GPT-2's c_attn moves
+        # only the chunks of its weight other columns hold since the regroup became an all-to-all)
+        assert len(set(assignment.values())) >= 2 or options.get("cost_model") is SLOW_LINKS, assignment
         assert all(r["assignment"] == assignment for r in res)  # every rank chose the same
         assert "[auto: " in res[0]["explain"] and "strategy auto: estimated step" in res[0]["explain"]
     if options.get("cost_model") is SLOW_LINKS:

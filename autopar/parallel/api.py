@@ -100,8 +100,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             unsplit on every rank, with a FallbackWarning; 'error' raises a ShardingError instead.
         fused: how a fused projection's weight (output split into q|k|v or gate|up) is stored.
             'regroup' (default): as ordinary blocks, regrouped in the graph each step so each column
-            block holds matching parts (one all-gather of the weight block per use, forward and
-            backward); every parameter stays a plain sharded DTensor. 'interleave': stored interleaved
+            block holds matching parts (one all-to-all of the chunks other columns hold per use,
+            forward and backward); every parameter stays a plain sharded DTensor. 'interleave': stored interleaved
             (DTensor _StridedShard), no regrouping; torch.distributed.checkpoint cannot save such
             parameters in torch 2.13 (save_pretrained can).
         on_unsupported: 'replicate' (default) runs an op that has no split form whole on every rank

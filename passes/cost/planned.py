@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
-from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes, regroup_bytes
 from passes.layout import Layout, local_shape, parts, split_dim
 from passes.meta import KERNEL, ROLE
 
@@ -85,8 +85,9 @@ def redistribution(src, dst) -> tuple:
     """The collectives `kernels.Redistribute(src -> dst)` runs, in order, as (kind, axis, dim, parts,
     avg) tuples of plain values (torch.compile cannot trace into placement objects): first gather the
     axes whose split changes, then split, reduce or reduce-scatter axis by axis, so two axes never
-    split one dim in between. `kind`: "gather", "reduce-scatter", "all-reduce", "split" or
-    "to-partial"; `dim`: the tensor dim gathered or split (-1: none); `parts`: a Strided split's
+    split one dim in between; an axis that only moves a dim between plain and interleaved blocks
+    regroups it in one all-to-all. `kind`: "gather", "reduce-scatter", "all-reduce", "split",
+    "to-partial", "regroup" or "ungroup"; `dim`: the tensor dim gathered or split (-1: none); `parts`: a Strided split's
     interleaved parts; `avg`: the partial sum (reduced or made) is an average. The runtime runs this
     list and `redistribute_steps` prices it, so what runs is what was priced.
 
@@ -95,13 +96,18 @@ def redistribution(src, dst) -> tuple:
     (('gather', 1, 0, 1, False), ('reduce-scatter', 0, 1, 1, False))
     """
     steps, cur = [], list(src.placements)
+    regrouped = {a for a in range(2) if _regroups(src, dst, a)}
     for a in range(2):
-        if split_dim(cur[a]) is not None and cur[a] != dst[a]:
+        if split_dim(cur[a]) is not None and cur[a] != dst[a] and a not in regrouped:
             steps.append(("gather", a, cur[a].dim, parts(cur[a]), False))
             cur[a] = Replicate()
     for a in range(2):
         s, d = cur[a], dst[a]
         if s == d:
+            continue
+        if a in regrouped:  # plain <-> interleaved blocks of one dim: one all-to-all, no gather
+            k = max(parts(s), parts(d))
+            steps.append(("regroup" if parts(d) > 1 else "ungroup", a, d.dim, k, False))
             continue
         if isinstance(s, Partial):
             avg = s.reduce_op == "avg"
@@ -116,8 +122,19 @@ def redistribution(src, dst) -> tuple:
     return tuple(steps)
 
 
+def _regroups(src, dst, a: int) -> bool:
+    """Axis `a` moves one dim between plain and interleaved (Strided) blocks, which the other axis
+    leaves alone (`passes.ops.reblock.regroup`): a fused projection's weight stored as plain blocks
+    (fused='regroup') read interleaved, and its gradient back."""
+    s, d = src.placements[a], dst.placements[a]
+    if split_dim(s) is None or split_dim(s) != split_dim(d) or sorted((parts(s), parts(d)))[0] != 1 or s == d:
+        return False
+    other = 1 - a
+    return split_dim(s) not in (split_dim(src.placements[other]), split_dim(dst.placements[other]))
+
+
 def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, synced: tuple = (),
-                       shape: tuple | None = None) -> tuple:
+                       shape: tuple | None = None, at: tuple = (0, 0)) -> tuple:
     """What `redistribution(src, dst)` moves: ([(axis, phase, bytes)], [step names]), for a rank
     holding n elements of e bytes before, on a mesh of `sizes` (R, C). Works on numbers (integer
     division, as the collective layer counts) and, with `exact`, on sympy symbols (the formulas
@@ -151,6 +168,13 @@ def redistribute_steps(src, dst, sizes, n, e, grad: bool, exact: bool = False, s
         elif kind == "all-reduce":
             moves.append((a, "fwd", all_reduce_bytes(size * e, g, exact)))
             names.append(f"all-reduce(axis {a})")
+        elif kind in ("regroup", "ungroup"):  # the same block size, other chunks: at the grid position `at`
+            inverse = kind == "ungroup"
+            moves.append((a, "fwd", regroup_bytes(size * e, g, steps[i][3], at[a], inverse, exact)))
+            if grad:
+                moves.append((a, "bwd", regroup_bytes(size * e, g, steps[i][3], at[a], not inverse, exact)))
+            names.append(f"all-to-all(axis {a}; {'plain -> interleaved' if not inverse else 'interleaved -> plain'}"
+                         f" blocks, bwd back)")
         elif kind == "split":
             size = blocks[i + 1] if blocks else div(size, g)
             if grad:

@@ -59,3 +59,27 @@ def all_to_all_bytes(recv: Sequence[int], me: int, row: int) -> int:
     """An all-to-all in which member `me` receives recv[j] rows of `row` bytes from member j: every row
     but its own."""
     return row * (sum(recv) - recv[me])
+
+
+def regroup_chunks(g: int, k: int, me: int, inverse: bool = False) -> tuple:
+    """A dim of k g equal chunks moved between plain blocks (member j holds chunks j k ... j k + k - 1) and
+    interleaved ones (member j holds chunks j, j + g, ..., j + (k - 1) g: block j of each of k parts,
+    a fused projection's layout): (chunks member `me` sends to each member, chunks it receives from
+    each), in member order; `inverse` moves interleaved blocks back to plain ones. A member sends its
+    chunks in the order of (destination, chunk) and receives them in the order of (source, chunk).
+
+    >>> regroup_chunks(4, 3, 0)  # member 0 of 4 holds chunks 0, 1, 2 and needs 0, 4, 8
+    ([1, 1, 1, 0], [1, 1, 1, 0])
+    """
+    plain = [me * k + r for r in range(k)]  # the chunks `me` holds as plain blocks
+    mixed = [p * g + me for p in range(k)]  # and as interleaved ones
+    to_plain = [sum(1 for c in mixed if c // k == j) for j in range(g)]
+    to_mixed = [sum(1 for c in plain if c % g == j) for j in range(g)]
+    return (to_plain, to_mixed) if inverse else (to_mixed, to_plain)
+
+
+def regroup_bytes(n, g: int, k: int, me: int, inverse: bool = False, exact: bool = False):
+    """What member `me` receives regrouping (`regroup_chunks`) its n-byte block: the chunks other
+    members hold, n/k bytes each."""
+    recv = regroup_chunks(g, k, me, inverse)[1]
+    return _floor_div(n * (sum(recv) - recv[me]), k, exact)

@@ -28,7 +28,8 @@ import sympy
 import torch
 from torch.fx import Node
 
-from passes.cost.planned import C, E, R, Cost, redistribute_steps, summa_ab_bytes, summa_abt_bytes, summa_axis_elems
+from passes.cost.planned import (C, E, R, Cost, redistribute_steps, redistribution, summa_ab_bytes, summa_abt_bytes,
+                                  summa_axis_elems)
 from passes.cost.volumes import all_reduce_bytes
 from passes.layout import Layout, local_shape, mesh_shape
 from passes.mesh import Grid
@@ -339,12 +340,15 @@ class RedistributeSpec(KernelSpec):
         largest), as formulas in n would leave the padding out."""
         nums = self.values(site)
         mesh, grad = (nums["R"], nums["C"]), site.grads[0]
+        at = tuple(site.at)
         padded, _ = redistribute_steps(self.src, self.dst, mesh, nums["n"], nums["e"], grad, False, self.synced,
-                                       tuple(site.val(0).shape))
-        if not exact or padded != redistribute_steps(self.src, self.dst, mesh, nums["n"], nums["e"], grad, False,
-                                                     self.synced)[0]:
-            return padded
-        return redistribute_steps(self.src, self.dst, (v["R"], v["C"]), v["n"], v["e"], grad, exact, self.synced)[0]
+                                       tuple(site.val(0).shape), at)
+        regroups = any(kind in ("regroup", "ungroup") for kind, *_ in redistribution(self.src, self.dst))
+        if not exact or regroups or padded != redistribute_steps(self.src, self.dst, mesh, nums["n"], nums["e"], grad,
+                                                                 False, self.synced, at=at)[0]:
+            return padded  # a regroup's chunks per member are numbers of the grid's size
+        return redistribute_steps(self.src, self.dst, (v["R"], v["C"]), v["n"], v["e"], grad, exact, self.synced,
+                                  at=at)[0]
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,18 @@ def _(t, grid, axis, dim, src, dst, tag, phase):
     return t.new_empty(shape)
 
 
+@torch.library.custom_op("autopar::regroup", mutates_args=())
+def regrouped(t: torch.Tensor, grid: int, axis: int, dim: int, parts: int, inverse: bool, tag: str,
+              phase: str) -> torch.Tensor:
+    """Dim `dim` moved between plain and interleaved blocks over mesh `axis` (`passes.ops.reblock`)."""
+    return reblock.run_regroup(grid_of(grid), axis, t, dim, parts, inverse, tag, phase)
+
+
+@regrouped.register_fake
+def _(t, grid, axis, dim, parts, inverse, tag, phase):
+    return t.new_empty(t.shape)
+
+
 @torch.library.custom_op("autopar::check_ids", mutates_args=())
 def check_ids(ids: torch.Tensor, size: int, where: str) -> torch.Tensor:
     """Raise unless every id lies in [0, size) (`passes.ops.bounds`); returns an empty tensor."""
@@ -187,8 +199,8 @@ def _(t, grid, tag):
     return t.new_empty(t.shape[0], t.shape[1] * _cube_of(grid).q)
 
 
-for _name in ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_stack", "summa", "reblock", "check_ids",
-              "check_targets", "depth_reduce_scatter", "depth_all_gather"):
+for _name in ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_stack", "summa", "reblock", "regroup",
+              "check_ids", "check_targets", "depth_reduce_scatter", "depth_all_gather"):
     register_ordered(f"autopar::{_name}")
 keep_effect_order_in_inductor()  # inductor 2.13 loses the order edges between them otherwise
 

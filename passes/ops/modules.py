@@ -14,7 +14,7 @@ from torch.autograd.function import once_differentiable
 from passes.cost.planned import redistribution
 from passes.layout import Layout, chunk_range
 from passes.mesh import Grid
-from passes.ops import bounds, comm
+from passes.ops import bounds, comm, reblock
 from passes.ops.summa import summa_matmul
 
 HALF = (torch.float16, torch.bfloat16)
@@ -57,6 +57,8 @@ class Redistribute(nn.Module):
                 x = comm.AllReduce.apply(x, g, a, avg, self.tag)
             elif kind == "split":
                 x = comm.Split.apply(x, g, a, dim, self.tag, k)
+            elif kind in ("regroup", "ungroup"):
+                x = reblock.Regroup.apply(x, g, a, dim, k, kind == "ungroup", self.tag)
             else:  # to-partial
                 x = comm.ToPartial.apply(x, g, a, avg)
         return x

@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from passes.cost.volumes import all_to_all_bytes
+from passes.cost.volumes import all_to_all_bytes, regroup_chunks
 from passes.layout import chunk_range
 from passes.mesh import Grid
 from passes.ops import comm
 
-__all__ = ["bounds", "overlap", "received", "reblock", "run_reblock", "Reblock", "ReblockView"]
+__all__ = ["bounds", "overlap", "received", "reblock", "run_reblock", "Reblock", "ReblockView", "regroup",
+           "run_regroup", "Regroup"]
 
 
 def bounds(n: int, q: int, unit: int = 1) -> tuple:
@@ -111,3 +112,58 @@ class ReblockView(nn.Module):
 
     def extra_repr(self) -> str:
         return f"axis={self.axis}, dim={self.dim}, {list(self.src)} -> {list(self.dst)}"
+
+
+def _chunk_order(g: int, k: int, me: int) -> list:
+    """Member `me`'s plain chunks (0 ... k - 1 locally) in the order of their interleaved destination."""
+    return sorted(range(k), key=lambda r: ((me * k + r) % g, r))
+
+
+def regroup(grid: Grid, axis: int, t: torch.Tensor, dim: int, parts: int, inverse: bool, tag: str,
+            phase: str) -> torch.Tensor:
+    """This member's interleaved block of `dim` (block i of each of `parts` parts: a fused projection's
+    layout) from the members' plain blocks, or with `inverse` the plain block from interleaved ones, in
+    one all-to-all of the chunks other members hold (`passes.cost.volumes.regroup_chunks`): what a
+    gather of the whole dim and a cut would do, receiving about 1/g of it (traceable)."""
+    if grid.size(axis) == 1:
+        return t.contiguous()
+    return torch.ops.autopar.regroup(t, grid.key, axis, dim, parts, inverse, tag, phase)
+
+
+def run_regroup(grid: Grid, axis: int, t: torch.Tensor, dim: int, parts: int, inverse: bool, tag: str,
+                phase: str) -> torch.Tensor:
+    """`regroup` now: the body of its torch.library op."""
+    i, q = grid.index(axis), grid.size(axis)
+    send, recv = regroup_chunks(q, parts, i, inverse)
+    moved = t.movedim(dim, 0).contiguous()
+    u = moved.shape[0] // parts  # rows per chunk
+    order = _chunk_order(q, parts, i)
+    if not inverse:  # plain chunks leave in (destination, chunk) order
+        moved = torch.cat([moved[r * u:(r + 1) * u] for r in order])
+    out = moved.new_empty(moved.shape)
+    row = math.prod(moved.shape[1:]) * moved.element_size()
+    grid.log.add(tag, phase, all_to_all_bytes([c * u for c in recv], i, row))
+    grid.log.launch(tag, phase)
+    with comm.guarded(grid, "all-to-all", axis, tag):
+        dist.all_to_all_single(out, moved, [c * u for c in recv], [c * u for c in send], group=grid.group(axis))
+    if inverse:  # plain chunks arrive in (source, chunk) order
+        back = [0] * parts
+        for pos, r in enumerate(order):
+            back[r] = pos
+        out = torch.cat([out[p * u:(p + 1) * u] for p in back])
+    return out.movedim(0, dim).contiguous()
+
+
+class Regroup(torch.autograd.Function):
+    """Plain blocks of `dim` over mesh `axis` -> interleaved ones of `parts` parts (or back, `inverse`);
+    backward moves the gradient the other way."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim, parts, inverse, tag):
+        ctx.args = (grid, axis, dim, parts, inverse, tag)
+        return regroup(grid, axis, x, dim, parts, inverse, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        grid, axis, dim, parts, inverse, tag = ctx.args
+        return regroup(grid, axis, g, dim, parts, not inverse, tag, "bwd"), None, None, None, None, None, None
