@@ -49,6 +49,8 @@ def add_arguments(sub) -> None:
             p.add_argument("--interleave", type=int, default=1, help="pipeline stages per rank")
             p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
                            help="none, selective (per op, torchtitan's) or full (every block)")
+            p.add_argument("--recompute-blocks", type=int,
+                           help="with --recompute full: recompute only the first K blocks of each stage")
             p.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16", "fp32"),
                            help="bf16-mixed (fp32 master weights, gradients and AdamW states; default), bf16 or "
                                 "fp32")
@@ -88,7 +90,8 @@ def _estimate(ns) -> int:
                    global_batch=ns.global_batch, tp=ns.tp, dp_shard=ns.dp_shard,
                    dp_replicate=ns.dp_replicate, pp=ns.pp, schedule=ns.schedule, microbatches=ns.microbatches,
                    interleave=ns.interleave, recompute=ns.recompute, precision=ns.precision, compile=ns.compile,
-                   fp8=ns.fp8, async_tp=ns.async_tp, shard_optimizer=ns.shard_optimizer)
+                   fp8=ns.fp8, async_tp=ns.async_tp, shard_optimizer=ns.shard_optimizer,
+                   recompute_blocks=ns.recompute_blocks)
     out = est.to_json()
     if ns.dry_run:
         out["dry_run"] = dry_run_check(est, _model(ns.model), ranks=ns.dry_run)
@@ -143,6 +146,8 @@ def dry_run_check(est, model, ranks=None) -> dict:
     tp, dp = par.tp, par.dp_shard * par.dp_replicate
     options: dict = {**spec.kwargs(), "lowering": "broadcast",
                      "recompute": {"none": False, "selective": "selective", "full": "blocks"}[par.recompute]}
+    if par.recompute == "full" and par.recompute_blocks is not None:
+        options["recompute_blocks"] = par.recompute_blocks
     grid = options.pop("grid")
     if par.pp > 1 and par.dp_shard > 1:
         options["reshard_after_forward"] = False  # a stage kept gathered over its micro-batches, as priced

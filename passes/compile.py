@@ -29,7 +29,7 @@ from passes.cost.model import CostModel
 from passes.errors import FallbackWarning, MemoryLimitError
 from passes.mesh import Grid, warn
 from passes.meta import LAYOUT
-from passes.nodes import arg, module_path
+from passes.nodes import arg, block_of, module_path
 from passes.options import Options
 from passes.search import strategy as strategies
 from passes.search.lowering import fixed_estimate, pick_lowerings
@@ -37,7 +37,7 @@ from passes.transforms.group_siblings import group_siblings
 from passes.transforms.insert_collectives import insert_collectives
 from passes.transforms.localize import localize
 from passes.transforms.propagate import propagate
-from passes.transforms.recompute import recompute
+from passes.transforms.recompute import block_runs, recompute
 from passes.transforms.route_experts import route_experts
 
 __all__ = ["Compiled", "RANDOM_OPS", "compile_captured"]
@@ -139,6 +139,8 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     mode = options.recompute if isinstance(options.recompute, str) else None  # None / False: none
     if mode is None and chosen is not None and chosen.recompute_blocks:  # the search's way to fit memory_limit
         mode, only = "blocks", set(chosen.recompute_blocks)
+    if mode == "blocks" and options.recompute_blocks is not None:  # the first k blocks of this graph
+        only = set(list(dict.fromkeys(block_of(run[0]) for run in block_runs(gm) if run))[:options.recompute_blocks])
     if mode:
         flat, gm = gm, recompute(gm, grid, mode, only)
     grid.places = MappingProxyType({**grid.places, **_places(flat if flat is not None else gm)})

@@ -208,6 +208,11 @@ class Options:
                  "memory_limit), False (never recompute), 'blocks' (keep each repeated block's inputs, run the "
                  "block again in backward) or 'selective' (keep matmul and communication outputs, recompute "
                  "the local ops between them)")
+    recompute_blocks: int | None = option(
+        None, "with recompute='blocks': the first k repeated blocks of the model (of each pipeline stage) "
+        "recomputed, the rest keeping their activations", check=lambda v: v is None or (
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+        expected="None (every repeated block) or a number of blocks >= 1, with recompute='blocks'")
     forward_only: bool = option(
         False, "price a forward alone, with no backward (a generation phase's plan)", choices=(True, False),
         expected="True (price a forward alone, as inference runs) or False (a training step)", keyword=False)
@@ -249,6 +254,9 @@ class Options:
             value = getattr(self, o.name)
             if not o.valid(value):
                 raise o.error(value)
+        if self.recompute_blocks is not None and self.recompute != "blocks":
+            raise UsageError(f"recompute_blocks={self.recompute_blocks!r} with recompute={self.recompute!r}: it says "
+                             f"how many blocks recompute='blocks' recomputes; pass recompute='blocks' too")
         if isinstance(self.memory_limit, str):  # '8GiB': kept as bytes, what every stage reads
             object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
 

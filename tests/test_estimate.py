@@ -51,10 +51,11 @@ def test_saved_activations_grow_linearly_in_the_sequence():
     assert a.input_bytes < a.sac_saved < a.saved
 
 
-CONFIGS = [dict(tp=(2,)), dict(tp=(2, 2)), dict(tp=(2,), dp_shard=2), dict(pp=2, dp_shard=2)]
+CONFIGS = [dict(tp=(2,)), dict(tp=(2, 2)), dict(tp=(2,), dp_shard=2), dict(pp=2, dp_shard=2),
+           dict(tp=(2,), recompute="full", recompute_blocks=1)]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["1d", "2d", "1d-fsdp2", "pp2-fsdp2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["1d", "2d", "1d-fsdp2", "pp2-fsdp2", "1d-recompute-1"])
 def test_the_dry_run_moves_and_holds_what_the_estimate_says(config):
     """The estimate of a configuration against a dry run of `parallelize`'s program for it (the whole model,
     every rank position covered): tensor-parallel bytes and calls and pipeline sends equal to the byte;
@@ -213,6 +214,50 @@ def _builds(plan):
     for e in picks:
         kw = TrainingPlan(e, [e], 0, 0.0).kwargs
         assert autopar.plan(model, example_kwargs={"input_ids": ids, "labels": ids}, **kw) is not None, kw
+
+
+def test_recomputing_some_blocks_prices_between_none_and_all():
+    """recompute_blocks=k (the first k blocks of each stage recomputed, the rest keeping their activations):
+    memory falls by the same step per block from recompute 'none' up to k = L - 1, and time rises likewise;
+    k = L is 'full' exactly. Recomputing the last block too saves nothing more at the peak (backward
+    rebuilds it first, while every other block's input is still held): L - 1 blocks hold less than L.
+    Catches a partial count priced as all or none, or memory not linear in k."""
+    src = tiny()
+    base = dict(devices=8, cluster="dgx-h100", global_batch=16, seq=2048, dp_shard=8)
+    none, full = (estimate(src, recompute=rc, **base) for rc in ("none", "full"))
+    part = [estimate(src, recompute="full", recompute_blocks=k, **base) for k in range(1, LAYERS + 1)]
+    assert part[-1].step_s == pytest.approx(full.step_s, rel=1e-12)
+    assert part[-1].cost.memory_bytes == pytest.approx(full.cost.memory_bytes, rel=1e-12)
+    mem = [none.cost.memory_bytes] + [e.cost.memory_bytes for e in part[:-1]]
+    steps = [a - b for a, b in zip(mem, mem[1:])]  # the same saving per block recomputed
+    assert min(steps) > 0 and max(steps) == pytest.approx(min(steps), rel=1e-9), steps
+    assert part[-2].cost.memory_bytes < full.cost.memory_bytes
+    times = [none.step_s] + [e.step_s for e in part]
+    assert all(a < b for a, b in zip(times, times[1:])), times
+    with pytest.raises(UsageError, match=r"recompute_blocks=2 with recompute='none': expected recompute='full'"):
+        estimate(src, recompute="none", recompute_blocks=2, **base)
+    with pytest.raises(UsageError, match=rf"blocks per stage in \[1, {LAYERS // 2}\]"):
+        estimate(src, recompute="full", recompute_blocks=LAYERS, pp=2, **{**base, "dp_shard": 4})
+
+
+def test_choose_plan_recomputes_the_fewest_blocks_that_fit():
+    """Under a limit that keeping every activation exceeds and recomputing every block meets, the search
+    also prices recomputing the first k blocks of each stage: its pick fits the limit, is faster than the
+    same configuration with every block recomputed, and maps to parallelize's recompute='blocks',
+    recompute_blocks=k."""
+    src = tiny()
+    base = dict(devices=8, cluster="dgx-h100", global_batch=16, seq=2048)
+    none, full = (estimate(src, recompute=rc, dp_shard=8, **base) for rc in ("none", "full"))
+    limit = (none.cost.memory_bytes + full.cost.memory_bytes) / 2
+    plan = choose_plan(src, memory_limit=limit, tp=[(1,)], recompute=("none", "full"), schedules=("1f1b",),
+                       max_stages=1, data_parallel=("shard",), **base)
+    best = plan.best.parallel
+    assert best.recompute == "full" and 1 <= best.recompute_blocks < LAYERS, best
+    assert plan.best.cost.memory_bytes <= limit and plan.best.step_s < full.step_s
+    fewer = estimate(src, recompute="full", recompute_blocks=best.recompute_blocks - 1, dp_shard=8, **base) \
+        if best.recompute_blocks > 1 else none
+    assert fewer.cost.memory_bytes > limit  # the fewest that fit
+    assert plan.kwargs["recompute"] == "blocks" and plan.kwargs["recompute_blocks"] == best.recompute_blocks
 
 
 def test_tp_layouts_stay_inside_what_divides():

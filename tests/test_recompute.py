@@ -123,6 +123,27 @@ def test_regions_of_the_pass():
             assert not [n for n in marked if n.op == "call_module" or n.target in KEPT]
 
 
+def test_some_blocks_recomputed_parity_and_regions():
+    """recompute='blocks' with recompute_blocks=1 on a 2-block TinyGPT: only blocks.0 is recomputed (its one
+    region), blocks.1 keeps its activations; outputs, every gradient and the parameters after 3 AdamW steps
+    against one process on 2x2. Catches a count that recomputes every block or none, or a wrong one."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**dict(SMALL, layers=2), norm="rmsnorm", mlp="swiglu")
+    ids, tgt = E._data(cfg, 4, 8)
+    comp, _ = compile_program(TinyGPT(cfg), (ids, tgt), {}, Grid.for_planning(2, 2),
+                              Options(recompute="blocks", recompute_blocks=1))
+    regions = {}
+    for n in comp.flat.graph.nodes:
+        if RECOMPUTE in n.meta:
+            regions.setdefault(n.meta[RECOMPUTE], set()).add(block_of(n))
+    assert list(regions.values()) == [{"blocks.0"}], regions
+    res = get_pool(4).run(E.gpt_parity, (2, 2), dict(SMALL, layers=2, norm="rmsnorm", mlp="swiglu"), "broadcast", 4, 8,
+                          3, recompute="blocks", recompute_blocks=1)
+    assert_every_rank([r["excess"] for r in res], "2x2 blocks, first 1 of 2")
+    with pytest.raises(ValueError, match=r"recompute_blocks=1 with recompute=None: .* pass recompute='blocks'"):
+        autopar.plan(torch.nn.Linear(4, 4), grid=(2, 2), example_inputs=(torch.randn(2, 4),), recompute_blocks=1)
+
+
 def test_recompute_option_is_validated():
     """A misspelt mode is refused before anything is captured, naming the value and the choices."""
     with pytest.raises(ValueError, match=r"recompute='block': expected None .*'blocks'.*'selective'"):

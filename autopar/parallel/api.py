@@ -55,7 +55,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 checks: str = DEFAULTS.checks, timeout: float | None = DEFAULTS.timeout,
                 compile: bool = DEFAULTS.compile,
                 recompute: str | bool | None = DEFAULTS.recompute, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
-                moe_dispatch: str = DEFAULTS.moe_dispatch,
+                moe_dispatch: str = DEFAULTS.moe_dispatch, recompute_blocks: int | None = DEFAULTS.recompute_blocks,
                 data_parallel: str = DEFAULTS.data_parallel,
                 reshard_after_forward: bool = DEFAULTS.reshard_after_forward,
                 fsdp_prefetch: int | None = DEFAULTS.fsdp_prefetch, pipeline=None):
@@ -136,6 +136,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             is communicated twice. Dropout draws the same masks when recomputed. With strategy='auto' and
             a memory_limit, None lets the search recompute the fewest blocks that make the plan fit;
             False never recomputes.
+        recompute_blocks: with recompute='blocks', recompute only the first k repeated blocks (of each
+            pipeline stage: Megatron's --recompute-num-layers); the others keep their activations.
         grad_bucket_mb: with grid=(dp, R, C), dp > 1: the parameter gradients are averaged over the
             replicas in buckets of at most this many MiB, one all-reduce each (default 25; 0: one per
             parameter block). Eagerly, each bucket's all-reduce starts during backward as soon as its
@@ -171,7 +173,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
                       search_budget=search_budget, check_inputs=check_inputs, checks=checks, timeout=timeout,
                       compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
-                      moe_dispatch=moe_dispatch, data_parallel=data_parallel,
+                      moe_dispatch=moe_dispatch, data_parallel=data_parallel, recompute_blocks=recompute_blocks,
                       reshard_after_forward=reshard_after_forward, fsdp_prefetch=fsdp_prefetch)
     spec = parse_spec(grid, strategy, pipeline, data_parallel, "autopar.parallelize")
     nested = next((n for n, m in model.named_modules() if isinstance(m, ParallelModule)), None) \

@@ -246,17 +246,21 @@ def tp_bytes(src: ModelSource, seq: int, tp: tuple, assignment: dict | None = No
     cm = CostModel((0.0, 0.0), (1.0, 1.0), math.inf, "bytes")
     calls = [CostModel(tuple(float(a == ax) for a in range(2)), (math.inf, math.inf), math.inf, "calls")
              for ax in range(2)]
+    # (block, rest, the block's forward, the rest's forward) of each graph, and of g1 priced in calls per axis
+    costs = [part_costs(g, mesh, cm, strategy, block, lowering=SUMMA_LOWERING, assignment=assignment, forward=True)
+             for g in (g1, g2)]
+    counted = [part_costs(g1, mesh, c, strategy, block, lowering=SUMMA_LOWERING, assignment=assignment,
+                          forward=True) for c in calls]
     out = []
     for part in (0, 1):
-        ones = [part_costs(g, mesh, cm, strategy, block, lowering=SUMMA_LOWERING,
-                           assignment=assignment)[part].bytes_per_axis for g in (g1, g2)]
-        per = tuple((b - a) / r for a, b in zip(*ones))
-        fixed = tuple(2 * a - b for a, b in zip(*ones))
-        n_calls = tuple(round(part_costs(g1, mesh, c, strategy, block, lowering=SUMMA_LOWERING,
-                                         assignment=assignment)[part].time_s)
-                        for c in calls)
+        line, n_calls = {}, {}
+        for phase, i in (("step", part), ("fwd", part + 2)):  # the forward's: what a recomputed forward runs again
+            ones = [c[i].bytes_per_axis for c in costs]
+            line[phase] = (tuple((b - a) / r for a, b in zip(*ones)), tuple(2 * a - b for a, b in zip(*ones)))
+            n_calls[phase] = tuple(round(c[i].time_s) for c in counted)
         copies = [consumed_saved_bytes(g, mesh, strategy, block if part == 0 else None) for g in (g1, g2)]
-        out.append(TPBytes(per, fixed, n_calls, ((copies[1] - copies[0]) / r, 2 * copies[0] - copies[1])))
+        out.append(TPBytes(*line["step"], n_calls["step"], ((copies[1] - copies[0]) / r, 2 * copies[0] - copies[1]),
+                           *line["fwd"], n_calls["fwd"]))
     src.cache[key] = tuple(out)
     return src.cache[key]
 
@@ -317,6 +321,12 @@ def check(src: ModelSource, cfg: Parallel, devices: int, batch: int) -> None:
             raise UsageError(f"autopar.estimate: {why}")
     if cfg.recompute not in RECOMPUTE:
         raise UsageError(f"autopar.estimate: recompute={cfg.recompute!r}: expected one of {RECOMPUTE}")
+    k = cfg.recompute_blocks
+    if k is not None:
+        per_stage = math.ceil(src.layers / (cfg.pp * cfg.interleave))
+        if cfg.recompute != "full" or isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= per_stage:
+            raise UsageError(f"autopar.estimate: recompute_blocks={k!r} with recompute={cfg.recompute!r}: expected "
+                             f"recompute='full' and a number of blocks per stage in [1, {per_stage}] (None: all)")
     if cfg.precision not in PRECISIONS:
         raise UsageError(f"autopar.estimate: precision={cfg.precision!r}: expected one of {sorted(PRECISIONS)}")
 
@@ -326,7 +336,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
              dp_replicate: int = 1, pp: int = 1, schedule: str = "1f1b", microbatches: int | None = None,
              interleave: int = 1, recompute: str = "none", precision: str = "bf16-mixed", compile: bool = False,
              fp8: bool = False, async_tp: bool = False, shard_optimizer: bool = False,
-             assignment: dict | None = None) -> Estimate:
+             assignment: dict | None = None, recompute_blocks: int | None = None) -> Estimate:
     """The estimated step of sequences of `seq` tokens on `devices` GPUs of `cluster` (a preset's name,
     see `passes.cost.cluster.PRESETS`, or a Cluster): `batch` sequences per data-parallel rank
     (torchtitan's local batch size) or `global_batch` in all, split as given:
@@ -335,6 +345,8 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     `microbatches` (None: one sequence per micro-batch and grid row where that gives at least one per
     stage, else pp) and
     `interleave` stages per rank; `recompute` 'none', 'selective' (per op, torchtitan's) or 'full';
+    `recompute_blocks` with 'full': the first k blocks of each stage recomputed, the others not
+    (Megatron's --recompute-num-layers; None: every block);
     `precision` 'bf16-mixed' (fp32 master weights, gradients and AdamW states), 'bf16' or 'fp32';
     `compile` (memory-bound ops fused), `fp8` (FP8 linears), `async_tp` (1D TP collectives overlapped);
     `shard_optimizer`: the replicas split the master weights and AdamW states (ZeRO-1, Megatron's distributed
@@ -363,7 +375,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     if microbatches is None and pp > 1 and local // rows(tp) >= pp:
         m = local // rows(tp)  # one sequence per grid row and micro-batch (torchtitan's micro-batch size 1)
     cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp,
-                   shard_optimizer)
+                   shard_optimizer, recompute_blocks)
     check(src, cfg, devices, batch)
     prof = model_profile(src, seq)[0]
     tb, to = tp_bytes(src, seq, tp, assignment)

@@ -221,7 +221,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
          search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
          recompute: str | bool | None = DEFAULTS.recompute, moe_dispatch: str = DEFAULTS.moe_dispatch,
          grad_bucket_mb: float = DEFAULTS.grad_bucket_mb, data_parallel: str = DEFAULTS.data_parallel,
-         reshard_after_forward: bool = DEFAULTS.reshard_after_forward, pipeline=None, cluster=None):
+         reshard_after_forward: bool = DEFAULTS.reshard_after_forward, pipeline=None, cluster=None,
+         recompute_blocks: int | None = DEFAULTS.recompute_blocks):
     """The plan `parallelize` would execute on `grid`, with its costs, computed on this process alone;
     the options are validated as `parallelize` validates them (ops without a split form are planned
     replicated, as parallelize's default on_unsupported='replicate' runs them). With strategy='auto',
@@ -239,7 +240,8 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
                       cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
                       recompute=recompute, moe_dispatch=moe_dispatch, grad_bucket_mb=grad_bucket_mb,
-                      data_parallel=data_parallel, reshard_after_forward=reshard_after_forward)
+                      data_parallel=data_parallel, reshard_after_forward=reshard_after_forward,
+                      recompute_blocks=recompute_blocks)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     spec = parse_spec(grid, strategy, pipeline, data_parallel, "autopar.plan")
     picked = None

@@ -10,7 +10,9 @@ The candidates for `devices` GPUs of a cluster with G GPUs per node:
                       the blocks; schedules '1f1b' and 'interleaved_1f1b' (2 stages per rank); M
                       micro-batches: S, 2S, 4S ... up to the local batch (one sequence each)
     replicas          the rest, sharded (FSDP2) or replicated
-    recompute         none, selective (per op) or full (every block)
+    recompute         none, selective (per op) or full (every block); where keeping every activation does
+                      not fit and recomputing every block does, the first k blocks of each stage, the
+                      fewest that fit
 
 Each is priced by `autopar.estimate` (`passes.cost.step`); those whose memory per GPU exceeds the
 limit (the cluster's memory unless given) are dropped; the fastest remains. Captures are shared: the
@@ -73,6 +75,8 @@ class TrainingPlan:
         """What to pass `autopar.parallelize` for this configuration."""
         p = self.best.parallel
         out = {**spec_of_dimensions(p).kwargs(), "recompute": RECOMPUTE_KWARG[p.recompute]}
+        if p.recompute == "full" and p.recompute_blocks is not None:
+            out["recompute_blocks"] = p.recompute_blocks
         if len(p.tp) > 1:
             out["lowering"] = "broadcast"  # what the estimate prices (its broadcasts overlap the products)
         if p.pp > 1 and p.dp_shard > 1:  # the stage stays gathered through its micro-batches, as priced
@@ -119,6 +123,21 @@ def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int,
                            pp=pp, schedule=sched, microbatches=m, interleave=v, recompute=rc)
 
 
+def _partial(kw: dict, none: Estimate, full: Estimate, limit: float, layers: int, priced) -> None:
+    """Recompute the first k blocks of each stage, the fewest whose memory fits `limit`: memory falls about
+    linearly in k from `none`'s to `full`'s (the last block's recomputation saves nothing at the peak), so
+    k starts where the line crosses the limit and grows until the estimate fits (each tried estimate goes
+    to `priced`)."""
+    per_stage = math.ceil(layers / (kw["pp"] * kw["interleave"]))
+    over, span = none.cost.memory_bytes - limit, none.cost.memory_bytes - full.cost.memory_bytes
+    k = min(per_stage - 1, max(1, math.ceil(per_stage * over / span)))  # all but the last rebuilt one holds less
+    while k < per_stage:
+        est = priced({**kw, "recompute": "full", "recompute_blocks": k})
+        if est is None or est.cost.memory_bytes <= limit:
+            return
+        k += 1
+
+
 def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, seq: int, memory_limit=None,
                 recompute=("none", "selective", "full"), schedules=("1f1b", "interleaved_1f1b"),
                 data_parallel=("shard", "replicate"), tp=None, max_stages: int = 32, compile: bool = False,
@@ -140,19 +159,31 @@ def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, s
     layouts = [tuple(t) if not isinstance(t, int) else (t,) for t in tp] if tp is not None else \
         tp_layouts(devices, cl.gpus_per_node, src.heads, src.kv_heads)
     fits, refused, smallest, cannot = [], 0, None, 0
-    for kw in _candidates(layouts, devices, batch, src.layers, max_stages, schedules, data_parallel, recompute):
+    ends: dict = {}  # a configuration -> its estimates with recompute 'none' and 'full'
+
+    def priced(kw):
+        nonlocal smallest, refused, cannot
         try:
             est = estimate(src, devices=devices, cluster=cl, global_batch=batch, seq=seq, compile=compile, fp8=fp8,
                            async_tp=async_tp, **kw)
         except UsageError:  # a combination parallelize refuses too: counted, not priced
             cannot += 1
-            continue
+            return None
         if smallest is None or est.cost.memory_bytes < smallest.cost.memory_bytes:
             smallest = est
         if est.cost.memory_bytes <= limit:
             fits.append(est)
         else:
             refused += 1
+        return est
+
+    for kw in _candidates(layouts, devices, batch, src.layers, max_stages, schedules, data_parallel, recompute):
+        est = priced(kw)
+        if est is not None and kw["recompute"] in ("none", "full"):
+            ends.setdefault(tuple((k, v) for k, v in kw.items() if k != "recompute"), {})[kw["recompute"]] = est
+    for key, by in ends.items():  # keeping every activation does not fit, recomputing every block does
+        if len(by) == 2 and by["none"].cost.memory_bytes > limit >= by["full"].cost.memory_bytes:
+            _partial(dict(key), by["none"], by["full"], limit, src.layers, priced)
     if not fits:
         where = f"; the smallest is {format_bytes(smallest.cost.memory_bytes)} with {smallest.parallel.describe()}" \
             if smallest else ""

@@ -71,6 +71,13 @@ class Parallel:
     fp8: bool = False
     async_tp: bool = False
     shard_optimizer: bool = False  # master weights and AdamW states split over the replicas (ZeRO-1)
+    recompute_blocks: int | None = None  # with recompute 'full': the first k blocks of each stage (None: all)
+
+    def recomputed(self, per_stage: int) -> int:
+        """Blocks of a stage of `per_stage` recomputed in full."""
+        if self.recompute != "full":
+            return 0
+        return per_stage if self.recompute_blocks is None else min(self.recompute_blocks, per_stage)
 
     @property
     def tp_size(self) -> int:
@@ -86,7 +93,9 @@ class Parallel:
                  (f"DP {self.dp_replicate}" + (" (optimizer sharded)" if self.shard_optimizer else ""))
                  if self.dp_replicate > 1 else "",
                  f"PP {self.pp} ({self.schedule}{f', V={self.interleave}' if self.interleave > 1 else ''}, "
-                 f"M={self.microbatches})" if self.pp > 1 else "", f"recompute {self.recompute}"]
+                 f"M={self.microbatches})" if self.pp > 1 else "",
+                 f"recompute {self.recompute}" + (f" ({self.recompute_blocks} blocks per stage)"
+                                                  if self.recompute == "full" and self.recompute_blocks else "")]
         return ", ".join(p for p in parts if p)
 
 
@@ -99,6 +108,9 @@ class TPBytes:
     fixed: tuple = (0.0, 0.0)
     calls: tuple = (0, 0)
     saved: tuple = (0.0, 0.0)  # (per sequence, fixed) bytes per rank its products keep beyond saved / tp
+    fwd_per_seq: tuple = (0.0, 0.0)  # of the above, the forward's: what a recomputed forward moves again
+    fwd_fixed: tuple = (0.0, 0.0)
+    fwd_calls: tuple = (0, 0)
 
     def saved_bytes(self, n: float) -> float:
         """What the part's products keep for backward beyond its saved bytes split tp ways, for n sequences:
@@ -107,6 +119,9 @@ class TPBytes:
 
     def bytes(self, n: float) -> tuple:
         return tuple(p * n + f for p, f in zip(self.per_seq, self.fixed))
+
+    def fwd_bytes(self, n: float) -> tuple:
+        return tuple(p * n + f for p, f in zip(self.fwd_per_seq, self.fwd_fixed))
 
 
 @dataclass
@@ -201,9 +216,12 @@ def step_bytes(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     dp = cfg.dp_shard * cfg.dp_replicate
     M, S = cfg.microbatches, cfg.pp
     n = batch / dp / M
-    again = 4 / 3 if cfg.recompute == "full" else 1.0  # forward's collectives (a third of them) run twice
-    tp = M * (layers * sum(tp_block.bytes(n)) * again + sum(tp_outer.bytes(n)))
-    tp_calls = M * (layers * sum(tp_block.calls) * again + sum(tp_outer.calls))
+    # a recomputed block's forward collectives run again
+    stages = S * cfg.interleave
+    rec = layers if cfg.recompute_blocks is None else min(layers, cfg.recomputed(math.ceil(layers / stages)) * stages)
+    rec = rec if cfg.recompute == "full" else 0
+    tp = M * (layers * sum(tp_block.bytes(n)) + rec * sum(tp_block.fwd_bytes(n)) + sum(tp_outer.bytes(n)))
+    tp_calls = M * (layers * sum(tp_block.calls) + rec * sum(tp_block.fwd_calls) + sum(tp_outer.calls))
     blocks = layers * prof.block.params / cfg.tp_size
     params = blocks + prof.outer.params / cfg.tp_size  # all stages' at one grid position
     share = (cfg.dp_shard - 1) / cfg.dp_shard
@@ -246,13 +264,17 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     spans = _tp_spans(cfg.tp)
     # tensor parallelism, per micro-batch: a block's and the outer part's collectives
     tp_blk = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.bytes(n), tp_block.calls, spans))
+    tp_again = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.fwd_bytes(n), tp_block.fwd_calls, spans))
     tp_out = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_outer.bytes(n), tp_outer.calls, spans))
 
-    def block_s(w: _Work, comm: float, recomputed: bool = True) -> float:
-        mode = cfg.recompute if recomputed else "none"
+    full = cfg.recomputed(per_stage) * V  # this rank's blocks recomputed in full; the rest as cfg.recompute says
+    rest_mode = "none" if cfg.recompute == "full" else cfg.recompute
+
+    def block_s(w: _Work, comm: float, recomputed: bool = True, mode: str | None = None, again: float = 0.0) -> float:
+        mode = mode or (cfg.recompute if recomputed else "none")
         run = 3.0 * w.fwd + (w.fwd if mode == "full" else w.sac_extra if mode == "selective" else 0.0)
         k = 4.0 if mode == "full" else 3.0
-        comm *= k / 3.0  # a recomputed forward runs its collectives again
+        comm += again if mode == "full" else 0.0  # a recomputed forward runs its collectives again
         if len(cfg.tp) > 1:  # SUMMA's broadcasts overlap its products, all but each product's first panel's
             exposed = max(comm / max(cfg.tp), comm - k * w.mm_fwd)
         else:
@@ -260,13 +282,16 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
         return run + exposed + cl.overlap_cost * (comm - exposed)
 
     edge = block_s(out, tp_out, recomputed=False)  # embedding, final norm, head and loss: never recomputed
-    work = M * (per_rank * block_s(blk, tp_blk) + edge)
-    tp_exposed = work - M * (per_rank * block_s(blk, 0.0) + block_s(out, 0.0, recomputed=False))
+    def blocks_s(comm: float, again: float) -> float:
+        return full * block_s(blk, comm, mode="full", again=again) + (per_rank - full) * block_s(blk, comm,
+                                                                                                 mode=rest_mode)
+
+    work = M * (blocks_s(tp_blk, tp_again) + edge)
+    tp_exposed = work - M * (blocks_s(0.0, 0.0) + block_s(out, 0.0, recomputed=False))
     idle = bubble(cfg.schedule, S, M, V) if S > 1 else 0.0
     bubble_s = work * idle / (1 - idle) if S > 1 else 0.0
     compute_s = work
-    rerun = 4.0 / 3.0 if cfg.recompute == "full" else 1.0  # full recomputation runs the collectives once more
-    tp_total = M * (per_rank * tp_blk * rerun + tp_out)
+    tp_total = M * (per_rank * tp_blk + full * tp_again + tp_out)  # a recomputed block's forward ones again
     # pipeline sends: each micro-batch's activations forward and their gradients back, per stage boundary
     sent = _boundary_bytes(prof, cfg, n, seq, crossing)  # forward and backward, per micro-batch
     pp_s = V * M * _coll_s(sent, 2, cl, cfg.tp_size * dp * S, S) if S > 1 else 0.0
@@ -306,14 +331,15 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     exposed = {"tp " + tp_link: tp_exposed, "dp " + dp_link: dp_exposed,
                "pp": pp_s}
     comm = {"tp " + tp_link: tp_total, "dp " + dp_link: fsdp_s + ddp_s, "pp": pp_s}
-    memory = _memory(prof, cfg, cl, per_rank, n, stage_params, tp_block, tp_outer)
+    memory = _memory(prof, cfg, cl, per_rank, full, n, stage_params, tp_block, tp_outer)
     return StepCost(step, tokens / step / devices, model_flops / step / devices / cl.peak_flops, compute_s,
                     bubble_s, exposed, comm, memory)
 
 
-def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, n: float, stage_params: float,
+def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, full: int, n: float, stage_params: float,
             tp_block: TPBytes, tp_outer: TPBytes) -> dict:
-    """Bytes per GPU at the step's peak, by category (see the module docstring)."""
+    """Bytes per GPU at the step's peak, by category (see the module docstring); `full` of the rank's
+    `per_rank` blocks recomputed in full, the others as `cfg.recompute` says."""
     held, grad_b, copy_b = PRECISIONS[cfg.precision]
     weight_b = copy_b or held - 8  # what a gathered parameter takes: the compute copy, else the weight itself
     shard = stage_params / cfg.dp_shard
@@ -327,9 +353,13 @@ def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, n: float, 
         gathered = stage_params * copy_b
     t = cfg.tp_size
     keep = {"none": prof.block.saved, "selective": prof.block.sac_saved, "full": prof.block.input_bytes}
-    copies = tp_block.saved_bytes(n) if cfg.recompute != "full" else 0.0  # gathered inputs the products keep
-    per_mb = (keep[cfg.recompute] * n / t + copies) * per_rank  # one micro-batch's saved activations on this rank
+    rest = "none" if cfg.recompute == "full" else cfg.recompute
+    copies = tp_block.saved_bytes(n)  # gathered inputs the products of a block not recomputed in full keep
+    per_mb = (keep["full"] * n / t * full  # one micro-batch's saved activations on this rank
+              + (keep[rest] * n / t + copies) * (per_rank - full))
     rebuilt = (prof.block.saved * n / t + tp_block.saved_bytes(n)) if cfg.recompute != "none" else 0.0
+    if 0 < full < per_rank:  # the first blocks: rebuilt after backward has freed the later blocks' activations
+        rebuilt = max(0.0, keep["full"] * n / t * full + rebuilt - per_mb)
     head = prof.outer.saved * n / t + tp_outer.saved_bytes(n)
     temporaries = 2 * prof.outer.largest_output * n / t  # the loss's fp32 logits and their gradient
     if cfg.pp == 1:

@@ -370,12 +370,14 @@ def estimate_assignment(gm: GraphModule, mesh, cm: CostModel, assignment: dict, 
 
 
 def part_costs(gm: GraphModule, mesh, cm: CostModel, strategy: str, block: str | None,
-               options: Options | None = None, *, lowering: str | None, assignment: dict | None = None) -> tuple:
+               options: Options | None = None, *, lowering: str | None, assignment: dict | None = None,
+               forward: bool = False) -> tuple:
     """(repeated block `block`'s Estimate, the graph's less one such Estimate per block) under one fixed strategy on
     `mesh`: bytes received per mesh axis and the collectives' time (with `cm`'s matmul rate infinite,
     `time_s` is communication alone), every SUMMA product in `lowering` (None: each at its faster one).
     What `passes.cost.step` scales to a model's depth and batch. `assignment`: a searched mix
-    (`Choice.assignment`) instead of `strategy`."""
+    (`Choice.assignment`) instead of `strategy`. `forward`: the same two for the forward's collectives
+    alone follow (what a recomputed forward runs again)."""
     from passes.nodes import block_of
 
     units = find_units(gm)
@@ -386,10 +388,13 @@ def part_costs(gm: GraphModule, mesh, cm: CostModel, strategy: str, block: str |
     layouts = ev._run(nodes)
     inside = [n for n in nodes if block is not None and block_of(n) == block]
     n_blocks = len({block_of(n) for n in nodes} - {None})
-    one = price(inside, layouts, ev.mesh, ev.grads, ev.cm, set(), lowering=lowering)
-    rest = price(nodes, layouts, ev.mesh, ev.grads, ev.cm, set(), lowering=lowering)
-    rest.add(one, -n_blocks)  # all but the blocks: the first block's extra (its input's layout) stays here
-    return one, rest
+    out = []
+    for grads in (ev.grads, set()) if forward else (ev.grads,):  # no gradient: the forward's steps alone
+        one = price(inside, layouts, ev.mesh, grads, ev.cm, set(), lowering=lowering)
+        rest = price(nodes, layouts, ev.mesh, grads, ev.cm, set(), lowering=lowering)
+        rest.add(one, -n_blocks)  # all but the blocks: the first block's extra (its input's layout) stays here
+        out += [one, rest]
+    return tuple(out)
 
 
 def fixed_layouts(gm: GraphModule, mesh, strategy: str, options: Options | None = None) -> tuple:
