@@ -22,17 +22,20 @@ from tests.compare import excess, group_excess, scaled_atol
 
 class LargestAllocation(TorchDispatchMode):
     """Records the largest storage (bytes) of a real (not fake, not meta) tensor any op returns while
-    active; views count as the storage they view."""
+    active, and what made it (`what`); views count as the storage they view. Byte tensors are left out:
+    they are the pickled messages of the ranks' object collectives (2 KB for the options the ranks
+    compare), not model data."""
 
     def __init__(self):
         super().__init__()
-        self.largest = 0
+        self.largest, self.what = 0, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and not t.is_meta:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
+            if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and not t.is_meta and t.dtype != torch.uint8:
+                if t.untyped_storage().nbytes() > self.largest:
+                    self.largest, self.what = t.untyped_storage().nbytes(), (func, t.dtype, tuple(t.shape))
         return out
 
 
@@ -58,6 +61,7 @@ def hf_checkpoint_roundtrip(rank, tmp, family="gpt2"):
     with LargestAllocation() as mode:
         pm = autopar.from_pretrained(src, grid=(2, 2), example_kwargs=make(4, 8, 0), progress=False)
     res["largest allocation / largest parameter"] = mode.largest / largest_param
+    res["largest allocation"] = str(mode.what)
     pm.eval()
     kw = make(4, 8, 1)
     errs = group_excess({"load: loss": (_full(pm(**kw).loss), model(**kw).loss)})
