@@ -55,8 +55,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 checks: str = DEFAULTS.checks, timeout: float | None = DEFAULTS.timeout,
                 compile: bool = DEFAULTS.compile,
                 recompute: str | bool | None = DEFAULTS.recompute,
-                recompute_blocks: int | None = DEFAULTS.recompute_blocks, grad_bucket_mb: float = DEFAULTS.grad_bucket_mb,
-                moe_dispatch: str = DEFAULTS.moe_dispatch,
+                recompute_blocks: int | None = DEFAULTS.recompute_blocks,
+                grad_bucket_mb: float = DEFAULTS.grad_bucket_mb, moe_dispatch: str = DEFAULTS.moe_dispatch,
                 data_parallel: str = DEFAULTS.data_parallel,
                 reshard_after_forward: bool = DEFAULTS.reshard_after_forward,
                 fsdp_prefetch: int | None = DEFAULTS.fsdp_prefetch, pipeline=None):
