@@ -7,7 +7,7 @@ The candidates for `devices` GPUs of a cluster with G GPUs per node:
                       SUMMA with R * C up to 4G (crossing nodes where the model says it pays); the
                       q x q x q cube where it divides the devices
     pipeline          S stages dividing what TP leaves (S = 1 included: pure FSDP, FSDP x TP), at most
-                      the blocks; schedules '1f1b' and 'interleaved_1f1b' (2 stages per rank); M
+                      the blocks; schedules '1f1b' and 'interleaved_1f1b' (2 or 4 stages per rank); M
                       micro-batches: S, 2S, 4S ... up to the local batch (one sequence each)
     replicas          the rest, sharded (FSDP2) or replicated
     recompute         none, selective (per op) or full (every block); where keeping every activation does
@@ -36,6 +36,7 @@ from passes.options import Options, format_bytes
 __all__ = ["TrainingPlan", "choose_plan", "tp_layouts"]
 
 RECOMPUTE_KWARG = {"none": False, "selective": "selective", "full": "blocks"}  # estimate's -> parallelize's
+INTERLEAVE = (2, 4)  # stages per rank the interleaved schedule is searched with (Megatron runs 2-4 at scale)
 
 
 def _divisors(n: int) -> list:
@@ -116,8 +117,8 @@ def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int,
             if pp > min(layers, max_stages) or batch % dp or (cube and dp > 1):
                 continue
             pipes = [("1f1b", 1, 1)] if pp == 1 else \
-                [(s, 2 if s == "interleaved_1f1b" else 1, m) for s in schedules for m in _microbatches(batch // dp, pp)
-                 if not (s == "interleaved_1f1b" and 2 * pp > layers)]
+                [(s, v, m) for s in schedules for v in (INTERLEAVE if s == "interleaved_1f1b" else (1,))
+                 for m in _microbatches(batch // dp, pp) if not (v > 1 and v * pp > layers)]
             for kind, (sched, v, m), rc in itertools.product(data_parallel if dp > 1 else ("shard",), pipes, recompute):
                 yield dict(tp=layout, dp_shard=dp if kind == "shard" else 1, dp_replicate=1 if kind == "shard" else dp,
                            pp=pp, schedule=sched, microbatches=m, interleave=v, recompute=rc)
