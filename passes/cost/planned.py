@@ -127,7 +127,7 @@ def _regroups(src, dst, a: int) -> bool:
     leaves alone (`passes.ops.reblock.regroup`): a fused projection's weight stored as plain blocks
     (fused='regroup') read interleaved, and its gradient back."""
     s, d = src.placements[a], dst.placements[a]
-    if split_dim(s) is None or split_dim(s) != split_dim(d) or sorted((parts(s), parts(d)))[0] != 1 or s == d:
+    if split_dim(s) is None or split_dim(s) != split_dim(d) or min(parts(s), parts(d)) != 1 or s == d:
         return False
     other = 1 - a
     return split_dim(s) not in (split_dim(src.placements[other]), split_dim(dst.placements[other]))

@@ -73,6 +73,11 @@ class Parallel:
     shard_optimizer: bool = False  # master weights and AdamW states split over the replicas (ZeRO-1)
     recompute_blocks: int | None = None  # with recompute 'full': the first k blocks of each stage (None: all)
 
+    @property
+    def rest(self) -> str:
+        """How the blocks not recomputed in full keep their activations."""
+        return "none" if self.recompute == "full" else self.recompute
+
     def recomputed(self, per_stage: int) -> int:
         """Blocks of a stage of `per_stage` recomputed in full."""
         if self.recompute != "full":
@@ -218,8 +223,7 @@ def step_bytes(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     n = batch / dp / M
     # a recomputed block's forward collectives run again
     stages = S * cfg.interleave
-    rec = layers if cfg.recompute_blocks is None else min(layers, cfg.recomputed(math.ceil(layers / stages)) * stages)
-    rec = rec if cfg.recompute == "full" else 0
+    rec = min(layers, cfg.recomputed(math.ceil(layers / stages)) * stages)
     tp = M * (layers * sum(tp_block.bytes(n)) + rec * sum(tp_block.fwd_bytes(n)) + sum(tp_outer.bytes(n)))
     tp_calls = M * (layers * sum(tp_block.calls) + rec * sum(tp_block.fwd_calls) + sum(tp_outer.calls))
     blocks = layers * prof.block.params / cfg.tp_size
@@ -267,11 +271,9 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     tp_again = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.fwd_bytes(n), tp_block.fwd_calls, spans))
     tp_out = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_outer.bytes(n), tp_outer.calls, spans))
 
-    full = cfg.recomputed(per_stage) * V  # this rank's blocks recomputed in full; the rest as cfg.recompute says
-    rest_mode = "none" if cfg.recompute == "full" else cfg.recompute
+    full = cfg.recomputed(per_stage) * V  # this rank's blocks recomputed in full; the rest as `cfg.rest` says
 
-    def block_s(w: _Work, comm: float, recomputed: bool = True, mode: str | None = None, again: float = 0.0) -> float:
-        mode = mode or (cfg.recompute if recomputed else "none")
+    def block_s(w: _Work, comm: float, mode: str, again: float = 0.0) -> float:
         run = 3.0 * w.fwd + (w.fwd if mode == "full" else w.sac_extra if mode == "selective" else 0.0)
         k = 4.0 if mode == "full" else 3.0
         comm += again if mode == "full" else 0.0  # a recomputed forward runs its collectives again
@@ -281,13 +283,12 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
             exposed = comm - (w.hidden(comm, k) if cfg.async_tp else 0.0)
         return run + exposed + cl.overlap_cost * (comm - exposed)
 
-    edge = block_s(out, tp_out, recomputed=False)  # embedding, final norm, head and loss: never recomputed
     def blocks_s(comm: float, again: float) -> float:
-        return full * block_s(blk, comm, mode="full", again=again) + (per_rank - full) * block_s(blk, comm,
-                                                                                                 mode=rest_mode)
+        return full * block_s(blk, comm, "full", again) + (per_rank - full) * block_s(blk, comm, cfg.rest)
 
+    edge = block_s(out, tp_out, "none")  # embedding, final norm, head and loss: never recomputed
     work = M * (blocks_s(tp_blk, tp_again) + edge)
-    tp_exposed = work - M * (blocks_s(0.0, 0.0) + block_s(out, 0.0, recomputed=False))
+    tp_exposed = work - M * (blocks_s(0.0, 0.0) + block_s(out, 0.0, "none"))
     idle = bubble(cfg.schedule, S, M, V) if S > 1 else 0.0
     bubble_s = work * idle / (1 - idle) if S > 1 else 0.0
     compute_s = work
@@ -353,10 +354,9 @@ def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, full: int,
         gathered = stage_params * copy_b
     t = cfg.tp_size
     keep = {"none": prof.block.saved, "selective": prof.block.sac_saved, "full": prof.block.input_bytes}
-    rest = "none" if cfg.recompute == "full" else cfg.recompute
     copies = tp_block.saved_bytes(n)  # gathered inputs the products of a block not recomputed in full keep
     per_mb = (keep["full"] * n / t * full  # one micro-batch's saved activations on this rank
-              + (keep[rest] * n / t + copies) * (per_rank - full))
+              + (keep[cfg.rest] * n / t + copies) * (per_rank - full))
     rebuilt = (prof.block.saved * n / t + tp_block.saved_bytes(n)) if cfg.recompute != "none" else 0.0
     if 0 < full < per_rank:  # the first blocks: rebuilt after backward has freed the later blocks' activations
         rebuilt = max(0.0, keep["full"] * n / t * full + rebuilt - per_mb)

@@ -71,14 +71,19 @@ def run_reblock(grid: Grid, axis: int, t: torch.Tensor, dim: int, src: list, dst
     i, q = grid.index(axis), grid.size(axis)
     send = [overlap(src, i, dst, j) for j in range(q)]
     recv = [overlap(src, j, dst, i) for j in range(q)]
-    moved = t.movedim(dim, 0).contiguous()
+    return _exchange(grid, axis, t.movedim(dim, 0).contiguous(), send, recv, tag, phase).movedim(0, dim).contiguous()
+
+
+def _exchange(grid: Grid, axis: int, moved: torch.Tensor, send: list, recv: list, tag: str, phase: str):
+    """One all-to-all over mesh `axis` of the rows of `moved` (its dim 0): send[j] consecutive rows to
+    member j, recv[j] received from it, in member order; counted and launched in `grid.log`."""
     out = moved.new_empty((sum(recv),) + tuple(moved.shape[1:]))
-    row = math.prod(moved.shape[1:]) * moved.element_size()  # bytes per index of `dim` (its block may be empty)
-    grid.log.add(tag, phase, all_to_all_bytes(recv, i, row))
+    row = math.prod(moved.shape[1:]) * moved.element_size()  # bytes per row (a block may be empty)
+    grid.log.add(tag, phase, all_to_all_bytes(recv, grid.index(axis), row))
     grid.log.launch(tag, phase)
     with comm.guarded(grid, "all-to-all", axis, tag):
         dist.all_to_all_single(out, moved, recv, send, group=grid.group(axis))
-    return out.movedim(0, dim).contiguous()
+    return out
 
 
 class Reblock(torch.autograd.Function):
@@ -135,22 +140,14 @@ def run_regroup(grid: Grid, axis: int, t: torch.Tensor, dim: int, parts: int, in
     """`regroup` now: the body of its torch.library op."""
     i, q = grid.index(axis), grid.size(axis)
     send, recv = regroup_chunks(q, parts, i, inverse)
-    moved = t.movedim(dim, 0).contiguous()
-    u = moved.shape[0] // parts  # rows per chunk
-    order = _chunk_order(q, parts, i)
-    if not inverse:  # plain chunks leave in (destination, chunk) order
-        moved = torch.cat([moved[r * u:(r + 1) * u] for r in order])
-    out = moved.new_empty(moved.shape)
-    row = math.prod(moved.shape[1:]) * moved.element_size()
-    grid.log.add(tag, phase, all_to_all_bytes([c * u for c in recv], i, row))
-    grid.log.launch(tag, phase)
-    with comm.guarded(grid, "all-to-all", axis, tag):
-        dist.all_to_all_single(out, moved, [c * u for c in recv], [c * u for c in send], group=grid.group(axis))
-    if inverse:  # plain chunks arrive in (source, chunk) order
-        back = [0] * parts
-        for pos, r in enumerate(order):
-            back[r] = pos
-        out = torch.cat([out[p * u:(p + 1) * u] for p in back])
+    chunks = t.movedim(dim, 0).contiguous().chunk(parts)
+    order = _chunk_order(q, parts, i)  # plain chunks leave, and arrive back, in (member, chunk) order
+    moved = torch.cat([chunks[r] for r in order]) if not inverse else torch.cat(chunks)
+    u = chunks[0].shape[0]  # rows per chunk
+    out = _exchange(grid, axis, moved, [c * u for c in send], [c * u for c in recv], tag, phase)
+    if inverse:
+        got = out.chunk(parts)
+        out = torch.cat([got[order.index(r)] for r in range(parts)])
     return out.movedim(0, dim).contiguous()
 
 

@@ -80,20 +80,19 @@ def norm_strategy(node, layouts, mesh, x, params, n_norm):
     xs = shape(x)
     nd = len(xs)
     rows = _rows(layouts.get(x), xs, mesh[0])
-    seq = _sequence_block(layouts.get(x), xs, rows, mesh[1])
-    if seq is not None:  # sequence parallel: each column normalizes its own tokens whole
-        need = {x: Layout((rows, seq))}
-        need.update({p: REPLICATED for p in params if p is not None})
-        return Strategy(need, need[x], note="norm on sequence blocks (sequence parallel)")
     lay = layouts.get(x)
-    whole = lay is not None and isinstance(lay.normalized(nd).placements[1], Replicate)
+    seq = _sequence_block(lay, xs, rows, mesh[1])
     users = consumer_choices(node)
-    if whole and mesh[1] > 1 and users and all(c in ("1d", "col") for c in users):
-        # whole over the columns (tokens gathered before a flattening view) and read by 1D column
-        # splits, which want it whole: a hidden split here would make them row splits with partial sums
-        need = {x: Layout((rows, Replicate()))}
+    # whole over the columns (tokens gathered before a flattening view) and read by 1D column splits,
+    # which want it whole: a hidden split here would make them row splits with partial sums
+    whole = lay is not None and isinstance(lay.normalized(nd).placements[1], Replicate) and mesh[1] > 1 \
+        and users and all(c in ("1d", "col") for c in users)
+    if seq is not None or whole:  # each column normalizes whole tokens: its sequence block, or all of them
+        need = {x: Layout((rows, seq if seq is not None else Replicate()))}
         need.update({p: REPLICATED for p in params if p is not None})
-        return Strategy(need, need[x], note="norm whole over the columns (read by 1D column splits)")
+        note = "norm on sequence blocks (sequence parallel)" if seq is not None else \
+            "norm whole over the columns (read by 1D column splits)"
+        return Strategy(need, need[x], note=note)
     split = xs[-1] % mesh[1] == 0 or uneven_ok(mesh)  # uneven: torch.chunk blocks; the kernel divides by n
     x_lay = Layout((rows, Shard(nd - 1) if split else Replicate()))
     p_lay = Layout((Replicate(), Shard(0) if split else Replicate()))
