@@ -263,3 +263,52 @@ def test_a_pipelines_fsdp_units_gather_once_per_step():
         assert fsdp[0] and len(fsdp[0]) == len(fsdp[1]), (rank, len(fsdp[0]), len(fsdp[1]))
         assert run.tags["fsdp:all-gather"] == twin.tags["fsdp:all-gather"] > 0, rank
         assert run.tags["fsdp:reduce-scatter"] == twin.tags["fsdp:reduce-scatter"] > 0, rank
+
+
+def test_workers_side_by_side_record_what_one_process_does():
+    """Catches a rank simulated in a forked worker that misses an object a lower rank sent it (a stage's
+    strategy choice, its output layouts for the next stage) or records other calls: 2 stages x 2 sharded
+    replicas x 1x2 of a Llama, strategy='auto', every rank of the default set, on 3 workers and in this
+    one process: the same setup and step calls (op, group, shapes, dtype, root, autopar's line), the same
+    bytes counted and planned, the same memory held, on every rank."""
+    from tests.checks_pipeline import _llama
+
+    model, make = _llama(2)
+    runs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for workers in (1, 3):
+            runs[workers] = autopar.dry_run(model, grid=(2, 1, 2), example_kwargs=make(8, 8, 1), fake=True,
+                                            pipeline=2, data_parallel="shard", strategy="auto", workers=workers)
+    # the default set (0, 7), and the ranks that send the stages' strategy choices on to it: each stage's first
+    # rank (0, 4) and the first rank of rank 7's replica (6)
+    assert sorted(runs[3].ranks) == sorted(runs[1].ranks) == [0, 4, 6, 7] == sorted({*covering_ranks((2, 1, 2), 2),
+                                                                                    4, 6})
+    for rank, run in runs[1].ranks.items():
+        twin = runs[3].ranks[rank]
+        assert twin.setup == run.setup and twin.step == run.step, rank
+        assert (twin.counted, twin.planned, twin.held, twin.tags) == (run.counted, run.planned, run.held, run.tags)
+
+
+class _FailsOnRankOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 cannot build this model")
+        return self.a(x)
+
+
+def test_a_workers_failure_reaches_the_caller():
+    """An error raised while a forked worker simulates its rank (here the capture's, of a model that fails on
+    rank 1) is raised by `dry_run` itself, as the same exception, with a note naming the rank and carrying
+    the worker's traceback; workers=0 is refused."""
+    with pytest.raises(autopar.CaptureError, match="rank 1 cannot build this model") as info:
+        _dry(_FailsOnRankOne(), (torch.randn(4, 16),), (1, 2), ranks=[0, 1], fake=True, workers=2)
+    assert any("worker process simulating rank 1" in note for note in getattr(info.value, "__notes__", [])), info
+    with pytest.raises(autopar.UsageError, match=r"workers=0: expected a positive int"):
+        _dry(_FailsOnRankOne(), (torch.randn(4, 16),), (1, 2), workers=0)

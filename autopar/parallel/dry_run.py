@@ -36,9 +36,12 @@ activations and gradients hold no memory and nothing is computed, while autopar'
 their eager bodies, so every collective is issued, counted and recorded as on real tensors. The ranks
 share one capture of the model (and one pipeline cut): the first rank's is kept and each later one
 gets a copy (`autopar.program.memo`), unless the capture asked for the rank (a model that branches on
-it), which each rank then captures itself. Measured here (2 cores), a Llama-3-70B shape at sequence
-1,024: 64 ranks (8x8, the 8 default ranks) 96 s, 0.75 GB peak RSS; 512 ranks (8 stages x 4 sharded
-replicas x 4x4) 73 s, 0.7 GB; 4,096 ranks (8 x 8 x 8x8) 95 s, 0.8 GB. With `fake=False` each rank computes its
+it), which each rank then captures itself. On fake tensors the ranks run side by side in `workers`
+forked processes (default: one per CPU; `autopar.program.workers`), which relay to one another what
+a rank's setup sends later ranks. Measured here (2 cores, two workers), a Llama-3-70B shape at
+sequence 1,024: 64 ranks (8x8, the 8 default ranks) 62 s; 512 ranks (8 stages x 4 sharded replicas x
+4x4) 65 s; 4,096 ranks (8 x 8 x 8x8) 68 s; 0.54-0.59x of one worker's time, 0.5-0.75 GB peak RSS per
+process (docs/benchmarks.md). With `fake=False` each rank computes its
 share for real (1/p of the model, uninitialised where it was on meta): a mixture of experts needs that,
 its routing reading values. Pipeline stages (`pipeline=`, one stage per rank) run on fake tensors too
 (torch's cut runs the model on them; a micro-batch's share of the loss, counted from its targets' values
@@ -55,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -65,6 +69,7 @@ from autopar.errors import AutoparError, UsageError
 from autopar.parallel.recorder import Collective, EagerOps, Recorder, model_lines, train_step
 from autopar.program.memo import shared_captures
 from autopar.program.spec import parse_spec
+from autopar.program.workers import side_by_side
 from autopar.planning.progress import steps as progress
 from passes.options import DEFAULTS
 from passes.compat import data_dependent_errors, fake_store, fake_tensor_mode, pytree
@@ -263,14 +268,15 @@ def covering_ranks(grid: tuple, stages: int = 1, cube: bool = False, groups: boo
 
 
 def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks=None, check: bool = True,
-            fake: bool | None = None, **options) -> DryRun:
+            fake: bool | None = None, workers: int | None = None, **options) -> DryRun:
     """Simulate `ranks` ('cover', the default, or 'groups': `covering_ranks`; 'all'; or a list) of
     `parallelize(model, grid, example_inputs, example_kwargs, **options)` in this process (see the
     module docstring) and return what they did; with `check`, raise DryRunError where two simulated
     ranks of a group disagree. `fake`: run the step on fake tensors (shapes, no memory, no compute; the
     default for a model on the meta device), else on real ones (a mixture of experts needs them: its
-    routing reads values). Call it in a process without a process group of its own (it starts and ends
-    a fake one per simulated rank)."""
+    routing reads values). `workers`: processes that simulate the ranks side by side on fake tensors
+    (None: one per CPU this process may use; `autopar.program.workers`); real tensors run in this one.
+    Call it in a process without a process group of its own (it starts and ends a fake one per rank)."""
     if dist.is_available() and dist.is_initialized():
         raise UsageError("autopar.dry_run starts a fake process group per simulated rank: call it in a process "
                          "that has not called torch.distributed.init_process_group (or destroy that group first)")
@@ -287,6 +293,11 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
     grid, world, cube = spec.grid, spec.world, spec.cube
     if ranks is None or ranks in ("cover", "groups"):
         chosen = covering_ranks(grid, stages, cube, groups=ranks == "groups")
+        if stages > 1 and not cube and options.get("strategy", DEFAULTS.strategy) == "auto":
+            # a stage's first rank searches its strategy and sends it to its replicas' first ranks, which send it
+            # on within their grids (`autopar.program.build`): those ranks too, simulated before the others
+            per, size = world // stages, grid[-2] * grid[-1]
+            chosen = sorted({*chosen, *(r - r % per for r in chosen), *(r - r % size for r in chosen)})
     else:
         chosen = list(range(world)) if ranks == "all" else list(ranks) if not isinstance(ranks, str) else []
     bad = [r for r in chosen if not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world)]
@@ -296,35 +307,42 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
     chosen = sorted({0, *chosen})  # rank 0 first: what it decides and sends, the others receive
     if fake is None:
         fake = any(p.is_meta for p in model.parameters())
-    runs, sent = {}, {}
     mode = fake_tensor_mode(allow_real=True) if fake else None  # one for all: their shared captures hold its tensors
     model = copy.deepcopy(model)  # one copy for all the ranks (parallelize copies weights, it changes no model)
     if mode is not None:
         with mode:
             _fake_parameters(model)
+    if workers is None:  # real tensors (a mixture of experts) pass real objects in their steps: one process
+        workers = len(os.sched_getaffinity(0)) if fake and hasattr(os, "sched_getaffinity") else 1
+    if not (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1):
+        raise UsageError(f"autopar.dry_run: workers={workers!r}: expected a positive int (processes simulating "
+                         f"ranks side by side) or None (one per CPU this process may use)")
+
+    def simulate(rank, relay):
+        return _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, relay, mode)
+
     with progress("dry run", len(chosen)) as bar, shared_captures(mode):
-        for rank in chosen:
-            runs[rank] = _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, sent,
-                                   mode)
-            bar.update()
+        runs = side_by_side(chosen, workers if fake else 1, simulate, lambda rank: bar.update())
     report = DryRun(world, grid, runs, stages)
     if check:
         report.check()
     return report
 
 
-def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, mode) -> RankRun:
+def _simulate(model, grid, rank, world, args, kwargs, options, sent, mode) -> RankRun:
     from autopar.parallel.api import parallelize
     from autopar.parallel.sharded import memory_per_rank
     from autopar.planning.explain import graph_rows
 
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
+    stages = world // math.prod(grid)
+    rec = Recorder(rank, sent, world // stages if stages > 1 else 0)
     try:
-        stages = world // math.prod(grid)
-        with Recorder(rank, sent, world // stages if stages > 1 else 0) as rec, warnings.catch_warnings():
+        with rec, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
             pm = parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, **options)
             setup = rec.take()
+            sent.setup_done(rank)
             pm.materialized = True  # a model built on the meta device: its blocks are allocated, not loaded
             pm.grid.log.reset()
             with mode or contextlib.nullcontext(), EagerOps() if mode is not None else contextlib.nullcontext():
@@ -350,6 +368,13 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent: dict, mode)
         raise UsageError(f"autopar.dry_run: this model's step reads values that fake tensors do not have "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); a mixture of experts routes by "
                          f"them. Pass fake=False to compute each rank's share with real tensors") from e
+    except Exception as e:  # one that an object never received explains: named
+        if not rec.missed:
+            raise
+        raise UsageError(f"autopar.dry_run: rank {rank} receives an object (a decision, a stage's layouts) from rank "
+                         f"{rec.missed[0][1]}, which is not simulated before it, and fails without it "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); add rank {rec.missed[0][1]} to "
+                         f"ranks=") from e
     finally:
         dist.destroy_process_group()
 

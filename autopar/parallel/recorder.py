@@ -74,19 +74,22 @@ class EagerOps(TorchDispatchMode):
 
 class Recorder(contextlib.AbstractContextManager):
     """Records every call of the `_METHODS` of torch's ProcessGroup (patched on the class while active).
-    What rank 0 broadcasts as objects (int64 sizes and uint8 pickles: its strategy choice, its arrangement),
-    and what a rank sends another as objects (a pipeline stage's output layouts), is kept in `sent` and
-    handed, in order per channel, to the later simulated ranks that receive it: the fake group moves no
-    data, and a rank that decides nothing itself must get the decision it is sent. A pipeline schedule's
-    warm-up vote, whose answer travels back from the last stage, is taken as the real run takes it
-    (autopar gives every stage its shapes: torch's static mode)."""
+    What rank 0 broadcasts as objects (int64 sizes and uint8 pickles: its strategy choice, its arrangement;
+    a pipeline stage's first rank, its stage's choice), and what a rank sends another as objects (a
+    pipeline stage's output layouts), is kept in `sent` (an `autopar.program.workers.Relay`) and handed,
+    in order per channel, to the later simulated ranks that receive it: the fake group moves no data, and
+    a rank that decides nothing itself must get the decision it is sent (`missed`: what it received from
+    a rank not simulated before it). A pipeline schedule's warm-up vote, whose answer travels back from
+    the last stage, is taken as the real run takes it (autopar gives every stage its shapes: torch's
+    static mode)."""
 
-    def __init__(self, rank: int, sent: dict, per_stage: int = 0):
+    def __init__(self, rank: int, sent, per_stage: int = 0):
         self.calls: list = []
         self.saved: dict = {}
         self.rank, self.sent, self.count = rank, sent, {}
         self.per_stage = per_stage  # ranks per pipeline stage (0: no stages)
         self.done: dict = {}  # method -> the fake group's Work of a call on fake tensors (it moves nothing)
+        self.missed: list = []  # (channel, source) of objects received from a rank not simulated before
 
     def __enter__(self):
         for name in _METHODS:
@@ -121,8 +124,8 @@ class Recorder(contextlib.AbstractContextManager):
             if fake:
                 self.done[name] = work
             if c.dtype in ("torch.int64", "torch.uint8"):
-                if name == "broadcast" and c.peer == 0:
-                    self._relay(c.group, 0, args[0][0])
+                if name == "broadcast":  # rank 0's decisions; a pipeline stage's, from its first rank
+                    self._relay(c.group, c.peer, args[0][0])
                 elif name in ("send", "recv"):  # a pipeline stage's layouts, sent to the next stage
                     src, dst = (self.rank, c.peer) if name == "send" else (c.peer, self.rank)
                     self._relay(("p2p", src, dst), src, args[0][0], self._stages(src, dst))
@@ -134,7 +137,8 @@ class Recorder(contextlib.AbstractContextManager):
 
     def _relay(self, channel, source: int, t: torch.Tensor, alt=None) -> None:
         """The k-th object tensor on `channel` (a group, or a sender and receiver) from `source`: kept
-        when this rank is the source, copied in when it receives and the source was simulated before.
+        when this rank is the source, copied in when it receives and the source was simulated before
+        (`autopar.program.workers.Relay`, which waits for it where another worker simulates the source).
         `alt`: the channel between the sender's and the receiver's pipeline stages, whose k-th object
         (what any simulated rank of the one stage sent the next: a stage's layouts, the same at every
         grid position) a receiver takes when its own sender was not simulated."""
@@ -142,13 +146,13 @@ class Recorder(contextlib.AbstractContextManager):
         self.count[channel] = n + 1
         key, other = (channel, n), (alt, n) if alt is not None else None
         if self.rank == source:
-            self.sent[key] = t.detach().clone()
-            if other is not None:
-                self.sent.setdefault(other, self.sent[key])
+            self.sent.put(key, t, other)
             return
-        got = self.sent.get(key, self.sent.get(other) if other is not None else None)
+        got = self.sent.get(key, other, source, self.rank)
         if got is not None and got.shape == t.shape:
             t.copy_(got)
+        elif got is None and not is_fake(t):
+            self.missed.append((channel, source))
 
 
 def _fake_accepts(name: str, args: tuple) -> tuple:
