@@ -146,7 +146,7 @@ class Recorder(contextlib.AbstractContextManager):
         self.count[channel] = n + 1
         key, other = (channel, n), (alt, n) if alt is not None else None
         if self.rank == source:
-            self.sent.put(key, t, other)
+            self.sent.put(key, t, other, self.rank)
             return
         got = self.sent.get(key, other, source, self.rank)
         if got is not None and got.shape == t.shape:

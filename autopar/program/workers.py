@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import sys
 import traceback
 
 import torch
@@ -39,7 +40,8 @@ class WorkerError(AutoparError, RuntimeError):
 
 
 def can_fork() -> bool:
-    return "fork" in multiprocessing.get_all_start_methods()
+    """Linux's fork (elsewhere a forked process that runs torch may crash: macOS's libraries refuse it)."""
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
 class Relay:
@@ -54,15 +56,16 @@ class Relay:
         self.ready: set = set()  # ranks whose setup has finished, in any worker
         self.results: dict = {}  # the parent's: rank -> what a child worker's rank returned
 
-    def put(self, key, t: torch.Tensor, alt=None) -> None:
-        """Keep `t` (a copy) as the object on channel position `key` (and on `alt`, if nothing is there)."""
+    def put(self, key, t: torch.Tensor, alt, rank: int) -> None:
+        """Keep `t` (a copy), which `rank` sends, as the object on channel position `key` (and on `alt`, if
+        nothing is there)."""
         t = t.detach().clone()
         self.entries[key] = t
         if alt is not None:
             self.entries.setdefault(alt, t)
         if self.boxes and not is_fake(t):
             blob = (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().numpy().tobytes())
-            self._tell(("entry", key, alt, blob))
+            self._tell(("entry", key, alt, blob), rank)
 
     def get(self, key, alt, source: int, rank: int):
         """The object at `key` (else at `alt`), put by `source` for `rank`; None if no simulated rank
@@ -76,7 +79,7 @@ class Relay:
     def setup_done(self, rank: int) -> None:
         self.ready.add(rank)
         if self.boxes:
-            self._tell(("ready", rank))
+            self._tell(("ready", rank), rank)
 
     def _waits(self, source: int, rank: int) -> bool:
         """Whether an object for `rank` may still come: from `source` if it is simulated, else from any
@@ -84,9 +87,12 @@ class Relay:
         waited = [source] if source in self.owner else list(self.owner)
         return any(r < rank and r not in self.ready and self.owner[r] != self.me for r in waited)
 
-    def _tell(self, message) -> None:
+    def _tell(self, message, rank: int) -> None:
+        """`message` to each other worker that has a rank above `rank` to simulate (one that has ended
+        reads nothing more, and what it leaves unread would hold this worker at its exit)."""
+        later = {w for r, w in self.owner.items() if r > rank}
         for w, box in enumerate(self.boxes):
-            if w != self.me:
+            if w != self.me and w in later:
                 box.put(message)
 
     def receive(self, block: bool) -> bool:
@@ -169,7 +175,7 @@ def side_by_side(ranks: list, workers: int, simulate, done=None) -> dict:
             relay.receive(block=True)
             _report(relay, out, done)
         for p in _CHILDREN:
-            p.join()
+            p.join(timeout=60)  # each has sent its last rank; `finally` ends one that does not exit
         return {r: out[r] for r in ranks}
     finally:
         for p in _CHILDREN:
