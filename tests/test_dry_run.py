@@ -150,10 +150,12 @@ def test_pipeline_stages_over_sharded_replicas(grid, stages):
 
 
 def test_dry_run_refusals():
-    """Looped pipeline schedules (not simulated yet), a bad grid, ranks outside the world: each named."""
+    """Looped pipeline schedules on real tensors (one process), a bad grid, ranks outside the world: each
+    named."""
     model, inputs = _gpt()
-    with pytest.raises(autopar.UsageError, match="several stages per rank .* not simulated yet"):
-        autopar.dry_run(model, grid=(1, 2), example_inputs=inputs,
+    with pytest.raises(autopar.UsageError, match="several stages per rank .* simulated with a forked process per "
+                                                 "rank on fake tensors"):
+        autopar.dry_run(model, grid=(1, 2), example_inputs=inputs, fake=False,
                         pipeline=autopar.Pipeline(stages=2, schedule="interleaved_1f1b", stages_per_rank=2))
     with pytest.raises(autopar.UsageError, match=r"grid=\(0, 2\): expected \(R, C\)"):
         autopar.dry_run(model, grid=(0, 2), example_inputs=inputs)
@@ -312,3 +314,22 @@ def test_a_workers_failure_reaches_the_caller():
     assert any("worker process simulating rank 1" in note for note in getattr(info.value, "__notes__", [])), info
     with pytest.raises(autopar.UsageError, match=r"workers=0: expected a positive int"):
         _dry(_FailsOnRankOne(), (torch.randn(4, 16),), (1, 2), workers=0)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b"])
+def test_a_looped_schedule_builds_each_rank_from_what_a_later_rank_sends(schedule):
+    """Catches a looped schedule's dry run that cannot build a rank's later stage (its layouts come from a
+    rank simulated after it) or whose program moves other bytes than its plan: 2 stages per rank over 2
+    pipeline ranks of a 4-block Llama at 1x2, the default ranks (one process each): checks pass, each
+    rank's grid bytes equal its two stages' plans times the micro-batches, its sends `p2p_traffic()`."""
+    from tests.checks_pipeline import _llama
+
+    model, make = _llama(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = autopar.dry_run(model, grid=(1, 2), example_kwargs=make(8, 8, 1), fake=True,
+                                 pipeline=autopar.Pipeline(stages=2, schedule=schedule, stages_per_rank=2))
+    assert sorted(report.ranks) == [0, 3]  # rank 0's stage 2 is built from what rank 3 (stage 1) sends it
+    for rank, run in report.ranks.items():
+        assert run.counted["grid"] == run.planned > 0, (rank, run.counted, run.planned)
+        assert run.counted["pp"] == run.counted["pp_planned"] > 0, (rank, run.counted)

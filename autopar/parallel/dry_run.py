@@ -43,12 +43,13 @@ sequence 1,024: 64 ranks (8x8, the 8 default ranks) 62 s; 512 ranks (8 stages x 
 4x4) 65 s; 4,096 ranks (8 x 8 x 8x8) 68 s; 0.54-0.59x of one worker's time, 0.5-0.75 GB peak RSS per
 process (docs/benchmarks.md). With `fake=False` each rank computes its
 share for real (1/p of the model, uninitialised where it was on meta): a mixture of experts needs that,
-its routing reading values. Pipeline stages (`pipeline=`, one stage per rank) run on fake tensors too
+its routing reading values. Pipeline stages (`pipeline=`) run on fake tensors too
 (torch's cut runs the model on them; a micro-batch's share of the loss, counted from its targets' values
 on the ranks, is equal under fake tensors); what a stage sends the next as an object (its layouts, the
-same at every grid position) is relayed from the simulated rank of the stage before. Looped and V
-schedules (several stages per rank) are refused: a rank's later stage waits on a rank simulated after
-it. Which stages read a weight tied across stages is exchanged with an all-gather, which is not
+same at every grid position) is relayed from the simulated rank of the stage before. In the looped
+and V schedules (several stages per rank) a rank's later stage waits on what a later rank sends it:
+each simulated rank then runs in a forked process of its own (Linux, fake tensors), waiting for what it
+is sent whatever the order. Which stages read a weight tied across stages is exchanged with an all-gather, which is not
 relayed: each rank sees only its own stage's reads, so the tied gradient's all-reduce is missing from
 the record.
 """
@@ -69,7 +70,7 @@ from autopar.errors import AutoparError, UsageError
 from autopar.parallel.recorder import Collective, EagerOps, Recorder, model_lines, train_step
 from autopar.program.memo import shared_captures
 from autopar.program.spec import parse_spec
-from autopar.program.workers import side_by_side
+from autopar.program.workers import can_fork, side_by_side
 from autopar.planning.progress import steps as progress
 from passes.options import DEFAULTS
 from passes.compat import data_dependent_errors, fake_store, fake_tensor_mode, pytree
@@ -286,10 +287,7 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
         raise UsageError(f"autopar.dry_run: grid={grid!r}: a device count is arranged by a search on rank 0; pass "
                          f"the arrangement, (R, C), (dp, R, C) or a cube (q, q, q) (autopar.choose_grid shows it)")
     stages = spec.stages
-    if spec.pipeline is not None and spec.pipeline.stages_per_rank > 1:
-        raise UsageError("autopar.dry_run: pipelines with several stages per rank (the looped and V schedules) are "
-                         "not simulated yet: a rank's later stage waits on what a later rank sends it; dry-run the "
-                         "same stages with schedule='1f1b' (one stage per rank) to check their programs")
+    looped = spec.pipeline is not None and spec.pipeline.stages_per_rank > 1
     grid, world, cube = spec.grid, spec.world, spec.cube
     if ranks is None or ranks in ("cover", "groups"):
         chosen = covering_ranks(grid, stages, cube, groups=ranks == "groups")
@@ -318,11 +316,23 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
         raise UsageError(f"autopar.dry_run: workers={workers!r}: expected a positive int (processes simulating "
                          f"ranks side by side) or None (one per CPU this process may use)")
 
+    stand_in = None
+    if looped:  # a rank's later stage is built from what a later rank sends it: every rank a process of its own
+        if not (fake and can_fork()):
+            raise UsageError("autopar.dry_run: pipelines with several stages per rank (the looped and V schedules) "
+                             "are simulated with a forked process per rank on fake tensors (Linux; fake=True): a "
+                             "rank's later stage waits on what a later rank sends it")
+        per = world // stages
+        workers = len(chosen)
+
+        def stand_in(source):  # the simulated ranks of the source's place in the pipeline chain
+            return [r for r in chosen if r // per == source // per]
+
     def simulate(rank, relay):
         return _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, relay, mode)
 
     with progress("dry run", len(chosen)) as bar, shared_captures(mode):
-        runs = side_by_side(chosen, workers if fake else 1, simulate, lambda rank: bar.update())
+        runs = side_by_side(chosen, workers if fake else 1, simulate, lambda rank: bar.update(), stand_in)
     report = DryRun(world, grid, runs, stages)
     if check:
         report.check()

@@ -49,8 +49,11 @@ class Relay:
     process a dictionary; between forked workers (`side_by_side`) each object a setup puts is also sent
     to the other workers, and `get` waits for an object whose sender runs in another worker."""
 
-    def __init__(self, owner: dict | None = None, me: int = 0, boxes: list | None = None):
+    def __init__(self, owner: dict | None = None, me: int = 0, boxes: list | None = None, stand_in=None):
         self.entries: dict = {}
+        # any order (`side_by_side(..., stand_in=)`): source rank -> the simulated ranks an object from it may
+        # come from, whatever their order; else an object comes from a lower rank only
+        self.stand_in = stand_in
         self.owner = owner or {}  # simulated rank -> the worker that simulates it (empty: one process)
         self.me, self.boxes = me, boxes or []
         self.ready: set = set()  # ranks whose setup has finished, in any worker
@@ -84,13 +87,16 @@ class Relay:
     def _waits(self, source: int, rank: int) -> bool:
         """Whether an object for `rank` may still come: from `source` if it is simulated, else from any
         simulated rank below `rank` (the channel between stages takes any rank of the sending stage)."""
+        if self.stand_in is not None:
+            waited = [source] if source in self.owner else self.stand_in(source)
+            return any(r not in self.ready and r != rank for r in waited)
         waited = [source] if source in self.owner else list(self.owner)
         return any(r < rank and r not in self.ready and self.owner[r] != self.me for r in waited)
 
     def _tell(self, message, rank: int) -> None:
         """`message` to each other worker that has a rank above `rank` to simulate (one that has ended
         reads nothing more, and what it leaves unread would hold this worker at its exit)."""
-        later = {w for r, w in self.owner.items() if r > rank}
+        later = {w for r, w in self.owner.items() if r > rank or self.stand_in is not None}
         for w, box in enumerate(self.boxes):
             if w != self.me and w in later:
                 box.put(message)
@@ -142,10 +148,12 @@ def _check_alive(me: int) -> None:
                           f"workers=1 to simulate the ranks in this process and see the error")
 
 
-def side_by_side(ranks: list, workers: int, simulate, done=None) -> dict:
+def side_by_side(ranks: list, workers: int, simulate, done=None, stand_in=None) -> dict:
     """{rank: simulate(rank, relay)} for `ranks` (sorted, rank 0 first), run by `workers` processes: this
     one and workers - 1 forked ones, worker w taking ranks[w::workers]. `simulate` must call
-    `relay.setup_done(rank)` once the rank's setup is over; `done(rank)` is called here as each rank ends."""
+    `relay.setup_done(rank)` once the rank's setup is over; `done(rank)` is called here as each rank ends.
+    `stand_in(source)`: the simulated ranks that send what `source` would, for ranks whose setups wait on
+    higher ranks (a looped pipeline schedule): each rank then needs a worker of its own."""
     workers = max(1, min(workers, len(ranks))) if can_fork() else 1
     if workers == 1:
         relay, out = Relay(), {}
@@ -158,11 +166,12 @@ def side_by_side(ranks: list, workers: int, simulate, done=None) -> dict:
     owner = {r: i % workers for i, r in enumerate(ranks)}
     boxes = [ctx.Queue() for _ in range(workers)]
     _PARENT[:] = [os.getpid()]
-    _CHILDREN[:] = [ctx.Process(target=_child, args=(w, ranks[w::workers], owner, boxes, simulate), daemon=True)
+    _CHILDREN[:] = [ctx.Process(target=_child, args=(w, ranks[w::workers], owner, boxes, simulate, stand_in),
+                                daemon=True)
                     for w in range(1, workers)]
     for p in _CHILDREN:
         p.start()
-    relay, out = Relay(owner, 0, boxes), {}
+    relay, out = Relay(owner, 0, boxes, stand_in), {}
     try:
         for rank in ranks[::workers]:
             out[rank] = simulate(rank, relay)
@@ -191,11 +200,11 @@ def _report(relay: Relay, out: dict, done) -> None:
             done(rank)
 
 
-def _child(me: int, ranks: list, owner: dict, boxes: list, simulate) -> None:
+def _child(me: int, ranks: list, owner: dict, boxes: list, simulate, stand_in) -> None:
     # one intra-op thread: the OpenMP pool the parent may have started does not survive the fork (a parallel
     # kernel would wait on it for ever), and the workers take the CPUs between them
     torch.set_num_threads(1)
-    relay = Relay(owner, me, boxes)
+    relay = Relay(owner, me, boxes, stand_in)
     rank = ranks[0]
     try:
         for rank in ranks:
