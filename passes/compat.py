@@ -1,97 +1,95 @@
 """The private and undocumented torch APIs autopar relies on, in one place.
 
-torch makes no promise about names with a leading underscore, `_internal` modules or undocumented
-functions: any release may move or change them. Every such use in `passes/`, `autopar/` and the tests
-goes through this module, so that an upgrade of torch has one file to check. Each entry says where it
-lives, the torch versions it was checked on, and what stops working if it moves.
+torch makes no promise about names with a leading underscore, `_internal` modules or undocumented functions: any
+release may move or change them. Every such use in `passes/`, `autopar/` and the tests goes through this module, so
+that an upgrade of torch has one file to check. Each entry says where it lives, the torch versions it was checked on,
+and what stops working if it moves.
 
-pyproject.toml requires torch>=2.11; every entry was checked on 2.13.0 (CPU build), and the fast parity
-subset of `make test-compat` runs on 2.11.0. A moved name fails here, when the first compiler module
-that uses this one is imported, with an ImportError or AttributeError naming it, except the two
-imported on first use (`fake_store`, `fake_tensor_mode`), which fail when `autopar.plan` measures
-activations.
-
-Aliases are the very objects torch defines (`set_grad_enabled is torch._C._set_grad_enabled`): graphs print as before.
+pyproject.toml requires torch>=2.11; every entry was checked on 2.13.0 (CPU build), and the fast parity subset of
+`make test-compat` runs on 2.11.0. A moved name fails here, when the first compiler module that uses this one is
+imported, with an ImportError or AttributeError naming it, except the two imported on first use (`fake_store`,
+`fake_tensor_mode`), which fail when `autopar.plan` measures activations. Aliases are the very objects torch defines
+(`set_grad_enabled is torch._C._set_grad_enabled`): graphs print as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.distributed as dist
-# torch.utils._pytree: tree_leaves / tree_flatten / tree_unflatten and the TreeSpec of export's call
-# spec. Checked on 2.13.0. If it moves: capture (flattening the user's inputs), parallelize's output
-# layouts and plan's activation measurement fail to import.
+# torch.utils._pytree: tree_leaves / tree_flatten / tree_unflatten and the TreeSpec of export's call spec. Checked on
+# 2.13.0. If it moves: capture (flattening the user's inputs), parallelize's output layouts and plan's activation
+# measurement fail to import.
 import torch.utils._pytree as pytree
-# torch._ops: the types of aten overloads, overload packets and higher-order ops (torch.cond, the
-# no_grad / autocast wrappers of export). Checked on 2.13.0. If they move: rule registration
-# (`passes.rules.register`), functionalize's aten check and propagate's refusal of higher-order ops.
+# torch._ops: the types of aten overloads, overload packets and higher-order ops (torch.cond, the no_grad / autocast
+# wrappers of export). Checked on 2.13.0. If they move: rule registration (`passes.rules.register`), functionalize's
+# aten check and propagate's refusal of higher-order ops.
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
-# torch.amp.autocast_mode._enter_autocast / _exit_autocast: what export's own graphs call for an
-# autocast region. Checked on 2.13.0. If they move: `passes.capture.regions` cannot inline autocast regions
-# (models using torch.autocast in forward fail to capture).
+# torch.amp.autocast_mode._enter_autocast / _exit_autocast: what export's own graphs call for an autocast region.
+# Checked on 2.13.0. If they move: `passes.capture.regions` cannot inline autocast regions (models using
+# torch.autocast in forward fail to capture).
 from torch.amp.autocast_mode import _enter_autocast as enter_autocast
 from torch.amp.autocast_mode import _exit_autocast as exit_autocast
-# DTensor's interleaved split, `_StridedShard(dim, split_factor=k)`: the layout of a fused projection
-# (q|k|v) stored interleaved. Checked on 2.13.0 (a subclass of torch._C._distributed.StridedShard
-# there). If it moves or changes its fields (`dim`, `split_factor`): `passes.layout` fails to import,
-# and with it all of autopar.
+# DTensor's interleaved split, `_StridedShard(dim, split_factor=k)`: the layout of a fused projection (q|k|v) stored
+# interleaved. Checked on 2.13.0 (a subclass of torch._C._distributed.StridedShard there). If it moves or changes its
+# fields (`dim`, `split_factor`): `passes.layout` fails to import, and with it all of autopar.
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-# TorchDispatchMode: intercepts aten calls (bench's count of functional collectives' bytes, the train
-# checks' op counts). Checked on 2.13.0. If it moves: `autopar.bench` and tests/checks_train.py.
+# TorchDispatchMode: intercepts aten calls (bench's count of functional collectives' bytes, the train checks' op
+# counts). Checked on 2.13.0. If it moves: `autopar.bench` and tests/checks_train.py.
 from torch.utils._python_dispatch import TorchDispatchMode
-# FSDP2's communication interfaces, which `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`
-# take (public methods, private classes). Checked on 2.13.0. If they move: `autopar.parallel.sharded`
+# FSDP2's communication interfaces, which `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter` take
+# (public methods, private classes). Checked on 2.13.0. If they move: `autopar.parallel.sharded`
 # (data_parallel='shard') fails to import, and with it `autopar.parallelize`.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
 # torch.nn.modules.module._IncompatibleKeys: the (missing_keys, unexpected_keys) named tuple that
-# nn.Module.load_state_dict returns, which a pipelined model's load_state_dict returns too. Checked on
-# 2.13.0. If it moves: `autopar.parallel.pipeline` fails to import.
+# nn.Module.load_state_dict returns, which a pipelined model's load_state_dict returns too. Checked on 2.13.0. If it
+# moves: `autopar.parallel.pipeline` fails to import.
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 
 from passes.errors import TorchVersionError
 
 __all__ = ["HigherOrderOperator", "OpOverload", "OpOverloadPacket", "StridedShard", "TorchDispatchMode",
-           "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys", "default_store", "all_gather_single", "call_spec",
-           "disable_torch_function_subclass", "dtensor_parts", "enter_autocast", "exit_autocast", "fake_deepcopy",
-           "fake_store", "fake_tensor_mode", "real_tensors", "static_pipeline_warmup", "storage_key", "custom_op_body",
-           "data_dependent_errors", "group_timeout", "implicit_replication", "in_backward", "in_torch_compile_call",
-           "legacy_reduction", "parse_to", "pytree", "reduce_scatter_single", "register_flattened_mesh",
-           "register_ordered", "set_grad_enabled", "set_version_counter", "keep_effect_order_in_inductor",
-           "CACHEABLE_EFFECTS"]
+           "FSDPAllGather", "FSDPReduceScatter", "IncompatibleKeys", "default_store", "all_gather_single",
+           "call_spec", "disable_torch_function_subclass", "dtensor_parts", "enter_autocast", "exit_autocast",
+           "fake_deepcopy", "fake_world", "fake_tensor_mode", "real_tensors", "static_pipeline_warmup", "storage_key",
+           "custom_op_body", "data_dependent_errors", "group_timeout", "implicit_replication", "in_backward",
+           "in_torch_compile_call", "legacy_reduction", "parse_to", "pytree", "reduce_scatter_single",
+           "register_flattened_mesh", "register_ordered", "set_grad_enabled", "set_version_counter",
+           "keep_effect_order_in_inductor", "CACHEABLE_EFFECTS"]
 
-# torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.capture.regions` inlines
-# no_grad regions as calls to it (the graph's target is this very function). Checked on 2.13.0.
-# If it moves: models with `torch.no_grad()` inside forward fail to capture.
+# torch._C._set_grad_enabled: what export's graphs call to switch grad mode; `passes.capture.regions` inlines no_grad
+# regions as calls to it (the graph's target is this very function). Checked on 2.13.0. If it moves: models with
+# `torch.no_grad()` inside forward fail to capture.
 set_grad_enabled = torch._C._set_grad_enabled
 
-# torch._C.DisableTorchFunctionSubclass: the context in which a tensor subclass's __torch_function__
-# runs torch's own implementation (the pattern torch's subclassing docs show). Checked on 2.13.0. If it
-# moves: `autopar.program.outputs.Output` (the outputs a user computes a loss on) fails to import.
+# torch._C.DisableTorchFunctionSubclass: the context in which a tensor subclass's __torch_function__ runs torch's own
+# implementation (the pattern torch's subclassing docs show). Checked on 2.13.0. If it moves:
+# `autopar.program.outputs.Output` (the outputs a user computes a loss on) fails to import.
 disable_torch_function_subclass = torch._C.DisableTorchFunctionSubclass
 
-# torch.nn._reduction.legacy_get_string(size_average, reduce): what torch's loss functions do with
-# their deprecated size_average/reduce arguments. Checked on 2.13.0. If it moves: `autopar.program.outputs`
-# fails to import (a user's loss on the outputs).
+# torch.nn._reduction.legacy_get_string(size_average, reduce): what torch's loss functions do with their deprecated
+# size_average/reduce arguments. Checked on 2.13.0. If it moves: `autopar.program.outputs` fails to import (a user's
+# loss on the outputs).
 from torch.nn._reduction import legacy_get_string as legacy_reduction  # noqa: E402
 
-# torch._C._nn._parse_to: Module.to's own argument parser (device, dtype, non_blocking, memory_format).
-# Checked on 2.13.0. If it moves: capture of models that call `self.x.to(dtype)` on a submodule inside
-# forward (Switch Transformers, NLLB-MoE) fails.
+# torch._C._nn._parse_to: Module.to's own argument parser (device, dtype, non_blocking, memory_format). Checked on
+# 2.13.0. If it moves: capture of models that call `self.x.to(dtype)` on a submodule inside forward (Switch
+# Transformers, NLLB-MoE) fails.
 parse_to = torch._C._nn._parse_to
 
-# torch._C._autograd._unsafe_set_version_counter((tensors), (versions)): puts back a parameter's version
-# after an in-place update under no_grad, so that autograd does not see it as modified. Checked on
-# 2.13.0. If it moves: graphs with in-place parameter updates in forward fail at run time.
+# torch._C._autograd._unsafe_set_version_counter((tensors), (versions)): puts back a parameter's version after an in-
+# place update under no_grad, so that autograd does not see it as modified. Checked on 2.13.0. If it moves: graphs
+# with in-place parameter updates in forward fail at run time.
 set_version_counter = torch._C._autograd._unsafe_set_version_counter
 
-# torch.distributed.all_gather_single / reduce_scatter_single(out, inp, group=...): the single-tensor
-# collectives that 2.13 offers in place of all_gather_into_tensor / reduce_scatter_tensor (deprecated
-# there); torch 2.11 and 2.12 have only the older two, which take the same tensors in the same order.
-# Not in torch's stable API docs. Checked on 2.11.0 and 2.13.0. If they move or change signature: every
-# all-gather and reduce-scatter autopar inserts (`passes.ops.comm`) fails at run time.
+# torch.distributed.all_gather_single / reduce_scatter_single(out, inp, group=...): the single-tensor collectives that
+# 2.13 offers in place of all_gather_into_tensor / reduce_scatter_tensor (deprecated there); torch 2.11 and 2.12 have
+# only the older two, which take the same tensors in the same order. Not in torch's stable API docs. Checked on 2.11.0
+# and 2.13.0. If they move or change signature: every all-gather and reduce-scatter autopar inserts
+# (`passes.ops.comm`) fails at run time.
 if hasattr(dist, "all_gather_single"):
     all_gather_single = dist.all_gather_single
     reduce_scatter_single = dist.reduce_scatter_single
@@ -114,14 +112,27 @@ def call_spec(ep) -> tuple:
     return spec.in_spec, spec.out_spec
 
 
-def fake_store():
-    """A store for `dist.init_process_group("fake", ...)`: a process group of any size that moves no data.
-    From torch.testing._internal.distributed.fake_pg (torch's test helpers), imported on first use.
-    Checked on 2.13.0. If it moves: `autopar.plan` cannot measure activation memory
-    (measure_activations=True); pass measure_activations=False meanwhile."""
+@contextlib.contextmanager
+def fake_world(rank: int, world: int):
+    """`init_process_group("fake")` (its store from torch.testing._internal.distributed.fake_pg: moves no data) as
+    `rank` of `world` while active; DTensor's sharding-propagation caches (ShardingPropagator.propagate_op_sharding's
+    LRU, torch._C._clear_DTensor_sharding_propagator_cache) emptied on entry and exit: their keys take equal meshes for
+    one whatever the rank, and a rank got another's specs, on its mesh. Checked on 2.13.0. If they move:
+    `autopar.plan`'s measure_activations and `autopar.dry_run` fail."""
+    from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    return FakeStore()
+    def clear() -> None:
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()
+
+    clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        clear()
 
 
 def storage_key(t) -> int:
@@ -228,16 +239,14 @@ default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
 
 
 def register_flattened_mesh(mesh, name: str, flat) -> None:
-    """Record `flat` (a 1-D DeviceMesh over all of `mesh`'s ranks) as `mesh` flattened under `name`.
-
-    DeviceMesh keeps its flattened meshes in the root mesh's private `_flatten_mapping` (found with the
-    private `_get_root_mesh()`); DTensor looks there when it reduces a value partial over every mesh
-    axis (the total norm of torch's `clip_grad_norm_`). `DeviceMesh._flatten` would create a new group,
-    without the grid's timeout. Checked on 2.13.0. If it moves: `passes.mesh.Grid` fails at
-    construction with an AttributeError naming it; without it clipping still works, with DTensor's
-    warning about sequential all-reduces on every rank. torch 2.11 and 2.12 find a flattened mesh by its
-    private `_layout` (`_get_slice_mesh_layout` of the dims it spans, coalesced): `flat` gets that layout
-    there (checked on 2.11.0)."""
+    """Record `flat` (a 1-D DeviceMesh over all of `mesh`'s ranks) as `mesh` flattened under `name`. DeviceMesh keeps
+    its flattened meshes in the root mesh's private `_flatten_mapping` (found with the private `_get_root_mesh()`);
+    DTensor looks there when it reduces a value partial over every mesh axis (the total norm of torch's
+    `clip_grad_norm_`). `DeviceMesh._flatten` would create a new group, without the grid's timeout. Checked on 2.13.0.
+    If it moves: `passes.mesh.Grid` fails at construction with an AttributeError naming it; without it clipping still
+    works, with DTensor's warning about sequential all-reduces on every rank. torch 2.11 and 2.12 find a flattened mesh
+    by its private `_layout` (`_get_slice_mesh_layout` of the dims it spans, coalesced): `flat` gets that layout there
+    (checked on 2.11.0)."""
     mesh._get_root_mesh()._flatten_mapping[name] = flat
     if torch.torch_version.TorchVersion(torch.__version__) < (2, 13) and hasattr(mesh, "_get_slice_mesh_layout"):
         layout = mesh._get_slice_mesh_layout(tuple(mesh.mesh_dim_names)).coalesce()
@@ -339,15 +348,13 @@ def grouped_mm(x, w, offs):
 
 
 def register_ordered(qualname: str) -> None:
-    """Declare the torch.library op `qualname` ("namespace::name") side-effecting with torch's
-    ORDERED effect: torch.compile then threads an effect token through every call of such ops
-    (AOTAutograd's `with_effects`, forward and backward) and never drops one whose result is unused.
-    Inductor 2.13 keeps the calls, and their order only with `keep_effect_order_in_inductor`.
-    Eager calls are unchanged.
-    `torch.library._register_effectful_op` and `torch._library.effects.EffectType` are private (what
-    torch's own docs point to for ops with side effects). Checked on 2.13.0. If they move:
-    `passes.ops.library` fails to import; without them a compiled program may drop a collective whose
-    result it does not use, and ranks compiling different graphs (uneven blocks) then hang."""
+    """Declare the torch.library op `qualname` ("namespace::name") side-effecting with torch's ORDERED effect:
+    torch.compile then threads an effect token through every call of such ops (AOTAutograd's `with_effects`, forward
+    and backward) and never drops one whose result is unused. Inductor 2.13 keeps the calls, and their order only with
+    `keep_effect_order_in_inductor`. Eager calls are unchanged. `torch.library._register_effectful_op` and
+    `torch._library.effects.EffectType` are private (what torch's own docs point to for ops with side effects). Checked
+    on 2.13.0. If they move: `passes.ops.library` fails to import; without them a compiled program may drop a
+    collective whose result it does not use, and ranks compiling different graphs (uneven blocks) then hang."""
     from torch._library.effects import EffectType
 
     torch.library._register_effectful_op(qualname, EffectType.ORDERED)  # 2.13 refuses a CustomOpDef here
@@ -359,22 +366,17 @@ _EFFECT_ORDER_MODULE = "torch._inductor.lowering"
 def keep_effect_order_in_inductor() -> None:
     """Make inductor keep ORDERED-effectful ops (`register_ordered`) in program order.
 
-    torch 2.13's lowering of `with_effects` (`torch._inductor.lowering.with_effects`) records the
-    edge from each effectful op to the one before it in `V.graph.additional_star_deps`, keyed by
-    the op's buffer name ("buf41"); the scheduler looks those edges up by operation name ("op41"),
-    so none is ever found and inductor may reorder the ops. Two grid columns whose programs differ
-    then launch their collectives in different orders and wait on each other for ever (seen in
-    compiled generation). Upstream: pytorch/pytorch#189209, open when this was written.
-
-    This wraps that lowering: after it runs, each edge filed under a buffer name is moved to the
-    operation's name, in `additional_buffer_deps` (an ordering-only edge that does not keep the
-    previous op's output alive, unlike a star dep). Where torch already files edges by operation
-    name, nothing is found and nothing changes. Idempotent; `torch._inductor.lowering` is imported
-    only by a compile (7 s here), so when it is not imported yet the wrap is installed by an import
-    hook on its first import. Checked on 2.13.0. If `lowerings`, `V.graph.additional_star_deps` or
-    `additional_buffer_deps` move: this raises at the first compile, naming the missing attribute."""
-    import sys
-
+    torch 2.13's lowering of `with_effects` (`torch._inductor.lowering.with_effects`) records the edge from each
+    effectful op to the one before it in `V.graph.additional_star_deps`, keyed by the op's buffer name ("buf41"); the
+    scheduler looks those edges up by operation name ("op41"), so none is ever found and inductor may reorder the ops.
+    Two grid columns whose programs differ then launch their collectives in different orders and wait on each other for
+    ever (seen in compiled generation). Upstream: pytorch/pytorch#189209, open when this was written. This wraps that
+    lowering: after it runs, each edge filed under a buffer name is moved to the operation's name, in
+    `additional_buffer_deps` (an ordering-only edge that does not keep the previous op's output alive, unlike a star
+    dep). Where torch already files edges by operation name, nothing is found and nothing changes. Idempotent;
+    `torch._inductor.lowering` is imported only by a compile (7 s here), so when it is not imported yet the wrap is
+    installed by an import hook on its first import. Checked on 2.13.0. If `lowerings`, `V.graph.additional_star_deps`
+    or `additional_buffer_deps` move: this raises at the first compile, naming the missing attribute."""
     if _EFFECT_ORDER_MODULE in sys.modules:
         _wrap_with_effects_lowering(sys.modules[_EFFECT_ORDER_MODULE])
     elif not any(isinstance(f, _EffectOrderFinder) for f in sys.meta_path):
@@ -386,10 +388,9 @@ def _wrap_with_effects_lowering(lowering) -> None:
     original = getattr(lowering, "lowerings", {}).get(op)
     if original is None:
         raise TorchVersionError(
-            f"autopar: torch {torch.__version__} has no inductor lowering `lowerings[with_effects]` in "
-            f"torch._inductor.lowering (checked on 2.13.0), so autopar cannot make compiled programs keep "
-            f"their collectives in order. Use parallelize(..., compile=False), or a torch version autopar "
-            f"supports.")
+            f"autopar: torch {torch.__version__} has no inductor lowering `lowerings[with_effects]` in torch._inductor."
+            f"lowering (checked on 2.13.0), so autopar cannot make compiled programs keep their collectives in order. "
+            f"Use parallelize(..., compile=False), or a torch version autopar supports.")
     if getattr(original, "_autopar_effect_order", False):
         return
     from torch._inductor.virtualized import V
@@ -415,8 +416,6 @@ class _EffectOrderFinder:
     def find_spec(self, fullname, path, target=None):
         if fullname != _EFFECT_ORDER_MODULE:
             return None
-        import sys
-
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
             spec = None if finder is self or find is None else find(fullname, path, target)
@@ -440,11 +439,11 @@ class _WrapAfterExec:
         _wrap_with_effects_lowering(module)
 
 
-# torch._inductor.config.unsafe_marked_cacheable_functions: higher-order ops (by "module.name") that
-# inductor's FX graph cache may keep, each with a value that enters the cache key. AOTAutograd wraps
-# every ORDERED op (`register_ordered`) in the `with_effects` higher-order op, which torch does not mark
-# cacheable: without this entry every graph calling an autopar collective is compiled again by each new
-# process (a restarted job). The value names the effect-order wrap, so no graph compiled without it
-# (`keep_effect_order_in_inductor`) is ever reused. Passed by `compile=True` (`passes.ops.library.
-# INDUCTOR_OPTIONS`). Checked on 2.13.0. If it moves: torch.compile refuses the option at the first compile.
+# torch._inductor.config.unsafe_marked_cacheable_functions: higher-order ops (by "module.name") that inductor's FX
+# graph cache may keep, each with a value that enters the cache key. AOTAutograd wraps every ORDERED op
+# (`register_ordered`) in the `with_effects` higher-order op, which torch does not mark cacheable: without this entry
+# every graph calling an autopar collective is compiled again by each new process (a restarted job). The value names
+# the effect-order wrap, so no graph compiled without it (`keep_effect_order_in_inductor`) is ever reused. Passed by
+# `compile=True` (`passes.ops.library. INDUCTOR_OPTIONS`). Checked on 2.13.0. If it moves: torch.compile refuses the
+# option at the first compile.
 CACHEABLE_EFFECTS = {"torch.ops.higher_order.with_effects": f"{torch.__version__}+autopar-effect-order-1"}

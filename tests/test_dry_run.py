@@ -27,15 +27,15 @@ def _dry(model, inputs, grid, **options):
         return autopar.dry_run(model, grid=grid, example_inputs=inputs, **options)
 
 
-@pytest.mark.parametrize("grid, options, hidden", [((8, 8), {}, 64), ((1, 16), dict(strategy="1d"), 64),
+@pytest.mark.parametrize("grid, options, hidden", [((8, 8), {}, 64), ((1, 64), dict(strategy="1d"), 64),
                                                    ((4, 4, 4), dict(strategy="3d"), 64),
                                                    ((2, 2, 2), dict(data_parallel="shard"), 32),
                                                    ((2, 4), dict(strategy="auto"), 32)],
-                         ids=["2d-8x8", "1d-1x16", "3d-4x4x4", "shard-2x2x2", "auto-2x4"])
+                         ids=["2d-8x8", "1d-1x64", "3d-4x4x4", "shard-2x2x2", "auto-2x4"])
 def test_every_position_builds_and_its_bytes_are_the_plan(grid, options, hidden):
     """Catches a program whose collectives differ between members of a group, and a plan that prices
     other bytes than a rank's step moves, at scales no test here can run on processes: 64 ranks of an
-    8x8 grid, 1D over 16, a 4x4x4 cube, sharded replicas, and strategy='auto' (rank 0's choice, sent as
+    8x8 grid, 1D over 64 (64 ranks simulated: most hold none of the 8 position rows), a 4x4x4 cube, sharded replicas, and strategy='auto' (rank 0's choice, sent as
     an object, handed to the ranks simulated after it). The ranks that cover every row, column and
     replica index are simulated; every one's grid bytes equal its plan's exactly, with real tensors
     and on fake ones alike (the same collectives in the same order)."""
@@ -333,3 +333,30 @@ def test_a_looped_schedule_builds_each_rank_from_what_a_later_rank_sends(schedul
     for rank, run in report.ranks.items():
         assert run.counted["grid"] == run.planned > 0, (rank, run.counted, run.planned)
         assert run.counted["pp"] == run.counted["pp_planned"] > 0, (rank, run.counted)
+
+
+class _TypeTable(nn.Module):
+    """A 2-row table (a token-type embedding) beside a 64-row one: at 1x4 in 1D, ranks 2 and 3 hold no row."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.typ = nn.Embedding(64, 64), nn.Embedding(2, 64)
+        self.lin, self.head = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, ids, types):
+        return self.head(torch.relu(self.lin(self.tok(ids) + self.typ(types))))
+
+
+def test_ranks_simulated_in_one_process_keep_their_own_meshes():
+    """Catches a rank simulated after another in one process taking the earlier rank's DeviceMesh: DTensor's
+    sharding-propagation caches key meshes by ranks and shape, not by this process's place in them, so rank 2's
+    2-row table came back on rank 0's mesh (coordinate (0, 0)) and its backward failed ([0, 64] into [1, 64]),
+    where 4 gloo ranks pass. Every rank of 1x4 1D, one process: each parameter on a mesh at its own coordinate,
+    grid bytes equal to the plan's, on real and fake tensors."""
+    torch.manual_seed(0)
+    ids, types = torch.randint(0, 64, (4, 16)), torch.randint(0, 2, (4, 16))
+    for fake in (False, True):
+        report = _dry(_TypeTable(), (ids, types), (1, 4), strategy="1d", ranks="all", workers=1, fake=fake)
+        assert sorted(report.ranks) == [0, 1, 2, 3]
+        for rank, run in report.ranks.items():
+            assert run.counted["grid"] == run.planned > 0, (fake, rank, run.counted, run.planned)

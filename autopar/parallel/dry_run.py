@@ -73,7 +73,7 @@ from autopar.program.spec import parse_spec
 from autopar.program.workers import can_fork, side_by_side
 from autopar.planning.progress import steps as progress
 from passes.options import DEFAULTS
-from passes.compat import data_dependent_errors, fake_store, fake_tensor_mode, pytree
+from passes.compat import data_dependent_errors, fake_tensor_mode, fake_world, pytree
 
 __all__ = ["Collective", "DryRun", "DryRunError", "RankRun", "covering_ranks", "dry_run"]
 
@@ -344,49 +344,47 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent, mode) -> Ra
     from autopar.parallel.sharded import memory_per_rank
     from autopar.planning.explain import graph_rows
 
-    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
-    stages = world // math.prod(grid)
-    rec = Recorder(rank, sent, world // stages if stages > 1 else 0)
-    try:
-        with rec, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
-            pm = parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, **options)
-            setup = rec.take()
-            sent.setup_done(rank)
-            pm.materialized = True  # a model built on the meta device: its blocks are allocated, not loaded
-            pm.grid.log.reset()
-            with mode or contextlib.nullcontext(), EagerOps() if mode is not None else contextlib.nullcontext():
-                opt, saved = train_step(pm, *_inputs(mode, args, kwargs))
-            step = rec.take()
-        log, g = pm.grid.log, pm.grid
-        replicas, p2p = log.total("dp:") + log.total("fsdp:"), log.total("pp:")
-        piped = hasattr(pm, "p2p_traffic")
-        m = pm.pipeline.n_microbatches if piped else 1  # a stage's program runs once per micro-batch
-        planned = m * sum(r.fwd_bytes + r.bwd_bytes + r.recompute_bytes for s in getattr(pm, "stage_modules", [pm])
-                          for r in graph_rows(s.program.inspected, g.shape, at=(g.r, g.c)))
-        at = (g.stage, g.dp_index, g.r, g.c) if piped else (g.dp_index, g.r, g.c)
-        counted = {"grid": log.total() - replicas - p2p, "replicas": replicas,
-                   "grid_calls": log.calls() - log.calls("dp:") - log.calls("fsdp:") - log.calls("pp:")}
-        if piped:
-            counted.update(pp=p2p, pp_planned=sum(b for _, b in pm.p2p_traffic().values()))
-        tags: dict = {}
-        for (tag, _), n in log.bytes.items():
-            tags[tag] = tags.get(tag, 0) + n
-        return RankRun(rank, at, setup, step, counted, planned, {**memory_per_rank(pm, opt), "saved": saved}, tags,
-                       model_lines(pm, step))
-    except _DATA_DEPENDENT as e:
-        raise UsageError(f"autopar.dry_run: this model's step reads values that fake tensors do not have "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); a mixture of experts routes by "
-                         f"them. Pass fake=False to compute each rank's share with real tensors") from e
-    except Exception as e:  # one that an object never received explains: named
-        if not rec.missed:
-            raise
-        raise UsageError(f"autopar.dry_run: rank {rank} receives an object (a decision, a stage's layouts) from rank "
-                         f"{rec.missed[0][1]}, which is not simulated before it, and fails without it "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); add rank {rec.missed[0][1]} to "
-                         f"ranks=") from e
-    finally:
-        dist.destroy_process_group()
+    with fake_world(rank, world):  # DTensor's caches emptied: they would hand this rank the last one's meshes
+        stages = world // math.prod(grid)
+        rec = Recorder(rank, sent, world // stages if stages > 1 else 0)
+        try:
+            with rec, warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # one process's warnings, repeated by every simulated rank
+                pm = parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs, **options)
+                setup = rec.take()
+                sent.setup_done(rank)
+                pm.materialized = True  # a model built on the meta device: its blocks are allocated, not loaded
+                pm.grid.log.reset()
+                with mode or contextlib.nullcontext(), EagerOps() if mode is not None else contextlib.nullcontext():
+                    opt, saved = train_step(pm, *_inputs(mode, args, kwargs))
+                step = rec.take()
+            log, g = pm.grid.log, pm.grid
+            replicas, p2p = log.total("dp:") + log.total("fsdp:"), log.total("pp:")
+            piped = hasattr(pm, "p2p_traffic")
+            m = pm.pipeline.n_microbatches if piped else 1  # a stage's program runs once per micro-batch
+            planned = m * sum(r.fwd_bytes + r.bwd_bytes + r.recompute_bytes for s in getattr(pm, "stage_modules", [pm])
+                              for r in graph_rows(s.program.inspected, g.shape, at=(g.r, g.c)))
+            at = (g.stage, g.dp_index, g.r, g.c) if piped else (g.dp_index, g.r, g.c)
+            counted = {"grid": log.total() - replicas - p2p, "replicas": replicas,
+                       "grid_calls": log.calls() - log.calls("dp:") - log.calls("fsdp:") - log.calls("pp:")}
+            if piped:
+                counted.update(pp=p2p, pp_planned=sum(b for _, b in pm.p2p_traffic().values()))
+            tags: dict = {}
+            for (tag, _), n in log.bytes.items():
+                tags[tag] = tags.get(tag, 0) + n
+            return RankRun(rank, at, setup, step, counted, planned, {**memory_per_rank(pm, opt), "saved": saved}, tags,
+                           model_lines(pm, step))
+        except _DATA_DEPENDENT as e:
+            raise UsageError(f"autopar.dry_run: this model's step reads values that fake tensors do not have "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); a mixture of experts routes by "
+                             f"them. Pass fake=False to compute each rank's share with real tensors") from e
+        except Exception as e:  # one that an object never received explains: named
+            if not rec.missed:
+                raise
+            raise UsageError(f"autopar.dry_run: rank {rank} receives an object (a decision, a stage's layouts) from "
+                             f"rank {rec.missed[0][1]}, which is not simulated before it, and fails without it "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); add rank {rec.missed[0][1]} to "
+                             f"ranks=") from e
 
 
 def _fake_parameters(model) -> None:

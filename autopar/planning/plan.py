@@ -43,7 +43,7 @@ from autopar.planning.progress import steps
 from autopar.planning.replicas import ReplicaPlan, plan_replicas
 from autopar.generate.cache import kv_cache_bytes_per_rank
 from autopar.program.uneven import most_received
-from passes.compat import fake_store, fake_tensor_mode, pytree
+from passes.compat import fake_tensor_mode, fake_world, pytree
 from passes.cost.cube import megatron_bytes
 from passes.layout import REPLICATED, local_shape
 from passes.mesh import Cube, Grid
@@ -170,8 +170,7 @@ _UNMEASURED = ("autopar.plan: activation memory not measured: running rank (0, 0
 def _measure_activations(gm, cap, mesh):
     """Run rank (0, 0)'s graph under FakeTensorMode on a fake process group: bytes saved for backward
     and the largest tensor. Needs no process group in this process (it makes a fake one)."""
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=mesh[0] * mesh[1])
-    try:
+    with fake_world(0, mesh[0] * mesh[1]):
         grid = Grid(*mesh)
         if any(isinstance(mod, CubeLinear) for mod in gm.modules()):  # strategy='3d': the cube's groups too
             Cube(mesh[0], grid=grid)
@@ -210,8 +209,6 @@ def _measure_activations(gm, cap, mesh):
             if tensors:
                 sum(o.float().sum() for o in tensors).backward()
         return sum(n for _, n in saved.values()), largest[0]
-    finally:
-        dist.destroy_process_group()
 
 
 def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = DEFAULTS.lowering,
