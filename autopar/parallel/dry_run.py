@@ -382,8 +382,8 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent, mode) -> Ra
             if not rec.missed:
                 raise
             raise UsageError(f"autopar.dry_run: rank {rank} receives an object (a decision, a stage's layouts) from "
-                             f"rank {rec.missed[0][1]}, which is not simulated (before it, but in a looped schedule), and "
-                             f"fails without it "
+                             f"rank {rec.missed[0][1]}, which is not simulated (before it; in a looped schedule, at "
+                             f"all), and fails without it "
                              f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); add rank {rec.missed[0][1]} to "
                              f"ranks=") from e
 
