@@ -35,8 +35,9 @@ def _dry(model, inputs, grid, **options):
 def test_every_position_builds_and_its_bytes_are_the_plan(grid, options, hidden):
     """Catches a program whose collectives differ between members of a group, and a plan that prices
     other bytes than a rank's step moves, at scales no test here can run on processes: 64 ranks of an
-    8x8 grid, 1D over 64 (64 ranks simulated: most hold none of the 8 position rows), a 4x4x4 cube, sharded replicas, and strategy='auto' (rank 0's choice, sent as
-    an object, handed to the ranks simulated after it). The ranks that cover every row, column and
+    8x8 grid, 1D over 64 (64 ranks simulated: most hold none of the 8 position rows), a 4x4x4 cube,
+    sharded replicas, and strategy='auto' (rank 0's choice, sent as an object, handed to the ranks
+    simulated after it). The ranks that cover every row, column and
     replica index are simulated; every one's grid bytes equal its plan's exactly, with real tensors
     and on fake ones alike (the same collectives in the same order)."""
     model, inputs = _gpt(hidden, heads=4 if hidden == 32 else 8)
