@@ -10,7 +10,10 @@ another worker, at a lower rank, waits until the sender has put it or has finish
 only waits on lower ranks, and every worker runs its ranks in increasing order, so the lowest rank
 whose setup is unfinished never waits: no worker waits for ever. What each rank receives is what it
 would receive simulated one after another (objects put by the setups of the lower ranks); objects a
-step puts (fake tensors, whose values are meaningless) stay in their worker.
+step puts (fake tensors, whose values are meaningless) stay in their worker. A looped pipeline schedule
+builds a rank's later stage from what a later rank sends it: there every rank gets a worker of its own
+and waits, whatever the order, for the simulated ranks that stand in for the sender (`stand_in`); it
+waits only where the real program would, so no more for ever than the program itself.
 
 Forking needs the platform's `fork` (Linux); elsewhere, or with one worker, the ranks run in this
 process one after another.
