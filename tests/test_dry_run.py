@@ -352,8 +352,8 @@ def test_ranks_simulated_in_one_process_keep_their_own_meshes():
     """Catches a rank simulated after another in one process taking the earlier rank's DeviceMesh: DTensor's
     sharding-propagation caches key meshes by ranks and shape, not by this process's place in them, so rank 2's
     2-row table came back on rank 0's mesh (coordinate (0, 0)) and its backward failed ([0, 64] into [1, 64]),
-    where 4 gloo ranks pass. Every rank of 1x4 1D, one process: each parameter on a mesh at its own coordinate,
-    grid bytes equal to the plan's, on real and fake tensors."""
+    where 4 gloo ranks pass. Every rank of 1x4 1D, one process: its step runs, and its grid bytes equal its
+    plan's, on real and fake tensors."""
     torch.manual_seed(0)
     ids, types = torch.randint(0, 64, (4, 16)), torch.randint(0, 2, (4, 16))
     for fake in (False, True):

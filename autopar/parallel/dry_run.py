@@ -310,11 +310,13 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
     if mode is not None:
         with mode:
             _fake_parameters(model)
-    if workers is None:  # real tensors (a mixture of experts) pass real objects in their steps: one process
-        workers = len(os.sched_getaffinity(0)) if fake and hasattr(os, "sched_getaffinity") else 1
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if not (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1):
         raise UsageError(f"autopar.dry_run: workers={workers!r}: expected a positive int (processes simulating "
                          f"ranks side by side) or None (one per CPU this process may use)")
+    if not fake:  # real tensors (a mixture of experts) pass real objects in their steps: one process
+        workers = 1
 
     stand_in = None
     if looped:  # a rank's later stage is built from what a later rank sends it: every rank a process of its own
@@ -332,7 +334,7 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
         return _simulate(model, grid, rank, world, example_inputs, example_kwargs or {}, options, relay, mode)
 
     with progress("dry run", len(chosen)) as bar, shared_captures(mode):
-        runs = side_by_side(chosen, workers if fake else 1, simulate, lambda rank: bar.update(), stand_in)
+        runs = side_by_side(chosen, workers, simulate, lambda rank: bar.update(), stand_in)
     report = DryRun(world, grid, runs, stages)
     if check:
         report.check()
