@@ -1,15 +1,29 @@
-"""Benchmark: SUMMA weight-gradient reductions overlapped with the input gradient's product, or in line.
+"""Benchmark: communication behind compute (`overlap=True`) against every transfer waited for in line
+(`overlap=False`), with the exposed communication measured.
 
-The benchmark Llama of `autopar bench` (autopar.bench.CONFIG, batch 8 x 128) on a 2x2 grid of 4 local
-gloo ranks, one model per lowering; each training step (forward, backward, AdamW step) runs with the
-grid's `overlap_grad_reduce` on, then off, alternated step by step so that the machine's load falls on
-both alike. Prints the median step and backward time of each, their ratio, the machine's load average,
-and checks that both settings receive the same bytes with the same collective calls.
+The benchmark Llama of `autopar bench` (autopar.bench.CONFIG, batch 8 x 128) on gloo ranks of this
+machine: 2D on a 2x2 grid in each SUMMA lowering, 1D (Megatron with sequence parallelism) on 1x4, 3D on
+a 2x2x2 cube, and torchtitan's tensor-parallel plan (TP 4 + SP, through PyTorch's own API:
+`autopar.bench.common.tp_sp`) beside them. For each autopar configuration one model trains with the
+grid's overlap switched on and off step by step, so that the machine's load falls on both alike:
 
-    PYTHONPATH=. python examples/bench_overlap.py [steps]
+- step: a training step (forward, backward, AdamW), every rank timed between barriers;
+- exposed: the time the compute thread is blocked in communication during a step, from `torch.profiler`:
+  the ranges autopar opens around each collective it issues and each wait for one it launched before
+  (`passes.ops.comm.profiled`; an asynchronous launch counts only the time to post it), and for the
+  PyTorch plan the functional collectives and their waits. Profiled steps are extra steps, not the
+  timed ones (the profiler slows the step);
+- bytes and calls per rank and step, checked equal with overlap on and off, and each setting's
+  gradients after one backward on the same batch, checked bit-identical.
+
+Medians over the steps (after a warm-up), each rank's figure averaged over the ranks.
+
+    PYTHONPATH=. python examples/bench_overlap.py [--steps N] [--json]
 """
 
+import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -22,59 +36,159 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
 from autopar.bench import common  # noqa: E402
-from autopar.launch import spawn  # noqa: E402
+from passes.ops import comm  # noqa: E402
 
 WARMUP = 2
+FOUR = {  # label -> parallelize keywords, on 4 ranks
+    "2D 2x2 broadcast": dict(grid=(2, 2), lowering="broadcast"),
+    "2D 2x2 allgather": dict(grid=(2, 2), lowering="allgather"),
+    "2D 2x2 ring": dict(grid=(2, 2), lowering="ring"),
+    "1D 1x4 (+SP)": dict(grid=(1, 4), strategy="1d"),
+}
+EIGHT = {"3D 2x2x2": dict(grid=(2, 2, 2), strategy="3d")}
+TORCH = "torchtitan TP 4 + SP (PyTorch)"
 
 
-def _step(pm, opt, step: int) -> tuple:
-    """(step seconds, backward seconds) of one training step, every rank timed between barriers."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    loss = pm(**common.batch(step)).loss
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
+def _set(pm, on: bool) -> None:
+    pm.grid.prefetch = pm.grid.overlap_grad_reduce = on  # a cube's depth grids read its grid's
+
+
+def _exposed_s(prof) -> float:
+    """Seconds the profiled thread spent inside communication ranges: autopar's own ('autopar::comm ...'),
+    or PyTorch's functional collectives and their waits; a range inside another counted once."""
+    def comm_event(e) -> bool:
+        return e.name.startswith("autopar::comm ") or "c10d" in e.name or e.name.endswith("wait_tensor")
+
+    total = 0.0
+    for e in prof.events():
+        if comm_event(e) and not (e.cpu_parent is not None and comm_event(e.cpu_parent)):
+            total += e.cpu_time_total / 1e6
+    return total
+
+
+def _train(model, opt, step: int) -> None:
+    common.forward_backward(model, common.batch(step))
     opt.step()
     opt.zero_grad()
+
+
+def _timed(model, opt, step: int) -> float:
     dist.barrier()
-    return time.perf_counter() - t0, t2 - t1
+    t0 = time.perf_counter()
+    _train(model, opt, step)
+    dist.barrier()
+    return time.perf_counter() - t0
 
 
-def _traffic(pm, overlap: bool) -> tuple:
-    pm.grid.overlap_grad_reduce = overlap
-    pm.grid.log.reset()
-    pm(**common.batch(0)).loss.backward()
-    pm.zero_grad()
-    return dict(pm.grid.log.bytes), dict(pm.grid.log.launches)
+def _profiled(model, opt, step: int) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with comm.profiled(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        _train(model, opt, step)
+    dist.barrier()
+    return _exposed_s(prof)
 
 
-def main(rank, steps: int):
+def _same_both_ways(pm) -> dict:
+    """Bytes, calls and gradients of one backward with overlap on and off, on the same batch."""
+    seen = {}
+    for on in (True, False):
+        _set(pm, on)
+        pm.grid.log.reset()
+        pm(**common.batch(0)).loss.backward()
+        grads = [p.grad.detach().clone() for p in pm.parameters() if p.grad is not None]
+        seen[on] = (dict(pm.grid.log.bytes), dict(pm.grid.log.launches), grads)
+        pm.zero_grad()
+    (b1, l1, g1), (b0, l0, g0) = seen[True], seen[False]
+    return {"bytes": sum(b1.values()), "calls": sum(l1.values()), "same_traffic": b1 == b0 and l1 == l0,
+            "same_grads": len(g1) == len(g0) and all(torch.equal(x, y) for x, y in zip(g1, g0))}
+
+
+def _median(xs: list) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _mean_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def worker(rank, world, port, configs, steps, out):
+    from autopar.launch import init_local
+
+    init_local(rank, world, port)
+    torch.set_num_threads(1)
     base = common.model()
-    load0 = os.getloadavg()
-    for lowering in ("broadcast", "allgather"):
-        pm = autopar.parallelize(copy.deepcopy(base), grid=(2, 2), example_kwargs=common.batch(0), lowering=lowering)
-        traffic = _traffic(pm, True)
-        same = traffic == _traffic(pm, False)
+    res = {}
+    for label, kw in configs.items():
+        pm = autopar.parallelize(copy.deepcopy(base), example_kwargs=common.batch(0), **kw)
+        row = _same_both_ways(pm)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-        times: dict = {True: [], False: []}
+        step, exposed = {True: [], False: []}, {True: [], False: []}
         for s in range(WARMUP + steps):
-            for overlap in (True, False):
-                pm.grid.overlap_grad_reduce = overlap
-                t = _step(pm, opt, s + 1)
+            for on in (True, False):
+                _set(pm, on)
+                t = _timed(pm, opt, s + 1)
+                e = _profiled(pm, opt, s + 1)
                 if s >= WARMUP:
-                    times[overlap].append(t)
-        if rank == 0:
-            med = {k: [statistics.median(x[i] for x in v) for i in range(2)] for k, v in times.items()}
-            (on, on_b), (off, off_b) = med[True], med[False]
-            print(f"2x2 {lowering}: overlapped {on * 1e3:.0f} ms/step (backward {on_b * 1e3:.0f} ms), in line "
-                  f"{off * 1e3:.0f} ms/step (backward {off_b * 1e3:.0f} ms); overlapped/in line {on / off:.3f} "
-                  f"(backward {on_b / off_b:.3f}); {sum(traffic[0].values()) / 2**20:.1f} MiB and "
-                  f"{sum(traffic[1].values())} calls per rank per step, same both ways: {same}; median of {steps}",
-                  flush=True)
+                    step[on].append(t)
+                    exposed[on].append(e)
+        for on in (True, False):
+            row[f"step_s_{'on' if on else 'off'}"] = _mean_over_ranks(_median(step[on]))
+            row[f"exposed_s_{'on' if on else 'off'}"] = _mean_over_ranks(_median(exposed[on]))
+        res[label] = row
+        del pm, opt
+    if world == 4:  # torchtitan's TP 4 + SP plan through PyTorch's API, in the same run
+        model = common.tp_sp(copy.deepcopy(base))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step, exposed = [], []
+        for s in range(WARMUP + steps):
+            t, e = _timed(model, opt, s + 1), _profiled(model, opt, s + 1)
+            if s >= WARMUP:
+                step.append(t)
+                exposed.append(e)
+        res[TORCH] = {"step_s_on": _mean_over_ranks(_median(step)), "exposed_s_on": _mean_over_ranks(_median(exposed))}
     if rank == 0:
-        print(f"load average (1, 5, 15 min) at start {load0}, at end {os.getloadavg()}; CPUs {os.cpu_count()}")
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def markdown(res: dict, steps: int) -> str:
+    lines = ["| configuration | step, overlap on / off (ms) | ratio | exposed communication, on / off (ms) | ratio | "
+             "exposed share of the step, on / off | MiB, calls per step (same both ways) | gradients bit-identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, r in res.items():
+        on, off, eon, eoff = (r.get(k) for k in ("step_s_on", "step_s_off", "exposed_s_on", "exposed_s_off"))
+        if off is None:  # the PyTorch plan: one setting (its collectives are waited for where DTensor puts them)
+            lines.append(f"| {label} | {on * 1e3:.0f} | | {eon * 1e3:.0f} | | {eon / on:.0%} | | |")
+            continue
+        same = "yes" if r["same_traffic"] else "NO"
+        lines.append(f"| {label} | {on * 1e3:.0f} / {off * 1e3:.0f} | {on / off:.3f} | {eon * 1e3:.0f} / "
+                     f"{eoff * 1e3:.0f} | {eon / eoff:.3f} | {eon / on:.0%} / {eoff / off:.0%} | "
+                     f"{r['bytes'] / 2**20:.1f}, {r['calls']} ({same}) | {'yes' if r['same_grads'] else 'NO'} |")
+    lines.append(f"\nMedians of {steps} steps after {WARMUP} of warm-up, each rank's median averaged over the ranks; "
+                 f"load average (1, 5, 15 min) at the end {tuple(round(x, 2) for x in os.getloadavg())}, "
+                 f"{os.cpu_count()} CPUs.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per setting (default 5)")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--only", choices=("4", "8"), help="run only the 4-rank or the 8-rank configurations")
+    ns = ap.parse_args(argv)
+    res = {}
+    if ns.only != "8":
+        res.update(common.spawn_json(worker, 4, FOUR, ns.steps))
+    if ns.only != "4":
+        res.update(common.spawn_json(worker, 8, EIGHT, ns.steps))
+    print(json.dumps(res, indent=2) if ns.json else markdown(res, ns.steps))
+    return 0
 
 
 if __name__ == "__main__":
-    spawn(main, 4, int(sys.argv[1]) if len(sys.argv) > 1 else 10)
+    sys.exit(main())

@@ -94,6 +94,8 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     FallbackWarning. A 1x1 grid runs the captured graph as it is. `key` becomes the signature."""
     chosen = None
     options = replace(options, replicas=grid.dp)
+    # what runs behind the matmuls: the next SUMMA panel, each weight gradient's reduction (`overlap`)
+    grid.prefetch = grid.overlap_grad_reduce = options.overlaps(CostModel.resolve(options.cost_model))
     sharding = _data_parallel(options)
     options = replace(options, data_parallel=sharding or "replicate")
     if grid.world > 1:

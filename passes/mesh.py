@@ -159,6 +159,10 @@ class Grid:
     # waits for it after (`passes.ops.overlap`); False: one after the other. A compiled program keeps
     # the value it was traced with.
     overlap_grad_reduce: bool = True
+    # SUMMA's broadcast and ring lowerings post the next panel's transfer before the current panel's matmul
+    # (double buffering: one panel in flight); False: each transfer is posted and waited for before its matmul.
+    # The same calls, bytes and order either way. Set, with overlap_grad_reduce, by the `overlap` option.
+    prefetch: bool = True
     # graph node -> the module it came from ('model.layers.3.mlp.up_proj'), of the programs compiled on this
     # grid: the hang diagnosis names it (`passes.ops.flight`); replaced, never changed in place
     places: Mapping[str, str] = MappingProxyType({})
@@ -408,7 +412,16 @@ class _DepthGrid(Grid):
         self.log, self.device_type, self.timeout = parent.log, parent.device_type, None
         self.mesh = self.full_mesh = self.world_group = self.dp_group = self.pp_group = None
         self.same_col_group, self.same_row_group = parent.same_col_group, row_group
+        self._parent = parent
         _register(self)
+
+    @property
+    def prefetch(self) -> bool:  # type: ignore[override]  # the cube's grid decides (the `overlap` option)
+        return self._parent.prefetch
+
+    @property
+    def overlap_grad_reduce(self) -> bool:  # type: ignore[override]
+        return self._parent.overlap_grad_reduce
 
     def global_rank(self, axis: int, i: int) -> int:
         q = self.shape[0]

@@ -150,6 +150,13 @@ class Options:
         "stepwise broadcasts (the paper's; one block in flight), all-gathered panels and one matmul (fewer "
         "calls, q x the temporary panel), or the broadcasts' pieces point to point in Cannon's rotated order "
         "(no collectives; only when asked)", choices=LOWERING_CHOICES)
+    overlap: bool | str = option(
+        "auto", "whether communication runs behind the matmuls: each SUMMA product's next panel posted before "
+        "the current panel's matmul (broadcast and ring lowerings) and each weight gradient's reduction behind "
+        "the input gradient's product, or every transfer waited for before the compute that follows; 'auto': "
+        "on where the cost model says a matmul hides a transfer", choices=("auto", True, False),
+        expected="'auto' (on where the cost model's `hidden` share is above 0), True (overlap) or False (every "
+                 "collective waited for in line)")
     indivisible: str = option(
         "uneven", "a dim the grid does not divide: split in torch.chunk blocks where a rule can, run its matmuls "
         "unsplit, or raise a ShardingError", choices=INDIVISIBLE)
@@ -273,6 +280,11 @@ class Options:
         """The lowering every SUMMA product runs, or None where each takes the one the cost model prices
         faster (lowering='auto')."""
         return None if self.lowering == "auto" else self.lowering
+
+    def overlaps(self, cm: CostModel) -> bool:
+        """Whether communication runs behind compute (`overlap`; 'auto': where `cm` hides any of a
+        transfer behind a matmul)."""
+        return self.overlap if isinstance(self.overlap, bool) else cm.hidden > 0
 
     def items(self) -> list:
         """(name, value) of every option, in declaration order (what ranks compare before compiling)."""

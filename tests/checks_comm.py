@@ -255,3 +255,96 @@ def ring_against_broadcast(rank, grid, M, K, N):
         row["planned calls"] = product_calls(name, g.shape, at, K, N)
         out[name] = row
     return out
+
+
+class _Transfers:
+    """A log of this rank's panel transfers and matmuls, in program order: ("post", n) when n transfers are
+    launched (a broadcast, or a batch of point-to-point sends and receives), ("wait", 1) when one is waited
+    for, ("mm", 0) for each matmul. Installed over `dist.broadcast`, `dist.batch_isend_irecv` and the
+    tensor methods the lowerings multiply with (`addmm_`, `@`)."""
+
+    def __init__(self):
+        self.log: list = []
+
+    def __enter__(self):
+        log = self.log
+
+        class Work:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self):
+                log.append(("wait", 1))
+                return self.work.wait()
+
+        def broadcast(*args, async_op=False, **kwargs):
+            log.append(("post", 1))
+            work = self.saved[0](*args, async_op=async_op, **kwargs)
+            if not async_op:
+                log.append(("wait", 1))
+                return work
+            return Work(work)
+
+        def batch(ops):
+            works = self.saved[1](ops)
+            log.append(("post", len(works)))
+            return [Work(w) for w in works]
+
+        def matmul(fn):
+            def run(*args, **kwargs):
+                log.append(("mm", 0))
+                return fn(*args, **kwargs)
+            return run
+
+        self.saved = (dist.broadcast, dist.batch_isend_irecv, torch.Tensor.addmm_, torch.Tensor.__matmul__)
+        dist.broadcast, dist.batch_isend_irecv = broadcast, batch
+        torch.Tensor.addmm_, torch.Tensor.__matmul__ = matmul(self.saved[2]), matmul(self.saved[3])
+        return self
+
+    def __exit__(self, *exc):
+        dist.broadcast, dist.batch_isend_irecv, torch.Tensor.addmm_, torch.Tensor.__matmul__ = self.saved
+
+    def in_flight_at_matmuls(self) -> list:
+        """How many transfers were launched and not yet waited for at each matmul."""
+        open_, out = 0, []
+        for kind, n in self.log:
+            if kind == "mm":
+                out.append(open_)
+            else:
+                open_ += n if kind == "post" else -n
+        return out
+
+
+def prefetch_events(rank, lowering):
+    """AB, ABT and ATB on a 2x2 grid with K, N = 8 (two panels each), forward and backward, with the grid's
+    `prefetch` (and `overlap_grad_reduce`, as the `overlap` option sets them) on and off: per product and
+    setting, the transfers in flight at each matmul; whether results, gradients, bytes and launches are
+    identical in both settings."""
+    g = Grid(2, 2)
+    torch.manual_seed(0)
+    x, w_ab, w_abt = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)
+    cases = {"AB": lambda x, w: summa.SummaAB.apply(x, w, g, "t", lowering),
+             "ABT": lambda x, w: summa.SummaABT.apply(x, w, g, "t", lowering),
+             "ATB": lambda x, w: summa.atb(g, x, w, "t", lowering=lowering)}
+    weights = {"AB": w_ab, "ABT": w_abt, "ATB": torch.randn(8, 4)}
+    out, same = {}, {}
+    for name, fn in cases.items():
+        runs = []
+        for on in (True, False):
+            g.prefetch = g.overlap_grad_reduce = on
+            xs, ws = x.clone().requires_grad_(), weights[name].clone().requires_grad_()
+            g.log.reset()
+            with _Transfers() as ev:
+                y = fn(xs, ws)
+                if y.requires_grad:
+                    y.backward(torch.ones_like(y))
+            runs.append((y.detach(), xs.grad, ws.grad, dict(g.log.bytes), dict(g.log.launches)))
+            out[(name, on)] = ev.in_flight_at_matmuls()
+
+        def equal(a, b):
+            return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+        (*first, nb, nl), (*second, mb, ml) = runs
+        same[name] = all(equal(a, b) for a, b in zip(first, second)) and (nb, nl) == (mb, ml)
+    g.prefetch = g.overlap_grad_reduce = True
+    return {"in flight": out, "same": same}

@@ -110,6 +110,25 @@ def test_grids_share_process_groups(pool4):
         assert r["sum"] == [float(4 * row + 1)] * 3, r
 
 
+@pytest.mark.parametrize("lowering", ["broadcast", "ring"])
+def test_next_panel_travels_during_the_current_matmul(pool4, lowering):
+    """Catches a SUMMA lowering that waits for each panel's transfer before posting the next (no double
+    buffering), an overlap=False that still overlaps (the in-line baseline the benchmark compares
+    with), and an overlap that changes a result or gradient bit, a byte or a launch: with the grid's
+    `prefetch` on, AB, ABT and ATB each run a matmul (forward or backward) while the next panel is in
+    flight on some rank (in the ring a rank whose next piece is its own receives nothing to wait for);
+    with it off, no matmul on any rank runs with a transfer in flight; both settings agree bit for bit."""
+    res = pool4.run(C.prefetch_events, lowering)
+    for rank, r in enumerate(res):
+        assert all(r["same"].values()), (rank, r["same"])
+        for (name, on), flight in r["in flight"].items():
+            assert flight, (rank, name, "no matmul seen")
+            assert on or not any(flight), f"rank {rank}, {name}, prefetch off: transfers in flight {flight}"
+    for name in ("AB", "ABT", "ATB"):
+        beside = [rank for rank, r in enumerate(res) if any(r["in flight"][name, True])]
+        assert beside, f"{name}: no rank ran a matmul beside a transfer with prefetch on"
+
+
 @pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
 def test_weight_gradient_reduction_overlaps_the_input_gradient(pool4, lowering):
     """Catches a backward that waits for dW's reduction before dX's product starts (no overlap), and an

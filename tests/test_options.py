@@ -27,6 +27,7 @@ from tests import checks_options as C
     ("check_inputs", 1, "check_inputs=1: expected True (compare every call's inputs"),
     ("timeout", 0, "timeout=0: expected a positive number of seconds, or None"),
     ("optimizer_states", -1, "optimizer_states=-1: expected the number of tensors the optimizer keeps"),
+    ("overlap", "yes", "overlap='yes': expected 'auto' (on where the cost model's `hidden` share is above 0)"),
     ("data_parallel", "zero3", "data_parallel='zero3': expected 'replicate' (every replica holds its grid block "
                                "whole), 'shard' (FSDP2's fully_shard over the replicas"),
 ])
@@ -200,3 +201,31 @@ def test_a_plan_prints_short_and_explains():
     assert f"received in {pl.collectives_per_rank_per_step} collective calls" in text, text
     with pytest.raises(ValueError, match="autopar.explain takes what autopar.parallelize returns"):
         autopar.explain(model)
+
+
+def test_overlap_sets_the_runtime_and_the_price():
+    """Catches an `overlap` option that does not reach the runtime (the grid's panel prefetch and weight-
+    gradient overlap stay on under overlap=False, so the benchmark's in-line baseline would overlap), an
+    'auto' that ignores the cost model, and an estimate that prices overlap=False's in-line transfers as
+    hidden: 'auto' follows the model's `hidden` share; with nothing hidden the broadcast lowering's 2D
+    step costs more than with its transfers behind the matmuls, and no less than the all-gather one's
+    bytes added to its compute."""
+    from passes.compile import compile_captured
+    from passes.cost.model import DEFAULT, CostModel
+    from passes.mesh import Grid
+    from passes.search.strategy import estimate_fixed
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = (torch.randn(32, 64),)
+    hides_none = dict(DEFAULT, hidden=0.0)
+    for options, on in ((Options(), True), (Options(overlap=False), False),
+                        (Options(cost_model=hides_none), False), (Options(overlap=True, cost_model=hides_none), True)):
+        g = Grid.for_planning(2, 2)
+        compile_captured(capture(model, x), (), g, options)
+        assert g.prefetch is on and g.overlap_grad_reduce is on, (options.overlap, options.cost_model, on)
+    gm = capture(model, x).gm
+    cm = CostModel.resolve(None)
+    on, off = (estimate_fixed(gm, (2, 2), cm, "2d", Options(overlap=v), lowering="broadcast").time_s
+               for v in (True, False))
+    assert off > on, (on, off)
+    assert CostModel.resolve(hides_none).hidden == 0.0 and cm.hidden == 1.0

@@ -47,8 +47,9 @@ def _name_2d_linears(pmodel: ParallelModule, q: int) -> None:
 
 
 def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs=None, *,
-                lowering: str = DEFAULTS.lowering, indivisible: str = DEFAULTS.indivisible,
-                fused: str = DEFAULTS.fused, on_unsupported: str = DEFAULTS.on_unsupported,
+                lowering: str = DEFAULTS.lowering, overlap: bool | str = DEFAULTS.overlap,
+                indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
+                on_unsupported: str = DEFAULTS.on_unsupported,
                 strategy: str = DEFAULTS.strategy, cost_model: object = DEFAULTS.cost_model,
                 memory_limit: float | str | None = DEFAULTS.memory_limit,
                 search_budget: float | None = DEFAULTS.search_budget, check_inputs: bool = DEFAULTS.check_inputs,
@@ -92,6 +93,13 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             (the broadcast lowering's pieces sent point to point in Cannon's rotated order, each rank
             starting at piece (r + c) mod S: the same bytes, no collective, `passes.ops.ring`; 'auto'
             never picks it).
+        overlap: whether communication runs behind the matmuls. True: each SUMMA product posts its next
+            panel's transfer before the current panel's matmul (broadcast and ring lowerings; one panel
+            in flight) and each weight gradient's reduction runs behind the input gradient's product;
+            False: every transfer is waited for before the compute that follows (the in-line baseline;
+            the same calls, bytes and results). 'auto' (default): on where `cost_model` says a matmul
+            hides a transfer (its `hidden` share, 1 for the published figures, measured by `autopar
+            calibrate`). The estimate prices the choice (`passes.search.estimate`).
         indivisible: a dim the grid does not divide (a vocabulary of 50257, 25 heads on 8 columns).
             'uneven' (default) splits it in torch.chunk blocks, as DTensor's Shard does (ceil(n/q)
             per member, the last shorter; nothing padded, state_dict and checkpoints keep the true
@@ -170,7 +178,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             the next block's gather starts before the current block's backward) or k >= 1 (each block
             starts the gathers of the next k blocks before it runs, in forward and in backward).
     """
-    options = Options(lowering=lowering, indivisible=indivisible, fused=fused, on_unsupported=on_unsupported,
+    options = Options(lowering=lowering, overlap=overlap, indivisible=indivisible, fused=fused,
+                      on_unsupported=on_unsupported,
                       strategy=strategy, cost_model=cost_model, memory_limit=memory_limit,
                       search_budget=search_budget, check_inputs=check_inputs, checks=checks, timeout=timeout,
                       compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,

@@ -212,7 +212,7 @@ def _measure_activations(gm, cap, mesh):
 
 
 def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering: str = DEFAULTS.lowering,
-         indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
+         overlap: bool | str = DEFAULTS.overlap, indivisible: str = DEFAULTS.indivisible, fused: str = DEFAULTS.fused,
          measure_activations: bool | None = None, strategy: str = DEFAULTS.strategy,
          cost_model: object = DEFAULTS.cost_model, memory_limit: float | str | None = DEFAULTS.memory_limit,
          search_budget: float | None = DEFAULTS.search_budget, generation: tuple | None = None,
@@ -234,7 +234,7 @@ def plan(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, lowering
     rank, the bubble and the step estimate); `cluster` (a `passes.cost.cluster.Cluster` or a preset's
     name, e.g. 'dgx-h100') prices each axis with the link its ranks cross (nodes of 8 GPUs: an axis
     spanning more than a node crosses InfiniBand)."""
-    options = Options(lowering=lowering, indivisible=indivisible, fused=fused, strategy=strategy,
+    options = Options(lowering=lowering, overlap=overlap, indivisible=indivisible, fused=fused, strategy=strategy,
                       cost_model=cost_model, memory_limit=memory_limit, search_budget=search_budget,
                       recompute=recompute, moe_dispatch=moe_dispatch, grad_bucket_mb=grad_bucket_mb,
                       data_parallel=data_parallel, reshard_after_forward=reshard_after_forward,

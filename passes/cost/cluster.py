@@ -130,8 +130,9 @@ def from_calibration(model: dict, name: str = "calibrated") -> Cluster:
     """The machines `autopar calibrate` measured (its JSON as a dict) as one node: every rank on it, the
     slower axis's alpha and beta for its link, the measured matmul rate as the peak (reached: efficiency
     1), the measured elementwise bandwidth and per-op floor, and a collective's cost inside a step per
-    group size where measured; communication competes with compute for the same cores (overlap_cost 1:
-    nothing is hidden)."""
+    group size where measured; of a transfer beside a matmul, the share the calibration measured hidden
+    (`hidden`: overlap_cost 1 - hidden), else none (overlap_cost 1: communication competes with compute
+    for the same cores)."""
     finite = [a for a in model["axes"] if a["beta_bytes_per_s"] and math.isfinite(a["beta_bytes_per_s"])]
     link = Link(max((a["alpha_s"] for a in finite), default=0.0),
                 min((a["beta_bytes_per_s"] for a in finite), default=math.inf))
@@ -139,7 +140,8 @@ def from_calibration(model: dict, name: str = "calibrated") -> Cluster:
     return Cluster(name, ranks, link, link, model["flops_per_s"], math.inf, peak_flops=model["flops_per_s"],
                    matmul_efficiency=1.0, attention_efficiency=1.0,
                    hbm_bytes_per_s=model.get("memory_bytes_per_s", 1e10), hbm_efficiency=1.0, fp8_speedup=1.0,
-                   runtime_bytes=0.0, reserve_factor=1.0, collective_efficiency=1.0, overlap_cost=1.0,
+                   runtime_bytes=0.0, reserve_factor=1.0, collective_efficiency=1.0,
+                   overlap_cost=1.0 - float(model.get("hidden", 0.0)),
                    op_s=model.get("op_s", 0.0),
                    alpha_by_size=tuple(sorted((int(g), float(a)) for g, a in model.get("in_step_alpha_s", {}).items())))
 

@@ -14,7 +14,7 @@ from passes.errors import UsageError
 VERSION = 1
 KEYS = ("version", "source", "grid", "backend", "device", "axes", "flops_per_s", "when")
 # measured since, read where present (autopar.estimate's roofline: `passes.cost.cluster.from_calibration`)
-OPTIONAL_KEYS = ("memory_bytes_per_s", "op_s", "in_step_alpha_s", "matmul")
+OPTIONAL_KEYS = ("memory_bytes_per_s", "op_s", "in_step_alpha_s", "matmul", "hidden")
 AXIS_KEYS = ("alpha_s", "beta_bytes_per_s", "points")
 RERUN = "re-run `autopar calibrate --grid RxC` to write a fresh one"
 
@@ -47,13 +47,18 @@ class CostModel:
     beta: tuple
     flops: float
     source: str = "?"
+    # of a transfer that runs beside a matmul, the share the matmul hides: 1 where the transfer has hardware of
+    # its own (copy engines and NICs beside the SMs), 0 where both run on the same cores. `autopar calibrate`
+    # measures it (`hidden` in its JSON); the published defaults take 1.
+    hidden: float = 1.0
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         """From the JSON `autopar calibrate` writes (see autopar/planning/calibrate.py)."""
         axes = d["axes"]
         beta = tuple(float("inf") if a["beta_bytes_per_s"] is None else float(a["beta_bytes_per_s"]) for a in axes)
-        return cls(tuple(float(a["alpha_s"]) for a in axes), beta, float(d["flops_per_s"]), d.get("source", "?"))
+        return cls(tuple(float(a["alpha_s"]) for a in axes), beta, float(d["flops_per_s"]), d.get("source", "?"),
+                   float(d.get("hidden", 1.0)))
 
     def collective(self, axis: int, nbytes: float, calls: int = 1) -> float:
         return calls * self.alpha[axis] + nbytes / self.beta[axis]
@@ -150,4 +155,8 @@ def validate(model, where: str = "calibration") -> dict:
         out_axes.append(dict(ax, alpha_s=float(ax["alpha_s"]), beta_bytes_per_s=beta))
     if not float(model["flops_per_s"]) > 0:
         raise UsageError(f"{where}: 'flops_per_s' must be > 0, got {model['flops_per_s']!r}; {RERUN}")
+    hidden = model.get("hidden", 1.0)
+    if not (isinstance(hidden, (int, float)) and not isinstance(hidden, bool) and 0 <= hidden <= 1):
+        raise UsageError(f"{where}: 'hidden' (the share of a transfer a concurrent matmul hides) must be a number "
+                         f"in [0, 1], got {hidden!r}; {RERUN}")
     return dict(model, axes=out_axes, flops_per_s=float(model["flops_per_s"]))

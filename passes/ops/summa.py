@@ -49,8 +49,9 @@ def _piece(grid: Grid, t: torch.Tensor, axis: int, owner: int, dim: int, lo: int
 def _bcast_steps(grid: Grid, steps, tag, phase):
     """For each step, a list of (tensor, axis, src member): yield the broadcast tensors, step by step.
 
-    Step i+1's broadcasts are posted before step i is yielded, so they overlap its matmul. On an axis
-    of size 1 nothing is sent.
+    Step i+1's broadcasts are posted before step i is yielded, so they overlap its matmul (with
+    `grid.prefetch` False: after it, each step's transfer waited for in line). On an axis of size 1
+    nothing is sent.
     """
 
     def post(i):
@@ -71,9 +72,12 @@ def _bcast_steps(grid: Grid, steps, tag, phase):
         for w, (_, axis, _) in zip(works, steps[i]):
             if w is not None:
                 comm.wait(w, grid, "broadcast", axis, tag)
-        if i + 1 < len(steps):
+        ahead = grid.prefetch and i + 1 < len(steps)
+        if ahead:
             pending = post(i + 1)
         yield bufs
+        if not ahead and i + 1 < len(steps):
+            pending = post(i + 1)
 
 
 def _post_reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase, empty: torch.Tensor) -> Posted:

@@ -7,9 +7,10 @@ spec (`passes.kernels.spec`): the steps `explain` prints as formulas, evaluated 
 equal what `explain` and the collective layer count, and the FLOPs `explain` counts. An alpha-beta
 model per mesh axis turns them into time: a collective costs alpha + bytes/beta, a matmul flops/F;
 SUMMA's broadcast lowering overlaps its next broadcast with the current matmul, so it is charged
-calls*alpha + max(bytes/beta, flops/F), the all-gather lowering calls*alpha + bytes/beta + flops/F
-less what the weight gradient's reduction hides behind the input gradient's matmul in backward
-(`hidden_dw_reduction`; calls: the spec's launches). A 3D linear's depth products choose between the
+calls*alpha + max(bytes/beta, flops/F) (in general the sum less the share `CostModel.hidden` of the
+shorter: `_beside`; overlap=False prices with nothing hidden), the all-gather lowering calls*alpha +
+bytes/beta + flops/F less what the weight gradient's reduction hides behind the input gradient's
+matmul in backward (`hidden_dw_reduction`; calls: the spec's launches). A 3D linear's depth products choose between the
 same two the same way (`_cube`). The ring lowering, priced only where asked for,
 as the broadcast lowering with its point-to-point batches as the calls. Memory: the parameter blocks held, and every
 intermediate that needs a gradient (an upper bound on what autograd saves).
@@ -87,10 +88,10 @@ def _summa(spec: SummaSpec, site: Site, cm: CostModel, fixed: str | None = None)
           for lo in k}
     lat = {lo: sum(cm.alpha[a] * spec.launches(site, lo) for a in range(2) if mesh[a] > 1) * products / k[lo]
            for lo in k}
-    times = {"broadcast": lat["broadcast"] + max(bw["broadcast"], compute),
+    times = {"broadcast": lat["broadcast"] + _beside(bw["broadcast"], compute, cm),
              "allgather": lat["allgather"] + bw["allgather"] + compute - hidden_dw_reduction(spec, site, cm)}
     if fixed == "ring":  # priced as the broadcast lowering, with its point-to-point batches as the calls
-        times["ring"] = lat["ring"] + max(bw["ring"], compute)
+        times["ring"] = lat["ring"] + _beside(bw["ring"], compute, cm)
     lowering = fixed or min(times, key=times.__getitem__)
     return Estimate(time_s=times[lowering], bytes_per_axis=[b * products / (k[lowering] if a == 1 else 1)
                                                             for a, b in enumerate(per_axis)],
@@ -108,10 +109,17 @@ def _cube(spec: CubeSpec, site: Site, cm: CostModel, fixed: str | None = None) -
         terms = spec.lowering_terms(site, lo)
         lat = sum(cm.alpha[a] * calls for a, _, calls in terms)
         bw = sum(b / cm.beta[a] for a, b, _ in terms)
-        times[lo] = lat + (max(bw, compute) if lo != "allgather" else bw + compute)
+        times[lo] = lat + (_beside(bw, compute, cm) if lo != "allgather" else bw + compute)
         moved[lo] = [sum(b for a, b, _ in terms if a == axis) for axis in range(2)]
     lowering = min(times, key=times.__getitem__)
     return Estimate(time_s=times[lowering], bytes_per_axis=moved[lowering], lowerings={site.node.name: lowering})
+
+
+def _beside(transfer_s: float, compute_s: float, cm: CostModel) -> float:
+    """Seconds of transfers run beside matmuls, panel by panel: both, less the share `cm.hidden` of the
+    shorter that the other hides (max of the two when all is hidden; their sum when nothing is, as with
+    overlap=False, which prices with hidden 0)."""
+    return transfer_s + compute_s - cm.hidden * min(transfer_s, compute_s)
 
 
 def hidden_dw_reduction(spec: SummaSpec, site: Site, cm: CostModel) -> float:
@@ -124,7 +132,7 @@ def hidden_dw_reduction(spec: SummaSpec, site: Site, cm: CostModel) -> float:
     if not (site.grads[0] and site.grads[1]) or spec.rows_whole or site.mesh[0] == 1:
         return 0.0
     reduce_s = spec.axis_bytes(site)[0] / cm.beta[0]  # dW's reduce-scatter: axis-0 bytes of one product
-    return min(reduce_s, spec.flops(site) / spec.products(site) / cm.flops)
+    return cm.hidden * min(reduce_s, spec.flops(site) / spec.products(site) / cm.flops)
 
 
 @dataclass

@@ -89,6 +89,8 @@ class Evaluator:
     SUMMA product at its faster lowering; else that lowering for all (what a fixed strategy runs)."""
 
     def __init__(self, gm, mesh, cm, units, options: Options, lowering: str | None = None):
+        # overlap=False (or 'auto' on a model that hides nothing): every transfer priced in line
+        cm = cm if options.overlaps(cm) else replace(cm, hidden=0.0)
         self.gm, self.mesh, self.cm, self.units = gm, mesh_shape(mesh), cm, units
         self.options = replace(options, on_unsupported="replicate")  # a fallback is priced, never refused
         self.lowering = lowering
