@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from autopar.planning import calibrate as cal
+from passes.cost.model import CostModel
 
 SIZES = (4096, 65536)  # small: the test checks the plumbing, not this machine's bandwidth
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -52,6 +53,9 @@ def test_measure_2x2_save_load(pool4, tmp_path):
         flops = sum(2 * m * k * n for m, k, n in shapes)
         assert model["flops_per_s"] == pytest.approx(flops / sum(r["seconds"] for r in mm["shapes"]), rel=1e-12)
         assert mm["peak_flops"] == 1e12 and mm["peak_fraction"] == pytest.approx(model["flops_per_s"] / 1e12)
+        # the share of a transfer a matmul hides: measured, a share, the least any rank saw (the same on all)
+        assert 0.0 <= model["hidden"] <= 1.0 and model["hidden"] == per_rank[0]["hidden"], model["hidden"]
+    assert CostModel.from_dict(per_rank[0]).hidden == per_rank[0]["hidden"]
     path = tmp_path / "cal.json"
     cal.save(per_rank[0], path)
     assert cal.load(path) == per_rank[0]
@@ -77,6 +81,7 @@ def test_measure_1x4_unit_axis_is_null_in_json(pool4, tmp_path):
     (lambda m: m.pop("axes"), "missing key(s) ['axes']"),
     (lambda m: m["axes"][1].pop("alpha_s"), "axes[1] lacks ['alpha_s']"),
     (lambda m: m["axes"][0].update(beta_bytes_per_s=-1.0), "beta_bytes_per_s > 0"),
+    (lambda m: m.update(hidden=1.5), "'hidden' (the share of a transfer a concurrent matmul hides) must be"),
 ])
 def test_load_rejects_bad_file(tmp_path, edit, why):
     """A stale or damaged file is refused with what is wrong and how to fix it."""

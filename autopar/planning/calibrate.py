@@ -214,6 +214,34 @@ def in_step_seconds(group, repeats: int, device, timed, calls: int = 20, n: int 
     return max(both - alone, 0.0) / calls
 
 
+def hidden_share(group, root: int, repeats: int, device, timed, nbytes: int = 1 << 20, n: int = 256) -> float:
+    """Of a broadcast of `nbytes` in `group` run beside matmuls, the share they hide: the broadcast alone
+    (t_comm), [n, n] matmuls alone, as many as take about as long (t_mm), then the broadcast posted
+    asynchronously, the matmuls run and the broadcast waited for (t_both), as SUMMA's double buffering
+    runs them. (t_comm + t_mm - t_both) / min(t_comm, t_mm), within [0, 1]: 1 where the transfer runs on
+    hardware of its own, 0 where it only runs when the compute does not (cores shared)."""
+    t = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    a = torch.randn(n, n, device=device)
+    before = lambda: dist.barrier(group=group)  # noqa: E731
+    comm_s = _median_time(lambda: dist.broadcast(t, src=root, group=group), repeats, timed, before)
+    one = _median_time(lambda: a @ a, repeats, timed)
+    reps = max(1, round(comm_s / max(one, 1e-9)))
+    (reps,) = (int(x) for x in _slowest([float(reps)], device))  # the same count on every rank
+
+    def matmuls():
+        for _ in range(reps):
+            a @ a
+
+    def both():
+        work = dist.broadcast(t, src=root, group=group, async_op=True)
+        matmuls()
+        work.wait()
+
+    mm_s = _median_time(matmuls, repeats, timed, before)
+    both_s = _median_time(both, repeats, timed, before)
+    return min(1.0, max(0.0, (comm_s + mm_s - both_s) / min(comm_s, mm_s)))
+
+
 def check_args(sizes, repeats: int) -> None:
     """UsageError unless every size is a positive multiple of 4 bytes (fp32) and repeats >= 1."""
     bad = [s for s in sizes if not (isinstance(s, int) and s >= 4 and s % 4 == 0)]
@@ -268,6 +296,12 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5, dtype: str | N
     sized = {}
     for g, grp in sorted(groups.items()):  # every rank in its own group of that size, then the slowest
         (sized[g],) = _slowest([in_step_seconds(grp, repeats, device, timed)], device)
+    # the share of a transfer a matmul beside it hides, on the larger axis's group; the least any rank saw
+    axis = 1 if mesh.size(1) >= mesh.size(0) else 0
+    hidden = 0.0
+    if mesh.size(axis) > 1:
+        share = hidden_share(mesh.group(axis), mesh.global_rank(axis, 0), repeats, device, timed)
+        hidden = -_slowest([-share], device)[0]
     return {
         "version": VERSION,
         "source": "calibrate",
@@ -280,6 +314,7 @@ def measure(grid: tuple[int, int], sizes=SIZES, repeats: int = 5, dtype: str | N
         "memory_bytes_per_s": mem_bytes / mem_s,  # optional keys (autopar.estimate's roofline reads them)
         "op_s": op_s,
         "in_step_alpha_s": {str(g): sec for g, sec in sized.items()},  # group size -> seconds per call
+        "hidden": hidden,  # of a transfer beside a matmul, the share hidden (overlap='auto' reads it)
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

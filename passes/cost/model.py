@@ -92,6 +92,9 @@ def summary(model: dict) -> str:
     mm = model.get("matmul") or {}
     what = f" ({mm['dtype']}, {len(mm['shapes'])} shape(s){', TF32 allowed' if mm.get('tf32') else ''})" if mm else ""
     lines.append(f"  matmul: {model['flops_per_s'] / 1e9:.1f} GFLOP/s{what}")
+    if "hidden" in model:
+        lines.append(f"  a transfer beside a matmul: {model['hidden']:.0%} of it hidden (overlap='auto' "
+                     f"{'overlaps' if model['hidden'] > 0 else 'runs every transfer in line'})")
     for row in mm.get("shapes", []) if len(mm.get("shapes", [])) > 1 else []:
         lines.append(f"    {row['m']}x{row['k']}x{row['n']}: {row['flops_per_s'] / 1e9:.1f} GFLOP/s")
     if mm.get("peak_fraction") is not None:
