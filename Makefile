@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 PLOT_STAMP := $(VENV)/.installed-0.1.0-plot  # matplotlib, for the targets that draw
 
-.PHONY: demo test test-all test-compat gpu-check lint docs bench bench-load bench-plan bench-compare bench-strategy bench-debug bench-dry-run hf-example sweep-hf clean
+.PHONY: demo test test-all test-compat gpu-check lint docs bench bench-load bench-plan bench-compare bench-strategy bench-debug bench-dry-run bench-overlap hf-example sweep-hf clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -74,6 +74,11 @@ bench-strategy: $(STAMP)
 # the flight recorder and autopar.report against the recorder off, per training step
 bench-debug: $(STAMP)
 	$(BIN)/python examples/bench_debug.py
+
+# overlap=True against every transfer in line: step time and exposed communication (torch.profiler) at 2D 2x2
+# (each lowering), 1D 1x4, 3D 2x2x2, with torchtitan's TP 4 + SP plan beside them (docs/benchmarks.md, Overlap)
+bench-overlap: $(STAMP)
+	$(BIN)/python examples/bench_overlap.py 2>/dev/null
 
 # autopar.dry_run of a Llama-3-70B shape at 64, 512 and 4,096 ranks: seconds and peak RSS each
 bench-dry-run: $(STAMP)

@@ -240,6 +240,8 @@ def gpt_calls(rank, grid, cfg_kw, lowering, batch=4, seq=8):
     log, table = pm.grid.log, rows(pm)
     summa = {r.node: ((r.calls_fwd, r.calls_bwd), (log.launches[(r.node, "fwd")], log.launches[(r.node, "bwd")]))
              for r in table if r.op.startswith(("SummaLinear", "SummaMember"))}
-    line = next(ln for ln in autopar.explain(pm).splitlines() if ln.startswith("collectives per rank per step"))
+    text = autopar.explain(pm).splitlines()
+    line = next(ln for ln in text if ln.startswith("collectives per rank per step"))
     return {"planned": (sum(r.calls_fwd for r in table), sum(r.calls_bwd for r in table)),
-            "counted": (log.calls(phase="fwd"), log.calls(phase="bwd")), "summa": summa, "line": line}
+            "counted": (log.calls(phase="fwd"), log.calls(phase="bwd")), "summa": summa, "line": line,
+            "overlap": [ln for ln in text if ln.startswith("overlap:")]}

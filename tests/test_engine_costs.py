@@ -58,7 +58,8 @@ def test_memory_per_rank(pool4):
 def test_collective_calls_planned_equal_launched(pool4, grid, lowering):
     """Catches a spec whose launch count drifts from its kernel: a SUMMA step count off by the gcd, a
     broadcast root or reduce sender not counted, a collective over a one-member axis counted, an
-    extra or missing norm / cross-entropy all-reduce."""
+    extra or missing norm / cross-entropy all-reduce; an explain that leaves out the overlap line or a
+    product from it."""
     res = pool4.run(C.gpt_calls, grid, dict(SMALL, mlp="gelu"), lowering)
     for rank, r in enumerate(res):
         assert r["planned"] == r["counted"], f"rank {rank}: planned {r['planned']} (fwd, bwd), launched {r['counted']}"
@@ -67,3 +68,6 @@ def test_collective_calls_planned_equal_launched(pool4, grid, lowering):
             assert planned == counted, f"rank {rank}, {node}: planned {planned}, launched {counted}"
         total = sum(r["counted"])
         assert r["line"].startswith(f"collectives per rank per step: {total} "), r["line"]
+        # explain says what runs behind the matmuls (overlap='auto' on the published figures: on), for every product
+        (overlap,) = r["overlap"]
+        assert overlap.startswith("overlap: on (") and f"of the {len(r['summa'])} SUMMA products'" in overlap, overlap

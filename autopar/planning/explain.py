@@ -17,7 +17,9 @@ from autopar.planning.grids import describe
 from autopar.program import uneven as uneven
 from passes.cost.pipeline import bubble
 from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
-from passes.kernels.spec import Site, flops
+from passes.cost.model import CostModel
+from passes.kernels.spec import Site, SummaSpec, flops
+from passes.search.estimate import hidden_dw_reduction
 from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
 from passes.nodes import module_path
 
@@ -133,6 +135,39 @@ def collectives_line(pmodel, every: list) -> str:
     return line
 
 
+def overlap_line(pmodel, gm) -> str | None:
+    """What the `overlap` option runs and what the cost model says it hides: for the SUMMA products of `gm`,
+    their transfers' estimated seconds per step, the share behind matmuls (every panel but each product's
+    first in the broadcast and ring lowerings, the weight gradient's reduction behind the input gradient's
+    product in the all-gather one) and the rest exposed. None without SUMMA products."""
+    grid = pmodel.grid
+    cm = CostModel.resolve(pmodel.options.cost_model)
+    on = grid.prefetch
+    grads, mesh = nodes_needing_grad(gm), grid.shape
+    total = hidden = 0.0
+    products = 0
+    for node in gm.graph.nodes:
+        spec = node.meta.get(KERNEL)
+        if not isinstance(spec, SummaSpec):
+            continue
+        site = Site.inserted(node, mesh, grads, (0, 0))
+        per_axis, n = spec.axis_bytes(site), spec.products(site)
+        transfer = sum(per_axis[a] / cm.beta[a] for a in range(2) if mesh[a] > 1) * n
+        compute = spec.flops(site) / cm.flops
+        if SummaSpec.lowering(node) == "allgather":
+            behind = hidden_dw_reduction(spec, site, cm) if grid.overlap_grad_reduce else 0.0
+        else:
+            behind = cm.hidden * min(transfer, compute) if on else 0.0
+        total, hidden, products = total + transfer, hidden + behind, products + 1
+    if not products:
+        return None
+    how = ("on (the next SUMMA panel posted before each matmul, weight-gradient reductions behind the input "
+           "gradient's product)" if on else "off (every transfer waited for before the compute that follows)")
+    return (f"overlap: {how}; the cost model ({cm.source}) hides {cm.hidden:.0%} of a transfer beside a matmul: of "
+            f"the {products} SUMMA products' transfers, {total * 1e3:.3g} ms per step, {hidden * 1e3:.3g} ms run "
+            f"behind matmuls and {(total - hidden) * 1e3:.3g} ms are exposed (estimate)")
+
+
 def _fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -197,6 +232,7 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
         f"grid {R}x{C}; bytes received per rank per training step: forward {_fmt_bytes(fwd)}, "
         f"backward {_fmt_bytes(bwd)}, total {_fmt_bytes(fwd + bwd)}",
         collectives_line(pmodel, every),
+        *([line] if (line := overlap_line(pmodel, comp.inspected)) else []),
         f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
         f"({held / full * p:.2f}/p of the model, p={p})" if full else "no parameters",
     ]
