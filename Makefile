@@ -78,7 +78,7 @@ bench-debug: $(STAMP)
 # overlap=True against every transfer in line: step time and exposed communication (torch.profiler) at 2D 2x2
 # (each lowering), 1D 1x4, 3D 2x2x2, with torchtitan's TP 4 + SP plan beside them (docs/benchmarks.md, Overlap)
 bench-overlap: $(STAMP)
-	$(BIN)/python examples/bench_overlap.py 2>/dev/null
+	$(BIN)/python examples/bench_overlap.py
 
 # autopar.dry_run of a Llama-3-70B shape at 64, 512 and 4,096 ranks: seconds and peak RSS each
 bench-dry-run: $(STAMP)

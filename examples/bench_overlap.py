@@ -5,14 +5,15 @@ The benchmark Llama of `autopar bench` (autopar.bench.CONFIG, batch 8 x 128) on 
 machine: 2D on a 2x2 grid in each SUMMA lowering, 1D (Megatron with sequence parallelism) on 1x4, 3D on
 a 2x2x2 cube, and torchtitan's tensor-parallel plan (TP 4 + SP, through PyTorch's own API:
 `autopar.bench.common.tp_sp`) beside them. For each autopar configuration one model trains with the
-grid's overlap switched on and off step by step, so that the machine's load falls on both alike:
+grid's overlap switched on and off step by step (in alternating order), so that the machine's load falls on
+both alike:
 
 - step: a training step (forward, backward, AdamW), every rank timed between barriers;
 - exposed: the time the compute thread is blocked in communication during a step, from `torch.profiler`:
   the ranges autopar opens around each collective it issues and each wait for one it launched before
   (`passes.ops.comm.profiled`; an asynchronous launch counts only the time to post it), and for the
-  PyTorch plan the functional collectives and their waits. Profiled steps are extra steps, not the
-  timed ones (the profiler slows the step);
+  PyTorch plan the functional collectives and their waits. Profiled steps are extra steps, run after
+  all the timed ones (the profiler slows a step, and the step after it);
 - bytes and calls per rank and step, checked equal with overlap on and off, and each setting's
   gradients after one backward on the same batch, checked bit-identical.
 
@@ -22,6 +23,7 @@ Medians over the steps (after a warm-up), each rank's figure averaged over the r
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -80,11 +82,26 @@ def _timed(model, opt, step: int) -> float:
     return time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler's native layer prints a line to stderr at each start and stop: silenced here (an
+    exception still propagates, and prints once stderr is back)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def _profiled(model, opt, step: int) -> float:
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
-    with comm.profiled(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _quiet_stderr(), comm.profiled(), profile(activities=[ProfilerActivity.CPU]) as prof:
         _train(model, opt, step)
     dist.barrier()
     return _exposed_s(prof)
@@ -103,6 +120,12 @@ def _same_both_ways(pm) -> dict:
     (b1, l1, g1), (b0, l0, g0) = seen[True], seen[False]
     return {"bytes": sum(b1.values()), "calls": sum(l1.values()), "same_traffic": b1 == b0 and l1 == l0,
             "same_grads": len(g1) == len(g0) and all(torch.equal(x, y) for x, y in zip(g1, g0))}
+
+
+def _order(s: int) -> tuple:
+    """Round s's order of the two settings: on first in even rounds, off first in odd ones, so that neither
+    always runs right after the other (a step that follows another setting's is not always the same one)."""
+    return (True, False) if s % 2 == 0 else (False, True)
 
 
 def _median(xs: list) -> float:
@@ -127,14 +150,13 @@ def worker(rank, world, port, configs, steps, out):
         row = _same_both_ways(pm)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
         step, exposed = {True: [], False: []}, {True: [], False: []}
-        for s in range(WARMUP + steps):
-            for on in (True, False):
-                _set(pm, on)
-                t = _timed(pm, opt, s + 1)
-                e = _profiled(pm, opt, s + 1)
-                if s >= WARMUP:
-                    step[on].append(t)
-                    exposed[on].append(e)
+        for measure, into, skip in ((_timed, step, WARMUP), (_profiled, exposed, 1)):  # timed first, then profiled
+            for s in range(skip + steps):
+                for on in _order(s):
+                    _set(pm, on)
+                    x = measure(pm, opt, s + 1)
+                    if s >= skip:
+                        into[on].append(x)
         for on in (True, False):
             row[f"step_s_{'on' if on else 'off'}"] = _mean_over_ranks(_median(step[on]))
             row[f"exposed_s_{'on' if on else 'off'}"] = _mean_over_ranks(_median(exposed[on]))
@@ -143,12 +165,8 @@ def worker(rank, world, port, configs, steps, out):
     if world == 4:  # torchtitan's TP 4 + SP plan through PyTorch's API, in the same run
         model = common.tp_sp(copy.deepcopy(base))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        step, exposed = [], []
-        for s in range(WARMUP + steps):
-            t, e = _timed(model, opt, s + 1), _profiled(model, opt, s + 1)
-            if s >= WARMUP:
-                step.append(t)
-                exposed.append(e)
+        step = [_timed(model, opt, s + 1) for s in range(WARMUP + steps)][WARMUP:]
+        exposed = [_profiled(model, opt, s + 1) for s in range(1 + steps)][1:]
         res[TORCH] = {"step_s_on": _mean_over_ranks(_median(step)), "exposed_s_on": _mean_over_ranks(_median(exposed))}
     if rank == 0:
         with open(out, "w") as f:
@@ -169,9 +187,9 @@ def markdown(res: dict, steps: int) -> str:
         lines.append(f"| {label} | {on * 1e3:.0f} / {off * 1e3:.0f} | {on / off:.3f} | {eon * 1e3:.0f} / "
                      f"{eoff * 1e3:.0f} | {eon / eoff:.3f} | {eon / on:.0%} / {eoff / off:.0%} | "
                      f"{r['bytes'] / 2**20:.1f}, {r['calls']} ({same}) | {'yes' if r['same_grads'] else 'NO'} |")
-    lines.append(f"\nMedians of {steps} steps after {WARMUP} of warm-up, each rank's median averaged over the ranks; "
-                 f"load average (1, 5, 15 min) at the end {tuple(round(x, 2) for x in os.getloadavg())}, "
-                 f"{os.cpu_count()} CPUs.")
+    lines.append(f"\nMedians of {steps} steps after {WARMUP} of warm-up (profiled: after 1), each rank's median "
+                 f"averaged over the ranks; load average (1, 5, 15 min) at the end "
+                 f"{tuple(round(x, 2) for x in os.getloadavg())}, {os.cpu_count()} CPUs.")
     return "\n".join(lines)
 
 
