@@ -19,7 +19,7 @@ from passes.cost.pipeline import bubble
 from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
 from passes.cost.model import CostModel
 from passes.kernels.spec import Site, SummaSpec, flops
-from passes.search.estimate import hidden_dw_reduction
+from passes.search.estimate import double_buffered, hidden_dw_reduction
 from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
 from passes.nodes import module_path
 
@@ -137,7 +137,7 @@ def collectives_line(pmodel, every: list) -> str:
 
 def overlap_line(pmodel, gm) -> str | None:
     """What the `overlap` option runs and what the cost model says it hides: for the SUMMA products of `gm`,
-    their transfers' estimated seconds per step, the share behind matmuls (every panel but each product's
+    their transfers' estimated seconds per step, the share behind matmuls (every panel's but each product's
     first in the broadcast and ring lowerings, the weight gradient's reduction behind the input gradient's
     product in the all-gather one) and the rest exposed. None without SUMMA products."""
     grid = pmodel.grid
@@ -157,7 +157,8 @@ def overlap_line(pmodel, gm) -> str | None:
         if SummaSpec.lowering(node) == "allgather":
             behind = hidden_dw_reduction(spec, site, cm) if grid.overlap_grad_reduce else 0.0
         else:
-            behind = cm.hidden * min(transfer, compute) if on else 0.0
+            steps = spec.launches(site, "broadcast")
+            behind = transfer + compute - double_buffered(transfer, compute, cm, steps) if on else 0.0
         total, hidden, products = total + transfer, hidden + behind, products + 1
     if not products:
         return None

@@ -7,8 +7,10 @@ spec (`passes.kernels.spec`): the steps `explain` prints as formulas, evaluated 
 equal what `explain` and the collective layer count, and the FLOPs `explain` counts. An alpha-beta
 model per mesh axis turns them into time: a collective costs alpha + bytes/beta, a matmul flops/F;
 SUMMA's broadcast lowering overlaps its next broadcast with the current matmul, so it is charged
-calls*alpha + max(bytes/beta, flops/F) (in general the sum less the share `CostModel.hidden` of the
-shorter: `_beside`; overlap=False prices with nothing hidden), the all-gather lowering calls*alpha +
+calls*alpha + max(bytes/beta, flops/F) + min(bytes/beta, flops/F)/S for its S panels (the first
+panel's transfer and the last one's matmul run alone; in general the rest's sum less the share
+`CostModel.hidden` of the shorter: `double_buffered`; overlap=False prices with nothing hidden), the all-gather
+lowering calls*alpha +
 bytes/beta + flops/F less what the weight gradient's reduction hides behind the input gradient's
 matmul in backward (`hidden_dw_reduction`; calls: the spec's launches). A 3D linear's depth products choose between the
 same two the same way (`_cube`). The ring lowering, priced only where asked for,
@@ -31,7 +33,7 @@ from passes.cost.model import CostModel
 from passes.meta import ROLE, STRATEGY
 from passes.transforms.propagate import rule_key
 
-__all__ = ["MATMULS", "CostModel", "Estimate", "price"]
+__all__ = ["MATMULS", "CostModel", "Estimate", "double_buffered", "hidden_dw_reduction", "price"]
 
 
 @dataclass
@@ -88,10 +90,11 @@ def _summa(spec: SummaSpec, site: Site, cm: CostModel, fixed: str | None = None)
           for lo in k}
     lat = {lo: sum(cm.alpha[a] * spec.launches(site, lo) for a in range(2) if mesh[a] > 1) * products / k[lo]
            for lo in k}
-    times = {"broadcast": lat["broadcast"] + _beside(bw["broadcast"], compute, cm),
+    steps = spec.launches(site, "broadcast")  # a product's panels (R + C - gcd(R, C))
+    times = {"broadcast": lat["broadcast"] + double_buffered(bw["broadcast"], compute, cm, steps),
              "allgather": lat["allgather"] + bw["allgather"] + compute - hidden_dw_reduction(spec, site, cm)}
     if fixed == "ring":  # priced as the broadcast lowering, with its point-to-point batches as the calls
-        times["ring"] = lat["ring"] + _beside(bw["ring"], compute, cm)
+        times["ring"] = lat["ring"] + double_buffered(bw["ring"], compute, cm, steps)
     lowering = fixed or min(times, key=times.__getitem__)
     return Estimate(time_s=times[lowering], bytes_per_axis=[b * products / (k[lowering] if a == 1 else 1)
                                                             for a, b in enumerate(per_axis)],
@@ -109,17 +112,28 @@ def _cube(spec: CubeSpec, site: Site, cm: CostModel, fixed: str | None = None) -
         terms = spec.lowering_terms(site, lo)
         lat = sum(cm.alpha[a] * calls for a, _, calls in terms)
         bw = sum(b / cm.beta[a] for a, b, _ in terms)
-        times[lo] = lat + (_beside(bw, compute, cm) if lo != "allgather" else bw + compute)
+        steps = site.mesh[0]  # the depth grid's q x q products: q panels each
+        times[lo] = lat + (double_buffered(bw, compute, cm, steps) if lo != "allgather" else bw + compute)
         moved[lo] = [sum(b for a, b, _ in terms if a == axis) for axis in range(2)]
     lowering = min(times, key=times.__getitem__)
     return Estimate(time_s=times[lowering], bytes_per_axis=moved[lowering], lowerings={site.node.name: lowering})
 
 
-def _beside(transfer_s: float, compute_s: float, cm: CostModel) -> float:
-    """Seconds of transfers run beside matmuls, panel by panel: both, less the share `cm.hidden` of the
-    shorter that the other hides (max of the two when all is hidden; their sum when nothing is, as with
-    overlap=False, which prices with hidden 0)."""
-    return transfer_s + compute_s - cm.hidden * min(transfer_s, compute_s)
+def double_buffered(transfer_s: float, compute_s: float, cm: CostModel, steps: int = 1) -> float:
+    """Seconds of `steps` panels' transfers and matmuls run double-buffered (the transfer of panel i + 1
+    beside the matmul of panel i): the first panel's transfer and the last one's matmul alone, and for
+    the rest both, less the share `cm.hidden` of the shorter that the other hides. With even panels,
+    (t + c)/steps + (steps - 1)/steps (t + c - hidden min(t, c)): t + c when nothing is hidden (as
+    overlap=False prices, with hidden 0), max(t, c) + min(t, c)/steps when all is.
+
+    >>> from dataclasses import replace
+    >>> cm = CostModel(alpha=(0.0, 0.0), beta=(1.0, 1.0), flops=1.0)
+    >>> double_buffered(4.0, 2.0, cm, steps=2), double_buffered(4.0, 2.0, replace(cm, hidden=0.0), steps=2)
+    (5.0, 6.0)
+    """
+    rest = (steps - 1) / steps
+    return (transfer_s + compute_s) * (1 - rest) + rest * (transfer_s + compute_s - cm.hidden * min(transfer_s,
+                                                                                                   compute_s))
 
 
 def hidden_dw_reduction(spec: SummaSpec, site: Site, cm: CostModel) -> float:
