@@ -366,3 +366,18 @@ def test_a_calibration_file_is_a_cluster(tmp_path):
     cl = resolve_cluster(str(path))
     assert cl.group_link(4, 4).alpha_s == 4e-3 and cl.group_link(4, 2).alpha_s == 5e-4
     assert cl.group_link(4, 4).beta_bytes_per_s == 2e9
+
+
+def test_overlap_false_prices_2d_transfers_in_line():
+    """Catches an estimate that ignores `overlap` (parallelize(overlap=False) waits for every SUMMA
+    panel, so its step cannot be priced as overlapped), or one that lets it change 1D, which the option
+    does not touch: the same 2x2 step costs more with overlap=False, by at most its TP communication,
+    and the 1D step is the same either way."""
+    src = tiny()
+    on, off = (estimate(src, devices=4, cluster="dgx-h100", seq=32, global_batch=8, tp=(2, 2), overlap=v)
+               for v in (True, False))
+    assert off.cost.step_s > on.cost.step_s, (on.cost.step_s, off.cost.step_s)
+    assert off.cost.step_s - on.cost.step_s <= sum(off.cost.comm_s.values()) * (1 + 1e-9), (on.cost, off.cost)
+    one = [estimate(src, devices=2, cluster="dgx-h100", seq=32, global_batch=8, tp=2, overlap=v).cost.step_s
+           for v in (True, False)]
+    assert one[0] == one[1], one

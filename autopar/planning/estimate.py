@@ -336,7 +336,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
              dp_replicate: int = 1, pp: int = 1, schedule: str = "1f1b", microbatches: int | None = None,
              interleave: int = 1, recompute: str = "none", precision: str = "bf16-mixed", compile: bool = False,
              fp8: bool = False, async_tp: bool = False, shard_optimizer: bool = False,
-             assignment: dict | None = None, recompute_blocks: int | None = None) -> Estimate:
+             assignment: dict | None = None, recompute_blocks: int | None = None, overlap: bool = True) -> Estimate:
     """The estimated step of sequences of `seq` tokens on `devices` GPUs of `cluster` (a preset's name,
     see `passes.cost.cluster.PRESETS`, or a Cluster): `batch` sequences per data-parallel rank
     (torchtitan's local batch size) or `global_batch` in all, split as given:
@@ -351,7 +351,9 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     `compile` (memory-bound ops fused), `fp8` (FP8 linears), `async_tp` (1D TP collectives overlapped);
     `shard_optimizer`: the replicas split the master weights and AdamW states (ZeRO-1, Megatron's distributed
     optimizer; priced, not built by `parallelize`);
-    `assignment`: with a 2D `tp`, strategy='auto''s per-unit mix (`pmodel.choice.assignment`)."""
+    `assignment`: with a 2D `tp`, strategy='auto''s per-unit mix (`pmodel.choice.assignment`);
+    `overlap` (2D and 3D): each SUMMA product's panels after the first travel beside the matmuls, as
+    `parallelize(overlap=True)` runs them; False: every transfer in line."""
     cl = resolve_cluster(cluster)
     if cl is None:
         raise UsageError(f"autopar.estimate: cluster=None: name one of {sorted(PRESETS)} or pass a Cluster")
@@ -375,7 +377,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     if microbatches is None and pp > 1 and local // rows(tp) >= pp:
         m = local // rows(tp)  # one sequence per grid row and micro-batch (torchtitan's micro-batch size 1)
     cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp,
-                   shard_optimizer, recompute_blocks)
+                   shard_optimizer, recompute_blocks, overlap)
     check(src, cfg, devices, batch)
     prof = model_profile(src, seq)[0]
     tb, to = tp_bytes(src, seq, tp, assignment)

@@ -15,7 +15,7 @@ Time, per GPU and step:
   the line rate, plus a launch latency per call; exposed for 1D (hidden behind the matmuls with
   `async_tp`: each collective behind the run of matmuls beside it, as torch's fused all-gather-matmul
   and matmul-reduce-scatter overlap them), overlapped with the matmuls for 2D and 3D (the broadcast
-  lowering), all but the first of a product's max(R, C) panels;
+  lowering), all but the first of a product's max(R, C) panels (none with `overlap` False);
 - sharded replicas (FSDP2): each stage's parameters all-gathered in bf16 (again for backward when
   resharded after forward: without pipeline stages) and gradients reduce-scattered (fp32 under
   'bf16-mixed'), once per step inside a pipeline (gathered at the first micro-batch, reduced after the
@@ -72,6 +72,7 @@ class Parallel:
     async_tp: bool = False
     shard_optimizer: bool = False  # master weights and AdamW states split over the replicas (ZeRO-1)
     recompute_blocks: int | None = None  # with recompute 'full': the first k blocks of each stage (None: all)
+    overlap: bool = True  # 2D and 3D: the next SUMMA panel beside the current matmul (`overlap`); False: in line
 
     @property
     def rest(self) -> str:
@@ -277,8 +278,10 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
         run = 3.0 * w.fwd + (w.fwd if mode == "full" else w.sac_extra if mode == "selective" else 0.0)
         k = 4.0 if mode == "full" else 3.0
         comm += again if mode == "full" else 0.0  # a recomputed forward runs its collectives again
-        if len(cfg.tp) > 1:  # SUMMA's broadcasts overlap its products, all but each product's first panel's
+        if len(cfg.tp) > 1 and cfg.overlap:  # SUMMA's broadcasts overlap its products, all but each product's first
             exposed = max(comm / max(cfg.tp), comm - k * w.mm_fwd)
+        elif len(cfg.tp) > 1:  # overlap=False: every panel waited for before its matmul
+            exposed = comm
         else:
             exposed = comm - (w.hidden(comm, k) if cfg.async_tp else 0.0)
         return run + exposed + cl.overlap_cost * (comm - exposed)
