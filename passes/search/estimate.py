@@ -119,7 +119,7 @@ def _cube(spec: CubeSpec, site: Site, cm: CostModel, fixed: str | None = None) -
     return Estimate(time_s=times[lowering], bytes_per_axis=moved[lowering], lowerings={site.node.name: lowering})
 
 
-def double_buffered(transfer_s: float, compute_s: float, cm: CostModel, steps: int = 1) -> float:
+def double_buffered(transfer_s: float, compute_s: float, cm: CostModel, steps: float = 1) -> float:
     """Seconds of `steps` panels' transfers and matmuls run double-buffered (the transfer of panel i + 1
     beside the matmul of panel i): the first panel's transfer and the last one's matmul alone, and for
     the rest both, less the share `cm.hidden` of the shorter that the other hides. With even panels,
