@@ -19,7 +19,7 @@ both alike:
 
 Medians over the steps (after a warm-up), each rank's figure averaged over the ranks.
 
-    PYTHONPATH=. python examples/bench_overlap.py [--steps N] [--json]
+    PYTHONPATH=. python examples/bench_overlap.py [--steps N] [--json] [--only 4|8] [--configs LABEL ...]
 """
 
 import argparse
@@ -138,7 +138,7 @@ def _mean_over_ranks(x: float) -> float:
     return t.item() / dist.get_world_size()
 
 
-def worker(rank, world, port, configs, steps, out):
+def worker(rank, world, port, configs, steps, baseline, out):
     from autopar.launch import init_local
 
     init_local(rank, world, port)
@@ -162,7 +162,7 @@ def worker(rank, world, port, configs, steps, out):
             row[f"exposed_s_{'on' if on else 'off'}"] = _mean_over_ranks(_median(exposed[on]))
         res[label] = row
         del pm, opt
-    if world == 4:  # torchtitan's TP 4 + SP plan through PyTorch's API, in the same run
+    if baseline:  # torchtitan's TP 4 + SP plan through PyTorch's API, in the same run
         model = common.tp_sp(copy.deepcopy(base))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step = [_timed(model, opt, s + 1) for s in range(WARMUP + steps)][WARMUP:]
@@ -198,12 +198,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="measured steps per setting (default 5)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--only", choices=("4", "8"), help="run only the 4-rank or the 8-rank configurations")
+    ap.add_argument("--configs", nargs="+", metavar="LABEL", choices=[*FOUR, *EIGHT],
+                    help="run only these configurations (their labels, as the table names them)")
     ns = ap.parse_args(argv)
     res = {}
-    if ns.only != "8":
-        res.update(common.spawn_json(worker, 4, FOUR, ns.steps))
-    if ns.only != "4":
-        res.update(common.spawn_json(worker, 8, EIGHT, ns.steps))
+    four, eight = ({k: v for k, v in c.items() if not ns.configs or k in ns.configs} for c in (FOUR, EIGHT))
+    if ns.only != "8" and four:
+        res.update(common.spawn_json(worker, 4, four, ns.steps, not ns.configs))
+    if ns.only != "4" and eight:
+        res.update(common.spawn_json(worker, 8, eight, ns.steps, False))
     print(json.dumps(res, indent=2) if ns.json else markdown(res, ns.steps))
     return 0
 

@@ -9,6 +9,10 @@ measured with the machine loaded.
 
 # test id -> the fast-tier test that covers its path
 SLOW = {
+    # the overlap benchmark end to end (a fresh 4-rank job, ~30 s): the switch's effect on transfers in flight,
+    # results, bytes and launches stays, per lowering and product
+    "tests/test_bench.py::test_overlap_benchmark_runs_both_settings_alike":
+        "test_comm.py::test_next_panel_travels_during_the_current_matmul",
     # the search on every published run (40 s): the search beating the configurations it holds, on a small model
     "tests/test_estimate.py::test_plans_beat_the_published_configurations_they_can_build":
         "test_estimate.py::test_choose_plan_beats_the_configurations_it_searches",

@@ -90,3 +90,23 @@ def test_lowering_benchmark_counts_what_is_alive_at_once():
         d = b - 1  # 4 KiB: 8 alive again
     assert track.peak == 8192, track.peak
     assert c.numel() == 512 and d.numel() == 1024
+
+
+def test_overlap_benchmark_runs_both_settings_alike():
+    """examples/bench_overlap.py (`make bench-overlap`) end to end on one configuration, one step each:
+    catches the script rotting, and an `overlap` switch that changes a byte, a call or a gradient bit
+    (both settings must move the same traffic and give identical gradients on the same batch)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "examples/bench_overlap.py", "--steps", "1", "--json", "--configs", "2D 2x2 broadcast"]
+    proc = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert list(res) == ["2D 2x2 broadcast"], res
+    row = res["2D 2x2 broadcast"]
+    assert row["same_traffic"] and row["same_grads"] and row["calls"] > 0, row
+    assert all(row[k] > 0 for k in ("step_s_on", "step_s_off", "exposed_s_on", "exposed_s_off")), row
