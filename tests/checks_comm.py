@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from passes.layout import Layout
 from passes.mesh import Grid
-from passes.ops import summa
+from passes.ops import comm, summa
 from passes.ops import modules as kernels
 from tests.compare import RTOL, excess, scaled_atol
 
@@ -146,8 +146,6 @@ class _Events:
         self.log: list = []
 
     def __enter__(self):
-        from passes.ops import comm
-
         self.saved = []
         for where, name in self.NAMES:
             owner = dist if where == "dist" else comm
@@ -261,7 +259,7 @@ class _Transfers:
     """A log of this rank's panel transfers and matmuls, in program order: ("post", n) when n transfers are
     launched (a broadcast, or a batch of point-to-point sends and receives), ("wait", 1) when one is waited
     for, ("mm", 0) for each matmul. Installed over `dist.broadcast`, `dist.batch_isend_irecv` and the
-    tensor methods the lowerings multiply with (`addmm_`, `@`)."""
+    tensor methods the lowerings multiply with (`addmm_`, `@`), and the all-gather `passes.ops.comm` calls."""
 
     def __init__(self):
         self.log: list = []
@@ -296,13 +294,31 @@ class _Transfers:
                 return fn(*args, **kwargs)
             return run
 
-        self.saved = (dist.broadcast, dist.batch_isend_irecv, torch.Tensor.addmm_, torch.Tensor.__matmul__)
-        dist.broadcast, dist.batch_isend_irecv = broadcast, batch
+        def gather(*args, async_op=False, **kwargs):
+            log.append(("post", 1))
+            work = self.saved[4](*args, async_op=async_op, **kwargs)
+            if not async_op:
+                log.append(("wait", 1))
+                return work
+            return Work(work)
+
+        self.saved = (dist.broadcast, dist.batch_isend_irecv, torch.Tensor.addmm_, torch.Tensor.__matmul__,
+                      comm.all_gather_single)
+        dist.broadcast, dist.batch_isend_irecv, comm.all_gather_single = broadcast, batch, gather
         torch.Tensor.addmm_, torch.Tensor.__matmul__ = matmul(self.saved[2]), matmul(self.saved[3])
         return self
 
     def __exit__(self, *exc):
-        dist.broadcast, dist.batch_isend_irecv, torch.Tensor.addmm_, torch.Tensor.__matmul__ = self.saved
+        (dist.broadcast, dist.batch_isend_irecv, torch.Tensor.addmm_, torch.Tensor.__matmul__,
+         comm.all_gather_single) = self.saved
+
+    def most_in_flight(self) -> int:
+        """The most transfers launched and not yet waited for at any point."""
+        open_, most = 0, 0
+        for kind, n in self.log:
+            open_ += n if kind == "post" else -n if kind == "wait" else 0
+            most = max(most, open_)
+        return most
 
     def in_flight_at_matmuls(self) -> list:
         """How many transfers were launched and not yet waited for at each matmul."""
@@ -327,12 +343,13 @@ def prefetch_events(rank, lowering):
              "ABT": lambda x, w: summa.SummaABT.apply(x, w, g, "t", lowering),
              "ATB": lambda x, w: summa.atb(g, x, w, "t", lowering=lowering)}
     weights = {"AB": w_ab, "ABT": w_abt, "ATB": torch.randn(8, 4)}
-    out, same = {}, {}
+    out, same, most = {}, {}, {}
     for name, fn in cases.items():
         runs = []
         for on in (True, False):
             g.prefetch = g.overlap_grad_reduce = on
-            xs, ws = x.clone().requires_grad_(), weights[name].clone().requires_grad_()
+            grad = name != "ATB"  # ATB alone (not an autograd op): forward only; it is AB's and ABT's dW backward
+            xs, ws = x.clone().requires_grad_(grad), weights[name].clone().requires_grad_(grad)
             g.log.reset()
             with _Transfers() as ev:
                 y = fn(xs, ws)
@@ -340,6 +357,7 @@ def prefetch_events(rank, lowering):
                     y.backward(torch.ones_like(y))
             runs.append((y.detach(), xs.grad, ws.grad, dict(g.log.bytes), dict(g.log.launches)))
             out[(name, on)] = ev.in_flight_at_matmuls()
+            most[(name, on)] = ev.most_in_flight()
 
         def equal(a, b):
             return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
@@ -347,4 +365,4 @@ def prefetch_events(rank, lowering):
         (*first, nb, nl), (*second, mb, ml) = runs
         same[name] = all(equal(a, b) for a, b in zip(first, second)) and (nb, nl) == (mb, ml)
     g.prefetch = g.overlap_grad_reduce = True
-    return {"in flight": out, "same": same}
+    return {"in flight": out, "same": same, "most": most}

@@ -110,21 +110,26 @@ def test_grids_share_process_groups(pool4):
         assert r["sum"] == [float(4 * row + 1)] * 3, r
 
 
-@pytest.mark.parametrize("lowering", ["broadcast", "ring"])
+@pytest.mark.parametrize("lowering", ["broadcast", "ring", "allgather"])
 def test_next_panel_travels_during_the_current_matmul(pool4, lowering):
     """Catches a SUMMA lowering that waits for each panel's transfer before posting the next (no double
     buffering), an overlap=False that still overlaps (the in-line baseline the benchmark compares
     with), and an overlap that changes a result or gradient bit, a byte or a launch: with the grid's
     `prefetch` on, AB, ABT and ATB each run a matmul (forward or backward) while the next panel is in
-    flight on some rank (in the ring a rank whose next piece is its own receives nothing to wait for);
-    with it off, no matmul on any rank runs with a transfer in flight; both settings agree bit for bit."""
+    flight on some rank (in the ring a rank whose next piece is its own receives nothing to wait for),
+    and the all-gather lowering's AB has both panels' gathers in flight at once; with it off, no matmul
+    on any rank runs with a transfer in flight and the all-gather lowering has one gather in flight at a
+    time; both settings agree bit for bit."""
     res = pool4.run(C.prefetch_events, lowering)
     for rank, r in enumerate(res):
         assert all(r["same"].values()), (rank, r["same"])
         for (name, on), flight in r["in flight"].items():
             assert flight, (rank, name, "no matmul seen")
             assert on or not any(flight), f"rank {rank}, {name}, prefetch off: transfers in flight {flight}"
-    for name in ("AB", "ABT", "ATB"):
+        if lowering == "allgather":
+            assert r["most"]["AB", True] == 2 and max(r["most"][n, False] for n in ("AB", "ABT", "ATB")) == 1, \
+                (rank, r["most"])
+    for name in ("AB", "ABT", "ATB") if lowering != "allgather" else ():
         beside = [rank for rank, r in enumerate(res) if any(r["in flight"][name, True])]
         assert beside, f"{name}: no rank ran a matmul beside a transfer with prefetch on"
 

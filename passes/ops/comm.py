@@ -190,12 +190,33 @@ def _count(grid: Grid, tag: str, phase: str, nbytes: int, received: list | None)
 def run_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
                    received: list | None = None) -> torch.Tensor:
     """`all_gather` now, on a group of more than one member: the body of its torch.library op."""
+    return _launch_all_gather(grid, axis, t, dim, tag, phase, received, async_op=False).finish()
+
+
+def post_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
+                    full: int | None = None) -> Posted:
+    """`all_gather` launched and not waited for (inside an op that waits for it itself: SUMMA's all-gather
+    lowering posts both panels' gathers before waiting for either); the same padding, bytes and launch."""
+    if grid.size(axis) == 1:
+        out = t.contiguous()
+        return Posted(grid, tag, [], lambda: out)
+    if full is not None and full % grid.size(axis):
+        padded = _pad(t, dim, -(-full // grid.size(axis)))
+        posted = _launch_all_gather(grid, axis, padded, dim, tag, phase, None, async_op=True)
+        return dataclasses.replace(posted, finish=lambda: posted.finish().narrow(dim, 0, full).contiguous())
+    return _launch_all_gather(grid, axis, t, dim, tag, phase, None, async_op=True)
+
+
+def _launch_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, phase: str,
+                       received: list | None, async_op: bool) -> Posted:
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((grid.size(axis) * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
     _count(grid, tag, phase, all_gather_bytes(tensor_bytes(t), grid.size(axis)), received)
     with guarded(grid, "all-gather", axis, tag, moved):
-        all_gather_single(out, moved, group=grid.group(axis))
-    return out.movedim(0, dim).contiguous()  # later views expect the layout the global tensor had
+        work = all_gather_single(out, moved, group=grid.group(axis), async_op=async_op)
+    works = [(work, "all-gather", axis)] if async_op else []
+    # later views expect the layout the global tensor had
+    return Posted(grid, tag, works, lambda: out.movedim(0, dim).contiguous(), (moved, out))
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -109,6 +109,10 @@ def ab(grid: Grid, a, b, tag: str, phase: str = "fwd", *, lowering: str, full: i
     R, C = grid.shape
     K = a.shape[1] * C if full is None else full
     if lowering == "allgather":
+        if grid.prefetch:  # both panels' gathers in flight at once (two groups), then waited for
+            a_post = comm.post_all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase, K)
+            b_post = comm.post_all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase, K)
+            return a_post.wait() @ b_post.wait()
         a_panel = comm.all_gather(grid, AXIS_SAME_ROW, a, 1, tag, phase, K)  # [m, K]
         b_panel = comm.all_gather(grid, AXIS_SAME_COL, b, 0, tag, phase, K)  # [K, n]
         return a_panel @ b_panel
