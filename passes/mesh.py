@@ -160,8 +160,9 @@ class Grid:
     # the value it was traced with.
     overlap_grad_reduce: bool = True
     # SUMMA's broadcast and ring lowerings post the next panel's transfer before the current panel's matmul
-    # (double buffering: one panel in flight); False: each transfer is posted and waited for before its matmul.
-    # The same calls, bytes and order either way. Set, with overlap_grad_reduce, by the `overlap` option.
+    # (double buffering: one panel in flight), the all-gather lowering's AB both panels' gathers together; False:
+    # each transfer is posted and waited for before what follows. The same calls, bytes and order either way.
+    # Set, with overlap_grad_reduce, by the `overlap` option.
     prefetch: bool = True
     # graph node -> the module it came from ('model.layers.3.mlp.up_proj'), of the programs compiled on this
     # grid: the hang diagnosis names it (`passes.ops.flight`); replaced, never changed in place

@@ -152,9 +152,10 @@ class Options:
         "(no collectives; only when asked)", choices=LOWERING_CHOICES)
     overlap: bool | str = option(
         "auto", "whether communication runs behind the matmuls: each SUMMA product's next panel posted before "
-        "the current panel's matmul (broadcast and ring lowerings) and each weight gradient's reduction behind "
-        "the input gradient's product, or every transfer waited for before the compute that follows; 'auto': "
-        "on where the cost model says a matmul hides a transfer", choices=("auto", True, False),
+        "the current panel's matmul (broadcast and ring lowerings; the all-gather lowering's two gathers posted "
+        "together) and each weight gradient's reduction behind the input gradient's product, or every transfer "
+        "waited for before the compute that follows; 'auto': on where the cost model says a matmul hides a "
+        "transfer", choices=("auto", True, False),
         expected="'auto' (on where the cost model's `hidden` share is above 0), True (overlap) or False (every "
                  "collective waited for in line)")
     indivisible: str = option(

@@ -95,7 +95,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             never picks it).
         overlap: whether communication runs behind the matmuls. True: each SUMMA product posts its next
             panel's transfer before the current panel's matmul (broadcast and ring lowerings; one panel
-            in flight) and each weight gradient's reduction runs behind the input gradient's product;
+            in flight; the all-gather lowering posts both panels' gathers together) and each weight
+            gradient's reduction runs behind the input gradient's product;
             False: every transfer is waited for before the compute that follows (the in-line baseline;
             the same calls, bytes and results). 'auto' (default): on where `cost_model` says a matmul
             hides a transfer (its `hidden` share, 1 for the published figures, measured by `autopar
