@@ -175,7 +175,8 @@ class Options:
         expected="'2d' (SUMMA), '1d' (Megatron column/row splits over the grid's columns), 'auto' (chosen per "
                  "matmul from estimated step time) or '3d' (grid=(q, q, q))")
     cost_model: object = option(
-        None, "for strategy='auto' and lowering='auto': what collectives and matmuls cost on this machine",
+        None, "for strategy='auto', lowering='auto' and overlap='auto': what collectives and matmuls cost on this "
+        "machine, and how much of a transfer a matmul beside it hides",
         check=lambda v: v is None or isinstance(v, (CostModel, dict, str, os.PathLike)),
         expected="None (published GPU-cluster figures), the path or dict of JSON that `autopar calibrate` wrote, "
                  "or a passes.cost.model.CostModel")

@@ -77,8 +77,9 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
             projection, an embedding) the option among 2d / 1d / replicated with the smallest
             estimated step time whose per-rank memory fits `memory_limit` (see passes/search/strategy.py and
             `explain`, which shows each choice against its alternatives).
-        cost_model: for strategy='auto': the JSON path (or dict) `autopar calibrate` wrote, or None
-            for published GPU-cluster figures (NVLink inside a node, InfiniBand across nodes).
+        cost_model: for strategy='auto' (and lowering='auto', overlap='auto'): the JSON path (or dict)
+            `autopar calibrate` wrote, or None for published GPU-cluster figures (NVLink inside a node,
+            InfiniBand across nodes).
         memory_limit: for strategy='auto': the memory per rank (parameters, gradients, Adam states and
             activations, estimated), in bytes (40 * 2**30) or as a string with a unit ('40GiB',
             '500MB'); None: no limit.
