@@ -297,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build and step each simulated rank's program under the fake process group (autopar.dry_run) "
                         "and check its collectives across ranks: 'cover' (default) every row, column and replica "
                         "index once; 'groups' also a whole row, column and replica group; 'all'")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="with --dry-run: processes that simulate the ranks side by side on fake tensors (default: "
+                        "one per CPU; 1: in this process)")
     p.add_argument("--dot", metavar="FILE", help="write the graph (Graphviz DOT, or HTML for *.html)")
     p.add_argument("--plot", metavar="FILE", help="plot bytes and parameters per rank against p, 2D and 1D "
                                                    "(a sweep up to --sweep or 64; needs matplotlib)")

@@ -61,6 +61,9 @@ def add_arguments(sub) -> None:
                            help="also dry-run the configuration (the whole model on fake tensors, a fake process "
                                 "group, one step; autopar.dry_run's rank set: cover (default), groups or all): the "
                                 "per-rank table, the cross-rank checks, bytes, calls and memory against the estimate")
+            p.add_argument("--workers", type=int, metavar="N",
+                           help="with --dry-run: processes that simulate the ranks side by side (default: one per "
+                                "CPU; 1: in this process)")
         else:
             p.add_argument("--global-batch", type=int, required=True, help="sequences per step in all")
             p.add_argument("--memory-limit", help="per GPU, e.g. 70GiB (default: the cluster's memory)")
@@ -97,7 +100,7 @@ def _estimate(ns) -> int:
                    recompute_blocks=ns.recompute_blocks, overlap=ns.overlap)
     out = est.to_json()
     if ns.dry_run:
-        out["dry_run"] = dry_run_check(est, _model(ns.model), ranks=ns.dry_run)
+        out["dry_run"] = dry_run_check(est, _model(ns.model), ranks=ns.dry_run, workers=ns.workers)
     if ns.json:
         print(json.dumps(out, indent=1))
     else:
@@ -130,10 +133,11 @@ def _plan(ns) -> int:
     return 0
 
 
-def dry_run_check(est, model, ranks=None) -> dict:
+def dry_run_check(est, model, ranks=None, workers: int | None = None) -> dict:
     """Dry-run `est`'s configuration -- the whole model (every block, on the meta device), its tensor-parallel
     grid, replicas and pipeline stages, on fake tensors under a fake process group (`autopar.dry_run`, `ranks`
-    its rank set) -- and set what the simulated ranks moved and held beside the estimate: bytes and calls
+    its rank set, simulated by `workers` processes side by side) -- and set what the simulated ranks moved and
+    held beside the estimate: bytes and calls
     per kind summed over one rank of each stage (`passes.cost.step.step_bytes`, at the model's own dtype),
     parameters held, and the most bytes saved for backward on a rank beside the estimate's activations."""
     import time
@@ -159,7 +163,8 @@ def dry_run_check(est, model, ranks=None) -> dict:
     restore_buffers(m)  # parallelize needs the rotary tables' values
     size = next(p.dtype for p in m.parameters()).itemsize
     t0 = time.perf_counter()
-    rep = dry_run(m, grid, example_kwargs=inputs(est.batch // dp, est.seq), ranks=ranks, fake=True, **options)
+    rep = dry_run(m, grid, example_kwargs=inputs(est.batch // dp, est.seq), ranks=ranks, fake=True, workers=workers,
+                  overlap=par.overlap, **options)
     seconds = time.perf_counter() - t0
     prof = model_profile(src, est.seq)[0]
     tb, to = tp_bytes(src, est.seq, tp)

@@ -36,7 +36,8 @@ def dry_run_cmd(ns, model, grid, args, kwargs, strategy, limit) -> int:
     ranks = "cover" if ns.dry_run == "covering" else ns.dry_run  # 'covering': this option's earlier name
     report = autopar.dry_run(model, grid=grid, example_inputs=args, example_kwargs=kwargs, ranks=ranks, check=False,
                              strategy=strategy, memory_limit=limit, recompute=ns.recompute,
-                             data_parallel=ns.data_parallel, reshard_after_forward=ns.reshard_after_forward)
+                             data_parallel=ns.data_parallel, reshard_after_forward=ns.reshard_after_forward,
+                             workers=ns.workers)
     try:
         report.check()
         verdict = "passed: every simulated member of each group issues the same collectives"

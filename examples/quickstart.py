@@ -47,7 +47,8 @@ def main():
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss.item():.6f}")
     if dist.get_rank() == 0:
-        print(autopar.explain(pmodel).splitlines()[-4])  # bytes each rank received per step
+        lines = autopar.explain(pmodel).splitlines()
+        print(next(line for line in lines if "bytes received per rank" in line))  # each rank's bytes per step
     dist.destroy_process_group()
 
 

@@ -331,8 +331,9 @@ def test_cli_estimate_json(capsys, tmp_path):
     assert out["best"]["tokens_per_s_per_gpu"] >= max(e["tokens_per_s_per_gpu"] for e in out["next"])
     assert math.prod(out["parallelize"]["grid"]) * out["best"]["parallel"]["pp"] == 8
     # --dry-run: the configuration's program, each simulated rank's bytes, calls and memory, the checks' verdict
+    # (--workers 1: the simulated ranks in this process, one after the other)
     assert main(["estimate", str(cfg), "--devices", "8", "--batch", "2", "--seq", "32", "--tp", "2",
-                 "--dp-shard", "2", "--pp", "2", "--json", "--dry-run"]) == 0
+                 "--dp-shard", "2", "--pp", "2", "--json", "--dry-run", "--workers", "1"]) == 0
     d = json.loads(capsys.readouterr().out)["dry_run"]
     assert d["world"] == 8 and d["ranks"] == 2 and d["verdict"].startswith("cross-rank checks passed")
     assert all({"bytes", "calls", "peak_memory_bytes"} <= set(r) for r in d["per_rank"].values())
