@@ -32,6 +32,14 @@ def test_gpt_parity_2x2(pool4, norm, mlp, lowering):
     _assert_all_small(results, f"2x2 {norm} {mlp} {lowering}")
 
 
+@pytest.mark.parametrize("lowering", ["broadcast", "allgather"])
+def test_gpt_parity_2x2_in_line(pool4, lowering):
+    """overlap=False, the in-line baseline (every transfer waited for before the compute that follows):
+    the same parity with one process, forward, gradients and AdamW steps on every rank."""
+    results = pool4.run(C.gpt_parity, 2, dict(SMALL, norm="rmsnorm", mlp="swiglu"), lowering, overlap=False)
+    _assert_all_small(results, f"2x2 overlap=False {lowering}")
+
+
 @pytest.mark.parametrize("norm,mlp,lowering", [("layernorm", "gelu", "broadcast"), ("rmsnorm", "swiglu", "broadcast"),
                                                ("rmsnorm", "swiglu", "ring")])
 def test_gpt_parity_3x3(pool9, norm, mlp, lowering):
