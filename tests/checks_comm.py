@@ -275,13 +275,15 @@ class _Transfers:
                 log.append(("wait", 1))
                 return self.work.wait()
 
-        def broadcast(*args, async_op=False, **kwargs):
-            log.append(("post", 1))
-            work = self.saved[0](*args, async_op=async_op, **kwargs)
-            if not async_op:
-                log.append(("wait", 1))
-                return work
-            return Work(work)
+        def collective(fn):
+            def run(*args, async_op=False, **kwargs):
+                log.append(("post", 1))
+                work = fn(*args, async_op=async_op, **kwargs)
+                if not async_op:
+                    log.append(("wait", 1))
+                    return work
+                return Work(work)
+            return run
 
         def batch(ops):
             works = self.saved[1](ops)
@@ -294,17 +296,10 @@ class _Transfers:
                 return fn(*args, **kwargs)
             return run
 
-        def gather(*args, async_op=False, **kwargs):
-            log.append(("post", 1))
-            work = self.saved[4](*args, async_op=async_op, **kwargs)
-            if not async_op:
-                log.append(("wait", 1))
-                return work
-            return Work(work)
-
         self.saved = (dist.broadcast, dist.batch_isend_irecv, torch.Tensor.addmm_, torch.Tensor.__matmul__,
                       comm.all_gather_single)
-        dist.broadcast, dist.batch_isend_irecv, comm.all_gather_single = broadcast, batch, gather
+        dist.broadcast, dist.batch_isend_irecv = collective(self.saved[0]), batch
+        comm.all_gather_single = collective(self.saved[4])
         torch.Tensor.addmm_, torch.Tensor.__matmul__ = matmul(self.saved[2]), matmul(self.saved[3])
         return self
 

@@ -123,6 +123,19 @@ class Posted:
         return self.finish()
 
 
+def in_turn(steps: int, post: Callable, ahead: bool):
+    """Each step's operands in order: `post(i)` launches step i's transfers, returning what waits and gives them;
+    with `ahead`, step i + 1 is posted before step i is yielded (double buffering), else after its consumer."""
+    pending = post(0)
+    for i in range(steps):
+        value, more = pending(), i + 1 < steps
+        if ahead and more:
+            pending = post(i + 1)
+        yield value
+        if more and not ahead:
+            pending = post(i + 1)
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -198,8 +211,7 @@ def post_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: str, 
     """`all_gather` launched and not waited for (inside an op that waits for it itself: SUMMA's all-gather
     lowering posts both panels' gathers before waiting for either); the same padding, bytes and launch."""
     if grid.size(axis) == 1:
-        out = t.contiguous()
-        return Posted(grid, tag, [], lambda: out)
+        return Posted(grid, tag, [], t.contiguous)
     if full is not None and full % grid.size(axis):
         padded = _pad(t, dim, -(-full // grid.size(axis)))
         posted = _launch_all_gather(grid, axis, padded, dim, tag, phase, None, async_op=True)
@@ -214,8 +226,7 @@ def _launch_all_gather(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: st
     _count(grid, tag, phase, all_gather_bytes(tensor_bytes(t), grid.size(axis)), received)
     with guarded(grid, "all-gather", axis, tag, moved):
         work = all_gather_single(out, moved, group=grid.group(axis), async_op=async_op)
-    works = [(work, "all-gather", axis)] if async_op else []
-    # later views expect the layout the global tensor had
+    works = [(work, "all-gather", axis)] if async_op else []  # below: the layout later views expect
     return Posted(grid, tag, works, lambda: out.movedim(0, dim).contiguous(), (moved, out))
 
 
@@ -258,8 +269,7 @@ def post_reduce_scatter(grid: Grid, axis: int, t: torch.Tensor, dim: int, tag: s
     """`reduce_scatter` launched and not waited for (from the body of an op that waits for it in another
     op: `passes.ops.overlap`); the same padding of torch.chunk blocks, bytes and launch."""
     if grid.size(axis) == 1:
-        out = t.contiguous()
-        return Posted(grid, tag, [], lambda: out)
+        return Posted(grid, tag, [], t.contiguous)
     padded, cut = _chunk_padding(grid, axis, t, dim)
     posted = _launch_reduce_scatter(grid, axis, padded, dim, tag, phase, received, async_op=True)
     return dataclasses.replace(posted, finish=lambda: cut(posted.finish()))

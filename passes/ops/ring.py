@@ -66,17 +66,16 @@ class _Schedule:
     def operands(self, role: int, axis: int, cut, buffer, tag: str, phase: str):
         """Yield (t, piece) for every step, step t + 1's exchange posted before step t is yielded (with
         `grid.prefetch` False: after step t's matmul)."""
-        pending = self.operand(0, role, axis, cut, buffer, tag, phase)
-        for t in range(len(self.segs)):
-            posted, value = pending
-            if posted is not None:
-                posted.wait()
-            ahead = self.grid.prefetch and t + 1 < len(self.segs)
-            if ahead:
-                pending = self.operand(t + 1, role, axis, cut, buffer, tag, phase)
-            yield t, value
-            if not ahead and t + 1 < len(self.segs):
-                pending = self.operand(t + 1, role, axis, cut, buffer, tag, phase)
+        def post(t):
+            posted, value = self.operand(t, role, axis, cut, buffer, tag, phase)
+
+            def wait():
+                if posted is not None:
+                    posted.wait()
+                return t, value
+            return wait
+
+        return comm.in_turn(len(self.segs), post, self.grid.prefetch)
 
 
 def _sum_partials(sched: _Schedule, out: torch.Tensor, dim: int, start: int, factors, cut, buffer,

@@ -64,20 +64,15 @@ def _bcast_steps(grid: Grid, steps, tag, phase):
             buf = t.contiguous()  # the owner's piece, or a fresh buffer on the others (`_piece`)
             bufs.append(buf)
             works.append(comm.broadcast(grid, axis, buf, src, tag, phase, async_op=True))
-        return bufs, works
 
-    pending = post(0)
-    for i in range(len(steps)):
-        bufs, works = pending
-        for w, (_, axis, _) in zip(works, steps[i]):
-            if w is not None:
-                comm.wait(w, grid, "broadcast", axis, tag)
-        ahead = grid.prefetch and i + 1 < len(steps)
-        if ahead:
-            pending = post(i + 1)
-        yield bufs
-        if not ahead and i + 1 < len(steps):
-            pending = post(i + 1)
+        def wait():
+            for w, (_, axis, _) in zip(works, steps[i]):
+                if w is not None:
+                    comm.wait(w, grid, "broadcast", axis, tag)
+            return bufs
+        return wait
+
+    return comm.in_turn(len(steps), post, grid.prefetch)
 
 
 def _post_reduce_steps(grid: Grid, axis: int, partials, dim: int, tag, phase, empty: torch.Tensor) -> Posted:
