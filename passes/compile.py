@@ -33,6 +33,7 @@ from passes.nodes import arg, block_of, module_path
 from passes.options import Options
 from passes.search import strategy as strategies
 from passes.search.lowering import fixed_estimate, pick_lowerings
+from passes.transforms import context
 from passes.transforms.group_siblings import group_siblings
 from passes.transforms.insert_collectives import insert_collectives
 from passes.transforms.localize import localize
@@ -98,6 +99,8 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     grid.prefetch = grid.overlap_grad_reduce = options.overlaps(CostModel.resolve(options.cost_model))
     sharding = _data_parallel(options)
     options = replace(options, data_parallel=sharding or "replicate")
+    if grid.cp > 1 and cap.context is None:  # the sequence over the cp ranks: positions, masks, targets
+        cap.context = context.prepare(cap.gm, grid.cp, grid.dp_index, cap.buffers, cap.constants, cap.sources)
     if grid.world > 1:
         route_experts(cap.gm, grid.shape, options.moe_dispatch)
     if grid.world > 1 and options.strategy in ("1d", "3d"):
@@ -122,6 +125,8 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
         group_siblings(gm, grid)
     else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
         gm = cap.gm
+    if grid.cp > 1:
+        context.finish(gm, grid)  # attention over the cp ranks' keys and values
     out_node = gm.graph.output_node()
     outs = []
     for a in pytree.tree_leaves(out_node.args[0]):

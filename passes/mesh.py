@@ -31,6 +31,7 @@ from passes.compat import register_flattened_mesh
 from passes.errors import AutoparWarning, UsageError
 
 AXIS_NAMES = ("r", "c")  # mesh axis 0 is indexed by r, axis 1 by c
+CP_AXIS = 2  # a collective's axis over the replicas when they split the sequence (context_parallel)
 FLAT_NAME = "rc"  # both axes flattened: the grid's R*C ranks in row-major order
 
 
@@ -164,6 +165,9 @@ class Grid:
     # each transfer is posted and waited for before what follows. The same calls, bytes and order either way.
     # Set, with overlap_grad_reduce, by the `overlap` option.
     prefetch: bool = True
+    # context_parallel: the dp replicas hold 1/cp of the sequence each (zig-zag), not batches of their own; their
+    # collectives run over axis CP_AXIS (`passes.ops.context`)
+    cp: int = 1
     # graph node -> the module it came from ('model.layers.3.mlp.up_proj'), of the programs compiled on this
     # grid: the hang diagnosis names it (`passes.ops.flight`); replaced, never changed in place
     places: Mapping[str, str] = MappingProxyType({})
@@ -324,11 +328,13 @@ class Grid:
 
     def group(self, axis: int):
         """Process group of a collective over mesh `axis` (0: same column, 1: same row)."""
+        if axis == CP_AXIS:
+            return self.dp_group
         return self.same_col_group if axis == 0 else self.same_row_group
 
     def size(self, axis: int) -> int:
         """Members of a collective over mesh `axis`: R for axis 0, C for axis 1."""
-        return self.shape[axis]
+        return self.dp if axis == CP_AXIS else self.shape[axis]
 
     @property
     def world(self) -> int:
@@ -337,6 +343,8 @@ class Grid:
 
     def index(self, axis: int) -> int:
         """This rank's position inside the group of `axis` (r for axis 0, c for axis 1)."""
+        if axis == CP_AXIS:
+            return self.dp_index
         return self.r if axis == 0 else self.c
 
     def global_rank(self, axis: int, i: int) -> int:

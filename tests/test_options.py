@@ -78,7 +78,8 @@ class _Built(Exception):
 
 # a valid value other than the default, for the options whose values are not a few choices
 OTHER = {"cost_model": "calibration.json", "memory_limit": 2.0**30, "search_budget": 5.0, "timeout": 60.0,
-         "optimizer_states": 1, "grad_bucket_mb": 1.0, "fsdp_prefetch": 2, "recompute_blocks": 2}
+         "optimizer_states": 1, "grad_bucket_mb": 1.0, "fsdp_prefetch": 2, "recompute_blocks": 2,
+         "context_parallel": 2}
 
 
 def _other(name):

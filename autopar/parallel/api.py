@@ -13,6 +13,7 @@ from autopar.parallel.arrange import arrange
 from autopar.parallel.module import ParallelModule
 from autopar.parallel.pipeline import pipeline_parallelize
 from autopar.parallel.sharded import shard_replicas
+from autopar.program import context
 from autopar.program.build import cache_off_kwargs, check_example_inputs, compile_program
 from autopar.program.device import check_device, model_device
 from autopar.program.spec import parse_spec
@@ -32,6 +33,25 @@ def _cube_grid(grid: tuple, device_type: str, timeout) -> Grid:
     q = grid[0]
     g = Grid(q, q * q, device_type=device_type, timeout=timeout)
     Cube(q, device_type, g)
+    return g
+
+
+def _context_grid(model, spec, options: Options, device_type: str, timeout) -> Grid:
+    """context_parallel=cp: cp copies of the (R, C) grid over the replica axis, each on 1/cp of the sequence."""
+    cp, world = options.context_parallel, torch.distributed.get_world_size()
+    if spec.dp > 1 or spec.cube or options.data_parallel != "replicate":
+        raise UsageError(
+            f"autopar.parallelize: context_parallel={cp} composes with an (R, C) grid of 1D, 2D or 'auto' tensor "
+            f"parallelism only, not yet with pipeline stages, data-parallel replicas (grid=(dp, R, C), "
+            f"data_parallel='shard') or strategy='3d': pass grid=(R, C) with R * C * {cp} = the world size")
+    rows, cols = spec.mesh
+    if rows * cols * cp != world:
+        raise UsageError(f"autopar.parallelize: context_parallel={cp} on grid=({rows}, {cols}) needs "
+                         f"{cp} * {rows} * {cols} = {cp * rows * cols} processes, and the world size is {world}: "
+                         f"pick a grid of {world // cp if world % cp == 0 else 'world / cp'} ranks")
+    context.check_model(model, cp, "autopar.parallelize")
+    g = Grid(rows, cols, dp=cp, device_type=device_type, timeout=timeout)
+    g.cp = cp
     return g
 
 
@@ -60,7 +80,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 grad_bucket_mb: float = DEFAULTS.grad_bucket_mb, moe_dispatch: str = DEFAULTS.moe_dispatch,
                 data_parallel: str = DEFAULTS.data_parallel,
                 reshard_after_forward: bool = DEFAULTS.reshard_after_forward,
-                fsdp_prefetch: int | None = DEFAULTS.fsdp_prefetch, pipeline=None):
+                fsdp_prefetch: int | None = DEFAULTS.fsdp_prefetch,
+                context_parallel: int = DEFAULTS.context_parallel, pipeline=None):
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -186,7 +207,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                       search_budget=search_budget, check_inputs=check_inputs, checks=checks, timeout=timeout,
                       compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
                       moe_dispatch=moe_dispatch, data_parallel=data_parallel, recompute_blocks=recompute_blocks,
-                      reshard_after_forward=reshard_after_forward, fsdp_prefetch=fsdp_prefetch)
+                      reshard_after_forward=reshard_after_forward, fsdp_prefetch=fsdp_prefetch,
+                      context_parallel=context_parallel)
     spec = parse_spec(grid, strategy, pipeline, data_parallel, "autopar.parallelize")
     nested = next((n for n, m in model.named_modules() if isinstance(m, ParallelModule)), None) \
         if isinstance(model, nn.Module) else None
@@ -212,15 +234,22 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
     delta = datetime.timedelta(seconds=timeout) if timeout is not None else \
         group_timeout(torch.distributed.group.WORLD, device.type)
     arranged, table = None, None
+    if context_parallel > 1 and (spec.grid is None or spec.pipeline is not None):
+        raise UsageError(f"autopar.parallelize: context_parallel={context_parallel} takes an explicit grid=(R, C) and "
+                         f"no pipeline stages yet; got grid={grid!r}, pipeline={pipeline!r}")
     if spec.grid is None:  # a device count: rank 0's search arranges them
         spec.check_world(torch.distributed.get_world_size(), "autopar.parallelize")
         found, layout, arranged, table = arrange(model, spec.devices, example_inputs, example_kwargs, options)
         spec = spec.arranged(found, layout)
     if spec.pipeline is not None:
         return pipeline_parallelize(model, spec, example_inputs, example_kwargs, options, device, delta)
-    g = _cube_grid(spec.grid, device.type, delta) if spec.cube else \
-        Grid(*spec.mesh, dp=spec.dp, device_type=device.type, timeout=delta)
     example_kwargs = {**cache_off_kwargs(model), **(example_kwargs or {})}  # capture refuses use_cache=True
+    if context_parallel > 1:
+        g = _context_grid(model, spec, options, device.type, delta)
+        example_inputs, example_kwargs = context.local_call(g, example_inputs, example_kwargs, "autopar.parallelize")
+    else:
+        g = _cube_grid(spec.grid, device.type, delta) if spec.cube else \
+            Grid(*spec.mesh, dp=spec.dp, device_type=device.type, timeout=delta)
     comp, layouts = compile_program(model, example_inputs, example_kwargs, g, options, arranged)
     agree_on_plan(comp, layouts, model)
     pmodel = ParallelModule(model, g, comp, layouts, options)

@@ -28,7 +28,7 @@ from autopar.parallel.replicas import replicas_for
 from autopar.parallel.run import Runner
 from autopar.parallel.clip import clip_grad_norm
 from autopar.parallel.sharded import refuse_foreign_sharding
-from autopar.program import outputs as outputs
+from autopar.program import context, outputs as outputs
 from autopar.generate.loop import Generator, generate as generate_tokens
 from autopar.parallel.inputs import RankStateDict, check_inputs as check_call_inputs, input_names, same_state_everywhere
 from autopar.program.build import Compiled, cache_off_kwargs, refuse_kv_cache
@@ -295,6 +295,13 @@ class ParallelModule(nn.Module):
         refuse_kv_cache(kwargs)
         refuse_foreign_sharding(self)
         kwargs = {**self._cache_off, **kwargs}
+        if self.grid.cp > 1:  # each rank's part of the sequence in, the whole outputs out (autopar.program.context)
+            local_args, local_kwargs = context.local_call(self.grid, args, kwargs)
+            comp, flat = self._get(local_args, local_kwargs)
+            flat, full = context.local_inputs(comp, self.grid, flat, args, kwargs)
+            self._validate_inputs(flat, comp, lambda: input_names(comp, local_args, local_kwargs))
+            leaves, layouts = context.gather_outputs(comp, self.grid, self.run_local(comp, flat), full)
+            return self.outputs_of(comp, leaves, layouts)
         comp, flat = self._get(args, kwargs)
         self._validate_inputs(flat, comp, lambda: input_names(comp, args, kwargs))
         return self.outputs_of(comp, self.run_local(comp, flat))
@@ -308,9 +315,10 @@ class ParallelModule(nn.Module):
         with self.replicas.around(comp, run):
             return pytree.tree_leaves(self._run_program(comp, run, fetched, flat))
 
-    def outputs_of(self, comp: Compiled, leaves: list):
-        """What a call returns from `run_local`'s leaves: split ones as Output DTensors, in the model's structure."""
-        wrapped = [self._wrap(o, lay) for o, lay in zip(leaves, comp.out_layouts)]
+    def outputs_of(self, comp: Compiled, leaves: list, layouts: list | None = None):
+        """What a call returns from `run_local`'s leaves: split ones as Output DTensors, in the model's structure.
+        `layouts`: each leaf's (layout, global shape), when not `comp.out_layouts`."""
+        wrapped = [self._wrap(o, lay) for o, lay in zip(leaves, layouts or comp.out_layouts)]
         return pytree.tree_unflatten(wrapped, comp.captured.out_spec)
 
     def _run_program(self, comp: Compiled, run: Compiled, fetched: frozenset, flat: list):
@@ -348,6 +356,10 @@ class ParallelModule(nn.Module):
         'forward' (the forward's plan), '2d', '1d' or 'auto' to plan that phase on its own (see
         `autopar.generate.phases`). Runs under torch.no_grad(). With data_parallel='shard' the grid
         blocks are gathered over the replicas for the call and released after it."""
+        if self.grid.cp > 1:
+            raise UsageError(f"generate with context_parallel={self.grid.cp}: generation does not split the sequence "
+                             f"(its KV cache is split over the grid only); parallelize the model with "
+                             f"context_parallel=1 for generation")
         with self.replicas.generating():  # sharded: FSDP2's units gathered over the replicas for the call
             return generate_tokens(self, input_ids, attention_mask, **kwargs)
 

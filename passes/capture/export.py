@@ -43,6 +43,7 @@ class Captured:
     buffers: dict  # canonical name -> tensor (full)
     persistent: set
     device: torch.device = torch.device("cpu")  # where the inputs (and so the shards) live
+    context: object = None  # context_parallel: the `passes.transforms.context.ContextPlan` its compile made
 
 
 def _user_frame(exc: BaseException):

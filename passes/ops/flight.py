@@ -52,8 +52,8 @@ HANG_EXIT_CODE = 3
 _KEY = "autopar/flight/{}"
 _SHOWN = 8  # ranks named per line of the diagnosis (the rest counted)
 
-_AXIS_NAMES = {0: "column group", 1: "row group", "dp": "replica group", "pp": "pipeline group",
-               "depth": "depth group"}
+_AXIS_NAMES = {0: "column group", 1: "row group", 2: "context-parallel group", "dp": "replica group",
+               "pp": "pipeline group", "depth": "depth group"}
 
 
 class Call:

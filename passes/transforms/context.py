@@ -1,0 +1,294 @@
+"""Context parallelism in the graph: a program captured on one rank's 1/cp of the sequence made to compute
+that rank's part of the whole sequence's result (the run-time parts are `passes.ops.context`'s).
+
+`prepare` runs on the captured graph, before the layout passes:
+
+- **Attention masks.** An attention's mask is read once, here: it must be a constant of the graph (built from
+  sizes and buffers, as transformers builds its causal mask under torch.export) equal to the causal triangle
+  at the captured length; the attention then runs causal by global position and the mask is dropped. A mask
+  that depends on an input (padding), or any other mask, is refused by name.
+- **Positions.** Every `arange` over the local length n from 0 (the model's token positions: RoPE's
+  `position_ids`, a learned position table's index) becomes this rank's global positions.
+- **Targets.** A mean cross-entropy's target is followed back through reshapes to the [b, n] tensor it is
+  computed from the inputs by (transformers' one-token shift of `labels`); that tensor becomes an input
+  the caller computes from the whole inputs and cuts (`ContextPlan.extra_inputs`), so a shift crosses the
+  rank's chunk boundaries as on one process. The loss output and the outputs with a sequence dim are
+  named in the plan (`passes.ops.context.LossSum`, `SeqGather`).
+- **Refusals.** Slicing, padding, rolling, flipping or a cumulative op along a dim of the local length n
+  (which would mix or shift this rank's tokens as if they were the whole sequence) raises, naming the op.
+
+`finish` runs on the per-rank program: each `scaled_dot_product_attention` becomes a `ContextAttention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from passes.compat import pytree
+from passes.errors import UsageError
+from passes.meta import PLAN_ARGS, ROLE
+from passes.nodes import arg, module_path, source_line
+from passes.ops.context import ContextAttention, positions, take
+from passes.ops.modules import GroupedHeadsAttention
+
+__all__ = ["ContextPlan", "finish", "prepare"]
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+# ops a loss or a target passes through with its elements in order
+_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default,
+            aten.clone.default, aten.alias.default, aten.detach.default, aten._to_copy.default, aten.to.dtype,
+            aten.to.dtype_layout, aten.to.device, aten.squeeze.default, aten.flatten.using_ints}
+_CLASS_LOSSES = {aten.cross_entropy_loss.default: 4, aten.nll_loss.default: 4, aten.nll_loss_nd.default: 4}
+_ALONG = {aten.slice.Tensor: 1, aten.narrow.default: 1, aten.roll.default: 2, aten.flip.default: 1,
+          aten.cumsum.default: 1, aten.cumprod.default: 1, aten.diff.default: 2, aten.cummax.default: 1,
+          aten.constant_pad_nd.default: None, aten.pad.default: None}
+
+
+@dataclass
+class ContextPlan:
+    """What a call of a context-parallel program needs beyond the rank's part of its inputs."""
+
+    cp: int
+    n: int  # the local sequence length the program was captured at
+    inputs: int  # the user inputs before the extra ones
+    targets: list = field(default_factory=list)  # (GraphModule, [user input index]) per extra input
+    loss: int | None = None  # the output leaf that is the model's mean loss
+    ignore_index: int = -100
+    seq_outputs: list = field(default_factory=list)  # output leaves with the sequence as dim 1
+
+    def extra_inputs(self, full: list, rank: int) -> list:
+        """The extra inputs of rank `rank` from the whole inputs (`full`, flat, in placeholder order)."""
+        return [take(gm(*(full[i] for i in idx)), 1, rank, self.cp) for gm, idx in self.targets]
+
+    def share(self, full: list, rank: int) -> torch.Tensor:
+        """This rank's share of the targets the loss counts (the first extra input's)."""
+        whole = self.targets[0][0](*(full[i] for i in self.targets[0][1]))
+        counted = whole != self.ignore_index
+        mine = take(counted, 1, rank, self.cp).sum()
+        return mine.to(torch.float32) / counted.sum().to(torch.float32)
+
+
+def _where(node: Node) -> str:
+    return f"{node.name} ({node.target}) in {module_path(node) or '<top>'} at {source_line(node) or '?'}"
+
+
+def prepare(gm: GraphModule, cp: int, rank: int, buffers: dict, constants: dict, sources: list) -> ContextPlan:
+    """Rewrite `gm` (captured at 1/cp of the sequence) in place as the module docstring says; `sources`
+    (the capture's per-placeholder (role, key)) gains the extra inputs. Returns the plan."""
+    holders = gm.graph.find_nodes(op="placeholder")
+    inputs = [p for p in holders if p.meta.get(ROLE) == "input"]
+    seq = next((p for p in inputs if isinstance(v := p.meta.get("val"), torch.Tensor) and v.dim() >= 2), None)
+    if seq is None:
+        raise UsageError("context_parallel: the model takes no input with a sequence dim ([batch, sequence, ...]); "
+                         "pass context_parallel=1")
+    n = seq.meta["val"].shape[1]
+    plan = ContextPlan(cp, n, len(inputs))
+    keys = dict(zip(holders, sources))
+    for node in list(gm.graph.find_nodes(op="call_function", target=SDPA)):
+        _causal_attention(gm, node, n, keys, buffers, constants)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _ARANGES and _counts_tokens(node, n):
+            _global_positions(gm, node, rank, cp, n)
+    gm.graph.eliminate_dead_code()
+    _loss_and_targets(gm, plan, sources)
+    _refuse_token_mixing(gm, n)
+    gm.graph.lint()
+    gm.recompile()
+    return plan
+
+
+def _causal_attention(gm: GraphModule, node: Node, n: int, keys: dict, buffers: dict, constants: dict) -> None:
+    mask = arg(node, 3, "attn_mask")
+    kw = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "is_causal", "dropout_p")}
+    causal = bool(arg(node, 5, "is_causal", False))
+    if mask is not None:
+        value = _constant(gm, mask, keys, buffers, constants)
+        if value is None or not _is_causal(value, n):
+            raise UsageError(
+                f"context_parallel: the attention {_where(node)} takes a mask that is not the causal triangle "
+                f"built from sizes ({'it depends on an input: a padding mask' if value is None else 'another mask'}"
+                f"); context parallelism computes causal or unmasked attention only. Pass no attention_mask "
+                f"(pack or pad the batch without one), or parallelize with context_parallel=1")
+        causal = True
+    node.args = tuple(node.args[:3])
+    node.kwargs = {**kw, "dropout_p": arg(node, 4, "dropout_p", 0.0), "is_causal": causal}
+
+
+def _constant(gm: GraphModule, out: Node, keys: dict, buffers: dict, constants: dict) -> torch.Tensor | None:
+    """`out`'s value where it depends on no user input or parameter, computed on the CPU; else None."""
+    need, stack = set(), [out]
+    while stack:
+        x = stack.pop()
+        if x not in need:
+            need.add(x)
+            stack.extend(x.all_input_nodes)
+    env: dict = {}
+    cpu = torch.device("cpu")
+    for x in gm.graph.nodes:
+        if x not in need:
+            continue
+        if x.op == "placeholder":
+            role, key = keys[x]
+            if role not in ("buffer", "constant"):
+                return None
+            found = (buffers if role == "buffer" else constants).get(key)
+            if not isinstance(found, torch.Tensor) or found.is_meta:
+                return None
+            env[x] = found
+        elif x.op == "call_function":
+            def real(a):
+                return env[a] if isinstance(a, Node) else (cpu if isinstance(a, torch.device) else a)
+            args = torch.fx.node.map_aggregate(x.args, real)
+            kwargs = torch.fx.node.map_aggregate(x.kwargs, real)
+            env[x] = x.target(*args, **kwargs)
+        else:
+            return None
+    return env[out]
+
+
+def _is_causal(mask: torch.Tensor, n: int) -> bool:
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n, n):
+        return False
+    tri = torch.ones(n, n, dtype=torch.bool).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == tri).all())
+    return bool(((mask == 0) == tri).all() and (mask[..., ~tri] == float("-inf")).all())
+
+
+def _counts_tokens(node: Node, n: int) -> bool:
+    v = node.meta.get("val")
+    start = arg(node, 0, "start") if node.target is not aten.arange.default else 0
+    step = arg(node, 2, "step", 1) if node.target is aten.arange.start_step else 1
+    return isinstance(v, torch.Tensor) and v.shape == (n,) and start == 0 and step == 1
+
+
+def _global_positions(gm: GraphModule, node: Node, rank: int, cp: int, n: int) -> None:
+    c, kw = n // 2, dict(node.kwargs)
+    mine, first = positions(rank, cp, n), positions(0, cp, n)  # rank 0's: what every rank's plan text shows
+    with gm.graph.inserting_before(node):
+        parts = []
+        for at in (0, c):
+            p = gm.graph.call_function(aten.arange.start, (int(mine[at]), int(mine[at]) + c), kw)
+            p.meta.update({"val": node.meta["val"].narrow(0, 0, c), PLAN_ARGS: (int(first[at]), int(first[at]) + c)})
+            parts.append(p)
+        cat = gm.graph.call_function(aten.cat.default, (parts, 0))
+    cat.meta = dict(node.meta)
+    node.replace_all_uses_with(cat)
+    gm.graph.erase_node(node)
+
+
+def _back(node: Node) -> Node:
+    while isinstance(node, Node) and node.op == "call_function" and node.target in _THROUGH:
+        node = node.args[0]
+    return node
+
+
+def _loss_and_targets(gm: GraphModule, plan: ContextPlan, sources: list) -> None:
+    out = gm.graph.output_node()
+    leaves = pytree.tree_leaves(out.args[0])
+    for i, leaf in enumerate(leaves):
+        v = leaf.meta.get("val") if isinstance(leaf, Node) else None
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.dim() >= 2 and v.shape[1] == plan.n:
+            plan.seq_outputs.append(i)
+        elif v.dim() == 0 and v.is_floating_point():
+            loss = _back(leaf)
+            reduction = arg(loss, 3, "reduction", 1) if loss.op == "call_function" else None
+            if loss.op != "call_function" or loss.target not in _CLASS_LOSSES or reduction != 1 \
+                    or plan.loss is not None:
+                raise UsageError(
+                    f"context_parallel: the model's output {leaf.name} is a number other than one mean "
+                    f"cross-entropy over the tokens ({_where(loss)}); context parallelism sums each rank's "
+                    f"mean by its share of the targets only for that. Return the logits and compute the loss "
+                    f"on them, or parallelize with context_parallel=1")
+            plan.loss = i
+            plan.ignore_index = arg(loss, _CLASS_LOSSES[loss.target], "ignore_index", -100)
+            _target_input(gm, loss, plan, sources)
+        elif v.dim() >= 1:
+            raise UsageError(f"context_parallel: the output {leaf.name} {tuple(v.shape)} has no sequence dim "
+                             f"(dim 1 of size {plan.n}); context parallelism returns per-token outputs and a mean "
+                             f"loss only. Parallelize with context_parallel=1")
+
+
+def _target_input(gm: GraphModule, loss: Node, plan: ContextPlan, sources: list) -> None:
+    """Replace the [b, n] tensor a loss's target is computed from by a new input (see the module docstring)."""
+    start = _back(loss.args[1])
+    v = start.meta.get("val")
+    if not (isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == plan.n):
+        raise UsageError(f"context_parallel: the target of the loss {_where(loss)} is not a [batch, sequence] tensor "
+                         f"computed from the inputs ({start.name}); parallelize with context_parallel=1")
+    need, stack = [], [start]
+    while stack:
+        x = stack.pop()
+        if x in need:
+            continue
+        if x.op == "placeholder" and x.meta.get(ROLE) != "input":
+            raise UsageError(f"context_parallel: the loss's target {start.name} depends on {x.name} (a "
+                             f"{x.meta.get(ROLE)}), not only on the inputs; parallelize with context_parallel=1")
+        need.append(x)
+        stack.extend(x.all_input_nodes)
+    small, env, idx = Graph(), {}, []
+    holders = [p for p in gm.graph.find_nodes(op="placeholder") if p.meta.get(ROLE) == "input"]
+    for x in gm.graph.nodes:
+        if x in need:
+            if x.op == "placeholder":
+                idx.append(holders.index(x))
+            env[x] = small.node_copy(x, lambda a: env[a])
+    small.output(env[start])
+    plan.targets.append((GraphModule(torch.nn.Module(), small), idx))
+    last = gm.graph.find_nodes(op="placeholder")[-1]
+    with gm.graph.inserting_after(last):
+        holder = gm.graph.placeholder(f"context_target_{len(plan.targets) - 1}")
+    holder.meta = {"val": v, ROLE: "input"}
+    sources.append(("input", plan.inputs + len(plan.targets) - 1))
+    start.replace_all_uses_with(holder)
+    gm.graph.eliminate_dead_code()
+
+
+def _refuse_token_mixing(gm: GraphModule, n: int) -> None:
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _ALONG:
+            continue
+        x = node.args[0]
+        xv, ov = x.meta.get("val") if isinstance(x, Node) else None, node.meta.get("val")
+        if not isinstance(xv, torch.Tensor) or not isinstance(ov, torch.Tensor):
+            continue
+        pos = _ALONG[node.target]
+        if pos is None:  # a pad: the dims whose size it changes
+            dims = [d for d in range(xv.dim()) if d < ov.dim() and xv.shape[d] != ov.shape[d]]
+        else:
+            d = arg(node, pos, "dim", 0)
+            dims = list(d) if isinstance(d, (list, tuple)) else [d]
+        if any(xv.dim() > 1 and xv.shape[d % xv.dim()] == n for d in dims) and not (
+                node.target is aten.slice.Tensor and ov.shape == xv.shape):
+            raise UsageError(
+                f"context_parallel: {_where(node)} works along a dim of the local sequence length {n} (a shift, "
+                f"slice or running sum over the tokens), which each rank would compute on its own part only; "
+                f"compute it outside the model or parallelize with context_parallel=1")
+
+
+def finish(gm: GraphModule, grid) -> None:
+    """Each attention of the per-rank program `gm` as a `ContextAttention` over `grid`'s cp ranks."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), GroupedHeadsAttention):
+            raise UsageError(f"context_parallel: the attention {node.name} picks its KV heads per column (the grid's "
+                             f"columns do not divide the KV heads); pick a grid whose columns divide them, or "
+                             f"parallelize with context_parallel=1")
+    for node in list(gm.graph.find_nodes(op="call_function", target=SDPA)):
+        module = ContextAttention(grid, bool(arg(node, 5, "is_causal", False)), node.kwargs.get("scale"),
+                                  bool(node.kwargs.get("enable_gqa", False)), arg(node, 4, "dropout_p", 0.0), node.name)
+        name = f"autopar_context_{node.name}"
+        gm.add_submodule(name, module)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(name, tuple(node.args[:3]))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
