@@ -15,7 +15,10 @@ that rank's part of the whole sequence's result (the run-time parts are `passes.
   rank's chunk boundaries as on one process. The loss output and the outputs with a sequence dim are
   named in the plan (`passes.ops.context.LossSum`, `SeqGather`).
 - **Refusals.** Slicing, padding, rolling, flipping or a cumulative op along a dim of the local length n
-  (which would mix or shift this rank's tokens as if they were the whole sequence) raises, naming the op.
+  (which would mix or shift this rank's tokens as if they were the whole sequence) raises, naming the op;
+  the last dim of a tensor of 3 or more dims is taken as features, whatever its size. This reads sizes, not
+  the data flow: an op along another dim that happens to be n long is refused too, and token mixing by
+  other ops (a pooling over the sequence, attention written as matmul and softmax) is not caught.
 
 `finish` runs on the per-rank program: each `scaled_dot_product_attention` becomes a `ContextAttention`.
 """
@@ -77,9 +80,11 @@ def _where(node: Node) -> str:
     return f"{node.name} ({node.target}) in {module_path(node) or '<top>'} at {source_line(node) or '?'}"
 
 
-def prepare(gm: GraphModule, cp: int, rank: int, buffers: dict, constants: dict, sources: list) -> ContextPlan:
-    """Rewrite `gm` (captured at 1/cp of the sequence) in place as the module docstring says; `sources`
-    (the capture's per-placeholder (role, key)) gains the extra inputs. Returns the plan."""
+def prepare(gm: GraphModule, cp: int, rank: int, cols: int, buffers: dict, constants: dict,
+            sources: list) -> ContextPlan:
+    """Rewrite `gm` (captured at 1/cp of the sequence, for a grid of `cols` columns) in place as the module
+    docstring says; `sources` (the capture's per-placeholder (role, key)) gains the extra inputs. Returns the
+    plan."""
     holders = gm.graph.find_nodes(op="placeholder")
     inputs = [p for p in holders if p.meta.get(ROLE) == "input"]
     seq = next((p for p in inputs if isinstance(v := p.meta.get("val"), torch.Tensor) and v.dim() >= 2), None)
@@ -91,6 +96,7 @@ def prepare(gm: GraphModule, cp: int, rank: int, buffers: dict, constants: dict,
     keys = dict(zip(holders, sources))
     for node in list(gm.graph.find_nodes(op="call_function", target=SDPA)):
         _causal_attention(gm, node, n, keys, buffers, constants)
+        _grouped_kv(node, cols)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _ARANGES and _counts_tokens(node, n):
             _global_positions(gm, node, rank, cp, n)
@@ -117,6 +123,32 @@ def _causal_attention(gm: GraphModule, node: Node, n: int, keys: dict, buffers: 
         causal = True
     node.args = tuple(node.args[:3])
     node.kwargs = {**kw, "dropout_p": arg(node, 4, "dropout_p", 0.0), "is_causal": causal}
+
+
+def _repeated(node) -> tuple:
+    """(x, g) where `node` is x [b, h, n, d] with each head repeated g times (transformers' repeat_kv:
+    unsqueeze(2), expand, reshape); (node, 1) otherwise."""
+    if isinstance(node, Node) and node.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        ex = node.args[0]
+        if isinstance(ex, Node) and ex.target is aten.expand.default:
+            un = ex.args[0]
+            if isinstance(un, Node) and un.target is aten.unsqueeze.default and un.args[1] == 2:
+                x, out = un.args[0], node.meta.get("val")
+                xv = x.meta.get("val") if isinstance(x, Node) else None
+                if isinstance(xv, torch.Tensor) and xv.dim() == 4 and out is not None and out.dim() == 4 \
+                        and out.shape[1] % xv.shape[1] == 0 and out.shape[2:] == xv.shape[2:]:
+                    return x, out.shape[1] // xv.shape[1]
+    return node, 1
+
+
+def _grouped_kv(node: Node, cols: int) -> None:
+    """Keys and values whose heads the model repeated for grouped-query attention are gathered over the cp
+    ranks before the repeat (SDPA's enable_gqa repeats them): g times fewer bytes."""
+    (k, gk), (v, gv) = _repeated(node.args[1]), _repeated(node.args[2])
+    heads = k.meta["val"].shape[1] if gk > 1 else 0
+    if gk > 1 and gk == gv and heads % cols == 0 and not node.kwargs.get("enable_gqa"):
+        node.args = (node.args[0], k, v)
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
 
 
 def _constant(gm: GraphModule, out: Node, keys: dict, buffers: dict, constants: dict) -> torch.Tensor | None:
@@ -233,7 +265,7 @@ def _target_input(gm: GraphModule, loss: Node, plan: ContextPlan, sources: list)
                              f"{x.meta.get(ROLE)}), not only on the inputs; parallelize with context_parallel=1")
         need.append(x)
         stack.extend(x.all_input_nodes)
-    small, env, idx = Graph(), {}, []
+    small, env, idx = Graph(), dict[Node, Node](), list[int]()
     holders = [p for p in gm.graph.find_nodes(op="placeholder") if p.meta.get(ROLE) == "input"]
     for x in gm.graph.nodes:
         if x in need:
@@ -265,7 +297,10 @@ def _refuse_token_mixing(gm: GraphModule, n: int) -> None:
         else:
             d = arg(node, pos, "dim", 0)
             dims = list(d) if isinstance(d, (list, tuple)) else [d]
-        if any(xv.dim() > 1 and xv.shape[d % xv.dim()] == n for d in dims) and not (
+        # the last dim of a 3-d or larger tensor holds features (rotate_half's halves of a head, a fused qkv's
+        # parts), whatever its size; the sequence is dim 1 of [b, s] and [b, s, h], dim 2 of [b, heads, s, d]
+        dims = [d % xv.dim() for d in dims if xv.dim() == 2 or d % xv.dim() != xv.dim() - 1]
+        if any(xv.dim() > 1 and xv.shape[d] == n for d in dims) and not (
                 node.target is aten.slice.Tensor and ov.shape == xv.shape):
             raise UsageError(
                 f"context_parallel: {_where(node)} works along a dim of the local sequence length {n} (a shift, "

@@ -1,0 +1,239 @@
+"""Rank-side checks of context parallelism (`parallelize(..., context_parallel=cp)`), run by tests/test_context.py."""
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.errors import UsageError
+from examples.models import GPTConfig, TinyGPT
+from passes.cost.context import attention_bytes, loss_bytes, output_bytes
+from tests.compare import group_excess
+
+VOCAB = 96
+
+
+def _hf(family: str, **extra):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, use_cache=False)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **common))
+    if family == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=2, **common))
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(num_key_value_heads=2, **{
+            "sliding_window": None, **common, **extra}))
+    if family == "neox":
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common))
+    raise ValueError(family)
+
+
+class Encoder(nn.Module):
+    """Unmasked (bidirectional) attention and a per-token regression head: no causal mask, no loss in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.qkv = nn.Linear(32, 96)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.inp(x)
+        q, k, v = self.qkv(h).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 32)
+        return self.out(h + y)
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    if family == "gpt":
+        return TinyGPT(GPTConfig(vocab_size=VOCAB, max_seq=32, hidden=32, heads=4, layers=2))
+    if family == "encoder":
+        return Encoder()
+    return _hf(family)
+
+
+def _batch(family: str, batch: int, seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if family == "encoder":
+        return (torch.randn(batch, seq, 8, generator=g),), {}
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    labels = torch.randint(0, VOCAB, (batch, seq), generator=g) if family == "gpt" else ids.clone()
+    labels[1, -5:] = -100  # a padded row: its last tokens count no target (two chunks at cp 4, seq 16)
+    return ((ids, labels), {}) if family == "gpt" else ((), dict(input_ids=ids, labels=labels))
+
+
+def _out(family: str, out):
+    """(per-token output, loss or None) of a call."""
+    if family == "gpt":
+        return out
+    if family == "encoder":
+        return out, None
+    return out.logits, out.loss
+
+
+def _whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 4, steps: int = 2, **options):
+    """Outputs, loss, every gradient (step 0), the loss of every step and the parameters after `steps` AdamW
+    steps against the unmodified model on one process; the context-parallel bytes of step 0 as counted and as
+    `passes.cost.context` prices them."""
+    torch.set_num_threads(1)
+    model = _model(family)
+    ref = copy.deepcopy(model)
+    args, kwargs = _batch(family, batch, seq, 1)
+    pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs or None,
+                             context_parallel=cp, **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    ref_params = dict(ref.named_parameters())
+    errs, counted = {}, {}
+    for step in range(steps):
+        args, kwargs = _batch(family, batch, seq, step + 1)
+        pm.grid.log.reset()
+        y, loss = _out(family, pm(*args, **kwargs))
+        ry, rloss = _out(family, ref(*args, **kwargs))
+        if loss is None:  # the user's loss on the gathered output
+            loss, rloss = (_whole(y) ** 2).mean(), (ry ** 2).mean()
+        loss.backward()
+        rloss.backward()
+        if step == 0:
+            counted = {ph: sum(v for (t, p), v in pm.grid.log.bytes.items() if t.startswith("context") and p == ph)
+                       for ph in ("fwd", "bwd")}
+            errs.update(group_excess({"output": (_whole(y), ry)}))
+            errs.update(group_excess({n: (_whole(p.grad), ref_params[n].grad) for n, p in pm.named_parameters()},
+                                     prefix="grad "))
+        errs.update(group_excess({f"loss step {step}": (_whole(loss).detach(), rloss.detach())}))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    errs.update(group_excess({n: (_whole(p), ref_params[n]) for n, p in pm.named_parameters()},
+                             prefix=f"param after {steps} steps "))
+    return {"excess": errs, "bytes": counted, "expected": _expected(family, grid, cp, seq, batch, y)}
+
+
+def _expected(family: str, grid: tuple, cp: int, seq: int, batch: int, y) -> dict:
+    """The step's bytes as priced: K and V blocks [b/R, kv heads/C, s/cp, d] per attention (transformers' repeated
+    KV heads gathered before the repeat), the per-token output's block, the loss."""
+    rows, cols = grid
+    n = seq // cp
+    kv_heads, d, layers = {"gpt": (4, 8, 2), "encoder": (4, 8, 1), "neox": (4, 8, 2)}.get(family, (2, 8, 2))
+    fwd = bwd = 0
+    for _ in range(layers):
+        f, b = attention_bytes(batch // rows * (kv_heads // cols) * n * d * 4, cp)
+        fwd, bwd = fwd + f, bwd + b
+    local = y.to_local() if hasattr(y, "to_local") else y
+    fwd += output_bytes(local.numel() // cp * 4, cp)
+    if family != "encoder":
+        fwd += loss_bytes(4, cp)
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def saved(rank, family: str, grid: tuple, cp: int, path: str, seq: int = 16):
+    """Two steps at context_parallel=cp, then save_pretrained: the files, loaded by transformers on one process,
+    hold the parameters the unmodified model has after the same steps."""
+    torch.set_num_threads(1)
+    model = _model(family)
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, grid=grid, example_kwargs=_batch(family, 4, seq, 1)[1], context_parallel=cp)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pm, ref))
+    for step in range(2):
+        kwargs = _batch(family, 4, seq, step + 1)[1]
+        pm(**kwargs).loss.backward()
+        ref(**kwargs).loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    pm.save_pretrained(path)
+    dist.barrier()
+    loaded = type(ref).from_pretrained(path)
+    mine = dict(loaded.named_parameters())
+    return {"excess": group_excess({n: (mine[n], p) for n, p in ref.named_parameters()}, prefix="loaded ")}
+
+
+def refusals(rank):
+    """What context parallelism does not run is refused by name, on every rank alike (4 ranks, cp 4 or 2)."""
+    torch.set_num_threads(1)
+    seen = {}
+
+    def expect(what, match, fn):
+        with pytest.raises(UsageError, match=match):
+            fn()
+        seen[what] = True
+
+    gpt = _model("gpt")
+    ids = torch.randint(0, VOCAB, (2, 12))
+    expect("length", r"2 \* cp = 8 chunks .* sequence length is 12",
+           lambda: autopar.parallelize(gpt, grid=(1, 1), example_inputs=(ids, ids), context_parallel=4))
+    llama = _model("llama")
+    ids = torch.randint(0, VOCAB, (2, 16))
+    expect("padding mask", "attention_mask with context_parallel=4: padding masks are not supported",
+           lambda: autopar.parallelize(llama, grid=(1, 1), example_kwargs=dict(
+               input_ids=ids, attention_mask=torch.ones_like(ids)), context_parallel=4))
+    expect("window", "sliding_window=8: windowed or chunked attention is not supported",
+           lambda: autopar.parallelize(_hf("mistral", sliding_window=8), grid=(1, 1),
+                                       example_kwargs=dict(input_ids=ids), context_parallel=4))
+    expect("replicas", r"not yet with pipeline stages, data-parallel replicas",
+           lambda: autopar.parallelize(llama, grid=(2, 1, 1), example_kwargs=dict(input_ids=ids), context_parallel=2))
+    expect("world", r"context_parallel=2 on grid=\(1, 1\) needs 2 \* 1 \* 1 = 2 processes",
+           lambda: autopar.parallelize(llama, grid=(1, 1), example_kwargs=dict(input_ids=ids), context_parallel=2))
+    pm = autopar.parallelize(llama, grid=(1, 1), example_kwargs=dict(input_ids=ids), context_parallel=4)
+    expect("generate", "generate with context_parallel=4", lambda: pm.generate(ids[:, :8], max_new_tokens=2))
+
+    class Shifted(nn.Module):  # the loss of next-token logits taken inside the model: a shift over the tokens
+        def __init__(self):
+            super().__init__()
+            self.inner = _model("gpt")
+
+        def forward(self, ids):
+            logits = self.inner(ids)
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    expect("shift", r"the target of the loss .* is not a \[batch, sequence\] tensor computed from the inputs",
+           lambda: autopar.parallelize(Shifted(), grid=(1, 1), example_inputs=(ids,), context_parallel=4))
+
+    class Running(nn.Module):  # a running sum over the tokens
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x).cumsum(1)
+
+    expect("running sum", r"cumsum.* works along a dim of the local sequence length 4",
+           lambda: autopar.parallelize(Running(), grid=(1, 1), example_inputs=(torch.randn(2, 16, 8),),
+                                       context_parallel=4))
+
+    class Masked(nn.Module):  # a mask the caller passes (padding): not a constant of the graph
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x, keep):
+            q = self.proj(x).unsqueeze(1)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=keep[:, None, None, :]).squeeze(1)
+
+    x, m = torch.randn(2, 16, 8), torch.ones(2, 16, dtype=torch.bool)
+    expect("mask input", "takes a mask that is not the causal triangle built from sizes .*padding mask",
+           lambda: autopar.parallelize(Masked(), grid=(1, 1), example_inputs=(x, m), context_parallel=4))
+    return seen
+
+
+def tmp_dir(rank) -> str:
+    """One directory every rank names alike (rank 0's, broadcast)."""
+    box = [tempfile.mkdtemp(prefix="autopar-cp-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    os.makedirs(box[0], exist_ok=True)
+    return box[0]

@@ -1,0 +1,62 @@
+"""Context parallelism (`parallelize(..., context_parallel=cp)`): parity with the unmodified model on one process,
+every rank, every element, forward, gradients and AdamW steps; the bytes each rank receives as priced; checkpoints
+across cp degrees; refusals by name."""
+
+import pytest
+
+from tests import checks_context as C
+from tests.compare import assert_every_rank
+from tests.conftest import get_pool
+
+
+def _check(results, what):
+    assert_every_rank([r["excess"] for r in results], what)
+    for rank, r in enumerate(results):
+        if "bytes" in r:
+            assert r["bytes"] == r["expected"], f"{what}: rank {rank}: context bytes {r['bytes']} != {r['expected']}"
+
+
+def test_cp4_alone_gpt(pool4):
+    """Catches a token at the wrong global position (learned positions), a causal mask that is not causal by
+    global position (the zig-zag halves), a wrong share of the targets when a rank's chunks count none of them
+    (row 1's padded tail), a gradient of K or V not summed back over the ranks, or outputs gathered out of order:
+    cp 4 on a 1x1 grid, every rank."""
+    _check(pool4.run(C.parity, "gpt", (1, 1), 4), "TinyGPT cp 4")
+
+
+def test_cp2_with_a_1x2_grid_llama(pool4):
+    """transformers' Llama (RoPE from position ids, its causal mask built in the graph, its labels shifted in the
+    loss, grouped-query KV heads repeated) at cp 2 beside 1D-width 1x2 tensor parallel (2D SUMMA on 1x2)."""
+    _check(pool4.run(C.parity, "llama", (1, 2), 2), "Llama cp 2 x 1x2")
+
+
+def test_cp4_unmasked_attention_and_the_users_loss(pool4):
+    """Bidirectional attention (no mask) and a loss the caller computes on the gathered output."""
+    _check(pool4.run(C.parity, "encoder", (1, 1), 4), "encoder cp 4")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "neox"])
+def test_cp2_families(pool4, family):
+    """The other causal-LM families the issue names, cp 2 x 1x2."""
+    _check(pool4.run(C.parity, family, (1, 2), 2), f"{family} cp 2 x 1x2")
+
+
+def test_cp2_with_a_2x2_grid():
+    """cp 2 beside a 2x2 SUMMA grid (8 ranks), Llama and TinyGPT."""
+    pool = get_pool(8)
+    _check(pool.run(C.parity, "llama", (2, 2), 2), "Llama cp 2 x 2x2")
+    _check(pool.run(C.parity, "gpt", (2, 2), 2, batch=4), "TinyGPT cp 2 x 2x2")
+
+
+def test_a_cp2_checkpoint_loads_on_one_process(pool4):
+    """save_pretrained after two steps at cp 2 x 1x2: transformers loads the whole model (any cp degree reads it)."""
+    path = pool4.run(C.tmp_dir)[0]
+    _check(pool4.run(C.saved, "llama", (1, 2), 2, path), "Llama cp 2 checkpoint")
+
+
+def test_what_context_parallelism_refuses(pool4):
+    """A length not divisible by 2 cp, a padding mask, a sliding window, replicas, a wrong world size,
+    generation, a shift over the tokens inside the model, a running sum over them and a mask given as an input:
+    each a UsageError."""
+    for r in pool4.run(C.refusals):
+        assert len(r) == 9, sorted(r)
