@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import autopar
 from autopar.errors import UsageError
 from examples.models import GPTConfig, TinyGPT
-from passes.cost.context import attention_bytes, loss_bytes, output_bytes
+from passes.cost.context import alltoall_bytes, attention_bytes, loss_bytes, output_bytes
+from passes.ops.context import flavour
 from tests.compare import group_excess
 
 VOCAB = 96
@@ -125,14 +126,20 @@ def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 
 
 
 def _expected(family: str, grid: tuple, cp: int, seq: int, batch: int, y) -> dict:
-    """The step's bytes as priced: K and V blocks [b/R, kv heads/C, s/cp, d] per attention (transformers' repeated
-    KV heads gathered before the repeat), the per-token output's block, the loss."""
+    """The step's bytes as priced: q blocks [b/R, heads/C, s/cp, d], K and V blocks [b/R, kv heads/C, s/cp, d] per
+    attention (transformers' repeated KV heads moved before the repeat), in the flavour this rank's heads allow;
+    the per-token output's block; the loss."""
     rows, cols = grid
     n = seq // cp
     kv_heads, d, layers = {"gpt": (4, 8, 2), "encoder": (4, 8, 1), "neox": (4, 8, 2)}.get(family, (2, 8, 2))
+    heads, kv_heads = 4 // cols, kv_heads // cols  # this rank's
+    q_block, kv_block = batch // rows * heads * n * d * 4, batch // rows * kv_heads * n * d * 4
     fwd = bwd = 0
     for _ in range(layers):
-        f, b = attention_bytes(batch // rows * (kv_heads // cols) * n * d * 4, cp)
+        if flavour(heads, kv_heads, cp) == "alltoall":
+            f, b = alltoall_bytes(q_block, kv_block, cp)
+        else:
+            f, b = attention_bytes(kv_block, cp)
         fwd, bwd = fwd + f, bwd + b
     local = y.to_local() if hasattr(y, "to_local") else y
     fwd += output_bytes(local.numel() // cp * 4, cp)

@@ -1,23 +1,36 @@
 """What context parallelism moves per rank (`passes.ops.context`), with `passes.cost.volumes`' conventions.
 
-An attention's keys and values are all-gathered over the cp ranks forward and their gradients
-reduce-scattered back backward: with N bytes in one rank's block of K (and of V),
+In the all-gather flavour an attention's keys and values are all-gathered over the cp ranks forward and their
+gradients reduce-scattered back backward: with N bytes in one rank's block of K (and of V),
 
 >>> attention_bytes(1000, 4)
 (6000, 6000)
+
+In the all-to-all flavour q, k, v and the output each cross once forward and once backward, every rank
+receiving (cp - 1)/cp of the block: with 2000 bytes of q (and of the output) and 1000 of k (and of v),
+
+>>> alltoall_bytes(2000, 1000, 4)
+(4500, 4500)
 """
 
 from __future__ import annotations
 
-from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, all_to_all_bytes, reduce_scatter_bytes
 
-__all__ = ["attention_bytes", "loss_bytes", "output_bytes"]
+__all__ = ["alltoall_bytes", "attention_bytes", "loss_bytes", "output_bytes"]
 
 
 def attention_bytes(kv_block: int, cp: int) -> tuple:
     """(forward, backward) bytes one rank receives for one attention whose K and V blocks hold `kv_block` bytes
     each: two all-gathers, then two reduce-scatters of the cp-times-larger gathered gradients."""
     return 2 * all_gather_bytes(kv_block, cp), 2 * reduce_scatter_bytes(cp * kv_block, cp)
+
+
+def alltoall_bytes(q_block: int, kv_block: int, cp: int) -> tuple:
+    """(forward, backward) bytes one rank receives for one attention in the all-to-all flavour, with q's (and the
+    output's) block of `q_block` bytes and k's (and v's) of `kv_block`."""
+    one = sum(all_to_all_bytes([1] * cp, 0, n // cp) for n in (q_block, kv_block, kv_block, q_block))
+    return one, one
 
 
 def output_bytes(block: int, cp: int) -> int:

@@ -8,11 +8,15 @@ many (the load balancing of Llama 3's and Megatron's context parallelism).
 
 - `take` cuts a rank's part out of a whole tensor, `restore` puts the parts gathered in rank order back in
   sequence order, `positions` are the global token positions of a rank's part.
-- `ContextAttention` replaces a `scaled_dot_product_attention` on the local tokens: it all-gathers the keys
-  and values over the cp ranks (`comm.GatherSum`: the gradients of k and v reduce-scattered back in
-  backward) and attends its own queries to every key, causal by global position. This is the all-gather
-  flavour Llama 3 was trained with (arXiv:2407.21783, section 3.3.2); it holds the whole sequence's K and V
-  (with grouped-query attention a few heads) and the [s/cp, s] mask.
+- `ContextAttention` replaces a `scaled_dot_product_attention` on the local tokens, in one of two flavours:
+  - **all-to-all** (DeepSpeed-Ulysses, arXiv:2309.14509), where this rank's query and KV heads both divide by
+    cp: q, k and v go from sequence-split to head-split ([b, h/cp, S, d], every token in sequence order), the
+    attention runs whole and causal with no mask (the fused kernels), and its output comes back; four
+    all-to-alls forward, four backward, each receiving (cp−1)/cp of its tensor.
+  - **all-gather** (the flavour Llama 3 was trained with, arXiv:2407.21783, section 3.3.2) otherwise: k and v
+    are all-gathered (`comm.GatherSum`: their gradients reduce-scattered back) and this rank's queries attend
+    to every key under an [s/cp, s] mask by global position; it holds the whole sequence's K and V and that
+    mask (which SDPA keeps for backward, in the queries' dtype, per attention).
 - `SeqGather` gathers an output's sequence dim for the caller; `LossSum` makes the model's own mean loss,
   computed on each rank's tokens, the mean over the whole sequence on every rank.
 
@@ -28,8 +32,10 @@ import torch.nn.functional as F
 
 from passes.mesh import CP_AXIS, Grid
 from passes.ops import comm
+from passes.ops.moe_dispatch import all_to_all
 
-__all__ = ["ContextAttention", "LossSum", "SeqGather", "chunks", "positions", "restore", "take"]
+__all__ = ["ContextAttention", "LossSum", "SeqGather", "ToHeads", "ToTokens", "chunks", "flavour", "positions",
+           "restore", "take"]
 
 TAG = "context"  # CommLog tag prefix of the context-parallel collectives
 
@@ -58,6 +64,63 @@ def positions(i: int, cp: int, n: int, device=None) -> torch.Tensor:
     return torch.cat([torch.arange(a * c, (a + 1) * c, device=device) for a in chunks(i, cp)])
 
 
+def flavour(heads: int, kv_heads: int, cp: int) -> str:
+    """How an attention with this rank's `heads` query and `kv_heads` KV heads runs over cp ranks: 'alltoall'
+    where both divide by cp, else 'allgather' (see the module docstring)."""
+    return "alltoall" if heads % cp == 0 and kv_heads % cp == 0 else "allgather"
+
+
+def _to_heads(x: torch.Tensor, grid: Grid, tag: str, phase: str) -> torch.Tensor:
+    """[b, h, n, d] (this rank's tokens) -> [b, h/cp, S, d] (head group i of every token, in sequence order)."""
+    cp, (b, h, n, d) = grid.cp, x.shape
+    parts = x.reshape(b, cp, h // cp, n, d).transpose(0, 1).contiguous()  # [cp (head group), b, h/cp, n, d]
+    got = all_to_all(grid, CP_AXIS, parts, [1] * cp, [1] * cp, tag, phase)  # [cp (source rank), ...]
+    return restore(got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d), 2, cp)
+
+
+def _to_tokens(y: torch.Tensor, grid: Grid, tag: str, phase: str) -> torch.Tensor:
+    """`_to_heads` undone: [b, h/cp, S, d] -> [b, h, n, d]."""
+    cp, (b, hg, s, d) = grid.cp, y.shape
+    parts = torch.stack([take(y, 2, i, cp) for i in range(cp)])  # [cp (destination rank), b, h/cp, n, d]
+    got = all_to_all(grid, CP_AXIS, parts, [1] * cp, [1] * cp, tag, phase)  # [cp (head group), ...]
+    return got.transpose(0, 1).reshape(b, cp * hg, s // cp, d)
+
+
+class ToHeads(torch.autograd.Function):
+    """Sequence-split to head-split (all-to-all over the cp ranks); backward the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, grid, tag):
+        ctx.args = (grid, tag)
+        return _to_heads(x, grid, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        return _to_tokens(g, *ctx.args, "bwd"), None, None
+
+
+class ToTokens(torch.autograd.Function):
+    """Head-split back to sequence-split; backward the reverse."""
+
+    @staticmethod
+    def forward(ctx, y, grid, tag):
+        ctx.args = (grid, tag)
+        return _to_tokens(y, grid, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        return _to_heads(g, *ctx.args, "bwd"), None, None
+
+
+def _repeat_kv(q, k, v) -> tuple:
+    """k and v with each KV head repeated for the query heads that read it (head h reads KV head h // g, as
+    SDPA's enable_gqa does; done here: its fused kernels take no enable_gqa with a mask)."""
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    g = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+
+
 class ContextAttention(nn.Module):
     """Attention of this rank's queries [b, h, n, d] to the keys and values of all cp ranks (see the module
     docstring). `causal`: key j is seen by query i where j's global position is at most i's."""
@@ -67,6 +130,7 @@ class ContextAttention(nn.Module):
         self.grid, self.causal, self.scale, self.gqa, self.dropout_p, self.tag = \
             grid, causal, scale, gqa, dropout_p, tag
         self._masks: dict = {}
+        self.flavour = ""  # set by the first call: 'alltoall' or 'allgather'
 
     def mask(self, n: int, device) -> torch.Tensor | None:
         """[n, cp·n] bool: which gathered keys (in rank order) each local query attends to; None: all."""
@@ -81,15 +145,22 @@ class ContextAttention(nn.Module):
         return self._masks[key]
 
     def forward(self, q, k, v):
-        keys = comm.GatherSum.apply(k, self.grid, CP_AXIS, 2, f"{TAG} {self.tag} k")
-        values = comm.GatherSum.apply(v, self.grid, CP_AXIS, 2, f"{TAG} {self.tag} v")
         drop = self.dropout_p if self.training else 0.0
-        extra = {"enable_gqa": True} if self.gqa else {}
+        tag = f"{TAG} {self.tag}"
+        self.flavour = flavour(q.shape[1], k.shape[1], self.grid.cp)
+        if self.flavour == "alltoall":  # every token of h/cp heads: causal in sequence order, no mask
+            qh, kh, vh = (ToHeads.apply(t, self.grid, f"{tag} {w}") for t, w in ((q, "q"), (k, "k"), (v, "v")))
+            kh, vh = _repeat_kv(qh, kh, vh)
+            y = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=drop, is_causal=self.causal, scale=self.scale)
+            return ToTokens.apply(y, self.grid, f"{tag} out")
+        keys = comm.GatherSum.apply(k, self.grid, CP_AXIS, 2, f"{tag} k")
+        values = comm.GatherSum.apply(v, self.grid, CP_AXIS, 2, f"{tag} v")
+        keys, values = _repeat_kv(q, keys, values)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(q.shape[2], q.device),
-                                              dropout_p=drop, scale=self.scale, **extra)
+                                              dropout_p=drop, scale=self.scale)
 
     def extra_repr(self) -> str:
-        return f"cp={self.grid.cp}, causal={self.causal}, all-gather of k and v"
+        return f"cp={self.grid.cp}, causal={self.causal}, {self.flavour or 'all-to-all or all-gather'}"
 
 
 class SeqGather(torch.autograd.Function):
