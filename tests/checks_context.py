@@ -86,7 +86,8 @@ def _whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 4, steps: int = 2, **options):
+def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 4, steps: int = 2,
+           expect_recompute: bool = False, **options):
     """Outputs, loss, every gradient (step 0), the loss of every step and the parameters after `steps` AdamW
     steps against the unmodified model on one process; the context-parallel bytes of step 0 as counted and as
     `passes.cost.context` prices them."""
@@ -112,6 +113,9 @@ def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 
         if step == 0:
             counted = {ph: sum(v for (t, p), v in pm.grid.log.bytes.items() if t.startswith("context") and p == ph)
                        for ph in ("fwd", "bwd")}
+            if expect_recompute:  # a recomputed block's attention moves its forward bytes again in backward
+                counted["recompute"] = sum(v for (t, p), v in pm.grid.log.bytes.items()
+                                           if t.startswith("context") and p == "recompute")
             errs.update(group_excess({"output": (_whole(y), ry)}))
             errs.update(group_excess({n: (_whole(p.grad), ref_params[n].grad) for n, p in pm.named_parameters()},
                                      prefix="grad "))
@@ -122,7 +126,11 @@ def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 
         ref_opt.zero_grad()
     errs.update(group_excess({n: (_whole(p), ref_params[n]) for n, p in pm.named_parameters()},
                              prefix=f"param after {steps} steps "))
-    return {"excess": errs, "bytes": counted, "expected": _expected(family, grid, cp, seq, batch, y)}
+    expected = _expected(family, grid, cp, seq, batch, y)
+    if expect_recompute:
+        expected["recompute"] = expected["attention fwd"]
+    expected.pop("attention fwd")
+    return {"excess": errs, "bytes": counted, "expected": expected}
 
 
 def _expected(family: str, grid: tuple, cp: int, seq: int, batch: int, y) -> dict:
@@ -141,11 +149,12 @@ def _expected(family: str, grid: tuple, cp: int, seq: int, batch: int, y) -> dic
         else:
             f, b = attention_bytes(kv_block, cp)
         fwd, bwd = fwd + f, bwd + b
+    attention = fwd
     local = y.to_local() if hasattr(y, "to_local") else y
     fwd += output_bytes(local.numel() // cp * 4, cp)
     if family != "encoder":
         fwd += loss_bytes(4, cp)
-    return {"fwd": fwd, "bwd": bwd}
+    return {"fwd": fwd, "bwd": bwd, "attention fwd": attention}
 
 
 def saved(rank, family: str, grid: tuple, cp: int, path: str, seq: int = 16):

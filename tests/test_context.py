@@ -60,3 +60,15 @@ def test_what_context_parallelism_refuses(pool4):
     each a UsageError."""
     for r in pool4.run(C.refusals):
         assert len(r) == 9, sorted(r)
+
+
+def test_cp2_with_1d_and_recompute(pool4):
+    """cp 2 beside Megatron-style 1D tensor parallelism on 1x2, each block recomputed in backward (its
+    all-to-alls run again)."""
+    _check(pool4.run(C.parity, "gpt", (1, 2), 2, strategy="1d", recompute="blocks", expect_recompute=True),
+           "TinyGPT cp 2 x 1D 1x2, recompute='blocks'")
+
+
+def test_cp4_compiled(pool4):
+    """compile=True: each rank's program under torch.compile, the context collectives between its regions."""
+    _check(pool4.run(C.parity, "gpt", (1, 1), 4, compile=True), "TinyGPT cp 4 compiled")
