@@ -40,6 +40,8 @@ def add_arguments(sub) -> None:
             p.add_argument("--tp", default="1", help="tensor parallel: t (1D), R,C (2D SUMMA) or q,q,q (3D)")
             p.add_argument("--dp-shard", type=int, help="FSDP2 ranks (default: what the devices leave)")
             p.add_argument("--dp-replicate", type=int, default=1, help="replicas (HSDP with --dp-shard)")
+            p.add_argument("--cp", type=int, default=1, help="context-parallel ranks each sequence is split over "
+                           "(parameters sharded over dp-shard x cp, as torchtitan runs it)")
             p.add_argument("--no-overlap", dest="overlap", action="store_false",
                            help="2D and 3D: price every SUMMA transfer in line (parallelize(overlap=False)); "
                                 "default: each product's panels after the first beside its matmuls")
@@ -97,7 +99,7 @@ def _estimate(ns) -> int:
                    dp_replicate=ns.dp_replicate, pp=ns.pp, schedule=ns.schedule, microbatches=ns.microbatches,
                    interleave=ns.interleave, recompute=ns.recompute, precision=ns.precision, compile=ns.compile,
                    fp8=ns.fp8, async_tp=ns.async_tp, shard_optimizer=ns.shard_optimizer,
-                   recompute_blocks=ns.recompute_blocks, overlap=ns.overlap)
+                   recompute_blocks=ns.recompute_blocks, overlap=ns.overlap, cp=ns.cp)
     out = est.to_json()
     if ns.dry_run:
         out["dry_run"] = dry_run_check(est, _model(ns.model), ranks=ns.dry_run, workers=ns.workers)

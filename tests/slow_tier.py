@@ -26,6 +26,10 @@ SLOW = {
     "tests/test_api_guards.py::test_a_skipped_collective_is_named_by_every_rank":
         "test_api_guards.py::test_a_hang_is_diagnosed_while_it_waits and "
         "test_api_guards.py::test_a_hang_is_diagnosed_while_it_waits",
+    # torchtitan's context-parallel runs estimated (15 s): the estimate against the published runs stays in
+    # test_published_runs_within_the_issues_bounds, cp's parity and bytes in test_context.py
+    "tests/test_estimate.py::test_context_parallel_runs_against_torchtitans_tables":
+        "test_estimate.py::test_published_runs_within_the_issues_bounds and test_context.py::test_cp4_alone_gpt",
     # context parallelism beside a 2x2 grid (8 ranks, 60-100 s loaded): cp beside a 1x2 grid and cp 4 alone stay
     "tests/test_context.py::test_cp2_with_a_2x2_grid":
         "test_context.py::test_cp2_with_a_1x2_grid_llama and test_context.py::test_cp4_alone_gpt",

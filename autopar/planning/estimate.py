@@ -302,7 +302,8 @@ def check(src: ModelSource, cfg: Parallel, devices: int, batch: int) -> None:
 
     if cfg.devices != devices:
         raise UsageError(f"autopar.estimate: tp {'x'.join(map(str, cfg.tp))} x dp_shard {cfg.dp_shard} x "
-                         f"dp_replicate {cfg.dp_replicate} x pp {cfg.pp} = {cfg.devices} GPUs, but devices={devices}: "
+                         f"dp_replicate {cfg.dp_replicate} x pp {cfg.pp} x cp {cfg.cp} = {cfg.devices} GPUs, but "
+                         f"devices={devices}: "
                          f"make their product {devices}")
     if cfg.schedule not in SCHEDULES:
         raise UsageError(f"autopar.estimate: schedule={cfg.schedule!r}: expected one of {sorted(SCHEDULES)}")
@@ -336,7 +337,8 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
              dp_replicate: int = 1, pp: int = 1, schedule: str = "1f1b", microbatches: int | None = None,
              interleave: int = 1, recompute: str = "none", precision: str = "bf16-mixed", compile: bool = False,
              fp8: bool = False, async_tp: bool = False, shard_optimizer: bool = False,
-             assignment: dict | None = None, recompute_blocks: int | None = None, overlap: bool = True) -> Estimate:
+             assignment: dict | None = None, recompute_blocks: int | None = None, overlap: bool = True,
+             cp: int = 1) -> Estimate:
     """The estimated step of sequences of `seq` tokens on `devices` GPUs of `cluster` (a preset's name,
     see `passes.cost.cluster.PRESETS`, or a Cluster): `batch` sequences per data-parallel rank
     (torchtitan's local batch size) or `global_batch` in all, split as given:
@@ -353,7 +355,10 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     optimizer; priced, not built by `parallelize`);
     `assignment`: with a 2D `tp`, strategy='auto''s per-unit mix (`pmodel.choice.assignment`);
     `overlap` (2D and 3D): each SUMMA product's panels after the first travel beside the matmuls, as
-    `parallelize(overlap=True)` runs them; False: every transfer in line."""
+    `parallelize(overlap=True)` runs them; False: every transfer in line;
+    `cp`: context parallel, each sequence split over cp ranks, keys and values all-gathered per attention (their
+    gradients reduce-scattered), exposed in line; the parameters sharded over dp_shard x cp, as torchtitan
+    runs it (parallelize's context_parallel replicates them over the cp ranks)."""
     cl = resolve_cluster(cluster)
     if cl is None:
         raise UsageError(f"autopar.estimate: cluster=None: name one of {sorted(PRESETS)} or pass a Cluster")
@@ -363,11 +368,13 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     if (batch is None) == (global_batch is None):
         raise UsageError("autopar.estimate: pass batch= (sequences per data-parallel rank) or global_batch= "
                          "(sequences per step in all), one of them")
-    others = math.prod(tp) * dp_replicate * pp
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise UsageError(f"autopar.estimate: cp={cp!r}: expected a number of context-parallel ranks >= 1")
+    others = math.prod(tp) * dp_replicate * pp * cp
     shard = dp_shard if dp_shard is not None else devices // others if devices % others == 0 else 0
     if shard < 1:
         raise UsageError(f"autopar.estimate: devices={devices} is not a multiple of tp {'x'.join(map(str, tp))} x "
-                         f"dp_replicate {dp_replicate} x pp {pp}")
+                         f"dp_replicate {dp_replicate} x pp {pp} x cp {cp}")
     dp = shard * dp_replicate
     if global_batch is None:
         global_batch = batch * dp
@@ -377,10 +384,12 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     if microbatches is None and pp > 1 and local // rows(tp) >= pp:
         m = local // rows(tp)  # one sequence per grid row and micro-batch (torchtitan's micro-batch size 1)
     cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp,
-                   shard_optimizer, recompute_blocks, overlap)
+                   shard_optimizer, recompute_blocks, overlap, cp)
     check(src, cfg, devices, batch)
     prof = model_profile(src, seq)[0]
     tb, to = tp_bytes(src, seq, tp, assignment)
-    cost = price_step(prof, src.layers, tb, to, cfg, cl, batch, seq, boundary(src, seq, tp) if pp > 1 else None)
+    kv_share = (src.kv_heads or src.heads or 1) / (src.heads or 1)
+    cost = price_step(prof, src.layers, tb, to, cfg, cl, batch, seq, boundary(src, seq, tp) if pp > 1 else None,
+                      kv_share)
     return Estimate(src.name, devices, cl.name, batch, seq, cfg, cost)
 

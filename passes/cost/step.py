@@ -73,6 +73,14 @@ class Parallel:
     shard_optimizer: bool = False  # master weights and AdamW states split over the replicas (ZeRO-1)
     recompute_blocks: int | None = None  # with recompute 'full': the first k blocks of each stage (None: all)
     overlap: bool = True  # 2D and 3D: the next SUMMA panel beside the current matmul (`overlap`); False: in line
+    # context parallel: each sequence split over cp ranks (keys and values all-gathered per attention, their
+    # gradients reduce-scattered); the parameters sharded over dp_shard x cp, as torchtitan runs it
+    cp: int = 1
+
+    @property
+    def fsdp(self) -> int:
+        """The ranks each parameter is sharded over: dp_shard, times cp (torchtitan's dp_shard_cp mesh)."""
+        return self.dp_shard * self.cp
 
     @property
     def rest(self) -> str:
@@ -91,11 +99,12 @@ class Parallel:
 
     @property
     def devices(self) -> int:
-        return self.tp_size * self.dp_shard * self.dp_replicate * self.pp
+        return self.tp_size * self.dp_shard * self.dp_replicate * self.pp * self.cp
 
     def describe(self) -> str:
         tp = "x".join(map(str, self.tp))
         parts = [f"TP {tp}" if self.tp_size > 1 else "", f"FSDP {self.dp_shard}" if self.dp_shard > 1 else "",
+                 f"CP {self.cp}" if self.cp > 1 else "",
                  (f"DP {self.dp_replicate}" + (" (optimizer sharded)" if self.shard_optimizer else ""))
                  if self.dp_replicate > 1 else "",
                  f"PP {self.pp} ({self.schedule}{f', V={self.interleave}' if self.interleave > 1 else ''}, "
@@ -221,7 +230,7 @@ def step_bytes(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     `autopar estimate --dry-run`."""
     dp = cfg.dp_shard * cfg.dp_replicate
     M, S = cfg.microbatches, cfg.pp
-    n = batch / dp / M
+    n = batch / dp / M / cfg.cp
     # a recomputed block's forward collectives run again
     stages = S * cfg.interleave
     rec = min(layers, cfg.recomputed(math.ceil(layers / stages)) * stages)
@@ -229,11 +238,11 @@ def step_bytes(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     tp_calls = M * (layers * sum(tp_block.calls) + rec * sum(tp_block.fwd_calls) + sum(tp_outer.calls))
     blocks = layers * prof.block.params / cfg.tp_size
     params = blocks + prof.outer.params / cfg.tp_size  # all stages' at one grid position
-    share = (cfg.dp_shard - 1) / cfg.dp_shard
+    share = (cfg.fsdp - 1) / cfg.fsdp
     gathered = (2 if S == 1 else 1) * blocks + params - blocks  # FSDP2 keeps the root unit gathered all step
-    fsdp = share * (gathered * weight_bytes + params * grad_bytes) if cfg.dp_shard > 1 else 0.0
+    fsdp = share * (gathered * weight_bytes + params * grad_bytes) if cfg.fsdp > 1 else 0.0
     r = cfg.dp_replicate
-    ddp = (r - 1) / r * params / cfg.dp_shard * _replica_bytes(cfg, grad_bytes, weight_bytes) if r > 1 else 0.0
+    ddp = (r - 1) / r * params / cfg.fsdp * _replica_bytes(cfg, grad_bytes, weight_bytes) if r > 1 else 0.0
     pp = M * (S - 1) * _boundary_bytes(prof, cfg, n, seq, crossing)
     return {"tp": tp, "tp_calls": tp_calls, "fsdp": fsdp, "ddp": ddp, "pp": pp}
 
@@ -255,13 +264,14 @@ def _boundary_bytes(prof: Profile, cfg: Parallel, n: float, seq: int, crossing) 
 
 
 def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes, cfg: Parallel, cl: Cluster,
-               batch: int, seq: int, crossing=None) -> StepCost:
+               batch: int, seq: int, crossing=None, kv_share: float = 1.0) -> StepCost:
     """The step of `batch` sequences of `seq` tokens over `cfg.devices` GPUs (see the module text);
-    `crossing`: what a stage boundary sends (`_boundary_bytes`)."""
+    `crossing`: what a stage boundary sends (`_boundary_bytes`); `kv_share`: KV heads over query heads (what
+    context parallelism gathers per token)."""
     dp = cfg.dp_shard * cfg.dp_replicate
     local = batch / dp  # sequences per data-parallel rank and step
     M = cfg.microbatches
-    n = local / M  # sequences per micro-batch
+    n = local / M / cfg.cp  # sequences per micro-batch (with cp: each rank's 1/cp of their tokens)
     S, V = cfg.pp, cfg.interleave
     per_stage = math.ceil(layers / (S * V))  # blocks per stage (the fullest)
     per_rank = per_stage * V
@@ -271,6 +281,10 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     tp_blk = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.bytes(n), tp_block.calls, spans))
     tp_again = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.fwd_bytes(n), tp_block.fwd_calls, spans))
     tp_out = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_outer.bytes(n), tp_outer.calls, spans))
+    # context parallel, per block and micro-batch: K and V all-gathered forward, their gradients reduce-scattered
+    cp_bytes = (cfg.cp - 1) * n * seq * 2 * kv_share * prof.hidden * prof.param_dtype_bytes / cfg.tp_size
+    cp_s = _coll_s(cp_bytes, 2, cl, cfg.cp * cfg.tp_size, cfg.cp) if cfg.cp > 1 else 0.0
+    tp_blk, tp_again = tp_blk + 2 * cp_s, tp_again + cp_s  # exposed in line, as the tensor-parallel collectives
 
     full = cfg.recomputed(per_stage) * V  # this rank's blocks recomputed in full; the rest as `cfg.rest` says
 
@@ -304,26 +318,26 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     stage_params = (per_rank * block_params + prof.outer.params / (1 if S == 1 else 2)) / cfg.tp_size
     held, grad_b, copy_b = PRECISIONS[cfg.precision]
     gather = copy_b or held - 8  # bytes per parameter gathered: the compute copy (bf16), else the weight
-    dp_span = cfg.dp_shard * cfg.tp_size
+    dp_span = cfg.fsdp * cfg.tp_size
     fsdp_s = first = 0.0
-    if cfg.dp_shard > 1:
-        share = (cfg.dp_shard - 1) / cfg.dp_shard
+    if cfg.fsdp > 1:
+        share = (cfg.fsdp - 1) / cfg.fsdp
         again = 2 if S == 1 else 1  # a block resharded after forward, gathered again for backward; the root once
         units = per_rank + 1
         blocks = per_rank * block_params / cfg.tp_size
         fsdp_s = _coll_s(share * ((again * blocks + stage_params - blocks) * gather + stage_params * grad_b),
-                         units * (again + 1), cl, dp_span, cfg.dp_shard)
-        first = _coll_s(share * block_params / cfg.tp_size * (gather + grad_b), 2, cl, dp_span, cfg.dp_shard)
+                         units * (again + 1), cl, dp_span, cfg.fsdp)
+        first = _coll_s(share * block_params / cfg.tp_size * (gather + grad_b), 2, cl, dp_span, cfg.fsdp)
     ddp_s = 0.0
     if cfg.dp_replicate > 1:
-        shard_params = stage_params / cfg.dp_shard
+        shard_params = stage_params / cfg.fsdp
         ddp_s = _coll_s((cfg.dp_replicate - 1) / cfg.dp_replicate * shard_params
                         * _replica_bytes(cfg, grad_b, gather),
                         max(1, per_rank), cl, cfg.dp_replicate * dp_span, cfg.dp_replicate)
     hideable = compute_s  # replicas' collectives run beside the step's compute
     dp_exposed = max(first, fsdp_s + ddp_s - hideable + first)
     dp_exposed += cl.overlap_cost * (fsdp_s + ddp_s - dp_exposed if fsdp_s + ddp_s > dp_exposed else 0.0)
-    updated = stage_params / cfg.dp_shard / (cfg.dp_replicate if cfg.shard_optimizer else 1)  # this rank's update
+    updated = stage_params / cfg.fsdp / (cfg.dp_replicate if cfg.shard_optimizer else 1)  # this rank's update
     opt_s = updated * (held + grad_b + held + copy_b) / (cl.hbm_bytes_per_s * cl.hbm_efficiency)
     step = compute_s + bubble_s + dp_exposed + pp_s + opt_s
     tokens = batch * seq
@@ -332,9 +346,10 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     devices = cfg.devices
     tp_link = "intra-node" if max(s for s, _ in spans) <= cl.gpus_per_node else "inter-node"
     dp_link = "intra-node" if cfg.dp_replicate * dp_span <= cl.gpus_per_node else "inter-node"
-    exposed = {"tp " + tp_link: tp_exposed, "dp " + dp_link: dp_exposed,
+    tp_name = "tp+cp " if cfg.cp > 1 else "tp "  # context parallel's collectives priced with tensor parallel's
+    exposed = {tp_name + tp_link: tp_exposed, "dp " + dp_link: dp_exposed,
                "pp": pp_s}
-    comm = {"tp " + tp_link: tp_total, "dp " + dp_link: fsdp_s + ddp_s, "pp": pp_s}
+    comm = {tp_name + tp_link: tp_total, "dp " + dp_link: fsdp_s + ddp_s, "pp": pp_s}
     memory = _memory(prof, cfg, cl, per_rank, full, n, stage_params, tp_block, tp_outer)
     return StepCost(step, tokens / step / devices, model_flops / step / devices / cl.peak_flops, compute_s,
                     bubble_s, exposed, comm, memory)
@@ -346,12 +361,12 @@ def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, full: int,
     `per_rank` blocks recomputed in full, the others as `cfg.recompute` says."""
     held, grad_b, copy_b = PRECISIONS[cfg.precision]
     weight_b = copy_b or held - 8  # what a gathered parameter takes: the compute copy, else the weight itself
-    shard = stage_params / cfg.dp_shard
+    shard = stage_params / cfg.fsdp
     states, grads = shard * held / (cfg.dp_replicate if cfg.shard_optimizer else 1), shard * grad_b
     block_params = prof.block.params / cfg.tp_size
-    if cfg.dp_shard > 1 and cfg.pp == 1:  # FSDP2: the root, the running block and the prefetched one gathered
+    if cfg.fsdp > 1 and cfg.pp == 1:  # FSDP2: the root, the running block and the prefetched one gathered
         gathered = (prof.outer.params / cfg.tp_size + 2 * block_params) * weight_b + 2 * block_params * grad_b
-    elif cfg.dp_shard > 1:  # inside a pipeline: the stage stays gathered, its gradients unsharded until the end
+    elif cfg.fsdp > 1:  # inside a pipeline: the stage stays gathered, its gradients unsharded until the end
         gathered = stage_params * (weight_b + grad_b)
     else:
         gathered = stage_params * copy_b
