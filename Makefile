@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0-hf
 PLOT_STAMP := $(VENV)/.installed-0.1.0-plot  # matplotlib, for the targets that draw
 
-.PHONY: demo test test-all test-compat gpu-check lint docs bench bench-load bench-plan bench-compare bench-strategy bench-debug bench-dry-run bench-overlap hf-example sweep-hf clean
+.PHONY: demo test test-all test-compat gpu-check lint docs bench bench-load bench-plan bench-compare bench-strategy bench-debug bench-dry-run bench-overlap bench-context hf-example sweep-hf clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -79,6 +79,10 @@ bench-debug: $(STAMP)
 # (each lowering), 1D 1x4, 3D 2x2x2, with torchtitan's TP 4 + SP plan beside them (docs/benchmarks.md, Overlap)
 bench-overlap: $(STAMP)
 	$(BIN)/python examples/bench_overlap.py
+
+# context_parallel at sequence 16,384: activations saved per rank and bytes against one process (docs/benchmarks.md)
+bench-context: $(STAMP)
+	$(BIN)/python examples/bench_context.py
 
 # autopar.dry_run of a Llama-3-70B shape at 64, 512 and 4,096 ranks: seconds and peak RSS each
 bench-dry-run: $(STAMP)

@@ -254,8 +254,8 @@ class Options:
         expected="None (FSDP2's implicit prefetching) or a number of blocks >= 1 whose gathers each block "
                  "starts before it runs, in forward and in backward")
     context_parallel: int = option(
-        1, "ranks the sequence is split over (each holds 1/cp of every activation's tokens, zig-zag; attention "
-        "gathers the keys and values over them)",
+        1, "ranks each sequence is split over (each holds 1/cp of every activation's tokens, zig-zag; attention "
+        "exchanges heads with them, or gathers their keys and values)",
         check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
         expected="a number of ranks >= 1 (1: no context parallelism; cp > 1 needs a world of cp * R * C ranks and "
                  "a sequence length divisible by 2 * cp)")
