@@ -201,7 +201,7 @@ def refusals(rank):
     expect("window", "sliding_window=8: windowed or chunked attention is not supported",
            lambda: autopar.parallelize(_hf("mistral", sliding_window=8), grid=(1, 1),
                                        example_kwargs=dict(input_ids=ids), context_parallel=4))
-    expect("replicas", r"not yet with pipeline stages, data-parallel replicas",
+    expect("replicas", r"not\s+yet with pipeline stages, data-parallel replicas",
            lambda: autopar.parallelize(llama, grid=(2, 1, 1), example_kwargs=dict(input_ids=ids), context_parallel=2))
     expect("world", r"context_parallel=2 on grid=\(1, 1\) needs 2 \* 1 \* 1 = 2 processes",
            lambda: autopar.parallelize(llama, grid=(1, 1), example_kwargs=dict(input_ids=ids), context_parallel=2))

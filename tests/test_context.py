@@ -69,6 +69,12 @@ def test_cp2_with_1d_and_recompute(pool4):
            "TinyGPT cp 2 x 1D 1x2, recompute='blocks'")
 
 
+def test_cp2_with_sharded_blocks_llama(pool4):
+    """data_parallel='shard': FSDP2 splits the grid's blocks over the cp ranks (torchtitan's FSDP x CP layout),
+    gathering them per block; the same parity, AdamW's states sharded."""
+    _check(pool4.run(C.parity, "llama", (1, 2), 2, data_parallel="shard"), "Llama cp 2 x 1x2, sharded")
+
+
 def test_cp4_compiled(pool4):
     """compile=True: each rank's program under torch.compile, the context collectives between its regions."""
     _check(pool4.run(C.parity, "gpt", (1, 1), 4, compile=True), "TinyGPT cp 4 compiled")

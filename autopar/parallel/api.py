@@ -39,11 +39,12 @@ def _cube_grid(grid: tuple, device_type: str, timeout) -> Grid:
 def _context_grid(model, spec, options: Options, device_type: str, timeout) -> Grid:
     """context_parallel=cp: cp copies of the (R, C) grid over the replica axis, each on 1/cp of the sequence."""
     cp, world = options.context_parallel, torch.distributed.get_world_size()
-    if spec.dp > 1 or spec.cube or options.data_parallel != "replicate":
+    if spec.dp > 1 or spec.cube or options.data_parallel == "auto":
         raise UsageError(
             f"autopar.parallelize: context_parallel={cp} composes with an (R, C) grid of 1D, 2D or 'auto' tensor "
-            f"parallelism only, not yet with pipeline stages, data-parallel replicas (grid=(dp, R, C), "
-            f"data_parallel='shard') or strategy='3d': pass grid=(R, C) with R * C * {cp} = the world size")
+            f"parallelism only (its cp ranks replicate or, with data_parallel='shard', shard the grid's blocks), not "
+            f"yet with pipeline stages, data-parallel replicas (grid=(dp, R, C)), data_parallel='auto' or "
+            f"strategy='3d': pass grid=(R, C) with R * C * {cp} = the world size")
     rows, cols = spec.mesh
     if rows * cols * cp != world:
         raise UsageError(f"autopar.parallelize: context_parallel={cp} on grid=({rows}, {cols}) needs "
