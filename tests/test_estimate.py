@@ -328,6 +328,21 @@ def test_context_parallel_runs_against_torchtitans_tables():
             (source, measured, estimated)
 
 
+def test_choose_plan_picks_context_parallel_for_long_sequences_only():
+    """Llama-3-8B on 8 H100 (dgx-h100), 131,072 tokens per step: at 8,192 tokens per sequence the plan splits
+    weights and batch (no cp); at 65,536 it splits each sequence over 8 context-parallel ranks, and its
+    parallelize keywords build that (context_parallel=8, the blocks sharded over the cp ranks)."""
+    from autopar.planning.architectures import published_model
+
+    src = load_model_source(published_model("llama3-8b", {}))
+    short = choose_plan(src, devices=8, cluster="dgx-h100", global_batch=16, seq=8192).best.parallel
+    long = choose_plan(src, devices=8, cluster="dgx-h100", global_batch=2, seq=65536)
+    assert short.cp == 1, short.describe()
+    assert long.best.parallel.cp == 8, long.best.parallel.describe()
+    kw = long.kwargs
+    assert (kw["context_parallel"], kw["data_parallel"], math.prod(kw["grid"])) == (8, "shard", 1), kw
+
+
 def test_cli_estimate_json(capsys, tmp_path):
     import json
 

@@ -10,6 +10,9 @@ The candidates for `devices` GPUs of a cluster with G GPUs per node:
                       the blocks; schedules '1f1b' and 'interleaved_1f1b' (2 or 4 stages per rank); M
                       micro-batches: S, 2S, 4S ... up to the local batch (one sequence each)
     replicas          the rest, sharded (FSDP2) or replicated
+    context parallel  or the rest as cp ranks over which each sequence is split (no stages, the blocks sharded
+                      over them: `parallelize(context_parallel=cp, data_parallel='shard')`), where 2 cp divides
+                      the sequence
     recompute         none, selective (per op) or full (every block); where keeping every activation does
                       not fit and recomputing every block does, the first k blocks of each stage, the
                       fewest that fit
@@ -82,6 +85,8 @@ class TrainingPlan:
             out["lowering"] = "broadcast"  # what the estimate prices (its broadcasts overlap the products)
         if p.pp > 1 and p.dp_shard > 1:  # the stage stays gathered through its micro-batches, as priced
             out["reshard_after_forward"] = False
+        if p.cp > 1:  # the sequence over the cp ranks, the grid's blocks sharded over them (as priced)
+            out.update(context_parallel=p.cp, data_parallel="shard")
         return out
 
     def __str__(self) -> str:
@@ -105,7 +110,7 @@ def _microbatches(local: int, stages: int) -> list:
 
 
 def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int, schedules, data_parallel,
-                recompute):
+                recompute, seq: int):
     """`estimate`'s keywords for every candidate of the module docstring."""
     for layout in layouts:
         t = math.prod(layout)
@@ -122,6 +127,12 @@ def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int,
             for kind, (sched, v, m), rc in itertools.product(data_parallel if dp > 1 else ("shard",), pipes, recompute):
                 yield dict(tp=layout, dp_shard=dp if kind == "shard" else 1, dp_replicate=1 if kind == "shard" else dp,
                            pp=pp, schedule=sched, microbatches=m, interleave=v, recompute=rc)
+        cp = devices // t  # context parallel over every device the grid leaves, the blocks sharded over them: what
+        # parallelize builds (context_parallel=cp, data_parallel='shard'; no stages or replicas beside it)
+        if cp > 1 and not cube and seq % (2 * cp) == 0:
+            for rc in recompute:
+                yield dict(tp=layout, dp_shard=1, dp_replicate=1, pp=1, schedule="1f1b", microbatches=1, interleave=1,
+                           recompute=rc, cp=cp)
 
 
 def _partial(kw: dict, none: Estimate, full: Estimate, limit: float, layers: int, priced) -> None:
@@ -178,7 +189,7 @@ def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, s
             refused += 1
         return est
 
-    for kw in _candidates(layouts, devices, batch, src.layers, max_stages, schedules, data_parallel, recompute):
+    for kw in _candidates(layouts, devices, batch, src.layers, max_stages, schedules, data_parallel, recompute, seq):
         est = priced(kw)
         if est is not None and kw["recompute"] in ("none", "full"):
             ends.setdefault(tuple((k, v) for k, v in kw.items() if k != "recompute"), {})[kw["recompute"]] = est
