@@ -88,7 +88,7 @@ class DryRunError(AutoparError, RuntimeError):
 class RankRun:
     """One simulated rank: `at` its (replica, row, column); `setup` the collectives of `parallelize`,
     `step` those of the training step; `counted` the bytes its grid's CommLog counted in the step (by
-    kind: 'grid', 'replicas'), `planned` the grid bytes its program's plan prices at its position;
+    kind: 'grid', 'replicas', with context_parallel 'context'), `planned` the grid bytes its program's plan prices at its position;
     `counted["grid_calls"]` the grid's collective launches; `held` the bytes it holds after the step
     (parameters, gradients, optimizer state) and the most the step kept saved for backward at once
     (`saved`, see `_step`); `tags` the step's bytes per CommLog tag (a collective's node, 'pp:send',
@@ -288,9 +288,10 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
                          f"the arrangement, (R, C), (dp, R, C) or a cube (q, q, q) (autopar.choose_grid shows it)")
     stages = spec.stages
     looped = spec.pipeline is not None and spec.pipeline.stages_per_rank > 1
-    grid, world, cube = spec.grid, spec.world, spec.cube
+    cp = options.get("context_parallel", 1)  # cp copies of the (R, C) grid, side by side as replicas are
+    grid, world, cube = spec.grid, spec.world * cp, spec.cube
     if ranks is None or ranks in ("cover", "groups"):
-        chosen = covering_ranks(grid, stages, cube, groups=ranks == "groups")
+        chosen = covering_ranks((cp, *grid) if cp > 1 else grid, stages, cube, groups=ranks == "groups")
         if stages > 1 and not cube and options.get("strategy", DEFAULTS.strategy) == "auto":
             # a stage's first rank searches its strategy and sends it to its replicas' first ranks, which send it
             # on within their grids (`autopar.program.build`): those ranks too, simulated before the others
@@ -347,7 +348,7 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent, mode) -> Ra
     from autopar.planning.explain import graph_rows
 
     with fake_world(rank, world):  # DTensor's caches emptied: they would hand this rank the last one's meshes
-        stages = world // math.prod(grid)
+        stages = world // math.prod(grid) // options.get("context_parallel", 1)
         rec = Recorder(rank, sent, world // stages if stages > 1 else 0)
         try:
             with rec, warnings.catch_warnings():
@@ -362,13 +363,17 @@ def _simulate(model, grid, rank, world, args, kwargs, options, sent, mode) -> Ra
                 step = rec.take()
             log, g = pm.grid.log, pm.grid
             replicas, p2p = log.total("dp:") + log.total("fsdp:"), log.total("pp:")
+            context = log.total("context ")  # context_parallel's (passes.cost.context prices them; explain does not)
             piped = hasattr(pm, "p2p_traffic")
             m = pm.pipeline.n_microbatches if piped else 1  # a stage's program runs once per micro-batch
             planned = m * sum(r.fwd_bytes + r.bwd_bytes + r.recompute_bytes for s in getattr(pm, "stage_modules", [pm])
                               for r in graph_rows(s.program.inspected, g.shape, at=(g.r, g.c)))
             at = (g.stage, g.dp_index, g.r, g.c) if piped else (g.dp_index, g.r, g.c)
-            counted = {"grid": log.total() - replicas - p2p, "replicas": replicas,
-                       "grid_calls": log.calls() - log.calls("dp:") - log.calls("fsdp:") - log.calls("pp:")}
+            counted = {"grid": log.total() - replicas - p2p - context, "replicas": replicas,
+                       "grid_calls": log.calls() - log.calls("dp:") - log.calls("fsdp:") - log.calls("pp:")
+                       - log.calls("context ")}
+            if context:
+                counted["context"] = context
             if piped:
                 counted.update(pp=p2p, pp_planned=sum(b for _, b in pm.p2p_traffic().values()))
             tags: dict = {}

@@ -27,12 +27,13 @@ gradient that enters a rank's program by cp: the average of cp shares is then th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.mesh import CP_AXIS, Grid
 from passes.ops import comm
-from passes.ops.moe_dispatch import all_to_all
+from passes.cost.volumes import all_to_all_bytes
 
 __all__ = ["ContextAttention", "LossSum", "SeqGather", "ToHeads", "ToTokens", "chunks", "flavour", "positions",
            "restore", "take"]
@@ -70,11 +71,23 @@ def flavour(heads: int, kv_heads: int, cp: int) -> str:
     return "alltoall" if heads % cp == 0 and kv_heads % cp == 0 else "allgather"
 
 
+def _all_to_all(grid: Grid, parts: torch.Tensor, tag: str, phase: str) -> torch.Tensor:
+    """parts[i] (dim 0: one per cp rank) sent to cp rank i; returns what each sent here, in rank order. Issued on
+    fake tensors too (the dry run's fake process group counts and records it)."""
+    out = torch.empty_like(parts)
+    cp = grid.cp
+    grid.log.add(tag, phase, all_to_all_bytes([1] * cp, grid.dp_index, parts[0].numel() * parts.element_size()))
+    grid.log.launch(tag, phase)
+    with comm.guarded(grid, "all-to-all", CP_AXIS, tag, parts):
+        dist.all_to_all_single(out, parts.contiguous(), group=grid.group(CP_AXIS))
+    return out
+
+
 def _to_heads(x: torch.Tensor, grid: Grid, tag: str, phase: str) -> torch.Tensor:
     """[b, h, n, d] (this rank's tokens) -> [b, h/cp, S, d] (head group i of every token, in sequence order)."""
     cp, (b, h, n, d) = grid.cp, x.shape
     parts = x.reshape(b, cp, h // cp, n, d).transpose(0, 1).contiguous()  # [cp (head group), b, h/cp, n, d]
-    got = all_to_all(grid, CP_AXIS, parts, [1] * cp, [1] * cp, tag, phase)  # [cp (source rank), ...]
+    got = _all_to_all(grid, parts, tag, phase)  # [cp (source rank), ...]
     return restore(got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d), 2, cp)
 
 
@@ -82,7 +95,7 @@ def _to_tokens(y: torch.Tensor, grid: Grid, tag: str, phase: str) -> torch.Tenso
     """`_to_heads` undone: [b, h/cp, S, d] -> [b, h, n, d]."""
     cp, (b, hg, s, d) = grid.cp, y.shape
     parts = torch.stack([take(y, 2, i, cp) for i in range(cp)])  # [cp (destination rank), b, h/cp, n, d]
-    got = all_to_all(grid, CP_AXIS, parts, [1] * cp, [1] * cp, tag, phase)  # [cp (head group), ...]
+    got = _all_to_all(grid, parts, tag, phase)  # [cp (head group), ...]
     return got.transpose(0, 1).reshape(b, cp * hg, s // cp, d)
 
 
