@@ -89,8 +89,8 @@ class RankRun:
     """One simulated rank: `at` its (replica, row, column); `setup` the collectives of `parallelize`,
     `step` those of the training step; `counted` the bytes its grid's CommLog counted in the step (by
     kind: 'grid', 'replicas', with context_parallel 'context'), `planned` the grid bytes its program's plan
-    prices at its position; `counted["grid_calls"]` the grid's collective launches; `held` the bytes it holds after the step
-    (parameters, gradients, optimizer state) and the most the step kept saved for backward at once
+    prices at its position; `counted["grid_calls"]` the grid's collective launches; `held` the bytes it holds
+    after the step (parameters, gradients, optimizer state) and the most the step kept saved for backward at once
     (`saved`, see `_step`); `tags` the step's bytes per CommLog tag (a collective's node, 'pp:send',
     'fsdp:all-gather', ...)."""
 
