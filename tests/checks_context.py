@@ -253,3 +253,32 @@ def tmp_dir(rank) -> str:
     dist.broadcast_object_list(box, src=0)
     os.makedirs(box[0], exist_ok=True)
     return box[0]
+
+
+def dcp_across(rank, path: str):
+    """A torch.distributed.checkpoint save after two steps at cp 2 x 1x2, loaded at cp 4 x 1x1 (sharded blocks)
+    and at cp 1 x 2x2: every parameter equals the saved one, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    torch.set_num_threads(1)
+    batch = _batch("llama", 4, 16, 1)[1]
+    pm = autopar.parallelize(_model("llama"), grid=(1, 2), example_kwargs=batch, context_parallel=2)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    for step in range(2):
+        pm(**_batch("llama", 4, 16, step + 1)[1]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"model": get_model_state_dict(pm)}, checkpoint_id=path)
+    saved = {n: _whole(p).detach().clone() for n, p in pm.named_parameters()}
+    errs = {}
+    for grid, cp, mode in (((1, 1), 4, "shard"), ((2, 2), 1, "replicate")):
+        torch.manual_seed(7)  # other values: the load must overwrite every one
+        other = autopar.parallelize(_hf("llama"), grid=grid, example_kwargs=batch, context_parallel=cp,
+                                    data_parallel=mode)
+        msd = get_model_state_dict(other)
+        dcp.load({"model": msd}, checkpoint_id=path)
+        set_model_state_dict(other, msd)
+        errs.update(group_excess({n: (_whole(p), saved[n]) for n, p in other.named_parameters()}, rtol=0.0,
+                                 frac=0.0, prefix=f"cp {cp} x {grid} "))
+    return {"excess": errs}

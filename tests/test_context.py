@@ -78,3 +78,10 @@ def test_cp2_with_sharded_blocks_llama(pool4):
 def test_cp4_compiled(pool4):
     """compile=True: each rank's program under torch.compile, the context collectives between its regions."""
     _check(pool4.run(C.parity, "gpt", (1, 1), 4, compile=True), "TinyGPT cp 4 compiled")
+
+
+def test_a_distributed_checkpoint_loads_across_cp_degrees(pool4):
+    """torch.distributed.checkpoint saved at cp 2 x 1x2 loads at cp 4 (blocks sharded over the cp ranks) and at
+    cp 1 x 2x2, bit for bit."""
+    path = pool4.run(C.tmp_dir)[0]
+    _check(pool4.run(C.dcp_across, path + "/dcp"), "DCP across cp degrees")
