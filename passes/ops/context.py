@@ -138,10 +138,9 @@ class ContextAttention(nn.Module):
     """Attention of this rank's queries [b, h, n, d] to the keys and values of all cp ranks (see the module
     docstring). `causal`: key j is seen by query i where j's global position is at most i's."""
 
-    def __init__(self, grid: Grid, causal: bool, scale, gqa: bool, dropout_p: float, tag: str):
+    def __init__(self, grid: Grid, causal: bool, scale, dropout_p: float, tag: str):
         super().__init__()
-        self.grid, self.causal, self.scale, self.gqa, self.dropout_p, self.tag = \
-            grid, causal, scale, gqa, dropout_p, tag
+        self.grid, self.causal, self.scale, self.dropout_p, self.tag = grid, causal, scale, dropout_p, tag
         self._masks: dict = {}
         self.flavour = ""  # set by the first call: 'alltoall' or 'allgather'
 

@@ -109,20 +109,21 @@ def prepare(gm: GraphModule, cp: int, rank: int, cols: int, buffers: dict, const
 
 
 def _causal_attention(gm: GraphModule, node: Node, n: int, keys: dict, buffers: dict, constants: dict) -> None:
-    mask = arg(node, 3, "attn_mask")
+    mask, drop = arg(node, 3, "attn_mask"), arg(node, 4, "dropout_p", 0.0)
     kw = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "is_causal", "dropout_p")}
     causal = bool(arg(node, 5, "is_causal", False))
     if mask is not None:
         value = _constant(gm, mask, keys, buffers, constants)
         if value is None or not _is_causal(value, n):
+            why = "it depends on an input, a padding mask, or on values unknown here" if value is None else \
+                "another mask"
             raise UsageError(
                 f"context_parallel: the attention {_where(node)} takes a mask that is not the causal triangle "
-                f"built from sizes ({'it depends on an input: a padding mask' if value is None else 'another mask'}"
-                f"); context parallelism computes causal or unmasked attention only. Pass no attention_mask "
+                f"built from sizes ({why}); context parallelism computes causal or unmasked attention only. Pass no attention_mask "
                 f"(pack or pad the batch without one), or parallelize with context_parallel=1")
         causal = True
     node.args = tuple(node.args[:3])
-    node.kwargs = {**kw, "dropout_p": arg(node, 4, "dropout_p", 0.0), "is_causal": causal}
+    node.kwargs = {**kw, "dropout_p": drop, "is_causal": causal}
 
 
 def _repeated(node) -> tuple:
@@ -317,7 +318,7 @@ def finish(gm: GraphModule, grid) -> None:
                              f"parallelize with context_parallel=1")
     for node in list(gm.graph.find_nodes(op="call_function", target=SDPA)):
         module = ContextAttention(grid, bool(arg(node, 5, "is_causal", False)), node.kwargs.get("scale"),
-                                  bool(node.kwargs.get("enable_gqa", False)), arg(node, 4, "dropout_p", 0.0), node.name)
+                                  arg(node, 4, "dropout_p", 0.0), node.name)
         name = f"autopar_context_{node.name}"
         gm.add_submodule(name, module)
         with gm.graph.inserting_before(node):
