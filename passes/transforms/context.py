@@ -119,8 +119,8 @@ def _causal_attention(gm: GraphModule, node: Node, n: int, keys: dict, buffers: 
                 "another mask"
             raise UsageError(
                 f"context_parallel: the attention {_where(node)} takes a mask that is not the causal triangle "
-                f"built from sizes ({why}); context parallelism computes causal or unmasked attention only. Pass no attention_mask "
-                f"(pack or pad the batch without one), or parallelize with context_parallel=1")
+                f"built from sizes ({why}); context parallelism computes causal or unmasked attention only. Pass "
+                f"no attention_mask (pack or pad the batch without one), or parallelize with context_parallel=1")
         causal = True
     node.args = tuple(node.args[:3])
     node.kwargs = {**kw, "dropout_p": drop, "is_causal": causal}
