@@ -328,6 +328,22 @@ def test_context_parallel_runs_against_torchtitans_tables():
             (source, measured, estimated)
 
 
+def test_cp_attention_prices_the_flavour_parallelize_runs():
+    """Llama-3-8B on 8 H100, cp 8, 65,536 tokens: its 32 query and 8 KV heads divide by 8, so 'auto' prices the
+    all-to-all flavour parallelize runs (4 exchanges of (cp-1)/cp of q, k, v and the output each way), which moves
+    fewer bytes here than the all-gather of K and V ((cp-1) x both); cp_attention is checked by name."""
+    from autopar.planning.architectures import published_model
+
+    src = load_model_source(published_model("llama3-8b", {}))
+    est = {a: estimate(src, devices=8, cluster="dgx-h100", global_batch=1, seq=65536, dp_shard=1, cp=8,
+                       recompute="full", cp_attention=a) for a in ("auto", "alltoall", "allgather")}
+    assert est["auto"].parallel.cp_attention == "alltoall"
+    comm = {a: sum(e.cost.comm_s.values()) for a, e in est.items()}
+    assert comm["auto"] == comm["alltoall"] < comm["allgather"], comm
+    with pytest.raises(UsageError, match="cp_attention='ring': expected 'auto', 'allgather' or 'alltoall'"):
+        estimate(src, devices=8, cluster="dgx-h100", global_batch=1, seq=65536, dp_shard=1, cp=8, cp_attention="ring")
+
+
 def test_choose_plan_picks_context_parallel_for_long_sequences_only():
     """Llama-3-8B on 8 H100 (dgx-h100), 131,072 tokens per step: at 8,192 tokens per sequence the plan splits
     weights and batch (no cp); at 65,536 it splits each sequence over 8 context-parallel ranks, and its

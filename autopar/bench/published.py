@@ -127,16 +127,16 @@ ROWS += [
     for m, tp, pp, gpus, batch, tflops in _MLM_H100]
 
 # torchtitan's context-parallel runs (tt-h100 tables 2 and 6: FSDP x CP, compile, Float8, full recomputation, local
-# batch 1 and 8): kept apart from ROWS, which the bounds and the search's checks read; `autopar.estimate(cp=)`
-# prices them (docs/benchmarks.md, Context parallelism)
+# batch 1 and 8; priced with K and V all-gathered per attention): kept apart from ROWS, which the bounds and
+# the search's checks read; `autopar.estimate(cp=)` prices them (docs/benchmarks.md, Context parallelism)
 CP_ROWS = [
     Row(f"8B FSDP {8 // cp} x CP {cp}", "tt-h100 table 2", "llama3-8b", 8, "grand-teton-h100", 8 // cp, 32768 * cp,
-        dict(dp_shard=8 // cp, cp=cp, recompute="full", compile=True, fp8=True), tps, gib)
+        dict(dp_shard=8 // cp, cp=cp, cp_attention="allgather", recompute="full", compile=True, fp8=True), tps, gib)
     for cp, tps, gib in [(1, 3890, 83.9), (2, 2540, 84.2), (4, 1071, 84.0), (8, 548, 84.5)]
 ] + [
     Row(f"405B FSDP {8 // cp} x CP {cp} x TP 8 x PP 8", "tt-h100 table 6", "llama3-405b", 512, "grand-teton-h100",
-        8 * (8 // cp), 32768 * cp, dict(tp=8, pp=8, dp_shard=8 // cp, cp=cp, microbatches=8, recompute="full",
-                                         compile=True, fp8=True, async_tp=True), tps, gib, _PP_NOTE)
+        8 * (8 // cp), 32768 * cp, dict(tp=8, pp=8, dp_shard=8 // cp, cp=cp, cp_attention="allgather", microbatches=8,
+                                         recompute="full", compile=True, fp8=True, async_tp=True), tps, gib, _PP_NOTE)
     for cp, tps, gib in [(1, 76, 75.3), (2, 47, 75.9), (4, 31, 77.1), (8, 16, 84.9)]
 ]
 

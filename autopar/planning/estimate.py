@@ -25,6 +25,7 @@ from autopar.errors import UsageError
 from passes.cost.cluster import PRESETS, resolve_cluster
 from passes.cost.profile import profile
 from passes.cost.step import PRECISIONS, Parallel, StepCost, TPBytes, price_step
+from passes.ops.context import flavour
 
 __all__ = ["Estimate", "ModelSource", "boundary", "estimate", "load_model_source", "model_profile", "tp_bytes"]
 
@@ -338,7 +339,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
              interleave: int = 1, recompute: str = "none", precision: str = "bf16-mixed", compile: bool = False,
              fp8: bool = False, async_tp: bool = False, shard_optimizer: bool = False,
              assignment: dict | None = None, recompute_blocks: int | None = None, overlap: bool = True,
-             cp: int = 1) -> Estimate:
+             cp: int = 1, cp_attention: str = "auto") -> Estimate:
     """The estimated step of sequences of `seq` tokens on `devices` GPUs of `cluster` (a preset's name,
     see `passes.cost.cluster.PRESETS`, or a Cluster): `batch` sequences per data-parallel rank
     (torchtitan's local batch size) or `global_batch` in all, split as given:
@@ -358,7 +359,10 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     `parallelize(overlap=True)` runs them; False: every transfer in line;
     `cp`: context parallel, each sequence split over cp ranks, keys and values all-gathered per attention (their
     gradients reduce-scattered), exposed in line; the parameters sharded over dp_shard x cp, as torchtitan
-    runs it (parallelize's context_parallel replicates them over the cp ranks)."""
+    runs it (parallelize's context_parallel with data_parallel='shard');
+    `cp_attention`: how an attention sees every token under cp: 'allgather' (K and V gathered, torchtitan's),
+    'alltoall' (q, k, v and the output exchanged to and from head-split) or 'auto' (what parallelize runs:
+    all-to-all where the heads a rank holds, query and KV, divide by cp; `passes.ops.context.flavour`)."""
     cl = resolve_cluster(cluster)
     if cl is None:
         raise UsageError(f"autopar.estimate: cluster=None: name one of {sorted(PRESETS)} or pass a Cluster")
@@ -370,6 +374,12 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
                          "(sequences per step in all), one of them")
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise UsageError(f"autopar.estimate: cp={cp!r}: expected a number of context-parallel ranks >= 1")
+    if cp_attention not in ("auto", "allgather", "alltoall"):
+        raise UsageError(f"autopar.estimate: cp_attention={cp_attention!r}: expected 'auto', 'allgather' or 'alltoall'")
+    if cp_attention == "auto":
+        cols = tp[-1] if len(tp) == 2 else math.prod(tp) if len(tp) == 1 else tp[0] ** 2
+        heads = src.heads or 1
+        cp_attention = flavour(heads // cols, (src.kv_heads or heads) // cols, cp)
     others = math.prod(tp) * dp_replicate * pp * cp
     shard = dp_shard if dp_shard is not None else devices // others if devices % others == 0 else 0
     if shard < 1:
@@ -384,7 +394,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     if microbatches is None and pp > 1 and local // rows(tp) >= pp:
         m = local // rows(tp)  # one sequence per grid row and micro-batch (torchtitan's micro-batch size 1)
     cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp,
-                   shard_optimizer, recompute_blocks, overlap, cp)
+                   shard_optimizer, recompute_blocks, overlap, cp, cp_attention)
     check(src, cfg, devices, batch)
     prof = model_profile(src, seq)[0]
     tb, to = tp_bytes(src, seq, tp, assignment)

@@ -76,6 +76,7 @@ class Parallel:
     # context parallel: each sequence split over cp ranks (keys and values all-gathered per attention, their
     # gradients reduce-scattered); the parameters sharded over dp_shard x cp, as torchtitan runs it
     cp: int = 1
+    cp_attention: str = "allgather"  # how an attention sees every token: 'allgather' (K, V) or 'alltoall' (heads)
 
     @property
     def fsdp(self) -> int:
@@ -104,7 +105,7 @@ class Parallel:
     def describe(self) -> str:
         tp = "x".join(map(str, self.tp))
         parts = [f"TP {tp}" if self.tp_size > 1 else "", f"FSDP {self.dp_shard}" if self.dp_shard > 1 else "",
-                 f"CP {self.cp}" if self.cp > 1 else "",
+                 f"CP {self.cp} ({self.cp_attention})" if self.cp > 1 else "",
                  (f"DP {self.dp_replicate}" + (" (optimizer sharded)" if self.shard_optimizer else ""))
                  if self.dp_replicate > 1 else "",
                  f"PP {self.pp} ({self.schedule}{f', V={self.interleave}' if self.interleave > 1 else ''}, "
@@ -281,9 +282,14 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     tp_blk = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.bytes(n), tp_block.calls, spans))
     tp_again = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.fwd_bytes(n), tp_block.fwd_calls, spans))
     tp_out = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_outer.bytes(n), tp_outer.calls, spans))
-    # context parallel, per block and micro-batch: K and V all-gathered forward, their gradients reduce-scattered
-    cp_bytes = (cfg.cp - 1) * n * seq * 2 * kv_share * prof.hidden * prof.param_dtype_bytes / cfg.tp_size
-    cp_s = _coll_s(cp_bytes, 2, cl, cfg.cp * cfg.tp_size, cfg.cp) if cfg.cp > 1 else 0.0
+    # context parallel, per block and micro-batch (`passes.cost.context`): all-gather, K and V gathered forward and
+    # their gradients reduce-scattered; all-to-all, q, k, v and the output exchanged each way
+    q_bytes = n * seq * prof.hidden * prof.param_dtype_bytes / cfg.tp_size  # this rank's q block
+    if cfg.cp_attention == "alltoall":
+        cp_bytes, cp_calls = (cfg.cp - 1) / cfg.cp * (2 * q_bytes + 2 * kv_share * q_bytes), 4
+    else:
+        cp_bytes, cp_calls = (cfg.cp - 1) * 2 * kv_share * q_bytes, 2
+    cp_s = _coll_s(cp_bytes, cp_calls, cl, cfg.cp * cfg.tp_size, cfg.cp) if cfg.cp > 1 else 0.0
     tp_blk, tp_again = tp_blk + 2 * cp_s, tp_again + cp_s  # exposed in line, as the tensor-parallel collectives
 
     full = cfg.recomputed(per_stage) * V  # this rank's blocks recomputed in full; the rest as `cfg.rest` says
