@@ -67,7 +67,7 @@ def _step(call) -> tuple:
 def _rank(rank: int, cp: int, seq: int, path: str) -> None:
     import autopar
     from passes.cost.context import alltoall_bytes, attention_bytes, loss_bytes, output_bytes
-    from passes.ops.context import flavour
+    from passes.cost.context import flavour
 
     torch.set_num_threads(1)
     batch = _batch(seq)

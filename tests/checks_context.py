@@ -13,8 +13,9 @@ import torch.nn.functional as F
 import autopar
 from autopar.errors import UsageError
 from examples.models import GPTConfig, TinyGPT
-from passes.cost.context import alltoall_bytes, attention_bytes, loss_bytes, output_bytes
-from passes.ops.context import flavour
+from passes.cost.context import alltoall_bytes, attention_bytes, loss_bytes, output_bytes, step_bytes
+from passes.cost.context import flavour
+from passes.ops.context import ContextAttention
 from tests.compare import group_excess
 
 VOCAB = 96
@@ -127,9 +128,12 @@ def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 
     errs.update(group_excess({n: (_whole(p), ref_params[n]) for n, p in pm.named_parameters()},
                              prefix=f"param after {steps} steps "))
     expected = _expected(family, grid, cp, seq, batch, y)
+    # what each attention module was planned to receive (explain's context line), against the priced shapes
+    modules = [m for m in pm.program.gm.modules() if isinstance(m, ContextAttention)]
+    planned = sum(step_bytes(*m.blocks, cp)[0] for m in modules)
     if expect_recompute:
         expected["recompute"] = expected["attention fwd"]
-    expected.pop("attention fwd")
+    counted["planned attention fwd"], expected["planned attention fwd"] = planned, expected.pop("attention fwd")
     return {"excess": errs, "bytes": counted, "expected": expected}
 
 

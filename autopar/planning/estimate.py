@@ -25,7 +25,7 @@ from autopar.errors import UsageError
 from passes.cost.cluster import PRESETS, resolve_cluster
 from passes.cost.profile import profile
 from passes.cost.step import PRECISIONS, Parallel, StepCost, TPBytes, price_step
-from passes.ops.context import flavour
+from passes.cost.context import flavour
 
 __all__ = ["Estimate", "ModelSource", "boundary", "estimate", "load_model_source", "model_profile", "tp_bytes"]
 
@@ -362,7 +362,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     runs it (parallelize's context_parallel with data_parallel='shard');
     `cp_attention`: how an attention sees every token under cp: 'allgather' (K and V gathered, torchtitan's),
     'alltoall' (q, k, v and the output exchanged to and from head-split) or 'auto' (what parallelize runs:
-    all-to-all where the heads a rank holds, query and KV, divide by cp; `passes.ops.context.flavour`)."""
+    all-to-all where the heads a rank holds, query and KV, divide by cp; `passes.cost.context.flavour`)."""
     cl = resolve_cluster(cluster)
     if cl is None:
         raise UsageError(f"autopar.estimate: cluster=None: name one of {sorted(PRESETS)} or pass a Cluster")

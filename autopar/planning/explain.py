@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from autopar.errors import UsageError
 from autopar.planning.grids import describe
 from autopar.program import uneven as uneven
+from passes.cost.context import step_bytes
 from passes.cost.pipeline import bubble
 from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
 from passes.cost.model import CostModel
@@ -22,6 +23,7 @@ from passes.kernels.spec import Site, SummaSpec, flops
 from passes.search.estimate import double_buffered, hidden_dw_reduction
 from passes.meta import CHOICE_WHY, INSERTED, KERNEL, LAYOUT, RECOMPUTE, STRATEGY
 from passes.nodes import module_path
+from passes.ops.context import ContextAttention
 
 
 @dataclass
@@ -195,6 +197,24 @@ def _table(every: list, verbose: bool, formulas: bool) -> tuple:
     return lines, table
 
 
+def context_line(pmodel, gm) -> str | None:
+    """context_parallel: the attentions' flavours and what they receive per rank and step, as priced
+    (`passes.cost.context`); None without it."""
+    cp = getattr(pmodel.grid, "cp", 1)
+    if cp <= 1:
+        return None
+    mods = [m for m in gm.modules() if isinstance(m, ContextAttention)]
+    fwd = bwd = 0
+    for m in mods:
+        f, b = step_bytes(*m.blocks, cp)
+        fwd, bwd = fwd + f, bwd + b
+    kinds = ", ".join(f"{sum(m.flavour == k for m in mods)} {k}" for k in ("alltoall", "allgather")
+                      if any(m.flavour == k for m in mods))
+    return (f"context parallel over {cp} ranks (zig-zag; the replicas above): {len(mods)} attention(s) ({kinds}), "
+            f"receiving per rank per step forward {_fmt_bytes(fwd)}, backward {_fmt_bytes(bwd)}, not in the totals "
+            f"above; plus the gather of the outputs with a sequence dim and the loss's sum")
+
+
 def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
     """A readable table of the compiled model (see the module docstring): the ops that move bytes or
     fell back, or with `verbose` every op. With `formulas`, each row that moves bytes is followed by
@@ -234,6 +254,7 @@ def explain(pmodel, *, verbose: bool = False, formulas: bool = False) -> str:
         f"backward {_fmt_bytes(bwd)}, total {_fmt_bytes(fwd + bwd)}",
         collectives_line(pmodel, every),
         *([line] if (line := overlap_line(pmodel, comp.inspected)) else []),
+        *([line] if (line := context_line(pmodel, comp.gm)) else []),
         f"parameters held by this rank: {_fmt_bytes(held)} of {_fmt_bytes(full)} "
         f"({held / full * p:.2f}/p of the model, p={p})" if full else "no parameters",
     ]

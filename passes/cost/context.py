@@ -15,9 +15,26 @@ receiving (cp - 1)/cp of the block: with 2000 bytes of q (and of the output) and
 
 from __future__ import annotations
 
+import math
+
 from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, all_to_all_bytes, reduce_scatter_bytes
 
-__all__ = ["alltoall_bytes", "attention_bytes", "loss_bytes", "output_bytes"]
+__all__ = ["alltoall_bytes", "attention_bytes", "flavour", "loss_bytes", "output_bytes", "step_bytes"]
+
+
+def flavour(heads: int, kv_heads: int, cp: int) -> str:
+    """How an attention with this rank's `heads` query and `kv_heads` KV heads runs over cp ranks
+    (`passes.ops.context`): 'alltoall' where both divide by cp, else 'allgather'."""
+    return "alltoall" if heads % cp == 0 and kv_heads % cp == 0 else "allgather"
+
+
+def step_bytes(q_shape: tuple, k_shape: tuple, itemsize: int, cp: int) -> tuple:
+    """(forward, backward) bytes one rank receives for one attention whose local q is `q_shape` and k `k_shape`
+    ([b, heads, s/cp, d]), in the flavour its heads take."""
+    q, k = math.prod(q_shape) * itemsize, math.prod(k_shape) * itemsize
+    if flavour(q_shape[1], k_shape[1], cp) == "alltoall":
+        return alltoall_bytes(q, k, cp)
+    return attention_bytes(k, cp)
 
 
 def attention_bytes(kv_block: int, cp: int) -> tuple:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from passes.mesh import CP_AXIS, Grid
 from passes.ops import comm
+from passes.cost.context import flavour
 from passes.cost.volumes import all_to_all_bytes
 
 __all__ = ["ContextAttention", "LossSum", "SeqGather", "ToHeads", "ToTokens", "chunks", "flavour", "positions",
@@ -63,12 +64,6 @@ def positions(i: int, cp: int, n: int, device=None) -> torch.Tensor:
     """The global positions of rank i's n tokens."""
     c = n // 2
     return torch.cat([torch.arange(a * c, (a + 1) * c, device=device) for a in chunks(i, cp)])
-
-
-def flavour(heads: int, kv_heads: int, cp: int) -> str:
-    """How an attention with this rank's `heads` query and `kv_heads` KV heads runs over cp ranks: 'alltoall'
-    where both divide by cp, else 'allgather' (see the module docstring)."""
-    return "alltoall" if heads % cp == 0 and kv_heads % cp == 0 else "allgather"
 
 
 def _all_to_all(grid: Grid, parts: torch.Tensor, tag: str, phase: str) -> torch.Tensor:
@@ -138,11 +133,14 @@ class ContextAttention(nn.Module):
     """Attention of this rank's queries [b, h, n, d] to the keys and values of all cp ranks (see the module
     docstring). `causal`: key j is seen by query i where j's global position is at most i's."""
 
-    def __init__(self, grid: Grid, causal: bool, scale, dropout_p: float, tag: str):
+    def __init__(self, grid: Grid, causal: bool, scale, dropout_p: float, tag: str, blocks: tuple = ()):
+        """`blocks`: (q's local shape, k's local shape, element bytes) as planned, for `explain`."""
         super().__init__()
         self.grid, self.causal, self.scale, self.dropout_p, self.tag = grid, causal, scale, dropout_p, tag
         self._masks: dict = {}
-        self.flavour = ""  # set by the first call: 'alltoall' or 'allgather'
+        self.blocks = blocks
+        # 'alltoall' or 'allgather': as planned, and as the last call ran
+        self.flavour = flavour(blocks[0][1], blocks[1][1], grid.cp) if blocks else ""
 
     def mask(self, n: int, device) -> torch.Tensor | None:
         """[n, cp·n] bool: which gathered keys (in rank order) each local query attends to; None: all."""

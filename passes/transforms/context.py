@@ -32,7 +32,8 @@ from torch.fx import Graph, GraphModule, Node
 
 from passes.compat import pytree
 from passes.errors import UsageError
-from passes.meta import PLAN_ARGS, ROLE
+from passes.layout import local_shape
+from passes.meta import LAYOUT, PLAN_ARGS, ROLE
 from passes.nodes import arg, module_path, source_line
 from passes.ops.context import ContextAttention, positions, take
 from passes.ops.modules import GroupedHeadsAttention
@@ -309,6 +310,12 @@ def _refuse_token_mixing(gm: GraphModule, n: int) -> None:
                 f"compute it outside the model or parallelize with context_parallel=1")
 
 
+def _local(x: Node, grid) -> tuple:
+    """The block of `x` this rank holds (its global shape at the local sequence length, split by its layout)."""
+    shape, lay = tuple(x.meta["val"].shape), x.meta.get(LAYOUT)
+    return local_shape(shape, lay, grid.shape, x.name, at=(grid.r, grid.c)) if lay is not None else shape
+
+
 def finish(gm: GraphModule, grid) -> None:
     """Each attention of the per-rank program `gm` as a `ContextAttention` over `grid`'s cp ranks."""
     for node in gm.graph.nodes:
@@ -317,8 +324,10 @@ def finish(gm: GraphModule, grid) -> None:
                              f"columns do not divide the KV heads); pick a grid whose columns divide them, or "
                              f"parallelize with context_parallel=1")
     for node in list(gm.graph.find_nodes(op="call_function", target=SDPA)):
+        q, k = node.args[0], node.args[1]
+        blocks = tuple(_local(x, grid) for x in (q, k)) + (q.meta["val"].element_size(),)
         module = ContextAttention(grid, bool(arg(node, 5, "is_causal", False)), node.kwargs.get("scale"),
-                                  arg(node, 4, "dropout_p", 0.0), node.name)
+                                  arg(node, 4, "dropout_p", 0.0), node.name, blocks)
         name = f"autopar_context_{node.name}"
         gm.add_submodule(name, module)
         with gm.graph.inserting_before(node):
