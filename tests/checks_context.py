@@ -211,6 +211,9 @@ def refusals(rank):
            lambda: autopar.parallelize(llama, grid=(1, 1), example_kwargs=dict(input_ids=ids), context_parallel=2))
     pm = autopar.parallelize(llama, grid=(1, 1), example_kwargs=dict(input_ids=ids), context_parallel=4)
     expect("generate", "generate with context_parallel=4", lambda: pm.generate(ids[:, :8], max_new_tokens=2))
+    own = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(rank))  # as a replica would
+    expect("own batch", "the 4 context-parallel ranks of this grid position were passed different batches",
+           lambda: pm(input_ids=own))
 
     class Shifted(nn.Module):  # the loss of next-token logits taken inside the model: a shift over the tokens
         def __init__(self):

@@ -56,10 +56,10 @@ def test_a_cp2_checkpoint_loads_on_one_process(pool4):
 
 def test_what_context_parallelism_refuses(pool4):
     """A length not divisible by 2 cp, a padding mask, a sliding window, replicas, a wrong world size,
-    generation, a shift over the tokens inside the model, a running sum over them and a mask given as an input:
-    each a UsageError."""
+    generation, a shift over the tokens inside the model, a running sum over them, a mask given as an input and
+    a batch of each rank's own: each a UsageError."""
     for r in pool4.run(C.refusals):
-        assert len(r) == 9, sorted(r)
+        assert len(r) == 10, sorted(r)
 
 
 def test_cp2_with_1d_and_recompute(pool4):

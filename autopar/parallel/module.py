@@ -300,6 +300,7 @@ class ParallelModule(nn.Module):
             comp, flat = self._get(local_args, local_kwargs)
             flat, full = context.local_inputs(comp, self.grid, flat, args, kwargs)
             self._validate_inputs(flat, comp, lambda: input_names(comp, local_args, local_kwargs))
+            context.same_batch(self.grid, full, comp.captured.device, self._options.check_inputs)
             leaves, layouts = context.gather_outputs(comp, self.grid, self.run_local(comp, flat), full)
             return self.outputs_of(comp, leaves, layouts)
         comp, flat = self._get(args, kwargs)

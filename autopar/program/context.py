@@ -8,15 +8,19 @@ sequence dim and sums the model's mean loss over the cp ranks.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from autopar.errors import UsageError
+from autopar.program.guards import position_checksum
 from passes.capture.export import flatten_inputs
-from passes.compat import pytree
-from passes.mesh import Grid
+from passes.compat import is_fake, pytree
+from passes.mesh import CP_AXIS, Grid
+from passes.ops import comm
 from passes.ops.context import LossSum, SeqGather, take
+from passes.ops.verdicts import VERDICTS
 
-__all__ = ["check_model", "gather_outputs", "local_call", "local_inputs"]
+__all__ = ["check_model", "gather_outputs", "local_call", "local_inputs", "same_batch"]
 
 
 def _sequence(args, kwargs, cp: int, who: str) -> int:
@@ -51,6 +55,32 @@ def local_call(grid: Grid, args, kwargs, who: str = "context_parallel") -> tuple
 
     args, kwargs = pytree.tree_map(cut, (tuple(args), dict(kwargs or {})))
     return args, kwargs
+
+
+def same_batch(grid: Grid, full: list, device, values_too: bool) -> None:
+    """Every cp rank must pass the same whole batch (each cuts its own part): a checksum of the whole inputs'
+    values, its maximum and minimum over the cp ranks, one all-reduce of two int64 (the grid's own check compares
+    each grid's parts). A rank that took its own batch, as a data-parallel replica would, is refused; read now or
+    at the next call, as the `checks` option says."""
+    if not values_too or any(is_fake(t) for t in full):
+        return
+    values = torch.zeros((), dtype=torch.int64, device=device)
+    for i, t in enumerate(full):
+        if isinstance(t, torch.Tensor):
+            values = values + position_checksum(t) * (2 * i + 3)
+    both = torch.stack([values, -values])
+    mine = both.clone()
+    with comm.guarded(grid, "check_inputs all-reduce", CP_AXIS, "check_inputs"):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=grid.dp_group)
+
+    def error(_):
+        return UsageError(
+            f"check_inputs: the {grid.cp} context-parallel ranks of this grid position were passed different "
+            f"batches: with context_parallel every rank passes the same whole batch (each computes its own part of "
+            f"the sequence); there are no data-parallel replicas to split the data over (grid.dp_index is the cp "
+            f"index). Pass the same inputs on every rank; check_inputs=False turns this check off")
+
+    VERDICTS.check(torch.cat([mine, both]), lambda v: v[:2] == v[2:], error)
 
 
 def local_inputs(comp, grid: Grid, flat: list, args, kwargs) -> tuple:
