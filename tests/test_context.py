@@ -62,6 +62,11 @@ def test_what_context_parallelism_refuses(pool4):
         assert len(r) == 10, sorted(r)
 
 
+def test_cp2_with_strategy_auto(pool4):
+    """strategy='auto' on the 1x2 grid (rank 0's search, sent to every rank, the cp ranks included)."""
+    _check(pool4.run(C.parity, "gpt", (1, 2), 2, strategy="auto"), "TinyGPT cp 2 x 1x2, strategy='auto'")
+
+
 def test_cp2_with_1d_and_recompute(pool4):
     """cp 2 beside Megatron-style 1D tensor parallelism on 1x2, each block recomputed in backward (its
     all-to-alls run again)."""
