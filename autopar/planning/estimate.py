@@ -281,9 +281,14 @@ def _tp_tuple(tp) -> tuple:
     return tp
 
 
+def _columns(tp: tuple) -> int:
+    """The ranks a layout splits attention heads over: 1D's t, 2D's C, the cube's q*q."""
+    return tp[-1] if len(tp) == 2 else math.prod(tp) if len(tp) == 1 else tp[0] ** 2
+
+
 def _check_shape(src: ModelSource, tp: tuple, pp: int, interleave: int, devices: int) -> None:
     """The dimensions against the model and the device count, before anything is priced."""
-    t = tp[-1] if len(tp) == 2 else math.prod(tp) if len(tp) == 1 else tp[0] ** 2
+    t = _columns(tp)
     n = src.heads  # key/value heads fewer than t are split unevenly by the plan (its reblocking): priced as it runs
     if n and n % t:
         ok = [d for d in range(1, n + 1) if n % d == 0 and devices % d == 0]
@@ -377,7 +382,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     if cp_attention not in ("auto", "allgather", "alltoall"):
         raise UsageError(f"autopar.estimate: cp_attention={cp_attention!r}: expected 'auto', 'allgather' or 'alltoall'")
     if cp_attention == "auto":
-        cols = tp[-1] if len(tp) == 2 else math.prod(tp) if len(tp) == 1 else tp[0] ** 2
+        cols = _columns(tp)
         heads = src.heads or 1
         cp_attention = flavour(heads // cols, (src.kv_heads or heads) // cols, cp)
     others = math.prod(tp) * dp_replicate * pp * cp

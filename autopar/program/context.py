@@ -84,15 +84,16 @@ def same_batch(grid: Grid, full: list, device, values_too: bool) -> None:
 
 
 def local_inputs(comp, grid: Grid, flat: list, args, kwargs) -> tuple:
-    """(this rank's flat inputs with the extra ones its program reads, the whole flat inputs) of a call whose
-    whole inputs are `args` / `kwargs`."""
+    """(this rank's flat inputs with the extra ones its program reads, the whole flat inputs, the extra inputs
+    over the whole sequence) of a call whose whole inputs are `args` / `kwargs`."""
     full = flatten_inputs(comp.captured, args, kwargs)
-    return flat + comp.captured.context.extra_inputs(full, grid.dp_index), full
+    wholes = comp.captured.context.whole_targets(full)
+    return flat + comp.captured.context.extra_inputs(wholes, grid.dp_index), full, wholes
 
 
-def gather_outputs(comp, grid: Grid, leaves: list, full: list) -> tuple:
+def gather_outputs(comp, grid: Grid, leaves: list, wholes: list) -> tuple:
     """(the output leaves, their (layout, global shape)): the sequence outputs gathered over the cp ranks, the
-    model's loss summed over them."""
+    model's loss summed over them (weighted by the shares of `wholes`, the whole targets)."""
     plan = comp.captured.context
     leaves, layouts = list(leaves), list(comp.out_layouts)
     for i in plan.seq_outputs:
@@ -103,7 +104,7 @@ def gather_outputs(comp, grid: Grid, leaves: list, full: list) -> tuple:
         leaves[i] = SeqGather.apply(leaves[i], grid, f"output {i}")
         layouts[i] = (lay, (shape[0], shape[1] * grid.cp) + tuple(shape[2:]))
     if plan.loss is not None:
-        leaves[plan.loss] = LossSum.apply(leaves[plan.loss], plan.share(full, grid.dp_index), grid)
+        leaves[plan.loss] = LossSum.apply(leaves[plan.loss], plan.share(wholes, grid.dp_index), grid)
     return leaves, layouts
 
 

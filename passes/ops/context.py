@@ -36,8 +36,7 @@ from passes.ops import comm
 from passes.cost.context import flavour
 from passes.cost.volumes import all_to_all_bytes
 
-__all__ = ["ContextAttention", "LossSum", "SeqGather", "ToHeads", "ToTokens", "chunks", "flavour", "positions",
-           "restore", "take"]
+__all__ = ["ContextAttention", "HeadExchange", "LossSum", "SeqGather", "chunks", "positions", "restore", "take"]
 
 TAG = "context"  # CommLog tag prefix of the context-parallel collectives
 
@@ -94,30 +93,18 @@ def _to_tokens(y: torch.Tensor, grid: Grid, tag: str, phase: str) -> torch.Tenso
     return got.transpose(0, 1).reshape(b, cp * hg, s // cp, d)
 
 
-class ToHeads(torch.autograd.Function):
-    """Sequence-split to head-split (all-to-all over the cp ranks); backward the reverse."""
+class HeadExchange(torch.autograd.Function):
+    """Sequence-split to head-split (`to_heads`) or back, an all-to-all over the cp ranks; backward the reverse."""
 
     @staticmethod
-    def forward(ctx, x, grid, tag):
-        ctx.args = (grid, tag)
-        return _to_heads(x, grid, tag, "fwd")
-
-    @staticmethod
-    def backward(ctx, g):
-        return _to_tokens(g, *ctx.args, "bwd"), None, None
-
-
-class ToTokens(torch.autograd.Function):
-    """Head-split back to sequence-split; backward the reverse."""
-
-    @staticmethod
-    def forward(ctx, y, grid, tag):
-        ctx.args = (grid, tag)
-        return _to_tokens(y, grid, tag, "fwd")
+    def forward(ctx, x, grid, tag, to_heads: bool):
+        ctx.args = (grid, tag, to_heads)
+        return (_to_heads if to_heads else _to_tokens)(x, grid, tag, "fwd")
 
     @staticmethod
     def backward(ctx, g):
-        return _to_heads(g, *ctx.args, "bwd"), None, None
+        grid, tag, to_heads = ctx.args
+        return (_to_tokens if to_heads else _to_heads)(g, grid, tag, "bwd"), None, None, None
 
 
 def _repeat_kv(q, k, v) -> tuple:
@@ -159,10 +146,11 @@ class ContextAttention(nn.Module):
         tag = f"{TAG} {self.tag}"
         self.flavour = flavour(q.shape[1], k.shape[1], self.grid.cp)
         if self.flavour == "alltoall":  # every token of h/cp heads: causal in sequence order, no mask
-            qh, kh, vh = (ToHeads.apply(t, self.grid, f"{tag} {w}") for t, w in ((q, "q"), (k, "k"), (v, "v")))
+            qh, kh, vh = (HeadExchange.apply(t, self.grid, f"{tag} {w}", True) for t, w in ((q, "q"), (k, "k"),
+                                                                                              (v, "v")))
             kh, vh = _repeat_kv(qh, kh, vh)
             y = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=drop, is_causal=self.causal, scale=self.scale)
-            return ToTokens.apply(y, self.grid, f"{tag} out")
+            return HeadExchange.apply(y, self.grid, f"{tag} out", False)
         keys = comm.GatherSum.apply(k, self.grid, CP_AXIS, 2, f"{tag} k")
         values = comm.GatherSum.apply(v, self.grid, CP_AXIS, 2, f"{tag} v")
         keys, values = _repeat_kv(q, keys, values)
@@ -198,7 +186,7 @@ class LossSum(torch.autograd.Function):
         ctx.save_for_backward(share)
         ctx.cp = grid.cp
         mine = torch.where(share > 0, loss * share, torch.zeros_like(loss))
-        return comm.all_reduce(grid, CP_AXIS, mine.detach().clone(), f"{TAG} loss", "fwd")
+        return comm.all_reduce(grid, CP_AXIS, mine, f"{TAG} loss", "fwd")  # a new tensor
 
     @staticmethod
     def backward(ctx, g):

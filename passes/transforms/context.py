@@ -65,14 +65,17 @@ class ContextPlan:
     ignore_index: int = -100
     seq_outputs: list = field(default_factory=list)  # output leaves with the sequence as dim 1
 
-    def extra_inputs(self, full: list, rank: int) -> list:
-        """The extra inputs of rank `rank` from the whole inputs (`full`, flat, in placeholder order)."""
-        return [take(gm(*(full[i] for i in idx)), 1, rank, self.cp) for gm, idx in self.targets]
+    def whole_targets(self, full: list) -> list:
+        """The extra inputs over the whole sequence, from the whole inputs (`full`, flat, in placeholder order)."""
+        return [gm(*(full[i] for i in idx)) for gm, idx in self.targets]
 
-    def share(self, full: list, rank: int) -> torch.Tensor:
-        """This rank's share of the targets the loss counts (the first extra input's)."""
-        whole = self.targets[0][0](*(full[i] for i in self.targets[0][1]))
-        counted = whole != self.ignore_index
+    def extra_inputs(self, wholes: list, rank: int) -> list:
+        """Rank `rank`'s parts of `whole_targets`."""
+        return [take(w, 1, rank, self.cp) for w in wholes]
+
+    def share(self, wholes: list, rank: int) -> torch.Tensor:
+        """This rank's share of the targets the loss counts (the first of `whole_targets`)."""
+        counted = wholes[0] != self.ignore_index
         mine = take(counted, 1, rank, self.cp).sum()
         return mine.to(torch.float32) / counted.sum().to(torch.float32)
 
