@@ -127,7 +127,7 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
         gm = cap.gm
     if grid.cp > 1:
-        context.finish(gm, grid)  # attention over the cp ranks' keys and values
+        context.finish(gm, grid, options.context_attention)  # attention over the cp ranks' keys and values
     out_node = gm.graph.output_node()
     outs = []
     for a in pytree.tree_leaves(out_node.args[0]):

@@ -350,6 +350,8 @@ class Grid:
     def global_rank(self, axis: int, i: int) -> int:
         """Global rank of member i of this rank's group over `axis`."""
         C = self.shape[1]
+        if axis == CP_AXIS:  # the same (r, c) in grid copy i of this stage
+            return (self.stage * self.dp + i) * self.world + self.r * C + self.c
         return self.base + (i * C + self.c if axis == 0 else self.r * C + i)
 
     def __repr__(self) -> str:

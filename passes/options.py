@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
+from passes.cost.context import FLAVOURS as CP_FLAVOURS
 from passes.cost.model import CostModel
 from passes.errors import UsageError
 
@@ -259,6 +260,14 @@ class Options:
         check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
         expected="a number of ranks >= 1 (1: no context parallelism; cp > 1 needs a world of cp * R * C ranks and "
                  "a sequence length divisible by 2 * cp)")
+    context_attention: str = option(
+        "auto", "with context_parallel: how each attention sees the other cp ranks' tokens: 'alltoall' (heads "
+        "exchanged, DeepSpeed-Ulysses), 'ring' (keys and values passed around the cp ranks beside the block "
+        "products), 'allgather' (keys and values gathered whole), or 'auto' (all-to-all where this rank's query "
+        "and KV heads divide by cp, else the ring)",
+        choices=("auto",) + CP_FLAVOURS,
+        expected="'auto', 'alltoall' (this rank's query and KV heads divisible by cp), 'ring' (no attention "
+                 "dropout) or 'allgather'")
     replicas: int = option(
         1, "data-parallel replicas of the grid (grid=(dp, R, C)), which the memory estimate divides sharded "
         "state by", check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,

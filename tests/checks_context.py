@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.errors import UsageError
 from examples.models import GPTConfig, TinyGPT
-from passes.cost.context import alltoall_bytes, attention_bytes, loss_bytes, output_bytes, step_bytes
+from passes.cost.context import alltoall_bytes, attention_bytes, loss_bytes, output_bytes, ring_bytes, step_bytes
 from passes.cost.context import flavour
 from passes.ops.context import ContextAttention
 from tests.compare import group_excess
@@ -127,17 +127,19 @@ def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 
         ref_opt.zero_grad()
     errs.update(group_excess({n: (_whole(p), ref_params[n]) for n, p in pm.named_parameters()},
                              prefix=f"param after {steps} steps "))
-    expected = _expected(family, grid, cp, seq, batch, y)
+    expected = _expected(family, grid, cp, seq, batch, y, options.get("context_attention", "auto"))
     # what each attention module was planned to receive (explain's context line), against the priced shapes
     modules = [m for m in pm.program.gm.modules() if isinstance(m, ContextAttention)]
-    planned = sum(step_bytes(*m.blocks, cp)[0] for m in modules)
+    planned = sum(step_bytes(*m.blocks, cp, m.flavour)[0] for m in modules)
+    want = options.get("context_attention", "auto")
+    kinds = sorted({m.flavour for m in modules})
     if expect_recompute:
         expected["recompute"] = expected["attention fwd"]
     counted["planned attention fwd"], expected["planned attention fwd"] = planned, expected.pop("attention fwd")
-    return {"excess": errs, "bytes": counted, "expected": expected}
+    return {"excess": errs, "bytes": counted, "expected": expected, "flavours": kinds, "asked": want}
 
 
-def _expected(family: str, grid: tuple, cp: int, seq: int, batch: int, y) -> dict:
+def _expected(family: str, grid: tuple, cp: int, seq: int, batch: int, y, want: str) -> dict:
     """The step's bytes as priced: q blocks [b/R, heads/C, s/cp, d], K and V blocks [b/R, kv heads/C, s/cp, d] per
     attention (transformers' repeated KV heads moved before the repeat), in the flavour this rank's heads allow;
     the per-token output's block; the loss."""
@@ -148,8 +150,11 @@ def _expected(family: str, grid: tuple, cp: int, seq: int, batch: int, y) -> dic
     q_block, kv_block = batch // rows * heads * n * d * 4, batch // rows * kv_heads * n * d * 4
     fwd = bwd = 0
     for _ in range(layers):
-        if flavour(heads, kv_heads, cp) == "alltoall":
+        kind = flavour(heads, kv_heads, cp, want)
+        if kind == "alltoall":
             f, b = alltoall_bytes(q_block, kv_block, cp)
+        elif kind == "ring":
+            f, b = ring_bytes(kv_block, cp)
         else:
             f, b = attention_bytes(kv_block, cp)
         fwd, bwd = fwd + f, bwd + b

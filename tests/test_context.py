@@ -9,30 +9,37 @@ from tests.compare import assert_every_rank
 from tests.conftest import get_pool
 
 
-def _check(results, what):
+def _check(results, what, flavour: str | None = None):
     assert_every_rank([r["excess"] for r in results], what)
     for rank, r in enumerate(results):
         if "bytes" in r:
             assert r["bytes"] == r["expected"], f"{what}: rank {rank}: context bytes {r['bytes']} != {r['expected']}"
+        if flavour is not None:
+            assert r["flavours"] == [flavour], f"{what}: rank {rank}: attentions ran {r['flavours']}, not {flavour}"
 
 
-def test_cp4_alone_gpt(pool4):
+@pytest.mark.parametrize("attention,runs", [("auto", "alltoall"), ("ring", "ring"), ("allgather", "allgather")])
+def test_cp4_alone_gpt(pool4, attention, runs):
     """Catches a token at the wrong global position (learned positions), a causal mask that is not causal by
     global position (the zig-zag halves), a wrong share of the targets when a rank's chunks count none of them
     (row 1's padded tail), a gradient of K or V not summed back over the ranks, or outputs gathered out of order:
-    cp 4 on a 1x1 grid, every rank."""
-    _check(pool4.run(C.parity, "gpt", (1, 1), 4), "TinyGPT cp 4")
+    cp 4 on a 1x1 grid, every rank, in each attention flavour (the ring: K/V blocks and their gradients' sums
+    passed around four ranks, the causal blocks each rank skips)."""
+    _check(pool4.run(C.parity, "gpt", (1, 1), 4, context_attention=attention), f"TinyGPT cp 4 {attention}", runs)
 
 
 def test_cp2_with_a_1x2_grid_llama(pool4):
     """transformers' Llama (RoPE from position ids, its causal mask built in the graph, its labels shifted in the
-    loss, grouped-query KV heads repeated) at cp 2 beside 1D-width 1x2 tensor parallel (2D SUMMA on 1x2)."""
-    _check(pool4.run(C.parity, "llama", (1, 2), 2), "Llama cp 2 x 1x2")
+    loss, grouped-query KV heads repeated) at cp 2 beside 1D-width 1x2 tensor parallel (2D SUMMA on 1x2): one KV
+    head per rank, which cp 2 cannot split, so 'auto' runs the ring with the KV heads unrepeated."""
+    _check(pool4.run(C.parity, "llama", (1, 2), 2), "Llama cp 2 x 1x2", "ring")
 
 
-def test_cp4_unmasked_attention_and_the_users_loss(pool4):
-    """Bidirectional attention (no mask) and a loss the caller computes on the gathered output."""
-    _check(pool4.run(C.parity, "encoder", (1, 1), 4), "encoder cp 4")
+@pytest.mark.parametrize("attention,runs", [("auto", "alltoall"), ("ring", "ring")])
+def test_cp4_unmasked_attention_and_the_users_loss(pool4, attention, runs):
+    """Bidirectional attention (no mask: every ring block whole) and a loss the caller computes on the gathered
+    output."""
+    _check(pool4.run(C.parity, "encoder", (1, 1), 4, context_attention=attention), f"encoder cp 4 {attention}", runs)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "neox"])

@@ -82,7 +82,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                 data_parallel: str = DEFAULTS.data_parallel,
                 reshard_after_forward: bool = DEFAULTS.reshard_after_forward,
                 fsdp_prefetch: int | None = DEFAULTS.fsdp_prefetch,
-                context_parallel: int = DEFAULTS.context_parallel, pipeline=None):
+                context_parallel: int = DEFAULTS.context_parallel,
+                context_attention: str = DEFAULTS.context_attention, pipeline=None):
     """Compile `model` for tensor parallelism on an R x C grid; call on every rank.
 
     Args:
@@ -201,6 +202,12 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         fsdp_prefetch: with data_parallel='shard': None (FSDP2's implicit prefetching: in backward
             the next block's gather starts before the current block's backward) or k >= 1 (each block
             starts the gathers of the next k blocks before it runs, in forward and in backward).
+        context_parallel: cp > 1 splits each sequence over cp copies of the grid (zig-zag chunks; every rank
+            passes the same whole batch; world = cp * R * C); see docs/guide/context-parallel.md.
+        context_attention: with context_parallel, how each attention sees the other ranks' tokens:
+            'alltoall' (heads exchanged), 'ring' (K/V blocks passed around the cp ranks beside the block
+            products), 'allgather' (K and V gathered whole), 'auto' (all-to-all where this rank's query
+            and KV heads divide by cp, else the ring).
     """
     options = Options(lowering=lowering, overlap=overlap, indivisible=indivisible, fused=fused,
                       on_unsupported=on_unsupported,
@@ -209,7 +216,7 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
                       compile=compile, recompute=recompute, grad_bucket_mb=grad_bucket_mb,
                       moe_dispatch=moe_dispatch, data_parallel=data_parallel, recompute_blocks=recompute_blocks,
                       reshard_after_forward=reshard_after_forward, fsdp_prefetch=fsdp_prefetch,
-                      context_parallel=context_parallel)
+                      context_parallel=context_parallel, context_attention=context_attention)
     spec = parse_spec(grid, strategy, pipeline, data_parallel, "autopar.parallelize")
     nested = next((n for n, m in model.named_modules() if isinstance(m, ParallelModule)), None) \
         if isinstance(model, nn.Module) else None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from autopar.errors import UsageError
 from autopar.planning.grids import describe
 from autopar.program import uneven as uneven
-from passes.cost.context import step_bytes
+from passes.cost.context import FLAVOURS, step_bytes
 from passes.cost.pipeline import bubble
 from passes.cost.planned import node_calls, node_cost, nodes_needing_grad
 from passes.cost.model import CostModel
@@ -206,9 +206,9 @@ def context_line(pmodel, gm) -> str | None:
     mods = [m for m in gm.modules() if isinstance(m, ContextAttention)]
     fwd = bwd = 0
     for m in mods:
-        f, b = step_bytes(*m.blocks, cp)
+        f, b = step_bytes(*m.blocks, cp, m.flavour)
         fwd, bwd = fwd + f, bwd + b
-    kinds = ", ".join(f"{sum(m.flavour == k for m in mods)} {k}" for k in ("alltoall", "allgather")
+    kinds = ", ".join(f"{sum(m.flavour == k for m in mods)} {k}" for k in FLAVOURS
                       if any(m.flavour == k for m in mods))
     return (f"context parallel over {cp} ranks (zig-zag; the replicas above): {len(mods)} attention(s) ({kinds}), "
             f"receiving per rank per step forward {_fmt_bytes(fwd)}, backward {_fmt_bytes(bwd)}, not in the totals "

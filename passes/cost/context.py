@@ -11,6 +11,11 @@ receiving (cp - 1)/cp of the block: with 2000 bytes of q (and of the output) and
 
 >>> alltoall_bytes(2000, 1000, 4)
 (4500, 4500)
+
+In the ring flavour K and V pass around the ring, their gradients' sums with them backward:
+
+>>> ring_bytes(1000, 4)
+(6000, 14000)
 """
 
 from __future__ import annotations
@@ -19,22 +24,50 @@ import math
 
 from passes.cost.volumes import all_gather_bytes, all_reduce_bytes, all_to_all_bytes, reduce_scatter_bytes
 
-__all__ = ["alltoall_bytes", "attention_bytes", "flavour", "loss_bytes", "output_bytes", "step_bytes"]
+__all__ = ["FLAVOURS", "alltoall_bytes", "attention_bytes", "can_run", "flavour", "loss_bytes", "output_bytes",
+           "ring_bytes", "step_bytes"]
 
 
-def flavour(heads: int, kv_heads: int, cp: int) -> str:
+FLAVOURS = ("alltoall", "ring", "allgather")  # how an attention sees the other cp ranks' tokens
+
+
+def flavour(heads: int, kv_heads: int, cp: int, want: str = "auto", dropout: bool = False) -> str:
     """How an attention with this rank's `heads` query and `kv_heads` KV heads runs over cp ranks
-    (`passes.ops.context`): 'alltoall' where both divide by cp, else 'allgather'."""
-    return "alltoall" if heads % cp == 0 and kv_heads % cp == 0 else "allgather"
+    (`passes.ops.context`): `want`, one of FLAVOURS, or 'auto': 'alltoall' where both divide by cp, else
+    'ring' ('allgather' with dropout, which the ring's block products do not draw)."""
+    if want != "auto":
+        return want
+    if heads % cp == 0 and kv_heads % cp == 0:
+        return "alltoall"
+    return "allgather" if dropout else "ring"
 
 
-def step_bytes(q_shape: tuple, k_shape: tuple, itemsize: int, cp: int) -> tuple:
-    """(forward, backward) bytes one rank receives for one attention whose local q is `q_shape` and k `k_shape`
-    ([b, heads, s/cp, d]), in the flavour its heads take."""
+def can_run(want: str, heads: int, kv_heads: int, cp: int, dropout: bool) -> str | None:
+    """Why flavour `want` cannot run such an attention, or None."""
+    if want == "alltoall" and (heads % cp or kv_heads % cp):
+        return (f"the all-to-all flavour splits the heads over the cp ranks: this rank's {heads} query and "
+                f"{kv_heads} KV heads must divide by cp={cp}")
+    if want == "ring" and dropout:
+        return "the ring flavour draws no attention dropout"
+    return None
+
+
+def step_bytes(q_shape: tuple, k_shape: tuple, itemsize: int, cp: int, kind: str) -> tuple:
+    """(forward, backward) bytes one rank receives for one attention whose local q is `q_shape` and k (and v)
+    `k_shape` ([b, heads, s/cp, d]), in flavour `kind`."""
     q, k = math.prod(q_shape) * itemsize, math.prod(k_shape) * itemsize
-    if flavour(q_shape[1], k_shape[1], cp) == "alltoall":
+    if kind == "alltoall":
         return alltoall_bytes(q, k, cp)
+    if kind == "ring":
+        return ring_bytes(k, cp)
     return attention_bytes(k, cp)
+
+
+def ring_bytes(kv_block: int, cp: int) -> tuple:
+    """(forward, backward) bytes one rank receives for one attention in the ring flavour, K's and V's blocks
+    `kv_block` bytes each: cp − 1 K/V blocks forward; backward cp − 1 again and cp blocks of their gradients'
+    running sums (`passes.ops.ring_attention`)."""
+    return (cp - 1) * 2 * kv_block, (2 * cp - 1) * 2 * kv_block
 
 
 def attention_bytes(kv_block: int, cp: int) -> tuple:

@@ -8,12 +8,15 @@ many (the load balancing of Llama 3's and Megatron's context parallelism).
 
 - `take` cuts a rank's part out of a whole tensor, `restore` puts the parts gathered in rank order back in
   sequence order, `positions` are the global token positions of a rank's part.
-- `ContextAttention` replaces a `scaled_dot_product_attention` on the local tokens, in one of two flavours:
+- `ContextAttention` replaces a `scaled_dot_product_attention` on the local tokens, in one of three flavours
+  (`context_attention`; 'auto' takes the all-to-all where it can run, else the ring):
   - **all-to-all** (DeepSpeed-Ulysses, arXiv:2309.14509), where this rank's query and KV heads both divide by
     cp: q, k and v go from sequence-split to head-split ([b, h/cp, S, d], every token in sequence order), the
     attention runs whole and causal with no mask (the fused kernels), and its output comes back; four
     all-to-alls forward, four backward, each receiving (cp−1)/cp of its tensor.
-  - **all-gather** (the flavour Llama 3 was trained with, arXiv:2407.21783, section 3.3.2) otherwise: k and v
+  - **ring** (`passes.ops.ring_attention`): K and V passed around the cp ranks block by block, each block's
+    transfer beside the previous block's product, the softmax merged online; O(s/cp) saved per rank.
+  - **all-gather** (the flavour Llama 3 was trained with, arXiv:2407.21783, section 3.3.2): k and v
     are all-gathered (`comm.GatherSum`: their gradients reduce-scattered back) and this rank's queries attend
     to every key under an [s/cp, s] mask by global position; it holds the whole sequence's K and V and that
     mask (which SDPA keeps for backward, in the queries' dtype, per attention).
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 
 from passes.mesh import CP_AXIS, Grid
 from passes.ops import comm
+from passes.ops.ring_attention import RingAttention
 from passes.cost.context import flavour
 from passes.cost.volumes import all_to_all_bytes
 
@@ -120,31 +124,39 @@ class ContextAttention(nn.Module):
     """Attention of this rank's queries [b, h, n, d] to the keys and values of all cp ranks (see the module
     docstring). `causal`: key j is seen by query i where j's global position is at most i's."""
 
-    def __init__(self, grid: Grid, causal: bool, scale, dropout_p: float, tag: str, blocks: tuple = ()):
-        """`blocks`: (q's local shape, k's local shape, element bytes) as planned, for `explain`."""
+    def __init__(self, grid: Grid, causal: bool, scale, dropout_p: float, tag: str, blocks: tuple = (),
+                 want: str = "auto"):
+        """`blocks`: (q's local shape, k's local shape, element bytes) as planned, for `explain`; `want`: the
+        flavour asked for (`passes.cost.context.FLAVOURS` or 'auto')."""
         super().__init__()
         self.grid, self.causal, self.scale, self.dropout_p, self.tag = grid, causal, scale, dropout_p, tag
         self._masks: dict = {}
-        self.blocks = blocks
-        # 'alltoall' or 'allgather': as planned, and as the last call ran
-        self.flavour = flavour(blocks[0][1], blocks[1][1], grid.cp) if blocks else ""
+        self.blocks, self.want = blocks, want
+        # 'alltoall', 'ring' or 'allgather': as planned, and as the last call ran
+        self.flavour = flavour(blocks[0][1], blocks[1][1], grid.cp, want, dropout_p > 0) if blocks else ""
 
-    def mask(self, n: int, device) -> torch.Tensor | None:
-        """[n, cp·n] bool: which gathered keys (in rank order) each local query attends to; None: all."""
+    def mask(self, n: int, device, ranks: range | None = None) -> torch.Tensor | None:
+        """[n, len(ranks)·n] bool: which keys of `ranks` (all cp ranks by default; in rank order) each local query
+        attends to; None: all."""
         if not self.causal:
             return None
-        key = (n, str(device))
+        cp, i = self.grid.cp, self.grid.dp_index
+        ranks = range(cp) if ranks is None else ranks
+        key = (n, str(device), ranks)
         if key not in self._masks:
-            cp, i = self.grid.cp, self.grid.dp_index
             q = positions(i, cp, n, device)
-            k = torch.cat([positions(j, cp, n, device) for j in range(cp)])
+            k = torch.cat([positions(j, cp, n, device) for j in ranks])
             self._masks[key] = k[None, :] <= q[:, None]
         return self._masks[key]
 
     def forward(self, q, k, v):
         drop = self.dropout_p if self.training else 0.0
         tag = f"{TAG} {self.tag}"
-        self.flavour = flavour(q.shape[1], k.shape[1], self.grid.cp)
+        self.flavour = flavour(q.shape[1], k.shape[1], self.grid.cp, self.want, self.dropout_p > 0)
+        if self.flavour == "ring":  # K/V around the cp ring, the next block in flight beside the current product
+            i = self.grid.dp_index
+            return RingAttention.apply(q, k, v, self.grid, self.mask(q.shape[2], q.device, range(i, i + 1)),
+                                       self.scale, tag)
         if self.flavour == "alltoall":  # every token of h/cp heads: causal in sequence order, no mask
             qh, kh, vh = (HeadExchange.apply(t, self.grid, f"{tag} {w}", True) for t, w in ((q, "q"), (k, "k"),
                                                                                               (v, "v")))
@@ -158,7 +170,7 @@ class ContextAttention(nn.Module):
                                               dropout_p=drop, scale=self.scale)
 
     def extra_repr(self) -> str:
-        return f"cp={self.grid.cp}, causal={self.causal}, {self.flavour or 'all-to-all or all-gather'}"
+        return f"cp={self.grid.cp}, causal={self.causal}, {self.flavour or self.want}"
 
 
 class SeqGather(torch.autograd.Function):

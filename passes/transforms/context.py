@@ -35,6 +35,7 @@ from passes.errors import UsageError
 from passes.layout import local_shape
 from passes.meta import LAYOUT, PLAN_ARGS, ROLE
 from passes.nodes import arg, module_path, source_line
+from passes.cost.context import can_run
 from passes.ops.context import ContextAttention, positions, take
 from passes.ops.modules import GroupedHeadsAttention
 
@@ -319,8 +320,9 @@ def _local(x: Node, grid) -> tuple:
     return local_shape(shape, lay, grid.shape, x.name, at=(grid.r, grid.c)) if lay is not None else shape
 
 
-def finish(gm: GraphModule, grid) -> None:
-    """Each attention of the per-rank program `gm` as a `ContextAttention` over `grid`'s cp ranks."""
+def finish(gm: GraphModule, grid, want: str = "auto") -> None:
+    """Each attention of the per-rank program `gm` as a `ContextAttention` over `grid`'s cp ranks, in flavour
+    `want` (the context_attention option: `passes.cost.context.FLAVOURS` or 'auto')."""
     for node in gm.graph.nodes:
         if node.op == "call_module" and isinstance(gm.get_submodule(node.target), GroupedHeadsAttention):
             raise UsageError(f"context_parallel: the attention {node.name} picks its KV heads per column (the grid's "
@@ -329,8 +331,13 @@ def finish(gm: GraphModule, grid) -> None:
     for node in list(gm.graph.find_nodes(op="call_function", target=SDPA)):
         q, k = node.args[0], node.args[1]
         blocks = tuple(_local(x, grid) for x in (q, k)) + (q.meta["val"].element_size(),)
+        dropout = arg(node, 4, "dropout_p", 0.0)
+        why = can_run(want, blocks[0][1], blocks[1][1], grid.cp, dropout > 0)
+        if why:
+            raise UsageError(f"context_attention={want!r} for the attention {_where(node)}: {why}; pass "
+                             f"context_attention='auto' (the all-to-all where the heads allow, else the ring)")
         module = ContextAttention(grid, bool(arg(node, 5, "is_causal", False)), node.kwargs.get("scale"),
-                                  arg(node, 4, "dropout_p", 0.0), node.name, blocks)
+                                  dropout, node.name, blocks, want)
         name = f"autopar_context_{node.name}"
         gm.add_submodule(name, module)
         with gm.graph.inserting_before(node):
