@@ -42,6 +42,9 @@ def add_arguments(sub) -> None:
             p.add_argument("--dp-replicate", type=int, default=1, help="replicas (HSDP with --dp-shard)")
             p.add_argument("--cp", type=int, default=1, help="context-parallel ranks each sequence is split over "
                            "(parameters sharded over dp-shard x cp, as torchtitan runs it)")
+            p.add_argument("--cp-attention", default="auto", choices=("auto", "alltoall", "ring", "allgather"),
+                           help="with --cp: how attention sees every token (default auto: what parallelize's "
+                                "context_attention='auto' runs)")
             p.add_argument("--no-overlap", dest="overlap", action="store_false",
                            help="2D and 3D: price every SUMMA transfer in line (parallelize(overlap=False)); "
                                 "default: each product's panels after the first beside its matmuls")
@@ -99,7 +102,8 @@ def _estimate(ns) -> int:
                    dp_replicate=ns.dp_replicate, pp=ns.pp, schedule=ns.schedule, microbatches=ns.microbatches,
                    interleave=ns.interleave, recompute=ns.recompute, precision=ns.precision, compile=ns.compile,
                    fp8=ns.fp8, async_tp=ns.async_tp, shard_optimizer=ns.shard_optimizer,
-                   recompute_blocks=ns.recompute_blocks, overlap=ns.overlap, cp=ns.cp)
+                   recompute_blocks=ns.recompute_blocks, overlap=ns.overlap, cp=ns.cp,
+                   cp_attention=ns.cp_attention)
     out = est.to_json()
     if ns.dry_run:
         out["dry_run"] = dry_run_check(est, _model(ns.model), ranks=ns.dry_run, workers=ns.workers)

@@ -2,7 +2,8 @@
 
 A Llama-shaped model (hidden 256, 8 query heads of 32, 4 KV heads, 2 layers, vocabulary 1,024) trains one
 step at batch 1 and sequence `--seq` (default 16,384) on one process, then with `context_parallel=cp` for
-each cp of `--cp` (default 2 4) on a 1x1 grid, cp gloo ranks, all in this invocation. Per configuration:
+each cp of `--cp` (default 2 4) and each `--attention` flavour (default auto, ring) on a 1x1 grid, cp gloo
+ranks, all in this invocation. Per configuration:
 
 - saved MiB: the bytes of the distinct storages autograd saves for backward during the forward (the
   activations a step holds), the largest over the ranks; its ratio to one process's, and that ratio times cp
@@ -12,7 +13,7 @@ each cp of `--cp` (default 2 4) on a 1x1 grid, cp gloo ranks, all in this invoca
 - step: one forward and backward, seconds (2 cores shared by the ranks: not a speed figure);
 - loss: against one process's.
 
-    python examples/bench_context.py [--seq 16384] [--cp 2 4] [--json out.json]
+    python examples/bench_context.py [--seq 16384] [--cp 2 4] [--attention auto ring] [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,33 +65,33 @@ def _step(call) -> tuple:
     return sum(storages.values()), float(out.loss.detach()), time.perf_counter() - began
 
 
-def _rank(rank: int, cp: int, seq: int, path: str) -> None:
+def _rank(rank: int, cp: int, seq: int, path: str, attention: str) -> None:
     import autopar
-    from passes.cost.context import alltoall_bytes, attention_bytes, loss_bytes, output_bytes
-    from passes.cost.context import flavour
+    from passes.cost.context import flavour, loss_bytes, output_bytes, step_bytes
 
     torch.set_num_threads(1)
     batch = _batch(seq)
-    pm = autopar.parallelize(_model(), grid=(1, 1), example_kwargs=batch, context_parallel=cp)
+    pm = autopar.parallelize(_model(), grid=(1, 1), example_kwargs=batch, context_parallel=cp,
+                             context_attention=attention)
     pm.grid.log.reset()
     saved, loss, took = _step(lambda: pm(**batch))
     counted = {ph: sum(v for (t, p), v in pm.grid.log.bytes.items() if t.startswith("context") and p == ph)
                for ph in ("fwd", "bwd")}
     n, d = seq // cp, HIDDEN // HEADS
-    if flavour(HEADS, KV_HEADS, cp) == "alltoall":
-        fwd, bwd = alltoall_bytes(HEADS * n * d * 4, KV_HEADS * n * d * 4, cp)
-    else:
-        fwd, bwd = attention_bytes(KV_HEADS * n * d * 4, cp)
+    kind = flavour(HEADS, KV_HEADS, cp, attention)
+    fwd, bwd = step_bytes((1, HEADS, n, d), (1, KV_HEADS, n, d), 4, cp, kind)
     priced = {"fwd": LAYERS * fwd + output_bytes(n * VOCAB * 4, cp) + loss_bytes(4, cp), "bwd": LAYERS * bwd}
     with open(f"{path}.{rank}", "w") as f:
         json.dump({"saved": saved, "loss": loss, "seconds": took, "counted": counted, "priced": priced,
-                   "flavour": flavour(HEADS, KV_HEADS, cp)}, f)
+                   "flavour": kind}, f)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--cp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--attention", nargs="+", default=["auto", "ring"],
+                    help="context_attention values to run at each cp ('auto': all-to-all where the heads divide)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from autopar.launch import spawn
@@ -104,9 +105,9 @@ def main() -> None:
           f"{'fwd bytes (counted/priced)':>29} "
           f"{'bwd bytes':>23} {'loss diff':>10} {'step s':>7}")
     print(f"{1:>3} {'-':>9} {saved / 2**20:15.1f} {1.0:14.3f} {1.0:6.2f} {'-':>29} {'-':>23} {'-':>10} {took:7.1f}")
-    for cp in a.cp:
+    for cp, attention in ((cp, at) for cp in a.cp for at in a.attention):
         path = os.path.join(tempfile.mkdtemp(prefix="autopar-bench-cp-"), "rank")
-        spawn(_rank, cp, cp, a.seq, path)
+        spawn(_rank, cp, cp, a.seq, path, attention)
         ranks = [json.load(open(f"{path}.{r}")) for r in range(cp)]
         worst = max(r["saved"] for r in ranks)
         ok = all(r["counted"] == r["priced"] for r in ranks)

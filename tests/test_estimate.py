@@ -336,12 +336,18 @@ def test_cp_attention_prices_the_flavour_parallelize_runs():
 
     src = load_model_source(published_model("llama3-8b", {}))
     est = {a: estimate(src, devices=8, cluster="dgx-h100", global_batch=1, seq=65536, dp_shard=1, cp=8,
-                       recompute="full", cp_attention=a) for a in ("auto", "alltoall", "allgather")}
+                       recompute="full", cp_attention=a) for a in ("auto", "alltoall", "allgather", "ring")}
     assert est["auto"].parallel.cp_attention == "alltoall"
     comm = {a: sum(e.cost.comm_s.values()) for a, e in est.items()}
     assert comm["auto"] == comm["alltoall"] < comm["allgather"], comm
-    with pytest.raises(UsageError, match="cp_attention='ring': expected 'auto', 'allgather' or 'alltoall'"):
-        estimate(src, devices=8, cluster="dgx-h100", global_batch=1, seq=65536, dp_shard=1, cp=8, cp_attention="ring")
+    with pytest.raises(UsageError, match="cp_attention='rings': expected 'auto' or one of"):
+        estimate(src, devices=8, cluster="dgx-h100", global_batch=1, seq=65536, dp_shard=1, cp=8, cp_attention="rings")
+    # 2D 1x8 leaves each rank 4 query and one KV head: no all-to-all over cp 2 ('auto' is the ring)
+    with pytest.raises(UsageError, match="cp_attention='alltoall': the all-to-all flavour splits the heads"):
+        estimate(src, devices=16, cluster="dgx-h100", global_batch=1, seq=65536, dp_shard=1, cp=2, tp=(1, 8),
+                 cp_attention="alltoall")
+    assert estimate(src, devices=16, cluster="dgx-h100", global_batch=1, seq=65536, dp_shard=1, cp=2, tp=(1, 8),
+                    recompute="full").parallel.cp_attention == "ring"
 
 
 def test_choose_plan_picks_context_parallel_for_long_sequences_only():

@@ -25,7 +25,7 @@ from autopar.errors import UsageError
 from passes.cost.cluster import PRESETS, resolve_cluster
 from passes.cost.profile import profile
 from passes.cost.step import PRECISIONS, Parallel, StepCost, TPBytes, price_step
-from passes.cost.context import flavour
+from passes.cost.context import FLAVOURS, can_run, flavour
 
 __all__ = ["Estimate", "ModelSource", "boundary", "estimate", "load_model_source", "model_profile", "tp_bytes"]
 
@@ -366,8 +366,10 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     gradients reduce-scattered), exposed in line; the parameters sharded over dp_shard x cp, as torchtitan
     runs it (parallelize's context_parallel with data_parallel='shard');
     `cp_attention`: how an attention sees every token under cp: 'allgather' (K and V gathered, torchtitan's),
-    'alltoall' (q, k, v and the output exchanged to and from head-split) or 'auto' (what parallelize runs:
-    all-to-all where the heads a rank holds, query and KV, divide by cp; `passes.cost.context.flavour`)."""
+    'alltoall' (q, k, v and the output exchanged to and from head-split), 'ring' (K and V passed around the cp
+    ranks, each block beside the previous block's product) or 'auto' (what parallelize's
+    context_attention='auto' runs: all-to-all where the heads a rank holds, query and KV, divide by cp, else
+    the ring; `passes.cost.context.flavour`)."""
     cl = resolve_cluster(cluster)
     if cl is None:
         raise UsageError(f"autopar.estimate: cluster=None: name one of {sorted(PRESETS)} or pass a Cluster")
@@ -379,12 +381,16 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
                          "(sequences per step in all), one of them")
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise UsageError(f"autopar.estimate: cp={cp!r}: expected a number of context-parallel ranks >= 1")
-    if cp_attention not in ("auto", "allgather", "alltoall"):
-        raise UsageError(f"autopar.estimate: cp_attention={cp_attention!r}: expected 'auto', 'allgather' or 'alltoall'")
+    if cp_attention not in ("auto",) + FLAVOURS:
+        raise UsageError(f"autopar.estimate: cp_attention={cp_attention!r}: expected 'auto' or one of {FLAVOURS}")
+    cols = _columns(tp)
+    heads = src.heads or 1
+    mine = heads // cols, (src.kv_heads or heads) // cols  # the query and KV heads a rank holds
     if cp_attention == "auto":
-        cols = _columns(tp)
-        heads = src.heads or 1
-        cp_attention = flavour(heads // cols, (src.kv_heads or heads) // cols, cp)
+        cp_attention = flavour(*mine, cp)
+    why = can_run(cp_attention, *mine, cp, False) if cp > 1 else None
+    if why:
+        raise UsageError(f"autopar.estimate: cp_attention={cp_attention!r}: {why}")
     others = math.prod(tp) * dp_replicate * pp * cp
     shard = dp_shard if dp_shard is not None else devices // others if devices % others == 0 else 0
     if shard < 1:

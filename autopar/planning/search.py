@@ -12,7 +12,7 @@ The candidates for `devices` GPUs of a cluster with G GPUs per node:
     replicas          the rest, sharded (FSDP2) or replicated
     context parallel  or the rest as cp ranks over which each sequence is split (no stages, the blocks sharded
                       over them: `parallelize(context_parallel=cp, data_parallel='shard')`), where 2 cp divides
-                      the sequence
+                      the sequence; attention by all-to-all (where the heads divide by cp) or by the ring
     recompute         none, selective (per op) or full (every block); where keeping every activation does
                       not fit and recomputing every block does, the first k blocks of each stage, the
                       fewest that fit
@@ -86,7 +86,7 @@ class TrainingPlan:
         if p.pp > 1 and p.dp_shard > 1:  # the stage stays gathered through its micro-batches, as priced
             out["reshard_after_forward"] = False
         if p.cp > 1:  # the sequence over the cp ranks, the grid's blocks sharded over them (as priced)
-            out.update(context_parallel=p.cp, data_parallel="shard")
+            out.update(context_parallel=p.cp, context_attention=p.cp_attention, data_parallel="shard")
         return out
 
     def __str__(self) -> str:
@@ -130,9 +130,9 @@ def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int,
         cp = devices // t  # context parallel over every device the grid leaves, the blocks sharded over them: what
         # parallelize builds (context_parallel=cp, data_parallel='shard'; no stages or replicas beside it)
         if cp > 1 and not cube and seq % (2 * cp) == 0:
-            for rc in recompute:
+            for rc, flavour in itertools.product(recompute, ("alltoall", "ring")):  # what the heads allow: estimate's
                 yield dict(tp=layout, dp_shard=1, dp_replicate=1, pp=1, schedule="1f1b", microbatches=1, interleave=1,
-                           recompute=rc, cp=cp)
+                           recompute=rc, cp=cp, cp_attention=flavour)
 
 
 def _partial(kw: dict, none: Estimate, full: Estimate, limit: float, layers: int, priced) -> None:

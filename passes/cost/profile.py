@@ -57,6 +57,7 @@ class Part:
     mm: list = field(default_factory=list)  # (M, K, N) per product, in graph order
     mm_inputs: list = field(default_factory=list)  # the activation each product reads (its node's name)
     attention_flops: float = 0.0
+    attention_scores: float = 0.0  # (query, key) pairs attention scores, b h s_q s_k (halved causal)
     memory_bytes: float = 0.0
     saved: float = 0.0
     sac_saved: float = 0.0
@@ -189,6 +190,7 @@ def _count_ops(gm, parts: dict, outer: Part, part_of) -> set:
             q, k = _tensors(node)[:2]
             f = 4.0 * q.numel() * k.shape[-2]  # 4 b h s_q d s_k: the score and value products
             p.attention_flops += f * (0.5 if _causal(node) else 1.0)
+            p.attention_scores += f / (4.0 * q.shape[-1]) * (0.5 if _causal(node) else 1.0)
             keep.add(node)
         elif isinstance(v, torch.Tensor) and v.dtype.is_floating_point and target not in VIEWS:
             ins = _tensors(node)

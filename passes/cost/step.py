@@ -76,7 +76,8 @@ class Parallel:
     # context parallel: each sequence split over cp ranks (keys and values all-gathered per attention, their
     # gradients reduce-scattered); the parameters sharded over dp_shard x cp, as torchtitan runs it
     cp: int = 1
-    cp_attention: str = "allgather"  # how an attention sees every token: 'allgather' (K, V) or 'alltoall' (heads)
+    cp_attention: str = "allgather"  # how an attention sees every token: 'allgather' (K, V), 'alltoall' (heads)
+    #                                  or 'ring' (K, V passed around the cp ranks beside the block products)
 
     @property
     def fsdp(self) -> int:
@@ -174,12 +175,24 @@ def _split(m, k, n, tp: tuple) -> tuple[float, float, float]:
     return m / tp[0], k / tp[1], n / tp[2]
 
 
+# Attention's backward beyond twice its forward: flash attention's backward runs five products against the
+# forward's two, 2.5 times its FLOPs (FlashAttention-2, Dao 2023, section 4.1's FLOP count); so does the ring's.
+ATTENTION_BWD_EXTRA = 0.5
+
+# Bytes of HBM traffic per attention score in the ring flavour's forward (`passes.ops.ring_attention`, not a
+# fused kernel): the score product written in the compute dtype and read back (2 + 2 at bf16), widened to fp32
+# (4) and scaled (4 + 4), the log-sum-exp's two passes (8), minus it and exp (8 + 8), narrowed for the value
+# product (4 + 2) and read by it (2): 48. Backward runs about twice the forward's passes, as the model prices.
+RING_SCORE_BYTES = 48.0
+
+
 @dataclass
 class _Work:
     fwd: float = 0.0  # seconds of one forward
     mm_fwd: float = 0.0  # of which matmuls
     sac_extra: float = 0.0  # what per-op selective recomputation runs again
     group_mm: tuple = ()  # seconds of each run of products reading one input (`Part.groups`)
+    attn: float = 0.0  # of which attention
 
     def hidden(self, comm: float, k: float) -> float:
         """Seconds of `comm` (a 1D block's collectives, one per run of products, equal in size) that
@@ -197,16 +210,39 @@ def _part_time(part: Part, n: float, cfg: Parallel, cl: Cluster) -> _Work:
     mm = sum(each)
     ratio = part.sac_recompute_flops / part.mm_flops if part.mm_flops else 0.0
     attn = part.attention_flops * n / t / (cl.peak_flops * cl.attention_efficiency)
+    if cfg.cp > 1 and cfg.cp_attention == "ring":  # the ring's block products: matmuls, the scores through HBM
+        attn = (part.attention_flops * n / t / (cl.peak_flops * cl.matmul_efficiency)
+                + part.attention_scores * n / t * RING_SCORE_BYTES / (cl.hbm_bytes_per_s * cl.hbm_efficiency))
     mem = part.memory_bytes * n / t / (cl.hbm_bytes_per_s * cl.hbm_efficiency) * (FUSED if cfg.compile else 1.0)
     floor = part.ops * cl.op_s / 3.0  # op_s is forward and backward together; _Work holds a forward
     return _Work(mm + attn + mem + floor, mm, ratio * mm + mem,
-                 tuple(sum(each[i] for i in g) for g in part.groups()))
+                 tuple(sum(each[i] for i in g) for g in part.groups()), attn)
 
 
 def _coll_s(nbytes: float, calls: float, cl: Cluster, span: int, size: int) -> float:
     """A collective over `size` ranks spread over `span` consecutive ones (`Cluster.group_link`)."""
     link = cl.group_link(span, size)
     return calls * link.alpha_s + nbytes / (link.beta_bytes_per_s * cl.collective_efficiency)
+
+
+def _cp_exposed(cfg: Parallel, cl: Cluster, blk: _Work, q_bytes: float, kv_share: float) -> tuple:
+    """(forward, backward) seconds of one attention's context-parallel traffic, `q_bytes` this rank's q block:
+    all-gather, K and V gathered forward and their gradients reduce-scattered; all-to-all, q, k, v and the
+    output exchanged each way: both in line. Ring: each of the cp − 1 K/V blocks travels beside one ring
+    step's product (1/cp of the attention), backward beside its gradients' sums, the last sum's trip home
+    in line."""
+    if cfg.cp == 1:
+        return 0.0, 0.0
+    cp, span, kv = cfg.cp, cfg.cp * cfg.tp_size, kv_share * q_bytes
+    if cfg.cp_attention == "ring":
+        step = _coll_s(2 * kv, 1, cl, span, cp)  # one K/V block (or its gradients) from the previous rank
+        each = blk.attn / cp  # one ring step's share of this rank's attention forward
+        return (cp - 1) * max(0.0, step - each), (cp - 1) * max(0.0, 2 * step - 2 * each) + step
+    if cfg.cp_attention == "alltoall":
+        one = _coll_s((cp - 1) / cp * (2 * q_bytes + 2 * kv), 4, cl, span, cp)
+    else:
+        one = _coll_s((cp - 1) * 2 * kv, 2, cl, span, cp)
+    return one, one
 
 
 def _tp_spans(tp: tuple) -> tuple:
@@ -282,20 +318,15 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     tp_blk = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.bytes(n), tp_block.calls, spans))
     tp_again = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_block.fwd_bytes(n), tp_block.fwd_calls, spans))
     tp_out = sum(_coll_s(b, c, cl, *s) for b, c, s in zip(tp_outer.bytes(n), tp_outer.calls, spans))
-    # context parallel, per block and micro-batch (`passes.cost.context`): all-gather, K and V gathered forward and
-    # their gradients reduce-scattered; all-to-all, q, k, v and the output exchanged each way
-    q_bytes = n * seq * prof.hidden * prof.param_dtype_bytes / cfg.tp_size  # this rank's q block
-    if cfg.cp_attention == "alltoall":
-        cp_bytes, cp_calls = (cfg.cp - 1) / cfg.cp * (2 * q_bytes + 2 * kv_share * q_bytes), 4
-    else:
-        cp_bytes, cp_calls = (cfg.cp - 1) * 2 * kv_share * q_bytes, 2
-    cp_s = _coll_s(cp_bytes, cp_calls, cl, cfg.cp * cfg.tp_size, cfg.cp) if cfg.cp > 1 else 0.0
-    tp_blk, tp_again = tp_blk + 2 * cp_s, tp_again + cp_s  # exposed in line, as the tensor-parallel collectives
+    # context parallel, per block and micro-batch (`passes.cost.context`)
+    cp_fwd, cp_bwd = _cp_exposed(cfg, cl, blk, n * seq * prof.hidden * prof.param_dtype_bytes / cfg.tp_size, kv_share)
+    tp_blk, tp_again = tp_blk + cp_fwd + cp_bwd, tp_again + cp_fwd
 
     full = cfg.recomputed(per_stage) * V  # this rank's blocks recomputed in full; the rest as `cfg.rest` says
 
     def block_s(w: _Work, comm: float, mode: str, again: float = 0.0) -> float:
-        run = 3.0 * w.fwd + (w.fwd if mode == "full" else w.sac_extra if mode == "selective" else 0.0)
+        run = 3.0 * w.fwd + ATTENTION_BWD_EXTRA * w.attn \
+            + (w.fwd if mode == "full" else w.sac_extra if mode == "selective" else 0.0)
         k = 4.0 if mode == "full" else 3.0
         comm += again if mode == "full" else 0.0  # a recomputed forward runs its collectives again
         if len(cfg.tp) > 1 and cfg.overlap:  # SUMMA's broadcasts overlap its products, all but each product's first
