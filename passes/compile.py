@@ -100,7 +100,7 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     sharding = _data_parallel(options)
     options = replace(options, data_parallel=sharding or "replicate")
     if grid.cp > 1 and cap.context is None:  # the sequence over the cp ranks: positions, masks, targets
-        cap.context = context.prepare(cap.gm, grid.cp, grid.dp_index, grid.shape[1], cap.buffers, cap.constants,
+        cap.context = context.prepare(cap.gm, grid.cp, grid.cp_index, grid.shape[1], cap.buffers, cap.constants,
                                       cap.sources)
     if grid.world > 1:
         route_experts(cap.gm, grid.shape, options.moe_dispatch)

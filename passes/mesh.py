@@ -165,9 +165,10 @@ class Grid:
     # each transfer is posted and waited for before what follows. The same calls, bytes and order either way.
     # Set, with overlap_grad_reduce, by the `overlap` option.
     prefetch: bool = True
-    # context_parallel: the dp replicas hold 1/cp of the sequence each (zig-zag), not batches of their own; their
-    # collectives run over axis CP_AXIS (`passes.ops.context`)
+    # context_parallel: replica d holds 1/cp of the sequence (zig-zag chunk pair d % cp) of batch d // cp; the cp
+    # ranks' collectives run over axis CP_AXIS (`passes.ops.context`), in `cp_group` (None: all the replicas, dp_group)
     cp: int = 1
+    cp_group: Any = None
     # graph node -> the module it came from ('model.layers.3.mlp.up_proj'), of the programs compiled on this
     # grid: the hang diagnosis names it (`passes.ops.flight`); replaced, never changed in place
     places: Mapping[str, str] = MappingProxyType({})
@@ -329,12 +330,12 @@ class Grid:
     def group(self, axis: int):
         """Process group of a collective over mesh `axis` (0: same column, 1: same row)."""
         if axis == CP_AXIS:
-            return self.dp_group
+            return self.dp_group if self.cp_group is None else self.cp_group
         return self.same_col_group if axis == 0 else self.same_row_group
 
     def size(self, axis: int) -> int:
         """Members of a collective over mesh `axis`: R for axis 0, C for axis 1."""
-        return self.dp if axis == CP_AXIS else self.shape[axis]
+        return self.cp if axis == CP_AXIS else self.shape[axis]
 
     @property
     def world(self) -> int:
@@ -344,14 +345,24 @@ class Grid:
     def index(self, axis: int) -> int:
         """This rank's position inside the group of `axis` (r for axis 0, c for axis 1)."""
         if axis == CP_AXIS:
-            return self.dp_index
+            return self.cp_index
         return self.r if axis == 0 else self.c
+
+    @property
+    def cp_index(self) -> int:
+        """Which of its batch's cp ranks this rank is (context_parallel: its chunk pair)."""
+        return self.dp_index % self.cp
+
+    @property
+    def batch_index(self) -> int:
+        """Which of the dp // cp data-parallel batches this rank trains on (its replica's, without cp)."""
+        return self.dp_index // self.cp
 
     def global_rank(self, axis: int, i: int) -> int:
         """Global rank of member i of this rank's group over `axis`."""
         C = self.shape[1]
-        if axis == CP_AXIS:  # the same (r, c) in grid copy i of this stage
-            return (self.stage * self.dp + i) * self.world + self.r * C + self.c
+        if axis == CP_AXIS:  # the same (r, c) in cp copy i of this rank's batch
+            return (self.stage * self.dp + self.batch_index * self.cp + i) * self.world + self.r * C + self.c
         return self.base + (i * C + self.c if axis == 0 else self.r * C + i)
 
     def __repr__(self) -> str:

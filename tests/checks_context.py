@@ -87,17 +87,28 @@ def _whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _rows(args, kwargs, b: int, dp: int):
+    """Data-parallel batch b of dp: its rows of every input."""
+    def cut(t):
+        n = t.shape[0] // dp
+        return t[b * n:(b + 1) * n]
+    return tuple(cut(t) for t in args), {k: cut(t) for k, t in kwargs.items()}
+
+
 def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 4, steps: int = 2,
            expect_recompute: bool = False, **options):
     """Outputs, loss, every gradient (step 0), the loss of every step and the parameters after `steps` AdamW
     steps against the unmodified model on one process; the context-parallel bytes of step 0 as counted and as
-    `passes.cost.context` prices them."""
+    `passes.cost.context` prices them. With grid=(dp, R, C), dp batches of batch/dp rows each, every batch's cp
+    ranks passing theirs: against one process whose loss is the mean of the dp batches' losses (data parallel)."""
     torch.set_num_threads(1)
     model = _model(family)
     ref = copy.deepcopy(model)
+    dp = grid[0] if len(grid) == 3 else 1
     args, kwargs = _batch(family, batch, seq, 1)
-    pm = autopar.parallelize(model, grid=grid, example_inputs=args, example_kwargs=kwargs or None,
-                             context_parallel=cp, **options)
+    pm = autopar.parallelize(model, grid=grid, example_inputs=_rows(args, kwargs, 0, dp)[0],
+                             example_kwargs=_rows(args, kwargs, 0, dp)[1] or None, context_parallel=cp, **options)
+    mine = pm.grid.batch_index
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     ref_params = dict(ref.named_parameters())
@@ -105,10 +116,13 @@ def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 
     for step in range(steps):
         args, kwargs = _batch(family, batch, seq, step + 1)
         pm.grid.log.reset()
-        y, loss = _out(family, pm(*args, **kwargs))
-        ry, rloss = _out(family, ref(*args, **kwargs))
+        y, loss = _out(family, pm(*_rows(args, kwargs, mine, dp)[0], **_rows(args, kwargs, mine, dp)[1]))
+        refs = [_out(family, ref(*a, **k)) for a, k in (_rows(args, kwargs, b, dp) for b in range(dp))]
+        ry = refs[mine][0]
         if loss is None:  # the user's loss on the gathered output
-            loss, rloss = (_whole(y) ** 2).mean(), (ry ** 2).mean()
+            loss, refs = (_whole(y) ** 2).mean(), [(o, (o ** 2).mean()) for o, _ in refs]
+        rloss = sum(r[1] for r in refs) / dp
+        rmine = refs[mine][1]
         loss.backward()
         rloss.backward()
         if step == 0:
@@ -120,14 +134,14 @@ def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 
             errs.update(group_excess({"output": (_whole(y), ry)}))
             errs.update(group_excess({n: (_whole(p.grad), ref_params[n].grad) for n, p in pm.named_parameters()},
                                      prefix="grad "))
-        errs.update(group_excess({f"loss step {step}": (_whole(loss).detach(), rloss.detach())}))
+        errs.update(group_excess({f"loss step {step}": (_whole(loss).detach(), rmine.detach())}))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
     errs.update(group_excess({n: (_whole(p), ref_params[n]) for n, p in pm.named_parameters()},
                              prefix=f"param after {steps} steps "))
-    expected = _expected(family, grid, cp, seq, batch, y, options.get("context_attention", "auto"))
+    expected = _expected(family, grid[-2:], cp, seq, batch // dp, y, options.get("context_attention", "auto"))
     # what each attention module was planned to receive (explain's context line), against the priced shapes
     modules = [m for m in pm.program.gm.modules() if isinstance(m, ContextAttention)]
     planned = sum(step_bytes(*m.blocks, cp, m.flavour)[0] for m in modules)
@@ -210,9 +224,12 @@ def refusals(rank):
     expect("window", "sliding_window=8: windowed or chunked attention is not supported",
            lambda: autopar.parallelize(_hf("mistral", sliding_window=8), grid=(1, 1),
                                        example_kwargs=dict(input_ids=ids), context_parallel=4))
-    expect("replicas", r"not\s+yet with pipeline stages, data-parallel replicas",
-           lambda: autopar.parallelize(llama, grid=(2, 1, 1), example_kwargs=dict(input_ids=ids), context_parallel=2))
-    expect("world", r"context_parallel=2 on grid=\(1, 1\) needs 2 \* 1 \* 1 = 2 processes",
+    expect("replicas", r"not yet with pipeline stages, data_parallel='auto'",
+           lambda: autopar.parallelize(llama, grid=(2, 1, 1), example_kwargs=dict(input_ids=ids), context_parallel=2,
+                                       data_parallel="auto"))
+    expect("world", r"context_parallel=4 on grid=\(2, 1, 1\) needs 2 \* 4 \* 1 \* 1 = 8 processes",
+           lambda: autopar.parallelize(llama, grid=(2, 1, 1), example_kwargs=dict(input_ids=ids), context_parallel=4))
+    expect("world 1x1", r"context_parallel=2 on grid=\(1, 1\) needs 2 \* 1 \* 1 = 2 processes",
            lambda: autopar.parallelize(llama, grid=(1, 1), example_kwargs=dict(input_ids=ids), context_parallel=2))
     pm = autopar.parallelize(llama, grid=(1, 1), example_kwargs=dict(input_ids=ids), context_parallel=4)
     expect("generate", "generate with context_parallel=4", lambda: pm.generate(ids[:, :8], max_new_tokens=2))

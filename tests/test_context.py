@@ -62,11 +62,21 @@ def test_a_cp2_checkpoint_loads_on_one_process(pool4):
 
 
 def test_what_context_parallelism_refuses(pool4):
-    """A length not divisible by 2 cp, a padding mask, a sliding window, replicas, a wrong world size,
-    generation, a shift over the tokens inside the model, a running sum over them, a mask given as an input and
-    a batch of each rank's own: each a UsageError."""
+    """A length not divisible by 2 cp, a padding mask, a sliding window, data_parallel='auto', a wrong world size
+    (with and without replicas), generation, a shift over the tokens inside the model, a running sum over them, a
+    mask given as an input and a batch of each rank's own: each a UsageError."""
     for r in pool4.run(C.refusals):
-        assert len(r) == 10, sorted(r)
+        assert len(r) == 11, sorted(r)
+
+
+@pytest.mark.parametrize("data_parallel", ["replicate", "shard"])
+def test_cp2_beside_data_parallel_replicas(pool4, data_parallel):
+    """grid=(2, 1, 1) with context_parallel=2 (4 ranks): two batches, each split over its own two cp ranks (the
+    ring: TinyGPT's 4 heads over cp 2 would take the all-to-all, so the ring is asked for); gradients averaged over
+    all four (the mean of the two batches' losses, one with a padded row), replicated or sharded over the four
+    (torchtitan's FSDP x CP); the cp collectives inside each batch's own group."""
+    _check(pool4.run(C.parity, "gpt", (2, 1, 1), 2, context_attention="ring", data_parallel=data_parallel),
+           f"TinyGPT dp 2 x cp 2, {data_parallel}", "ring")
 
 
 def test_cp2_with_strategy_auto(pool4):

@@ -364,18 +364,18 @@ def test_ranks_simulated_in_one_process_keep_their_own_meshes():
 
 
 def test_context_parallel_at_64_ranks_moves_what_it_prices():
-    """context_parallel=8 beside a 2x4 grid (64 ranks, one process, fake tensors): the covering ranks are built,
-    their grid bytes are the plan's, and each one's context-parallel bytes are `passes.cost.context`'s price: 8
-    heads over 4 columns leave 2 per rank, which 8 does not divide, so the ring flavour (7 K/V blocks per
-    attention forward, 7 and 8 gradient blocks backward, each a point-to-point transfer the fake group records),
-    plus the logits' gather and the loss's sum."""
+    """context_parallel=4 beside a 2x4 grid and 2 data-parallel replicas (grid=(2, 2, 4): 64 ranks, one process,
+    fake tensors): the covering ranks are built, their grid bytes are the plan's, and each one's context-parallel
+    bytes are `passes.cost.context`'s price: 8 heads over 4 columns leave 2 per rank, which 4 does not divide, so
+    the ring flavour (3 K/V blocks per attention forward, 3 and 4 gradient blocks backward, each a point-to-point
+    transfer the fake group records, inside its batch's cp group), plus the logits' gather and the loss's sum."""
     from passes.cost.context import loss_bytes, output_bytes, ring_bytes
 
     model, (ids, tgt) = _gpt(64, heads=8)
-    seq, cp = ids.shape[1] * 8, 8
+    seq, cp = ids.shape[1] * 8, 4
     ids, tgt = ids.repeat(1, 8), tgt.repeat(1, 8)
-    report = autopar.dry_run(model, (2, 4), example_inputs=(ids, tgt), context_parallel=cp, fake=True)
-    assert sorted(report.ranks) == covering_ranks((cp, 2, 4)), sorted(report.ranks)
+    report = autopar.dry_run(model, (2, 2, 4), example_inputs=(ids, tgt), context_parallel=cp, fake=True)
+    assert sorted(report.ranks) == covering_ranks((2 * cp, 2, 4)), sorted(report.ranks)
     b, n, d = ids.shape[0] // 2, seq // cp, 64 // 8
     fwd, bwd = ring_bytes(b * (8 // 4) * n * d * 4, cp)
     layers = model.cfg.layers

@@ -352,17 +352,20 @@ def test_cp_attention_prices_the_flavour_parallelize_runs():
 
 def test_choose_plan_picks_context_parallel_for_long_sequences_only():
     """Llama-3-8B on 8 H100 (dgx-h100), 131,072 tokens per step: at 8,192 tokens per sequence the plan splits
-    weights and batch (no cp); at 65,536 it splits each sequence over 8 context-parallel ranks, and its
-    parallelize keywords build that (context_parallel=8, the blocks sharded over the cp ranks)."""
+    weights and batch (no cp); at 65,536 it splits each sequence over context-parallel ranks (4, beside 2 sharded
+    replicas: torchtitan's FSDP 2 x CP 4 layout), and its parallelize keywords build that (grid=(dp, R, C),
+    context_parallel=cp, context_attention as priced, the blocks sharded over all the replicas)."""
     from autopar.planning.architectures import published_model
 
     src = load_model_source(published_model("llama3-8b", {}))
     short = choose_plan(src, devices=8, cluster="dgx-h100", global_batch=16, seq=8192).best.parallel
     long = choose_plan(src, devices=8, cluster="dgx-h100", global_batch=2, seq=65536)
     assert short.cp == 1, short.describe()
-    assert long.best.parallel.cp == 8, long.best.parallel.describe()
+    p = long.best.parallel
+    assert p.cp > 1, p.describe()
     kw = long.kwargs
-    assert (kw["context_parallel"], kw["data_parallel"], math.prod(kw["grid"])) == (8, "shard", 1), kw
+    assert (kw["context_parallel"], kw["context_attention"], kw["data_parallel"]) == (p.cp, p.cp_attention, "shard")
+    assert math.prod(kw["grid"]) * p.cp == 8 and (kw["grid"][0] if len(kw["grid"]) == 3 else 1) == p.dp_shard, kw
 
 
 def test_cli_estimate_json(capsys, tmp_path):

@@ -37,23 +37,38 @@ def _cube_grid(grid: tuple, device_type: str, timeout) -> Grid:
 
 
 def _context_grid(model, spec, options: Options, device_type: str, timeout) -> Grid:
-    """context_parallel=cp: cp copies of the (R, C) grid over the replica axis, each on 1/cp of the sequence."""
+    """context_parallel=cp: cp copies of the (R, C) grid over the replica axis, each on 1/cp of the sequence; with
+    grid=(dp, R, C), dp such groups of cp copies side by side, each on a batch of its own (dp * cp replicas)."""
     cp, world = options.context_parallel, torch.distributed.get_world_size()
-    if spec.dp > 1 or spec.cube or options.data_parallel == "auto":
+    if spec.cube or options.data_parallel == "auto":
         raise UsageError(
-            f"autopar.parallelize: context_parallel={cp} composes with an (R, C) grid of 1D, 2D or 'auto' tensor "
-            f"parallelism only (its cp ranks replicate or, with data_parallel='shard', shard the grid's blocks), not "
-            f"yet with pipeline stages, data-parallel replicas (grid=(dp, R, C)), data_parallel='auto' or "
-            f"strategy='3d': pass grid=(R, C) with R * C * {cp} = the world size")
+            f"autopar.parallelize: context_parallel={cp} composes with an (R, C) or (dp, R, C) grid of 1D, 2D or "
+            f"'auto' tensor parallelism (its cp ranks replicate or, with data_parallel='shard', shard the grid's "
+            f"blocks), not yet with pipeline stages, data_parallel='auto' or strategy='3d'")
     rows, cols = spec.mesh
-    if rows * cols * cp != world:
-        raise UsageError(f"autopar.parallelize: context_parallel={cp} on grid=({rows}, {cols}) needs "
-                         f"{cp} * {rows} * {cols} = {cp * rows * cols} processes, and the world size is {world}: "
-                         f"pick a grid of {world // cp if world % cp == 0 else 'world / cp'} ranks")
+    if spec.dp * rows * cols * cp != world:
+        need = f"{spec.dp} * " if spec.dp > 1 else ""
+        raise UsageError(f"autopar.parallelize: context_parallel={cp} on grid={spec.grid} needs "
+                         f"{need}{cp} * {rows} * {cols} = {spec.dp * cp * rows * cols} processes, and the world size "
+                         f"is {world}: pick a grid of {world // cp if world % cp == 0 else 'world / cp'} ranks")
     context.check_model(model, cp, "autopar.parallelize")
-    g = Grid(rows, cols, dp=cp, device_type=device_type, timeout=timeout)
+    g = Grid(rows, cols, dp=spec.dp * cp, device_type=device_type, timeout=timeout)
     g.cp = cp
+    if spec.dp > 1:  # each batch's cp ranks: a group of their own (every rank creates every group, in order)
+        key = (g.shape, g.dp, cp, device_type, timeout)
+        if key not in _CP_GROUPS or _CP_GROUPS[key][0] is not torch.distributed.group.WORLD:
+            mine = None
+            for b in range(spec.dp):
+                for pos in range(rows * cols):
+                    ranks = [(b * cp + i) * rows * cols + pos for i in range(cp)]
+                    group = torch.distributed.new_group(ranks, timeout=timeout)
+                    mine = group if g.rank in ranks else mine
+            _CP_GROUPS[key] = (torch.distributed.group.WORLD, mine)
+        g.cp_group = _CP_GROUPS[key][1]
     return g
+
+
+_CP_GROUPS: dict = {}  # (shape, replicas, cp, device type, timeout) -> (the default group, this rank's cp group)
 
 
 def _name_2d_linears(pmodel: ParallelModule, q: int) -> None:
@@ -243,8 +258,8 @@ def parallelize(model: nn.Module, grid=(2, 2), example_inputs=(), example_kwargs
         group_timeout(torch.distributed.group.WORLD, device.type)
     arranged, table = None, None
     if context_parallel > 1 and (spec.grid is None or spec.pipeline is not None):
-        raise UsageError(f"autopar.parallelize: context_parallel={context_parallel} takes an explicit grid=(R, C) and "
-                         f"no pipeline stages yet; got grid={grid!r}, pipeline={pipeline!r}")
+        raise UsageError(f"autopar.parallelize: context_parallel={context_parallel} takes an explicit grid, (R, C) or "
+                         f"(dp, R, C), and no pipeline stages yet; got grid={grid!r}, pipeline={pipeline!r}")
     if spec.grid is None:  # a device count: rank 0's search arranges them
         spec.check_world(torch.distributed.get_world_size(), "autopar.parallelize")
         found, layout, arranged, table = arrange(model, spec.devices, example_inputs, example_kwargs, options)

@@ -290,8 +290,9 @@ def dry_run(model, grid=(2, 2), example_inputs=(), example_kwargs=None, *, ranks
     looped = spec.pipeline is not None and spec.pipeline.stages_per_rank > 1
     cp = options.get("context_parallel", 1)  # cp copies of the (R, C) grid, side by side as replicas are
     grid, world, cube = spec.grid, spec.world * cp, spec.cube
-    if ranks is None or ranks in ("cover", "groups"):
-        chosen = covering_ranks((cp, *grid) if cp > 1 else grid, stages, cube, groups=ranks == "groups")
+    if ranks is None or ranks in ("cover", "groups"):  # with cp: dp * cp replicas of the (R, C) grid
+        shape = (spec.dp * cp, *spec.mesh) if cp > 1 else grid
+        chosen = covering_ranks(shape, stages, cube, groups=ranks == "groups")
         if stages > 1 and not cube and options.get("strategy", DEFAULTS.strategy) == "auto":
             # a stage's first rank searches its strategy and sends it to its replicas' first ranks, which send it
             # on within their grids (`autopar.program.build`): those ranks too, simulated before the others

@@ -10,9 +10,10 @@ The candidates for `devices` GPUs of a cluster with G GPUs per node:
                       the blocks; schedules '1f1b' and 'interleaved_1f1b' (2 or 4 stages per rank); M
                       micro-batches: S, 2S, 4S ... up to the local batch (one sequence each)
     replicas          the rest, sharded (FSDP2) or replicated
-    context parallel  or the rest as cp ranks over which each sequence is split (no stages, the blocks sharded
-                      over them: `parallelize(context_parallel=cp, data_parallel='shard')`), where 2 cp divides
-                      the sequence; attention by all-to-all (where the heads divide by cp) or by the ring
+    context parallel  or the rest as cp ranks over which each sequence is split times dp_shard replicas beside
+                      them (no stages, the blocks sharded over all: `parallelize(grid=(dp, R, C),
+                      context_parallel=cp, data_parallel='shard')`), where 2 cp divides the sequence; attention
+                      by all-to-all (where the heads divide by cp) or by the ring
     recompute         none, selective (per op) or full (every block); where keeping every activation does
                       not fit and recomputing every block does, the first k blocks of each stage, the
                       fewest that fit
@@ -127,11 +128,14 @@ def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int,
             for kind, (sched, v, m), rc in itertools.product(data_parallel if dp > 1 else ("shard",), pipes, recompute):
                 yield dict(tp=layout, dp_shard=dp if kind == "shard" else 1, dp_replicate=1 if kind == "shard" else dp,
                            pp=pp, schedule=sched, microbatches=m, interleave=v, recompute=rc)
-        cp = devices // t  # context parallel over every device the grid leaves, the blocks sharded over them: what
-        # parallelize builds (context_parallel=cp, data_parallel='shard'; no stages or replicas beside it)
-        if cp > 1 and not cube and seq % (2 * cp) == 0:
+        # context parallel over cp of the devices the grid leaves, dp_shard = the rest, the blocks sharded over both:
+        # what parallelize builds (grid=(dp, R, C), context_parallel=cp, data_parallel='shard'; no stages)
+        for cp in _divisors(devices // t) if not cube else ():
+            dp = devices // (t * cp)
+            if cp == 1 or seq % (2 * cp) or batch % dp:
+                continue
             for rc, flavour in itertools.product(recompute, ("alltoall", "ring")):  # what the heads allow: estimate's
-                yield dict(tp=layout, dp_shard=1, dp_replicate=1, pp=1, schedule="1f1b", microbatches=1, interleave=1,
+                yield dict(tp=layout, dp_shard=dp, dp_replicate=1, pp=1, schedule="1f1b", microbatches=1, interleave=1,
                            recompute=rc, cp=cp, cp_attention=flavour)
 
 

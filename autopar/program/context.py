@@ -50,7 +50,7 @@ def local_call(grid: Grid, args, kwargs, who: str = "context_parallel") -> tuple
 
     def cut(t):
         if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == s:
-            return take(t, 1, grid.dp_index, grid.cp)
+            return take(t, 1, grid.cp_index, grid.cp)
         return t
 
     args, kwargs = pytree.tree_map(cut, (tuple(args), dict(kwargs or {})))
@@ -71,14 +71,15 @@ def same_batch(grid: Grid, full: list, device, values_too: bool) -> None:
     both = torch.stack([values, -values])
     mine = both.clone()
     with comm.guarded(grid, "check_inputs all-reduce", CP_AXIS, "check_inputs"):
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=grid.dp_group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=grid.group(CP_AXIS))
 
     def error(_):
         return UsageError(
             f"check_inputs: the {grid.cp} context-parallel ranks of this grid position were passed different "
             f"batches: with context_parallel every rank passes the same whole batch (each computes its own part of "
-            f"the sequence); there are no data-parallel replicas to split the data over (grid.dp_index is the cp "
-            f"index). Pass the same inputs on every rank; check_inputs=False turns this check off")
+            f"the sequence); with data-parallel replicas beside them (grid=(dp, R, C)) the ranks of one batch share "
+            f"`pmodel.grid.batch_index` (split the data by it, not by grid.dp_index). Pass the same inputs on the cp "
+            f"ranks of a batch; check_inputs=False turns this check off")
 
     VERDICTS.check(torch.cat([mine, both]), lambda v: v[:2] == v[2:], error)
 
@@ -88,7 +89,7 @@ def local_inputs(comp, grid: Grid, flat: list, args, kwargs) -> tuple:
     over the whole sequence) of a call whose whole inputs are `args` / `kwargs`."""
     full = flatten_inputs(comp.captured, args, kwargs)
     wholes = comp.captured.context.whole_targets(full)
-    return flat + comp.captured.context.extra_inputs(wholes, grid.dp_index), full, wholes
+    return flat + comp.captured.context.extra_inputs(wholes, grid.cp_index), full, wholes
 
 
 def gather_outputs(comp, grid: Grid, leaves: list, wholes: list) -> tuple:
@@ -104,7 +105,7 @@ def gather_outputs(comp, grid: Grid, leaves: list, wholes: list) -> tuple:
         leaves[i] = SeqGather.apply(leaves[i], grid, f"output {i}")
         layouts[i] = (lay, (shape[0], shape[1] * grid.cp) + tuple(shape[2:]))
     if plan.loss is not None:
-        leaves[plan.loss] = LossSum.apply(leaves[plan.loss], plan.share(wholes, grid.dp_index), grid)
+        leaves[plan.loss] = LossSum.apply(leaves[plan.loss], plan.share(wholes, grid.cp_index), grid)
     return leaves, layouts
 
 

@@ -145,10 +145,11 @@ def spec_of_dimensions(par) -> ParallelSpec:
     builds for the configuration `autopar.estimate` prices. Sharded replicas inside replicated ones (HSDP)
     are not a mode of parallelize, nor are replicas of a cube: refused."""
     dp = par.dp_shard * par.dp_replicate
-    if getattr(par, "cp", 1) > 1 and (dp > 1 or par.pp > 1 or len(par.tp) == 3):
-        raise UsageError(f"cp={par.cp} with {dp} data-parallel ranks, {par.pp} stages, tp={tuple(par.tp)}: "
-                         f"autopar.parallelize runs context parallelism beside an (R, C) grid alone "
-                         f"(context_parallel=cp, its blocks sharded over the cp ranks with data_parallel='shard')")
+    if getattr(par, "cp", 1) > 1 and (par.dp_replicate > 1 or par.pp > 1 or len(par.tp) == 3):
+        raise UsageError(f"cp={par.cp} with {par.dp_replicate} replicated replicas, {par.pp} stages, "
+                         f"tp={tuple(par.tp)}: autopar.parallelize runs context parallelism beside an (R, C) grid and "
+                         f"sharded replicas (context_parallel=cp, grid=(dp_shard, R, C), data_parallel='shard': the "
+                         f"blocks sharded over dp_shard x cp ranks)")
     if par.shard_optimizer:
         raise UsageError("shard_optimizer (the replicas splitting the optimizer states, ZeRO-1) is priced by "
                          "autopar.estimate but not built by autopar.parallelize: dry-run the configuration without "

@@ -74,7 +74,7 @@ def _all_to_all(grid: Grid, parts: torch.Tensor, tag: str, phase: str) -> torch.
     fake tensors too (the dry run's fake process group counts and records it)."""
     out = torch.empty_like(parts)
     cp = grid.cp
-    grid.log.add(tag, phase, all_to_all_bytes([1] * cp, grid.dp_index, parts[0].numel() * parts.element_size()))
+    grid.log.add(tag, phase, all_to_all_bytes([1] * cp, grid.cp_index, parts[0].numel() * parts.element_size()))
     grid.log.launch(tag, phase)
     with comm.guarded(grid, "all-to-all", CP_AXIS, tag, parts):
         dist.all_to_all_single(out, parts.contiguous(), group=grid.group(CP_AXIS))
@@ -140,7 +140,7 @@ class ContextAttention(nn.Module):
         attends to; None: all."""
         if not self.causal:
             return None
-        cp, i = self.grid.cp, self.grid.dp_index
+        cp, i = self.grid.cp, self.grid.cp_index
         ranks = range(cp) if ranks is None else ranks
         key = (n, str(device), ranks)
         if key not in self._masks:
@@ -154,7 +154,7 @@ class ContextAttention(nn.Module):
         tag = f"{TAG} {self.tag}"
         self.flavour = flavour(q.shape[1], k.shape[1], self.grid.cp, self.want, self.dropout_p > 0)
         if self.flavour == "ring":  # K/V around the cp ring, the next block in flight beside the current product
-            i = self.grid.dp_index
+            i = self.grid.cp_index
             return RingAttention.apply(q, k, v, self.grid, self.mask(q.shape[2], q.device, range(i, i + 1)),
                                        self.scale, tag)
         if self.flavour == "alltoall":  # every token of h/cp heads: causal in sequence order, no mask
@@ -185,7 +185,7 @@ class SeqGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         grid = ctx.grid
-        return take(g, 1, grid.dp_index, grid.cp) * grid.cp, None, None
+        return take(g, 1, grid.cp_index, grid.cp) * grid.cp, None, None
 
 
 class LossSum(torch.autograd.Function):

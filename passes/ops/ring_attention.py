@@ -52,7 +52,7 @@ def pieces(i: int, j: int, n: int, causal: bool) -> list:
 def _ring(grid: Grid, block: torch.Tensor, tag: str, phase: str):
     """(j, rank j's block) for ring steps s = 0 .. cp−1, j = (i − s) mod cp; the next step's block is received
     while the current one is in use."""
-    cp, i = grid.cp, grid.dp_index
+    cp, i = grid.cp, grid.cp_index
     for s in range(cp):
         posted = None
         if s + 1 < cp:
@@ -108,7 +108,7 @@ class RingAttention(torch.autograd.Function):
         lse = torch.full(q5.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
         for j, kv in _ring(grid, _pack(k, v), f"{tag} kv", "fwd"):
             kv = _unpack(kv, k, v)
-            for rows, cols, masked in pieces(grid.dp_index, j, n, causal):
+            for rows, cols, masked in pieces(grid.cp_index, j, n, causal):
                 for t in _tiles(rows, b * h * (cols.stop - cols.start)):
                     s = _scores(q5[..., t, :], kv[0][..., cols, :], scale, mask[t, cols] if masked else None)
                     blse = s.logsumexp(-1)
@@ -128,7 +128,7 @@ class RingAttention(torch.autograd.Function):
         grid, mask, scale, tag = ctx.args
         b, h, n, d = q.shape
         causal = mask is not None
-        hk, cp, i = k.shape[1], grid.cp, grid.dp_index
+        hk, cp, i = k.shape[1], grid.cp, grid.cp_index
         shape5 = (b, hk, h // hk, n, d)
         q5, dy5 = q.reshape(shape5), dy.reshape(shape5)
         acc = _acc(q)
