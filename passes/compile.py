@@ -99,7 +99,8 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
     grid.prefetch = grid.overlap_grad_reduce = options.overlaps(CostModel.resolve(options.cost_model))
     sharding = _data_parallel(options)
     options = replace(options, data_parallel=sharding or "replicate")
-    if grid.cp > 1 and cap.context is None:  # the sequence over the cp ranks: positions, masks, targets
+    # the sequence over the cp ranks: positions, masks, targets (generation compiles with context_parallel 1)
+    if grid.cp > 1 and options.context_parallel > 1 and cap.context is None:
         cap.context = context.prepare(cap.gm, grid.cp, grid.cp_index, grid.shape[1], cap.buffers, cap.constants,
                                       cap.sources)
     if grid.world > 1:
@@ -126,7 +127,7 @@ def compile_captured(cap: Captured, key: tuple, grid: Grid, options: Options, ch
         group_siblings(gm, grid)
     else:  # a 1x1 grid: every layout is the whole tensor; run the captured graph as it is
         gm = cap.gm
-    if grid.cp > 1:
+    if grid.cp > 1 and options.context_parallel > 1:
         context.finish(gm, grid, options.context_attention)  # attention over the cp ranks' keys and values
     out_node = gm.graph.output_node()
     outs = []

@@ -29,6 +29,7 @@ unmodified model's, and sampling matches when every rank seeds its generator ali
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -109,8 +110,9 @@ class Generator:
         cap = capture_cached(model, inputs[0].shape[0], max_len, device, pm.grid.shape, inputs,
                              pm.options.indivisible == "uneven")
         estimate = estimate_phase(pm, cap.gm, strategy)
-        if strategy is None:
-            comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid, pm.options, pm.choice,
+        if strategy is None:  # with context_parallel each cp copy of the grid generates the whole sequence
+            comp, layouts = compile_captured(cap, ("generate",) + key, pm.grid,
+                                             dataclasses.replace(pm.options, context_parallel=1), pm.choice,
                                              pinned=pm.param_layouts)
         else:
             options = phase_options(pm.options, strategy, stored_bytes(pm))

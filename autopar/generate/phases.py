@@ -78,7 +78,7 @@ def phase_options(options, strategy: str | None, stored_bytes: int = 0):
                 f"prefill_strategy='forward' and decode_strategy='forward' (the forward's plan, no copies) or a "
                 f"larger memory_limit.")
         over["memory_limit"] = limit - stored_bytes
-    return dataclasses.replace(options, forward_only=True, **over)
+    return dataclasses.replace(options, forward_only=True, context_parallel=1, **over)  # whole sequence: see loop
 
 
 def stored_bytes(pmodel) -> int:

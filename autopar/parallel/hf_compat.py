@@ -104,7 +104,8 @@ def config_view(model, grid):
     """`model.config` as transformers' Trainer reads it off a ParallelModule: a shallow copy whose
     `distributed_config` is the grid (a ConfigView where the copy takes no new attribute, or an
     empty namespace for a model without a config). The model's own config object is never written."""
-    parallelism = GridParallelism(tp_size=grid.world, dp_size=grid.dp)
+    cp = getattr(grid, "cp", 1)  # context_parallel: the cp copies of a grid share one batch
+    parallelism = GridParallelism(tp_size=grid.world * cp, dp_size=grid.dp // cp)
     source = getattr(model, "config", None)
     if source is None:
         return types.SimpleNamespace(distributed_config=parallelism)

@@ -356,11 +356,10 @@ class ParallelModule(nn.Module):
         model: strategy='auto' searches each phase's plan, '2d' and '1d' keep the forward's),
         'forward' (the forward's plan), '2d', '1d' or 'auto' to plan that phase on its own (see
         `autopar.generate.phases`). Runs under torch.no_grad(). With data_parallel='shard' the grid
-        blocks are gathered over the replicas for the call and released after it."""
-        if self.grid.cp > 1:
-            raise UsageError(f"generate with context_parallel={self.grid.cp}: generation does not split the sequence "
-                             f"(its KV cache is split over the grid only); parallelize the model with "
-                             f"context_parallel=1 for generation")
+        blocks are gathered over the replicas for the call and released after it. With context_parallel
+        each cp copy of the grid generates the whole sequence (its KV cache whole along the sequence, split
+        over its grid; not split over the cp ranks), all from the same inputs: greedy decoding gives the same
+        tokens on every copy; sampling draws per copy, as replicas do."""
         with self.replicas.generating():  # sharded: FSDP2's units gathered over the replicas for the call
             return generate_tokens(self, input_ids, attention_mask, **kwargs)
 
