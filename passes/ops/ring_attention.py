@@ -82,42 +82,43 @@ def _unpack(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
-    """The dtype scores, softmax sums and gradient sums are kept in: float32, or t's where wider."""
+    """The dtype the block products, softmax sums and gradient sums run in: float32, or t's where wider (bf16
+    scores would carry 2⁻⁸ relative errors into exp; flash attention keeps them in float32 too)."""
     return torch.promote_types(t.dtype, torch.float32)
 
 
 def _scores(q, k, scale: float, mask) -> torch.Tensor:
-    """[b, hk, g, m, c] scores (in `_acc`) of q [b, hk, g, m, d] against k [b, hk, c, d]; masked: −inf."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).to(_acc(q)) * scale
+    """[b, hk, g, m, c] scores of q [b, hk, g, m, d] against k [b, hk, c, d]; masked: −inf."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
     return s if mask is None else torch.where(mask, s, torch.full_like(s, float("-inf")))
 
 
 class RingAttention(torch.autograd.Function):
     """softmax(q kᵀ·scale (+ causal mask)) v over the cp ranks' tokens; q [b, h, n, d], k and v [b, hk, n, d]
-    this rank's zig-zag tokens (hk dividing h); the output [b, h, n, d] (see the module text)."""
+    this rank's zig-zag tokens (hk dividing h); the output [b, h, n, d] (see the module text). K and V travel
+    in k's dtype; the products run in `_acc`'s."""
 
     @staticmethod
     def forward(ctx, q, k, v, grid: Grid, mask, scale, tag: str):
         """`mask`: [n, n] bool, which of this rank's own keys each of its queries sees (causal), or None."""
         b, h, n, d = q.shape
-        causal = mask is not None
-        hk = k.shape[1]
+        hk, acc, causal = k.shape[1], _acc(q), mask is not None
         scale = d ** -0.5 if scale is None else scale
-        q5 = q.reshape(b, hk, h // hk, n, d)
-        out = torch.zeros(q5.shape, dtype=_acc(q), device=q.device)
-        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+        q5 = q.reshape(b, hk, h // hk, n, d).to(acc)
+        out = torch.zeros((b, hk, h // hk, n, v.shape[-1]), dtype=acc, device=q.device)
+        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         for j, kv in _ring(grid, _pack(k, v), f"{tag} kv", "fwd"):
-            kv = _unpack(kv, k, v)
+            kj, vj = (t.to(acc) for t in _unpack(kv, k, v))
             for rows, cols, masked in pieces(grid.cp_index, j, n, causal):
                 for t in _tiles(rows, b * h * (cols.stop - cols.start)):
-                    s = _scores(q5[..., t, :], kv[0][..., cols, :], scale, mask[t, cols] if masked else None)
+                    s = _scores(q5[..., t, :], kj[..., cols, :], scale, mask[t, cols] if masked else None)
                     blse = s.logsumexp(-1)
-                    o = torch.matmul(torch.exp(s - blse[..., None]).to(kv[1].dtype), kv[1][..., cols, :].unsqueeze(2))
+                    o = torch.matmul(torch.exp(s - blse[..., None]), vj[..., cols, :].unsqueeze(2))
                     new = torch.logaddexp(lse[..., t], blse)
                     out[..., t, :] = (out[..., t, :] * torch.exp(lse[..., t] - new)[..., None]
-                                      + o.to(out.dtype) * torch.exp(blse - new)[..., None])
+                                      + o * torch.exp(blse - new)[..., None])
                     lse[..., t] = new
-        y = out.to(q.dtype).reshape(b, h, n, d)
+        y = out.to(q.dtype).reshape(b, h, n, v.shape[-1])
         ctx.save_for_backward(q, k, v, y, lse)
         ctx.args = (grid, mask, scale, tag)
         return y
@@ -127,29 +128,26 @@ class RingAttention(torch.autograd.Function):
         q, k, v, y, lse = ctx.saved_tensors
         grid, mask, scale, tag = ctx.args
         b, h, n, d = q.shape
-        causal = mask is not None
-        hk, cp, i = k.shape[1], grid.cp, grid.cp_index
-        shape5 = (b, hk, h // hk, n, d)
-        q5, dy5 = q.reshape(shape5), dy.reshape(shape5)
-        acc = _acc(q)
-        delta = (dy5.to(acc) * y.reshape(shape5).to(acc)).sum(-1)  # rowsum(dO ∘ O), flash attention's D
-        dq = torch.zeros(shape5, dtype=acc, device=q.device)
+        hk, cp, i, acc, causal = k.shape[1], grid.cp, grid.cp_index, _acc(q), mask is not None
+        q5 = q.reshape(b, hk, h // hk, n, d).to(acc)
+        dy5 = dy.reshape(b, hk, h // hk, n, v.shape[-1]).to(acc)
+        delta = (dy5 * y.reshape(dy5.shape).to(acc)).sum(-1)  # rowsum(dO ∘ O), flash attention's D
+        dq = torch.zeros(q5.shape, dtype=acc, device=q.device)
         sums = None  # the gradient sums in flight: (posted, buffer)
         for j, kv in _ring(grid, _pack(k, v), f"{tag} kv", "bwd"):
-            kv = _unpack(kv, k, v)
+            kj, vj = (t.to(acc) for t in _unpack(kv, k, v))
             flat = torch.zeros(k.numel() + v.numel(), dtype=acc, device=k.device)
-            part = _unpack(flat, k, v)  # views: dK, dV of rank j
+            dk_j, dv_j = _unpack(flat, k, v)  # views: this rank's part of rank j's K and V gradients
             for rows, cols, masked in pieces(i, j, n, causal):
-                kc, vc = kv[0][..., cols, :].unsqueeze(2), kv[1][..., cols, :].unsqueeze(2)
+                kc, vc = kj[..., cols, :].unsqueeze(2), vj[..., cols, :].unsqueeze(2)
                 for t in _tiles(rows, b * h * (cols.stop - cols.start)):
-                    s = _scores(q5[..., t, :], kv[0][..., cols, :], scale, mask[t, cols] if masked else None)
+                    s = _scores(q5[..., t, :], kj[..., cols, :], scale, mask[t, cols] if masked else None)
                     p = torch.exp(s - lse[..., t, None])  # masked: exp(−inf) = 0
                     do = dy5[..., t, :]
-                    part[1][..., cols, :] += torch.matmul(p.transpose(-1, -2).to(do.dtype), do).to(acc).sum(2)
-                    ds = p * (torch.matmul(do, vc.transpose(-1, -2)).to(acc) - delta[..., t, None])
-                    dq[..., t, :] += torch.matmul(ds.to(kc.dtype), kc).to(acc) * scale
-                    part[0][..., cols, :] += torch.matmul(ds.transpose(-1, -2).to(q.dtype),
-                                                          q5[..., t, :]).to(acc).sum(2) * scale
+                    dv_j[..., cols, :] += torch.matmul(p.transpose(-1, -2), do).sum(2)
+                    ds = p * (torch.matmul(do, vc.transpose(-1, -2)) - delta[..., t, None])
+                    dq[..., t, :] += torch.matmul(ds, kc) * scale
+                    dk_j[..., cols, :] += torch.matmul(ds.transpose(-1, -2), q5[..., t, :]).sum(2) * scale
             if sums is not None:
                 sums[0].wait()
                 flat += sums[1].to(acc)
@@ -159,4 +157,3 @@ class RingAttention(torch.autograd.Function):
         sums[0].wait()
         dk, dv = _unpack(sums[1], k, v)  # every rank's part of this rank's K and V gradients, summed around the ring
         return dq.to(q.dtype).reshape(b, h, n, d), dk, dv.to(v.dtype), None, None, None, None
-
