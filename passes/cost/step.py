@@ -180,10 +180,10 @@ def _split(m, k, n, tp: tuple) -> tuple[float, float, float]:
 ATTENTION_BWD_EXTRA = 0.5
 
 # Bytes of HBM traffic per attention score in the ring flavour's forward (`passes.ops.ring_attention`, not a
-# fused kernel): the score product written in the compute dtype and read back (2 + 2 at bf16), widened to fp32
-# (4) and scaled (4 + 4), the log-sum-exp's two passes (8), minus it and exp (8 + 8), narrowed for the value
-# product (4 + 2) and read by it (2): 48. Backward runs about twice the forward's passes, as the model prices.
-RING_SCORE_BYTES = 48.0
+# fused kernel; scores in float32): the score product written (4), scaled (4 + 4), the log-sum-exp's two passes
+# (8), minus it and exp (8 + 8), read by the value product (4): 40. Backward runs about twice the forward's
+# passes, as the model prices.
+RING_SCORE_BYTES = 40.0
 
 
 @dataclass
