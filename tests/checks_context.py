@@ -150,7 +150,8 @@ def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 
     if expect_recompute:
         expected["recompute"] = expected["attention fwd"]
     counted["planned attention fwd"], expected["planned attention fwd"] = planned, expected.pop("attention fwd")
-    return {"excess": errs, "bytes": counted, "expected": expected, "flavours": kinds, "asked": want}
+    line = [ln for ln in autopar.explain(pm).splitlines() if ln.startswith("context parallel")]
+    return {"excess": errs, "bytes": counted, "expected": expected, "flavours": kinds, "asked": want, "explain": line}
 
 
 def _expected(family: str, grid: tuple, cp: int, seq: int, batch: int, y, want: str) -> dict:

@@ -16,6 +16,7 @@ def _check(results, what, flavour: str | None = None):
             assert r["bytes"] == r["expected"], f"{what}: rank {rank}: context bytes {r['bytes']} != {r['expected']}"
         if flavour is not None:
             assert r["flavours"] == [flavour], f"{what}: rank {rank}: attentions ran {r['flavours']}, not {flavour}"
+            assert len(r["explain"]) == 1 and f" {flavour})" in r["explain"][0], (what, rank, r["explain"])
 
 
 @pytest.mark.parametrize("attention,runs", [("auto", "alltoall"), ("ring", "ring"), ("allgather", "allgather")])
