@@ -284,6 +284,18 @@ def refusals(rank):
             q = self.proj(x).unsqueeze(1)
             return F.scaled_dot_product_attention(q, q, q, attn_mask=keep[:, None, None, :]).squeeze(1)
 
+    class Eager(nn.Module):  # attention as matmul and softmax: each rank would mix its own tokens only
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.proj(x)
+            return torch.softmax(q @ q.transpose(1, 2), -1) @ q
+
+    expect("eager attention", r"makes an \[4, 4\] product of the local tokens",
+           lambda: autopar.parallelize(Eager(), grid=(1, 1), example_inputs=(torch.randn(2, 16, 8),),
+                                       context_parallel=4))
     x, m = torch.randn(2, 16, 8), torch.ones(2, 16, dtype=torch.bool)
     expect("mask input", "takes a mask that is not the causal triangle built from sizes .*padding mask",
            lambda: autopar.parallelize(Masked(), grid=(1, 1), example_inputs=(x, m), context_parallel=4))

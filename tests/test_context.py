@@ -64,10 +64,10 @@ def test_a_cp2_checkpoint_loads_on_one_process(pool4):
 
 def test_what_context_parallelism_refuses(pool4):
     """A length not divisible by 2 cp, a padding mask, a sliding window, data_parallel='auto', a wrong world size
-    (with and without replicas), a shift over the tokens inside the model, a running sum over them, a mask given
-    as an input and a batch of each rank's own: each a UsageError."""
+    (with and without replicas), a shift over the tokens inside the model, a running sum over them, attention
+    written as matmul and softmax, a mask given as an input and a batch of each rank's own: each a UsageError."""
     for r in pool4.run(C.refusals):
-        assert len(r) == 10, sorted(r)
+        assert len(r) == 11, sorted(r)
 
 
 def test_generation_with_context_parallel(pool4):

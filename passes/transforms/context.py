@@ -17,8 +17,9 @@ that rank's part of the whole sequence's result (the run-time parts are `passes.
 - **Refusals.** Slicing, padding, rolling, flipping or a cumulative op along a dim of the local length n
   (which would mix or shift this rank's tokens as if they were the whole sequence) raises, naming the op;
   the last dim of a tensor of 3 or more dims is taken as features, whatever its size. This reads sizes, not
-  the data flow: an op along another dim that happens to be n long is refused too, and token mixing by
-  other ops (a pooling over the sequence, attention written as matmul and softmax) is not caught.
+  the data flow: an op along another dim that happens to be n long is refused too. A product whose result
+  is [.., n, n] (attention written as matmul and softmax) is refused as well; token mixing by other ops (a
+  pooling over the sequence) is not caught.
 
 `finish` runs on the per-rank program: each `scaled_dot_product_attention` becomes a `ContextAttention`.
 """
@@ -49,6 +50,7 @@ _THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, 
             aten.clone.default, aten.alias.default, aten.detach.default, aten._to_copy.default, aten.to.dtype,
             aten.to.dtype_layout, aten.to.device, aten.squeeze.default, aten.flatten.using_ints}
 _CLASS_LOSSES = {aten.cross_entropy_loss.default: 4, aten.nll_loss.default: 4, aten.nll_loss_nd.default: 4}
+_PRODUCTS = (aten.bmm.default, aten.mm.default, aten.baddbmm.default, aten.matmul.default, aten.addmm.default)
 _ALONG = {aten.slice.Tensor: 1, aten.narrow.default: 1, aten.roll.default: 2, aten.flip.default: 1,
           aten.cumsum.default: 1, aten.cumprod.default: 1, aten.diff.default: 2, aten.cummax.default: 1,
           aten.constant_pad_nd.default: None, aten.pad.default: None}
@@ -291,6 +293,15 @@ def _target_input(gm: GraphModule, loss: Node, plan: ContextPlan, sources: list)
 
 def _refuse_token_mixing(gm: GraphModule, n: int) -> None:
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _PRODUCTS:
+            ov = node.meta.get("val")
+            if isinstance(ov, torch.Tensor) and ov.dim() >= 2 and ov.shape[-1] == ov.shape[-2] == n:
+                raise UsageError(
+                    f"context_parallel: {_where(node)} makes an [{n}, {n}] product of the local tokens with each "
+                    f"other (attention written as a matmul and softmax, e.g. attn_implementation='eager'), which "
+                    f"each rank would compute over its own tokens only; use F.scaled_dot_product_attention "
+                    f"(transformers: attn_implementation='sdpa'), or parallelize with context_parallel=1 (if the "
+                    f"model's width equals the local sequence length {n} by chance, pick another length)")
         if node.op != "call_function" or node.target not in _ALONG:
             continue
         x = node.args[0]
