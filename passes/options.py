@@ -256,10 +256,10 @@ class Options:
                  "starts before it runs, in forward and in backward")
     context_parallel: int = option(
         1, "ranks each sequence is split over (each holds 1/cp of every activation's tokens, zig-zag; attention "
-        "exchanges heads with them, or gathers their keys and values)",
+        "exchanges heads with them, passes keys and values around them, or gathers those: context_attention)",
         check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        expected="a number of ranks >= 1 (1: no context parallelism; cp > 1 needs a world of cp * R * C ranks and "
-                 "a sequence length divisible by 2 * cp)")
+        expected="a number of ranks >= 1 (1: no context parallelism; cp > 1 needs a world of (dp *) cp * R * C "
+                 "ranks and a sequence length divisible by 2 * cp)")
     context_attention: str = option(
         "auto", "with context_parallel: how each attention sees the other cp ranks' tokens: 'alltoall' (heads "
         "exchanged, DeepSpeed-Ulysses), 'ring' (keys and values passed around the cp ranks beside the block "
