@@ -27,7 +27,8 @@ from passes.cost.profile import profile
 from passes.cost.step import PRECISIONS, Parallel, StepCost, TPBytes, price_step
 from passes.cost.context import FLAVOURS, can_run, flavour
 
-__all__ = ["Estimate", "ModelSource", "boundary", "estimate", "load_model_source", "model_profile", "tp_bytes"]
+__all__ = ["Estimate", "ModelSource", "boundary", "estimate", "head_columns", "load_model_source", "model_profile",
+           "tp_bytes"]
 
 DEPTH = 3  # blocks a config's model is built with: the middle one stands for all
 SUMMA_LOWERING = "broadcast"  # every SUMMA product's, in the plan's bytes and calls that `tp_bytes` scales
@@ -281,14 +282,14 @@ def _tp_tuple(tp) -> tuple:
     return tp
 
 
-def _columns(tp: tuple) -> int:
+def head_columns(tp: tuple) -> int:
     """The ranks a layout splits attention heads over: 1D's t, 2D's C, the cube's q*q."""
     return tp[-1] if len(tp) == 2 else math.prod(tp) if len(tp) == 1 else tp[0] ** 2
 
 
 def _check_shape(src: ModelSource, tp: tuple, pp: int, interleave: int, devices: int) -> None:
     """The dimensions against the model and the device count, before anything is priced."""
-    t = _columns(tp)
+    t = head_columns(tp)
     n = src.heads  # key/value heads fewer than t are split unevenly by the plan (its reblocking): priced as it runs
     if n and n % t:
         ok = [d for d in range(1, n + 1) if n % d == 0 and devices % d == 0]
@@ -383,7 +384,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
         raise UsageError(f"autopar.estimate: cp={cp!r}: expected a number of context-parallel ranks >= 1")
     if cp_attention not in ("auto",) + FLAVOURS:
         raise UsageError(f"autopar.estimate: cp_attention={cp_attention!r}: expected 'auto' or one of {FLAVOURS}")
-    cols = _columns(tp)
+    cols = head_columns(tp)
     heads = src.heads or 1
     mine = heads // cols, (src.kv_heads or heads) // cols  # the query and KV heads a rank holds
     if cp_attention == "auto":

@@ -13,7 +13,7 @@ The candidates for `devices` GPUs of a cluster with G GPUs per node:
     context parallel  or the rest as cp ranks over which each sequence is split times dp_shard replicas beside
                       them (no stages, the blocks sharded over all: `parallelize(grid=(dp, R, C),
                       context_parallel=cp, data_parallel='shard')`), where 2 cp divides the sequence; attention
-                      by all-to-all (where the heads divide by cp) or by the ring
+                      by all-to-all where the heads divide by cp, else by the ring
     recompute         none, selective (per op) or full (every block); where keeping every activation does
                       not fit and recomputing every block does, the first k blocks of each stage, the
                       fewest that fit
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from autopar.errors import MemoryLimitError, UsageError
-from autopar.planning.estimate import Estimate, estimate, load_model_source
+from autopar.planning.estimate import Estimate, estimate, head_columns, load_model_source
 from autopar.program.spec import spec_of_dimensions
 from passes.cost.cluster import resolve_cluster
 from passes.options import Options, format_bytes
@@ -111,7 +111,7 @@ def _microbatches(local: int, stages: int) -> list:
 
 
 def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int, schedules, data_parallel,
-                recompute, seq: int):
+                recompute, seq: int, heads: tuple = (1, 1)):
     """`estimate`'s keywords for every candidate of the module docstring."""
     for layout in layouts:
         t = math.prod(layout)
@@ -134,7 +134,11 @@ def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int,
             dp = devices // (t * cp)
             if cp == 1 or seq % (2 * cp) or batch % dp:
                 continue
-            for rc, flavour in itertools.product(recompute, ("alltoall", "ring")):  # what the heads allow: estimate's
+            # the all-to-all where this rank's query and KV heads divide by cp, else the ring (whose unfused block
+            # products never beat the all-to-all's fused attention where both run)
+            mine = [n // head_columns(layout) for n in heads]
+            flavour = "alltoall" if all(n and n % cp == 0 for n in mine) else "ring"
+            for rc in recompute:
                 yield dict(tp=layout, dp_shard=dp, dp_replicate=1, pp=1, schedule="1f1b", microbatches=1, interleave=1,
                            recompute=rc, cp=cp, cp_attention=flavour)
 
@@ -193,7 +197,9 @@ def choose_plan(model, *, devices: int, cluster="dgx-h100", global_batch: int, s
             refused += 1
         return est
 
-    for kw in _candidates(layouts, devices, batch, src.layers, max_stages, schedules, data_parallel, recompute, seq):
+    heads = (src.heads or 1, src.kv_heads or src.heads or 1)
+    for kw in _candidates(layouts, devices, batch, src.layers, max_stages, schedules, data_parallel, recompute, seq,
+                          heads):
         est = priced(kw)
         if est is not None and kw["recompute"] in ("none", "full"):
             ends.setdefault(tuple((k, v) for k, v in kw.items() if k != "recompute"), {})[kw["recompute"]] = est
