@@ -45,6 +45,10 @@ SLOW = {
     "tests/test_context.py::test_cp4_compiled[ring-ring]":
         "test_compile.py::test_a_new_shape_compiles_once and test_context.py::test_cp4_alone_gpt[ring-ring]",
     "tests/test_context.py::test_cp2_families[neox]": "test_context.py::test_cp2_families[qwen2]",
+    # replicas beside the cp ranks, sharded (~5 s): the same grid replicated, and FSDP over the cp ranks alone
+    "tests/test_context.py::test_cp2_beside_data_parallel_replicas[shard]":
+        "test_context.py::test_cp2_beside_data_parallel_replicas[replicate] and "
+        "test_context.py::test_cp2_with_sharded_blocks_llama",
     # moved for the 12-minute budget (Dec 2026; seconds as measured in the full fast tier on this machine):
     # compiled generation (26 s): compile=True's parity and one graph per program stay in test_compile.py, the
     # generation programs' tokens in test_greedy_token_identical
