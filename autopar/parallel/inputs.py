@@ -148,7 +148,7 @@ def _same_everywhere(grid: Grid, flat: list, device, names, values_too: bool) ->
             f"values than rank {base}. Every rank of a grid computes on the same batch (unlike DDP, "
             f"where each rank takes its own): pass the same inputs on all {grid.world} ranks of a "
             f"grid (seed their data loaders alike; with data-parallel replicas, split the data per "
-            f"replica, grid.dp_index, not per rank). check_inputs=False turns this check off")
+            f"replica, grid.batch_index, not per rank). check_inputs=False turns this check off")
     everyone = all_gather_objects(shapes, grid.world_group,
                                   comm.guarded(grid, "input shape gather", "grid", "check_inputs"))
     i = next(i for i in range(len(shapes)) if any(e[i] != everyone[0][i] for e in everyone))
