@@ -141,11 +141,11 @@ def parity(rank, family: str, grid: tuple, cp: int, seq: int = 16, batch: int = 
         ref_opt.zero_grad()
     errs.update(group_excess({n: (_whole(p), ref_params[n]) for n, p in pm.named_parameters()},
                              prefix=f"param after {steps} steps "))
-    expected = _expected(family, grid[-2:], cp, seq, batch // dp, y, options.get("context_attention", "auto"))
+    want = options.get("context_attention", "auto")
+    expected = _expected(family, grid[-2:], cp, seq, batch // dp, y, want)
     # what each attention module was planned to receive (explain's context line), against the priced shapes
     modules = [m for m in pm.program.gm.modules() if isinstance(m, ContextAttention)]
     planned = sum(step_bytes(*m.blocks, cp, m.flavour)[0] for m in modules)
-    want = options.get("context_attention", "auto")
     kinds = sorted({m.flavour for m in modules})
     if expect_recompute:
         expected["recompute"] = expected["attention fwd"]
