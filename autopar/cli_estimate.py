@@ -48,6 +48,9 @@ def add_arguments(sub) -> None:
             p.add_argument("--no-overlap", dest="overlap", action="store_false",
                            help="2D and 3D: price every SUMMA transfer in line (parallelize(overlap=False)); "
                                 "default: each product's panels after the first beside its matmuls")
+            p.add_argument("--keep-after-forward", dest="reshard_after_forward", action="store_false",
+                           help="with --dp-shard and no stages: keep each block gathered from its forward to its "
+                                "backward (reshard_after_forward=False: one all-gather per block and step, not two)")
             p.add_argument("--shard-optimizer", action="store_true",
                            help="the replicas split the master weights and AdamW states (ZeRO-1, Megatron's "
                                 "distributed optimizer)")
@@ -103,7 +106,7 @@ def _estimate(ns) -> int:
                    interleave=ns.interleave, recompute=ns.recompute, precision=ns.precision, compile=ns.compile,
                    fp8=ns.fp8, async_tp=ns.async_tp, shard_optimizer=ns.shard_optimizer,
                    recompute_blocks=ns.recompute_blocks, overlap=ns.overlap, cp=ns.cp,
-                   cp_attention=ns.cp_attention)
+                   cp_attention=ns.cp_attention, reshard_after_forward=ns.reshard_after_forward)
     out = est.to_json()
     if ns.dry_run:
         out["dry_run"] = dry_run_check(est, _model(ns.model), ranks=ns.dry_run, workers=ns.workers)
@@ -162,8 +165,8 @@ def dry_run_check(est, model, ranks=None, workers: int | None = None) -> dict:
     if par.recompute == "full" and par.recompute_blocks is not None:
         options["recompute_blocks"] = par.recompute_blocks
     grid = options.pop("grid")
-    if par.pp > 1 and par.dp_shard > 1:
-        options["reshard_after_forward"] = False  # a stage kept gathered over its micro-batches, as priced
+    if par.dp_shard > 1 and (par.pp > 1 or not par.reshard_after_forward):
+        options["reshard_after_forward"] = False  # kept gathered, as priced (a stage over its micro-batches)
     small, inputs = src.build()
     m = src.whole() if src.whole is not None else small
     restore_buffers(m)  # parallelize needs the rotary tables' values

@@ -19,7 +19,7 @@ SLOW = {
     "tests/test_bench.py::test_overlap_benchmark_runs_both_settings_alike":
         "test_comm.py::test_next_panel_travels_during_the_current_matmul",
     # the search on every published run (40 s): the search beating the configurations it holds, on a small model
-    "tests/test_estimate.py::test_plans_beat_the_published_configurations_they_can_build":
+    "tests/test_estimate.py::test_plans_beat_the_published_configurations":
         "test_estimate.py::test_choose_plan_beats_the_configurations_it_searches",
     # the hang diagnosis raised with the CollectiveError (16 s): the same diagnosis, written by the watcher
     # while the ranks wait, stays; so does a timed-out collective's error carrying it (clip)

@@ -2,6 +2,7 @@
 architecture's own formulas, the tensor-parallel bytes against what the collective layer counts in a
 dry run, the errors a user meets, and the estimate against published, measured runs."""
 
+import dataclasses
 import math
 
 import pytest
@@ -51,11 +52,13 @@ def test_saved_activations_grow_linearly_in_the_sequence():
     assert a.input_bytes < a.sac_saved < a.saved
 
 
-CONFIGS = [dict(tp=(2,)), dict(tp=(2, 2)), dict(tp=(2,), dp_shard=2), dict(pp=2, dp_shard=2),
+CONFIGS = [dict(tp=(2,)), dict(tp=(2, 2)), dict(tp=(2,), dp_shard=2),
+           dict(tp=(2,), dp_shard=2, reshard_after_forward=False), dict(pp=2, dp_shard=2),
            dict(tp=(2,), recompute="full", recompute_blocks=1)]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["1d", "2d", "1d-fsdp2", "pp2-fsdp2", "1d-recompute-1"])
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=["1d", "2d", "1d-fsdp2", "1d-fsdp2-kept", "pp2-fsdp2", "1d-recompute-1"])
 def test_the_dry_run_moves_and_holds_what_the_estimate_says(config):
     """The estimate of a configuration against a dry run of `parallelize`'s program for it (the whole model,
     every rank position covered): tensor-parallel bytes and calls and pipeline sends equal to the byte;
@@ -172,7 +175,14 @@ def test_a_sharded_optimizer_splits_the_states_over_the_replicas():
     moved = [step_bytes(prof, LAYERS, *tp_bytes(src, 64, (1,)), e.parallel, 16, 64, 2, 4)["ddp"]
              for e in (plain, zero1)]
     assert moved == [7 / 8 * params * 8, 7 / 8 * params * 6]
-    assert zero1.step_s < plain.step_s and "optimizer sharded" in str(zero1)
+    assert "optimizer sharded" in str(zero1)
+    # bandwidth-bound (no launch latency), the fewer bytes are faster; on this tiny model's real links the step is
+    # latency-bound, and two collectives per bucket cost more than one all-reduce
+    cl = PRESETS["dgx-h100"]
+    cl = dataclasses.replace(cl, intra=dataclasses.replace(cl.intra, alpha_s=0.0),
+                             inter=dataclasses.replace(cl.inter, alpha_s=0.0))
+    fast = [estimate(src, **{**kw, "cluster": cl}, shard_optimizer=z).cost.comm_s for z in (False, True)]
+    assert sum(fast[1].values()) == pytest.approx(sum(fast[0].values()) * 6 / 8, rel=1e-9), fast
     with pytest.raises(UsageError, match="shard_optimizer"):  # parallelize does not build it: nothing to dry-run
         dry_run_check(zero1, src)
 
@@ -260,14 +270,15 @@ def test_choose_plan_recomputes_the_fewest_blocks_that_fit():
     assert plan.kwargs["recompute"] == "blocks" and plan.kwargs["recompute_blocks"] == best.recompute_blocks
 
 
-def test_plans_beat_the_published_configurations_they_can_build():
-    """Issue 52's item 4: for every published run whose configuration parallelize builds and whose estimate
-    fits the cluster's memory, choose_plan on the same model, devices, cluster and global batch (FP8,
-    compile and async TP taken as the run used them) picks a configuration estimated at least as fast.
-    The runs left out are named: Megatron-LM's use its distributed optimizer (ZeRO-1, not built by
-    parallelize), one torchtitan A100 run without recomputation is estimated above the A100's 80 GB, and
-    torchtitan's 405B context-parallel runs put cp inside pipeline stages (not built). Its 8B context-parallel
-    runs (FSDP x CP) are in."""
+def test_plans_beat_the_published_configurations():
+    """Issue 52's item 4: for every published run whose configuration fits the cluster's memory by the
+    estimate, choose_plan on the same model, devices, cluster and global batch (FP8, compile and async TP taken
+    as the run used them) picks a configuration that parallelize builds, estimated at least as fast. Megatron-LM's
+    runs use its distributed optimizer (ZeRO-1), which parallelize does not build: the pick beats them with
+    FSDP2 (kept gathered from forward to backward: the same bytes, less memory). Left out and named: the runs
+    whose own configuration the estimate puts above the GPU's 80 GB (one torchtitan A100 run without
+    recomputation, Megatron's 314B and 462B), and torchtitan's 405B context-parallel runs (cp inside pipeline
+    stages)."""
     from autopar.bench.published import CP_ROWS, ROWS
     from autopar.planning.architectures import published_model
     from autopar.program.spec import spec_of_dimensions
@@ -276,20 +287,19 @@ def test_plans_beat_the_published_configurations_they_can_build():
     for r in ROWS + CP_ROWS:
         src = load_model_source(published_model(r.model, cache))
         pub = estimate(src, devices=r.devices, cluster=r.cluster, global_batch=r.batch, seq=r.seq, **r.config)
-        try:
-            spec_of_dimensions(pub.parallel)
-        except UsageError:
-            left.append(r.name)
-            continue
-        if pub.cost.memory_bytes > PRESETS[r.cluster].memory_bytes:
+        if pub.cost.memory_bytes > PRESETS[r.cluster].memory_bytes or r.config.get("cp", 1) > 1 and r.config.get(
+                "pp", 1) > 1:
             left.append(r.name)
             continue
         tech = {k: r.config.get(k, False) for k in ("compile", "fp8", "async_tp")}
         pick = choose_plan(src, devices=r.devices, cluster=r.cluster, global_batch=r.batch, seq=r.seq, **tech).best
+        spec_of_dimensions(pick.parallel)  # parallelize builds it
+        assert pick.cost.memory_bytes <= PRESETS[r.cluster].memory_bytes
         assert pick.tokens_per_s_per_gpu >= pub.tokens_per_s_per_gpu * (1 - 1e-9), (r.name, pick, pub)
         beaten.append(r.name)
-    assert len(beaten) >= 19 and sorted(left) == sorted(
-        [r.name for r in ROWS if r.source == "mlm-h100"] + ["A100 Llama 2 13B FSDP 64, no AC"]
+    assert len(beaten) >= 26 and sorted(left) == sorted(
+        [r.name for r in ROWS if r.source == "mlm-h100" and r.model in ("megatron-gpt-314b", "megatron-gpt-462b")]
+        + ["A100 Llama 2 13B FSDP 64, no AC"]
         + [r.name for r in CP_ROWS if r.model == "llama3-405b" and r.config["cp"] > 1]), (beaten, left)
 
 

@@ -345,7 +345,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
              interleave: int = 1, recompute: str = "none", precision: str = "bf16-mixed", compile: bool = False,
              fp8: bool = False, async_tp: bool = False, shard_optimizer: bool = False,
              assignment: dict | None = None, recompute_blocks: int | None = None, overlap: bool = True,
-             cp: int = 1, cp_attention: str = "auto") -> Estimate:
+             cp: int = 1, cp_attention: str = "auto", reshard_after_forward: bool = True) -> Estimate:
     """The estimated step of sequences of `seq` tokens on `devices` GPUs of `cluster` (a preset's name,
     see `passes.cost.cluster.PRESETS`, or a Cluster): `batch` sequences per data-parallel rank
     (torchtitan's local batch size) or `global_batch` in all, split as given:
@@ -366,6 +366,10 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     `cp`: context parallel, each sequence split over cp ranks, keys and values all-gathered per attention (their
     gradients reduce-scattered), exposed in line; the parameters sharded over dp_shard x cp, as torchtitan
     runs it (parallelize's context_parallel with data_parallel='shard');
+    `reshard_after_forward` (dp_shard > 1 without stages): True releases each block's gathered parameters after
+    its forward and gathers them again for its backward (FSDP2's default); False keeps them to its backward, one
+    gather per step for the memory of every block gathered (parallelize's option of the same name; inside a
+    pipeline a stage is kept gathered through its micro-batches either way);
     `cp_attention`: how an attention sees every token under cp: 'allgather' (K and V gathered, torchtitan's),
     'alltoall' (q, k, v and the output exchanged to and from head-split), 'ring' (K and V passed around the cp
     ranks, each block beside the previous block's product) or 'auto' (what parallelize's
@@ -406,7 +410,7 @@ def estimate(model, *, devices: int, cluster="dgx-h100", seq: int, batch: int | 
     if microbatches is None and pp > 1 and local // rows(tp) >= pp:
         m = local // rows(tp)  # one sequence per grid row and micro-batch (torchtitan's micro-batch size 1)
     cfg = Parallel(tp, shard, dp_replicate, pp, schedule, m, interleave, recompute, precision, compile, fp8, async_tp,
-                   shard_optimizer, recompute_blocks, overlap, cp, cp_attention)
+                   shard_optimizer, recompute_blocks, overlap, cp, cp_attention, bool(reshard_after_forward))
     check(src, cfg, devices, batch)
     prof = model_profile(src, seq)[0]
     tb, to = tp_bytes(src, seq, tp, assignment)

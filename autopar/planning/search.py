@@ -9,7 +9,8 @@ The candidates for `devices` GPUs of a cluster with G GPUs per node:
     pipeline          S stages dividing what TP leaves (S = 1 included: pure FSDP, FSDP x TP), at most
                       the blocks; schedules '1f1b' and 'interleaved_1f1b' (2 or 4 stages per rank); M
                       micro-batches: S, 2S, 4S ... up to the local batch (one sequence each)
-    replicas          the rest, sharded (FSDP2) or replicated
+    replicas          the rest, sharded (FSDP2; without stages each block released after its forward or
+                      kept gathered to its backward) or replicated
     context parallel  or the rest as cp ranks over which each sequence is split times dp_shard replicas beside
                       them (no stages, the blocks sharded over all: `parallelize(grid=(dp, R, C),
                       context_parallel=cp, data_parallel='shard')`), where 2 cp divides the sequence; attention
@@ -84,8 +85,8 @@ class TrainingPlan:
             out["recompute_blocks"] = p.recompute_blocks
         if len(p.tp) > 1:
             out["lowering"] = "broadcast"  # what the estimate prices (its broadcasts overlap the products)
-        if p.pp > 1 and p.dp_shard > 1:  # the stage stays gathered through its micro-batches, as priced
-            out["reshard_after_forward"] = False
+        if p.dp_shard > 1 and (p.pp > 1 or not p.reshard_after_forward):  # kept gathered, as priced (a stage
+            out["reshard_after_forward"] = False  # through its micro-batches; a block from forward to backward)
         if p.cp > 1:  # the sequence over the cp ranks, the grid's blocks sharded over them (as priced)
             out.update(context_parallel=p.cp, context_attention=p.cp_attention, data_parallel="shard")
         return out
@@ -125,9 +126,13 @@ def _candidates(layouts, devices: int, batch: int, layers: int, max_stages: int,
             pipes = [("1f1b", 1, 1)] if pp == 1 else \
                 [(s, v, m) for s in schedules for v in (INTERLEAVE if s == "interleaved_1f1b" else (1,))
                  for m in _microbatches(batch // dp, pp) if not (v > 1 and v * pp > layers)]
-            for kind, (sched, v, m), rc in itertools.product(data_parallel if dp > 1 else ("shard",), pipes, recompute):
+            # sharded replicas without stages: each block released after its forward, or kept to its backward
+            kinds = [(k, True) for k in (data_parallel if dp > 1 else ("shard",))]
+            kinds += [("shard", False)] if ("shard", True) in kinds and dp > 1 and pp == 1 else []
+            for (kind, release), (sched, v, m), rc in itertools.product(kinds, pipes, recompute):
                 yield dict(tp=layout, dp_shard=dp if kind == "shard" else 1, dp_replicate=1 if kind == "shard" else dp,
-                           pp=pp, schedule=sched, microbatches=m, interleave=v, recompute=rc)
+                           pp=pp, schedule=sched, microbatches=m, interleave=v, recompute=rc,
+                           reshard_after_forward=release)
         # context parallel over cp of the devices the grid leaves, dp_shard = the rest, the blocks sharded over both:
         # what parallelize builds (grid=(dp, R, C), context_parallel=cp, data_parallel='shard'; no stages)
         for cp in _divisors(devices // t) if not cube else ():

@@ -17,10 +17,11 @@ Time, per GPU and step:
   and matmul-reduce-scatter overlap them), overlapped with the matmuls for 2D and 3D (the broadcast
   lowering), all but the first of a product's max(R, C) panels (none with `overlap` False);
 - sharded replicas (FSDP2): each stage's parameters all-gathered in bf16 (again for backward when
-  resharded after forward: without pipeline stages) and gradients reduce-scattered (fp32 under
-  'bf16-mixed'), once per step inside a pipeline (gathered at the first micro-batch, reduced after the
-  last); replicated ones all-reduce gradients. Hidden behind compute except the first gather and the
-  last reduction; the rest only where compute is shorter;
+  resharded after forward: without pipeline stages, unless `reshard_after_forward` is False) and
+  gradients reduce-scattered (fp32 under 'bf16-mixed'), once per step inside a pipeline (gathered at
+  the first micro-batch, reduced after the last); replicated ones all-reduce gradients. Hidden behind
+  compute except the first gather and the last reduction (a block's: FSDP2's unit, DDP's or Megatron's
+  last bucket); the rest only where compute is shorter;
 - pipeline: the schedule's bubble (`passes.cost.pipeline.bubble`), stage boundaries' sends;
 - optimizer: AdamW reads and writes each shard's parameter, gradient and two states (memory-bound);
 - what is hidden is not free: each second of communication overlapped with compute slows the compute
@@ -78,6 +79,8 @@ class Parallel:
     cp: int = 1
     cp_attention: str = "allgather"  # how an attention sees every token: 'allgather' (K, V), 'alltoall' (heads)
     #                                  or 'ring' (K, V passed around the cp ranks beside the block products)
+    reshard_after_forward: bool = True  # FSDP2 without stages: a block released after its forward, gathered again
+    #                                     for backward; False: kept gathered to its backward (one gather per step)
 
     @property
     def fsdp(self) -> int:
@@ -105,7 +108,8 @@ class Parallel:
 
     def describe(self) -> str:
         tp = "x".join(map(str, self.tp))
-        parts = [f"TP {tp}" if self.tp_size > 1 else "", f"FSDP {self.dp_shard}" if self.dp_shard > 1 else "",
+        kept = " (kept after forward)" if not self.reshard_after_forward and self.pp == 1 else ""
+        parts = [f"TP {tp}" if self.tp_size > 1 else "", f"FSDP {self.dp_shard}{kept}" if self.dp_shard > 1 else "",
                  f"CP {self.cp} ({self.cp_attention})" if self.cp > 1 else "",
                  (f"DP {self.dp_replicate}" + (" (optimizer sharded)" if self.shard_optimizer else ""))
                  if self.dp_replicate > 1 else "",
@@ -276,7 +280,8 @@ def step_bytes(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     blocks = layers * prof.block.params / cfg.tp_size
     params = blocks + prof.outer.params / cfg.tp_size  # all stages' at one grid position
     share = (cfg.fsdp - 1) / cfg.fsdp
-    gathered = (2 if S == 1 else 1) * blocks + params - blocks  # FSDP2 keeps the root unit gathered all step
+    again = 2 if S == 1 and cfg.reshard_after_forward else 1
+    gathered = again * blocks + params - blocks  # FSDP2 keeps the root unit gathered all step
     fsdp = share * (gathered * weight_bytes + params * grad_bytes) if cfg.fsdp > 1 else 0.0
     r = cfg.dp_replicate
     ddp = (r - 1) / r * params / cfg.fsdp * _replica_bytes(cfg, grad_bytes, weight_bytes) if r > 1 else 0.0
@@ -359,7 +364,7 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
     fsdp_s = first = 0.0
     if cfg.fsdp > 1:
         share = (cfg.fsdp - 1) / cfg.fsdp
-        again = 2 if S == 1 else 1  # a block resharded after forward, gathered again for backward; the root once
+        again = 2 if S == 1 and cfg.reshard_after_forward else 1  # resharded after forward: gathered again; root once
         units = per_rank + 1
         blocks = per_rank * block_params / cfg.tp_size
         fsdp_s = _coll_s(share * ((again * blocks + stage_params - blocks) * gather + stage_params * grad_b),
@@ -367,10 +372,13 @@ def price_step(prof: Profile, layers: int, tp_block: TPBytes, tp_outer: TPBytes,
         first = _coll_s(share * block_params / cfg.tp_size * (gather + grad_b), 2, cl, dp_span, cfg.fsdp)
     ddp_s = 0.0
     if cfg.dp_replicate > 1:
-        shard_params = stage_params / cfg.fsdp
-        ddp_s = _coll_s((cfg.dp_replicate - 1) / cfg.dp_replicate * shard_params
-                        * _replica_bytes(cfg, grad_b, gather),
-                        max(1, per_rank), cl, cfg.dp_replicate * dp_span, cfg.dp_replicate)
+        r_share = (cfg.dp_replicate - 1) / cfg.dp_replicate * _replica_bytes(cfg, grad_b, gather) / cfg.fsdp
+        r_span = cfg.dp_replicate * dp_span
+        ddp_s = _coll_s(r_share * stage_params, (per_rank + 1) * (1 + cfg.shard_optimizer), cl, r_span,
+                        cfg.dp_replicate)  # a bucket per block and the rest: all-reduce, or reduce-scatter + all-gather
+        # the last bucket's reduction (a block's gradients) waits for the end of backward
+        first += _coll_s(r_share * block_params / cfg.tp_size, 1 + cfg.shard_optimizer, cl, r_span,
+                         cfg.dp_replicate)
     hideable = compute_s  # replicas' collectives run beside the step's compute
     dp_exposed = max(first, fsdp_s + ddp_s - hideable + first)
     dp_exposed += cl.overlap_cost * (fsdp_s + ddp_s - dp_exposed if fsdp_s + ddp_s > dp_exposed else 0.0)
@@ -401,8 +409,11 @@ def _memory(prof: Profile, cfg: Parallel, cl: Cluster, per_rank: int, full: int,
     shard = stage_params / cfg.fsdp
     states, grads = shard * held / (cfg.dp_replicate if cfg.shard_optimizer else 1), shard * grad_b
     block_params = prof.block.params / cfg.tp_size
-    if cfg.fsdp > 1 and cfg.pp == 1:  # FSDP2: the root, the running block and the prefetched one gathered
+    if cfg.fsdp > 1 and cfg.pp == 1 and cfg.reshard_after_forward:  # FSDP2: the root, the running block and the
+        # prefetched one gathered, two blocks' unsharded gradients
         gathered = (prof.outer.params / cfg.tp_size + 2 * block_params) * weight_b + 2 * block_params * grad_b
+    elif cfg.fsdp > 1 and cfg.pp == 1:  # kept after forward: every block gathered when backward starts
+        gathered = stage_params * weight_b + 2 * block_params * grad_b
     elif cfg.fsdp > 1:  # inside a pipeline: the stage stays gathered, its gradients unsharded until the end
         gathered = stage_params * (weight_b + grad_b)
     else:
