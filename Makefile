@@ -22,13 +22,16 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 # lint and the docs first: they take seconds, the suite minutes. pytest's paths and --doctest-modules are in
-# pyproject.toml.
+# pyproject.toml. Two pytest workers, each test file whole on one (its pool of ranks kept warm): the suite's own
+# processes leave a core idle while a check waits on a timeout, a spawn or one busy rank (XDIST=0: one process)
+XDIST ?= 2
+PYTEST_WORKERS := $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadfile)
 test: lint docs
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 # the slow tier too: exhaustive sweeps, every grid, long compiled runs (see README, Contributing)
 test-all: lint docs
-	RUN_SLOW=1 $(BIN)/python -m pytest -q
+	RUN_SLOW=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 # the oldest torch autopar supports (pyproject.toml), in a venv of its own: PyPI's 2.11.0 is a CUDA build
 # (about 4.7 GB installed, a minute to fetch here); a parity subset runs on the CPU under it

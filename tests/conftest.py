@@ -125,8 +125,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     ranked = sorted(_per_file.items(), key=lambda kv: -kv[1])
     terminalreporter.write_line("seconds per file: " + ", ".join(f"{os.path.basename(p)} {t:.0f}" for p, t in ranked
                                                                    if t >= 1))
-    terminalreporter.write_line(f"pools started: {len(_starts)} ({sum(s for _, s in _starts):.0f} s; worlds "
-                                + ", ".join(str(w) for w, _ in _starts) + ")")
+    workers = getattr(config.option, "numprocesses", None)
+    if workers:  # pytest-xdist: the pools live in the workers, and the files' seconds overlap
+        terminalreporter.write_line(f"({workers} pytest workers: seconds per file side by side; pools in the workers)")
+    else:
+        terminalreporter.write_line(f"pools started: {len(_starts)} ({sum(s for _, s in _starts):.0f} s; worlds "
+                                    + ", ".join(str(w) for w, _ in _starts) + ")")
     word = "within" if took <= FAST_TIER_BUDGET_S else "OVER"
     terminalreporter.write_line(
         f"fast tier: {took:.0f} s, {word} its {FAST_TIER_BUDGET_S // 60}-minute budget on a quiet 2-core machine "
