@@ -154,19 +154,14 @@ def dry_run_check(est, model, ranks=None, workers: int | None = None) -> dict:
     from autopar.checkpoint.hf import restore_buffers
     from autopar.parallel.dry_run import dry_run
     from autopar.planning.estimate import boundary, load_model_source, model_profile, tp_bytes
-    from autopar.program.spec import spec_of_dimensions
+    from autopar.planning.search import parallelize_options
     from passes.cost.step import PRECISIONS, step_bytes
 
     src, par = load_model_source(model), est.parallel
-    spec = spec_of_dimensions(par)  # what parallelize builds for it (HSDP is not one of its modes: refused)
     tp, dp = par.tp, par.dp_shard * par.dp_replicate
-    options: dict = {**spec.kwargs(), "lowering": "broadcast",
-                     "recompute": {"none": False, "selective": "selective", "full": "blocks"}[par.recompute]}
-    if par.recompute == "full" and par.recompute_blocks is not None:
-        options["recompute_blocks"] = par.recompute_blocks
+    # what parallelize builds for it (HSDP is not one of its modes: refused)
+    options: dict = {**parallelize_options(par), "lowering": "broadcast"}
     grid = options.pop("grid")
-    if par.dp_shard > 1 and (par.pp > 1 or not par.reshard_after_forward):
-        options["reshard_after_forward"] = False  # kept gathered, as priced (a stage over its micro-batches)
     small, inputs = src.build()
     m = src.whole() if src.whole is not None else small
     restore_buffers(m)  # parallelize needs the rotary tables' values

@@ -38,7 +38,7 @@ from autopar.program.spec import spec_of_dimensions
 from passes.cost.cluster import resolve_cluster
 from passes.options import Options, format_bytes
 
-__all__ = ["TrainingPlan", "choose_plan", "tp_layouts"]
+__all__ = ["TrainingPlan", "choose_plan", "parallelize_options", "tp_layouts"]
 
 RECOMPUTE_KWARG = {"none": False, "selective": "selective", "full": "blocks"}  # estimate's -> parallelize's
 INTERLEAVE = (2, 4)  # stages per rank the interleaved schedule is searched with (Megatron runs 2-4 at scale)
@@ -80,13 +80,9 @@ class TrainingPlan:
     def kwargs(self) -> dict:
         """What to pass `autopar.parallelize` for this configuration."""
         p = self.best.parallel
-        out = {**spec_of_dimensions(p).kwargs(), "recompute": RECOMPUTE_KWARG[p.recompute]}
-        if p.recompute == "full" and p.recompute_blocks is not None:
-            out["recompute_blocks"] = p.recompute_blocks
+        out = parallelize_options(p)
         if len(p.tp) > 1:
             out["lowering"] = "broadcast"  # what the estimate prices (its broadcasts overlap the products)
-        if p.dp_shard > 1 and (p.pp > 1 or not p.reshard_after_forward):  # kept gathered, as priced (a stage
-            out["reshard_after_forward"] = False  # through its micro-batches; a block from forward to backward)
         if p.cp > 1:  # the sequence over the cp ranks, the grid's blocks sharded over them (as priced)
             out.update(context_parallel=p.cp, context_attention=p.cp_attention, data_parallel="shard")
         return out
@@ -98,6 +94,17 @@ class TrainingPlan:
             lines.append(f"    {e.tokens_per_s_per_gpu:9,.0f} tok/s/GPU  {e.memory_gib_per_rank:6.1f} GiB  "
                          f"{e.parallel.describe()}")
         return "\n".join(lines)
+
+
+def parallelize_options(p) -> dict:
+    """`parallelize`'s arrangement, recomputation and FSDP2 gathering for estimate dimensions `p`
+    (`passes.cost.step.Parallel`; `spec_of_dimensions` refuses what it does not build), as priced."""
+    out = {**spec_of_dimensions(p).kwargs(), "recompute": RECOMPUTE_KWARG[p.recompute]}
+    if p.recompute == "full" and p.recompute_blocks is not None:
+        out["recompute_blocks"] = p.recompute_blocks
+    if p.dp_shard > 1 and (p.pp > 1 or not p.reshard_after_forward):  # kept gathered, as priced (a stage
+        out["reshard_after_forward"] = False  # through its micro-batches; a block from forward to backward)
+    return out
 
 
 def _microbatches(local: int, stages: int) -> list:
